@@ -1,0 +1,43 @@
+# The two set-up commands: `make demo` and `make test`. Each installs what it needs on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Debian packages the tests need (installed by `make test` when missing).
+DEBIAN_PACKAGES :=
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test lint typecheck pytest system-deps clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, alone: pip takes the local CPU wheel instead of resolving a CUDA build for a dependant.
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $@
+
+system-deps:
+	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+		echo "installing Debian packages:$$missing"; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing; \
+	fi
+
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m examples.train --mesh dp_shard=2,tp=2 --steps 10
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP) system-deps
+	$(PY) -m pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m bench.NAME``; each prints its comparable figure as the last line ``name=value``."""

@@ -1,0 +1,203 @@
+"""A small Llama-style decoder: RMSNorm, rotary positions, grouped-query causal attention, SwiGLU MLP, optional MoE.
+
+The modules are written so that every parallelism of the reference trainer can be applied from outside:
+attention infers its local head count from its projections (tensor parallel), the decoder's parts are optional
+(pipeline stages keep only theirs), attention can gather keys and values over a context-parallel group, and the
+MoE layer can dispatch tokens over an expert-parallel group (see ``examples.moe``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+
+from examples.moe import MoE
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 128
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 128
+    seq_len: int = 32
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        if min(self.vocab_size, self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.ffn_hidden) < 1:
+            raise ValueError("model: sizes must be >= 1")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must divide model.dim={self.dim}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("model: head dimension must be even for rotary positions")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.n_experts < 0 or self.n_shared_experts < 0:
+            raise ValueError("model.n_experts and model.n_shared_experts must be >= 0")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        if self.capacity_factor < 0:
+            raise ValueError("model.capacity_factor must be >= 0 (0 = no token dropping)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables ``[seq_len, head_dim // 2]`` of rotary position embeddings (RoFormer)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of ``x [b, s, h, d]`` by the angles of its positions (``cos``/``sin`` are ``[s, d/2]``)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention.
+
+    With a context-parallel group set (``cp_group``), each rank holds a contiguous chunk of the sequence: it
+    all-gathers keys and values over the group (differentiable; the backward reduce-scatters their gradients) and
+    masks by global positions. This is the all-gather variant used for Llama 3's long-context training.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.cp_group: dist.ProcessGroup | None = None
+
+    def _gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """All-gather ``t [b, s_local, h, d]`` over the cp group into ``[b, s, h, d]`` (ranks hold chunks in order)."""
+        assert self.cp_group is not None
+        gathered = funcol.all_gather_single_autograd(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.cp_group)
+        return gathered.transpose(0, 1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1: under tensor parallelism each rank holds only its heads.
+        q = apply_rotary(self.wq(x).view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rotary(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.cp_group is None:
+            mask = None
+        else:
+            k, v = (self._gather_sequence(t) for t in (k, v))
+            q_pos = torch.arange(offset, offset + s, device=x.device)
+            mask = q_pos[:, None] >= torch.arange(k.shape[1], device=x.device)[None, :]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        repeats = q.shape[1] // k.shape[1]
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward: nn.Module = MoE(cfg) if cfg.n_experts else FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, offset)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. A pipeline stage is a copy with the parts of other stages set to ``None`` / removed.
+
+    ``layers`` is a dict keyed by the global layer index, so parameter names are the same in every layout.
+    ``seq_offset`` is the global position of this rank's first token (non-zero under context parallelism).
+    """
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.seq_offset = 0
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            std = out_std if leaf in ("wo", "w2") or name.endswith(".w2") else 0.02
+            nn.init.normal_(param, mean=0.0, std=std)
+
+    def blocks(self) -> list[TransformerBlock]:
+        """This stage's transformer blocks, in order."""
+        return [cast(TransformerBlock, block) for block in self.layers.values()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        s = h.shape[1]
+        cos = self.rope_cos[self.seq_offset : self.seq_offset + s]
+        sin = self.rope_sin[self.seq_offset : self.seq_offset + s]
+        for block in self.blocks():
+            h = block(h, cos, sin, self.seq_offset)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

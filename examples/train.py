@@ -1,0 +1,213 @@
+"""Reference hybrid-parallel trainer: HSDP/FSDP2, tensor, pipeline, context and expert parallel.
+
+    torchrun --nproc-per-node 4 -m examples.train --mesh dp_shard=2,tp=2 --steps 10
+
+Without torchrun it runs as a single process (world size 1), the reference that every layout is compared with.
+CUDA + NCCL are used when a GPU is visible, else CPU + gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+from torch.distributed.tensor import DTensor
+
+from examples.data import TokenSource, TokenSourceConfig
+from examples.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
+from examples.model import ModelConfig, Transformer
+from examples.parallelize import SCHEDULES, ParallelModel, batch_shard_index, build_mesh, parallelize
+
+log = logging.getLogger("examples.train")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="examples.train", description=__doc__.splitlines()[0])
+    p.add_argument("--mesh", default="", help="e.g. dp_replicate=2,dp_shard=2,tp=1,pp=1,cp=1,ep=1 (unnamed = 1)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn-hidden", type=int, default=128)
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--shared-experts", type=int, default=0)
+    p.add_argument("--capacity-factor", type=float, default=0.0, help="0: no token dropping")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches (default: pp)")
+    p.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
+    p.add_argument("--losses-out", type=Path, help="write the per-step global losses as JSON (rank 0)")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=args.vocab_size,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_hidden=args.ffn_hidden,
+        seq_len=args.seq_len,
+        n_experts=args.experts,
+        top_k=args.top_k,
+        n_shared_experts=args.shared_experts,
+        capacity_factor=args.capacity_factor,
+        aux_loss_coef=args.aux_loss_coef,
+    )
+
+
+def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, ModelConfig, int]:
+    """Validate the command line before any process group exists; raises ValueError with one line."""
+    if args.steps < 0:
+        raise ValueError("--steps must be >= 0")
+    cfg = model_config(args)
+    spec = MeshSpec.parse(args.mesh)
+    microbatches = args.microbatches or spec.pp
+    if microbatches < 1:
+        raise ValueError("--microbatches must be >= 1")
+    limits = LayoutLimits(
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        n_layers=cfg.n_layers,
+        n_experts=cfg.n_experts,
+        seq_len=cfg.seq_len,
+        batch_size=args.batch_size,
+        microbatches=microbatches,
+    )
+    validate_layout(spec, world_size, limits)
+    return spec, cfg, microbatches
+
+
+def init_distributed() -> torch.device:
+    """Join the job started by torchrun, or form a world of one; CUDA + NCCL when a GPU is visible."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if use_cuda else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device if use_cuda else None)
+    else:
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
+    return device
+
+
+def local_batch(
+    model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows (data-parallel shard) and columns (context-parallel chunk) of the global batch."""
+    spec, coords = model.spec, model.coords
+    rows = inputs.shape[0] // spec.batch_shards
+    first_row = batch_shard_index(spec, coords) * rows
+    cols = inputs.shape[1] // spec.cp
+    first_col = coords["cp"] * cols
+    window = (slice(first_row, first_row + rows), slice(first_col, first_col + cols))
+    model.local_tokens = rows * cols
+    return inputs[window].to(device), targets[window].to(device)
+
+
+def global_loss(local: torch.Tensor | None, spec: MeshSpec, device: torch.device) -> float:
+    """Mean loss over the global batch: every rank holding the last stage has its shard's mean (all shards are
+    the same size); tp peers hold the same value, so the world sum is divided by world / pp."""
+    total = torch.zeros((), device=device) if local is None else local.to(device).clone()
+    dist.all_reduce(total)
+    return float(total) / (spec.world_size // spec.pp)
+
+
+def local_numel(module: torch.nn.Module) -> int:
+    """Parameter elements held by this rank (the local shard of a DTensor)."""
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
+
+
+def write_report(path: Path, model: ParallelModel, cfg: ModelConfig, losses: list[float], tokens_per_step: int) -> None:
+    """Rank 0 writes the losses and what every rank holds: proof that each dimension splits work or weights."""
+    rank_info = {
+        "rank": dist.get_rank(),
+        "coords": model.coords,
+        "params": local_numel(model.module),
+        "tokens_per_step": model.local_tokens,
+    }
+    ranks: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, rank_info)
+    if dist.get_rank() == 0:
+        full = sum(p.numel() for p in Transformer(cfg).parameters())
+        report = {
+            "layout": str(model.spec),
+            "losses": losses,
+            "full_params": full,
+            "global_tokens_per_step": tokens_per_step,
+            "ranks": ranks,
+        }
+        path.write_text(json.dumps(report, indent=1))
+
+
+def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatches: int) -> list[float]:
+    device = init_distributed()
+    try:
+        meshes = build_mesh(spec, device.type)
+        torch.manual_seed(args.seed)
+        model = parallelize(
+            lambda: Transformer(cfg), spec, meshes, device, microbatches=microbatches, schedule=args.pp_schedule
+        )
+        optimizer = torch.optim.AdamW(
+            model.module.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False
+        )
+        data = TokenSource(
+            TokenSourceConfig(
+                vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=args.batch_size, seed=args.seed
+            )
+        )
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            print(f"layout {spec} on {spec.world_size} rank(s), {device.type}/{dist.get_backend()}", flush=True)
+        losses: list[float] = []
+        while data.position < args.steps:
+            step = data.position
+            inputs, targets = local_batch(model, *data.next_batch(), device)
+            local = model.forward_backward(inputs, targets)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(global_loss(local, spec, device))
+            if rank0:
+                print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+        if args.losses_out is not None:
+            write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len)
+        return losses
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        spec, cfg, microbatches = check_layout(args, world_size)
+    except (MeshError, ValueError) as exc:
+        print(f"examples.train: error: {exc}", file=sys.stderr)
+        return 2
+    train(args, spec, cfg, microbatches)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The trainer's command line: an impossible layout stops before any process group, with one line naming why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from examples.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BAD = {
+    "product differs from world": (4, ["--mesh", "dp_shard=2"], "must equal the world size 4"),
+    "tp does not divide heads": (3, ["--mesh", "tp=3"], "tp=3 must divide the attention heads (4)"),
+    "pp larger than layers": (8, ["--mesh", "pp=8"], "pp=8 must not exceed the layers (4)"),
+    "ep does not divide experts": (3, ["--mesh", "ep=3", "--experts", "4"], "ep=3 must divide the experts (4)"),
+    "ep without experts": (2, ["--mesh", "ep=2"], "ep=2 needs MoE layers (--experts)"),
+    "unknown dimension": (2, ["--mesh", "dp=2"], "unknown dimension 'dp'"),
+    "bad model": (1, ["--heads", "3"], "model.n_heads=3 must divide model.dim=64"),
+}
+
+
+@pytest.mark.parametrize(("world", "argv", "message"), BAD.values(), ids=BAD.keys())
+def test_bad_layout_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], world: int, argv: list[str], message: str
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("examples.train: error: mesh:") or err.startswith("examples.train: error: model")
+    assert message in err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_bad_layout_under_torchrun_fails_fast() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "examples.train",
+            "--mesh",
+            "tp=2,pp=1",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "tp=2 must divide the key/value heads (1)" in proc.stderr
