@@ -138,14 +138,14 @@ def local_numel(module: torch.nn.Module) -> int:
 
 def write_report(path: Path, model: ParallelModel, cfg: ModelConfig, losses: list[float], tokens_per_step: int) -> None:
     """Rank 0 writes the losses and what every rank holds: proof that each dimension splits work or weights."""
-    rank_info = {
-        "rank": dist.get_rank(),
-        "coords": model.coords,
-        "params": local_numel(model.module),
-        "tokens_per_step": model.local_tokens,
-    }
-    ranks: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, rank_info)
+    names = list(model.coords)
+    mine = [dist.get_rank(), local_numel(model.module), model.local_tokens, *model.coords.values()]
+    gathered = torch.zeros(dist.get_world_size() * len(mine), dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, torch.tensor(mine, dtype=torch.int64))
+    ranks = [
+        {"rank": row[0], "params": row[1], "tokens_per_step": row[2], "coords": dict(zip(names, row[3:], strict=True))}
+        for row in gathered.view(dist.get_world_size(), len(mine)).tolist()
+    ]
     if dist.get_rank() == 0:
         full = sum(p.numel() for p in Transformer(cfg).parameters())
         report = {
