@@ -9,6 +9,7 @@ CUDA + NCCL are used when a GPU is visible, else CPU + gloo.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +25,9 @@ from torch.distributed.tensor import DTensor
 from examples.data import TokenSource, TokenSourceConfig
 from examples.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from examples.model import ModelConfig, Transformer
-from examples.parallelize import SCHEDULES, ParallelModel, batch_shard_index, build_mesh, parallelize
+from examples.parallelize import SCHEDULES, Meshes, ParallelModel, batch_shard_index, build_mesh, parallelize
+from trainer_hooks.flops import shape_from_module
+from trainer_hooks.monitor import Monitor, MonitorConfig
 
 log = logging.getLogger("examples.train")
 
@@ -50,6 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches (default: pp)")
     p.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
+    p.add_argument("--opsd-monitor", action="store_true", help="report every step with trainer_hooks")
+    p.add_argument("--opsd-jsonl", help="also write the reports to this file; {rank} is replaced by the rank")
+    p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device for MFU (default: device table)")
     p.add_argument("--losses-out", type=Path, help="write the per-step global losses as JSON (rank 0)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -131,6 +137,29 @@ def global_loss(local: torch.Tensor | None, spec: MeshSpec, device: torch.device
     return float(total) / (spec.world_size // spec.pp)
 
 
+def make_monitor(args: argparse.Namespace, cfg: ModelConfig, meshes: Meshes) -> Monitor:
+    """The opsd monitor of this rank: every mesh dimension labelled, the FSDP groups labelled ``dp_shard``."""
+    with torch.device("meta"):
+        full = Transformer(cfg)  # shape only: no memory, no draw from the seeded generator
+    shape = shape_from_module(
+        full,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        seq_len=cfg.seq_len,
+        n_experts=cfg.n_experts,
+        top_k=cfg.top_k,
+    )
+    jsonl = args.opsd_jsonl.replace("{rank}", str(dist.get_rank())) if args.opsd_jsonl else None
+    config = MonitorConfig(peak_flops_per_s=args.peak_flops, jsonl_path=jsonl)
+    monitor = Monitor.from_mesh(meshes.world, shape, config)
+    for mesh in (meshes.dense, meshes.expert):
+        names = mesh.mesh_dim_names or ()
+        for name in names:
+            monitor.label(mesh.get_group(name), "dp_replicate" if name == "dp_replicate" else "dp_shard")
+    return monitor
+
+
 def local_numel(module: torch.nn.Module) -> int:
     """Parameter elements held by this rank (the local shard of a DTensor)."""
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
@@ -174,6 +203,7 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=args.batch_size, seed=args.seed
             )
         )
+        monitor = make_monitor(args, cfg, meshes) if args.opsd_monitor else None
         rank0 = dist.get_rank() == 0
         if rank0:
             print(f"layout {spec} on {spec.world_size} rank(s), {device.type}/{dist.get_backend()}", flush=True)
@@ -181,12 +211,15 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         while data.position < args.steps:
             step = data.position
             inputs, targets = local_batch(model, *data.next_batch(), device)
-            local = model.forward_backward(inputs, targets)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with monitor.step(tokens=model.local_tokens * spec.cp) if monitor else contextlib.nullcontext():
+                local = model.forward_backward(inputs, targets)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             losses.append(global_loss(local, spec, device))
             if rank0:
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+        if monitor is not None:
+            monitor.close()
         if args.losses_out is not None:
             write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len)
         return losses

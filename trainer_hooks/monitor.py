@@ -1,0 +1,218 @@
+"""The per-rank training monitor: one report per step with time, tokens, MFU, memory and collectives.
+
+    monitor = Monitor.from_mesh(mesh, shape, MonitorConfig(run_id="llama-70b"))
+    for batch in loader:
+        with monitor.step(tokens=batch.numel()):
+            train_step(batch)
+
+``tokens`` is the number of tokens of this rank's data-parallel shard in the step (whole sequences: ranks that
+differ only in tp, pp or cp report the same number). Loops that do not fit a context manager call
+``begin_step()`` and ``end_step(tokens)``. Nothing here raises into training or blocks it: failures are counted
+(``internal_errors``) and logged once; undeliverable reports are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer
+from trainer_hooks.flops import ModelShape, flops_per_token, mfu_ratio, peak_flops
+from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
+from trainer_hooks.wire import VERSION, encode
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV = "OPSD_AGENT_SOCKET"
+BATCH_DIMENSIONS = ("dp_replicate", "dp_shard", "ep")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """``socket_path`` defaults to ``$OPSD_AGENT_SOCKET``; ``jsonl_path`` adds a file sink (both may be set)."""
+
+    run_id: str = "local"
+    peak_flops_per_s: float | None = None
+    cpu_peak_flops_per_s: float | None = 1e12
+    socket_path: str | None = None
+    jsonl_path: str | None = None
+    trace_collectives: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("monitor.run_id must not be empty")
+        for name in ("peak_flops_per_s", "cpu_peak_flops_per_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"monitor.{name} must be > 0")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Monitor:
+    def __init__(
+        self,
+        shape: ModelShape | None,
+        config: MonitorConfig,
+        *,
+        coords: dict[str, int] | None = None,
+        batch_shards: int = 1,
+        device: torch.device | None = None,
+        tracer: CollectiveTracer = TRACER,
+    ) -> None:
+        self.config = config
+        self.coords = dict(coords or {})
+        self.batch_shards = batch_shards
+        self.device = device or torch.device("cpu")
+        self.tracer = tracer
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.host = socket.gethostname()
+        self.internal_errors = 0
+        self.steps = 0
+        self.last_report: dict[str, Any] | None = None
+        self._started: float | None = None
+        self._warned = False
+        self.flops_per_token = flops_per_token(shape) if shape is not None else 0.0
+        self.peak_flops_per_s = self._peak()
+        self.sinks: list[Sink] = []
+        socket_path = config.socket_path or os.environ.get(SOCKET_ENV)
+        if socket_path:
+            self.sinks.append(DatagramSink(socket_path))
+        if config.jsonl_path:
+            self.sinks.append(JsonlSink(config.jsonl_path))
+        if config.trace_collectives:
+            tracer.install()
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, shape: ModelShape | None, config: MonitorConfig, **kwargs: Any) -> Monitor:
+        """Label every named dimension of ``mesh`` with its name; coordinates and batch shards from the mesh."""
+        names = mesh.mesh_dim_names or ()
+        coordinate = list(mesh.get_coordinate() or [])
+        sizes = dict(zip(names, mesh.shape, strict=True))
+        for name in names:
+            if name in DIMENSIONS:
+                TRACER.label(mesh.get_group(name), name)
+        batch_shards = 1
+        for name in BATCH_DIMENSIONS:
+            batch_shards *= sizes.get(name, 1)
+        coords = dict(zip(names, coordinate, strict=False))
+        if "device" not in kwargs:
+            cuda = mesh.device_type == "cuda"
+            kwargs["device"] = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return cls(shape, config, coords=coords, batch_shards=batch_shards, **kwargs)
+
+    def label(self, group: dist.ProcessGroup, dimension: str) -> None:
+        """Attribute ``group``'s collectives to ``dimension`` (for flattened or hand-made groups)."""
+        self.tracer.label(group, dimension)
+
+    @property
+    def dropped_reports(self) -> int:
+        return sum(sink.dropped for sink in self.sinks)
+
+    def _peak(self) -> float:
+        try:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+            return peak_flops(name, self.config.peak_flops_per_s, self.config.cpu_peak_flops_per_s)
+        except Exception as exc:
+            self._error(exc)
+            return 0.0
+
+    def _error(self, exc: BaseException) -> None:
+        self.internal_errors += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("monitor failed (counted, not raised): %r", exc)
+
+    @contextlib.contextmanager
+    def step(self, tokens: int) -> Iterator[None]:
+        self.begin_step()
+        try:
+            yield
+        finally:
+            self.end_step(tokens)
+
+    def begin_step(self) -> None:
+        try:
+            self.tracer.take_step()  # collectives before the step (set-up, evaluation) are not the step's
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._started = time.perf_counter()
+        except Exception as exc:
+            self._error(exc)
+
+    def end_step(self, tokens: int) -> None:
+        try:
+            if self._started is None:
+                return
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_s = time.perf_counter() - self._started
+            self._started = None
+            self.steps += 1
+            report = self._report(step_s, tokens)
+            self.last_report = report
+            data = encode(report)
+            for sink in self.sinks:
+                sink.send(data)
+        except Exception as exc:
+            self._error(exc)
+
+    def _report(self, step_s: float, tokens: int) -> dict[str, Any]:
+        comms = self.tracer.take_step()
+        exposed = min(comms.exposed_s, step_s)
+        tokens_per_s = tokens / step_s if step_s > 0 else 0.0
+        job_tokens_per_s = tokens_per_s * self.batch_shards
+        mfu = 0.0
+        if self.peak_flops_per_s > 0 and self.flops_per_token > 0:
+            mfu = mfu_ratio(job_tokens_per_s, self.flops_per_token, self.peak_flops_per_s * self.world_size)
+        if self.device.type == "cuda":
+            memory = {
+                "allocated_peak_bytes": torch.cuda.max_memory_allocated(self.device),
+                "reserved_peak_bytes": torch.cuda.max_memory_reserved(self.device),
+            }
+        else:
+            memory = {"rss_bytes": _rss_bytes()}
+        return {
+            "v": VERSION,
+            "kind": "step",
+            "run": self.config.run_id,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": self.host,
+            "step": self.steps,
+            "time_unix_s": time.time(),
+            "step_s": step_s,
+            "compute_s": step_s - exposed,
+            "exposed_comm_s": exposed,
+            "overlapped_comm_s": max(comms.total_s - exposed, 0.0),
+            "tokens": tokens,
+            "tokens_per_s": tokens_per_s,
+            "job_tokens_per_s": job_tokens_per_s,
+            "mfu_ratio": mfu,
+            "memory": memory,
+            "coords": self.coords,
+            "comms": [[dim, op, s.count, s.bytes, s.seconds] for (dim, op), s in sorted(comms.ops.items())],
+            "dropped_reports_total": self.dropped_reports,
+            "internal_errors_total": self.internal_errors + self.tracer.internal_errors,
+        }
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
