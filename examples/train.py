@@ -222,10 +222,12 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             monitor.close()
         if args.losses_out is not None:
             write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len)
+        dist.barrier()
         return losses
     finally:
+        # No barrier here: after an error on this rank its peers may never reach one, and waiting for them
+        # would hide the error behind a hang. torchrun sees the exit code and stops the other ranks.
         if dist.is_initialized():
-            dist.barrier()
             dist.destroy_process_group()
 
 

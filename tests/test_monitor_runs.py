@@ -5,19 +5,16 @@ drops)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.launch import run_module
 from trainer_hooks.wire import decode
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 LAYERS = 4  # the trainer's default
 
@@ -26,19 +23,10 @@ def run(
     tmp: Path, nproc: int, mesh: str, *extra: str, monitor: bool = True
 ) -> tuple[list[float], list[list[dict[str, Any]]]]:
     out = tmp / f"losses-{monitor}.json"
-    args = ["-m", "examples.train", "--mesh", mesh, "--steps", str(STEPS), "--losses-out", str(out), *extra]
+    args = ["--mesh", mesh, "--steps", str(STEPS), "--losses-out", str(out), *extra]
     if monitor:
         args += ["--opsd-monitor", "--opsd-jsonl", str(tmp / "rank{rank}.jsonl")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPSD_AGENT_SOCKET": str(tmp / "no-agent.sock")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_module("examples.train", args, nproc=nproc, env={"OPSD_AGENT_SOCKET": str(tmp / "no-agent.sock")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = json.loads(out.read_text())["losses"]
     reports = []
@@ -68,6 +56,9 @@ CASES: dict[str, tuple[int, tuple[str, ...], dict[tuple[str, str], int | None]]]
     "cp=2,dp_shard=2": (4, (), {("cp", "all_gather"): 2 * LAYERS, ("cp", "reduce_scatter"): 2 * LAYERS}),
     "ep=2,dp_shard=2": (4, ("--experts", "4"), {("ep", "all_to_all"): None}),
     "dp_replicate=2,dp_shard=2": (4, (), {("dp_replicate", "all_reduce"): None, ("dp_shard", "reduce_scatter"): None}),
+    # 1F1B with 2 micro-batches: each stage sends and receives one tensor per micro-batch (activations forward,
+    # their gradients backward).
+    "pp=2,dp_shard=2": (4, (), {("pp", "send"): 2, ("pp", "recv"): 2, ("dp_shard", "reduce_scatter"): None}),
 }
 
 

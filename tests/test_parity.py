@@ -9,19 +9,16 @@ tokens. Together these show that each dimension really splits the work and still
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from examples.mesh import MeshSpec
+from tests.launch import run_module
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 PARITY_STEPS = 10
 RTOL = 1e-4
@@ -29,14 +26,8 @@ MOE_ARGS = ("--experts", "4", "--top-k", "2")
 
 
 def run_trainer(out: Path, nproc: int, mesh: str, *extra: str, steps: int = STEPS) -> dict[str, Any]:
-    args = ["-m", "examples.train", "--mesh", mesh, "--steps", str(steps), "--losses-out", str(out), *extra]
-    if nproc > 1:
-        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    args = ["--mesh", mesh, "--steps", str(steps), "--losses-out", str(out), *extra]
+    proc = run_module("examples.train", args, nproc=nproc)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     report: dict[str, Any] = json.loads(out.read_text())
     return report

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch.distributed as dist
 
 from examples.train import main
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import run_module
 
 BAD = {
     "product differs from world": (4, ["--mesh", "dp_shard=2"], "must equal the world size 4"),
@@ -40,29 +34,8 @@ def test_bad_layout_exits_2_with_one_line(
 
 @pytest.mark.slow
 def test_bad_layout_under_torchrun_fails_fast() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "examples.train",
-            "--mesh",
-            "tp=2,pp=1",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    proc = run_module(
+        "examples.train", ["--mesh", "tp=2,pp=1", "--heads", "4", "--kv-heads", "1"], nproc=2, timeout_s=120
     )
     assert proc.returncode != 0
     assert "tp=2 must divide the key/value heads (1)" in proc.stderr

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ _DIST_FUNCTIONS: dict[str, tuple[str, str, bool]] = {
     "isend": ("send", "tensor", True),
     "irecv": ("recv", "tensor", True),
 }
+# ``P2POp`` and ``batch_isend_irecv`` compare ``op`` with these by identity, against the names in
+# ``distributed_c10d``: they are replaced there as well as in ``torch.distributed``.
+_IDENTITY_CHECKED = ("isend", "irecv")
 # functional op -> (op label, index of the tensor argument, index of the group-name argument)
 _FUNCTIONAL_OPS: dict[str, tuple[str, int, int]] = {
     "all_reduce": ("all_reduce", 0, 2),
@@ -230,9 +234,14 @@ class CollectiveTracer:
             return
         for name, (op, tensor_arg, always_async) in _DIST_FUNCTIONS.items():
             original = getattr(dist, name, None)
-            if original is not None:
-                self._originals[(dist, name)] = original
-                setattr(dist, name, self._wrap_dist(original, op, tensor_arg, always_async))
+            if original is None:
+                continue
+            traced = self._wrap_dist(original, op, tensor_arg, always_async)
+            self._originals[(dist, name)] = original
+            setattr(dist, name, traced)
+            if name in _IDENTITY_CHECKED and getattr(c10d, name, None) is original:
+                self._originals[(c10d, name)] = original
+                setattr(c10d, name, traced)
         namespace = torch.ops._c10d_functional
         for name, (op, tensor_index, group_index) in _FUNCTIONAL_OPS.items():
             packet = getattr(namespace, name)
