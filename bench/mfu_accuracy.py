@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from examples.model import ModelConfig, Transformer
+from examples.model import ModelConfig, Transformer, model_shape
 from examples.parallelize import lm_loss
-from trainer_hooks.flops import attention_flops_per_token, flops_per_token, measure_flops_per_token, shape_from_module
+from trainer_hooks.flops import attention_flops_per_token, flops_per_token, measure_flops_per_token
 
 CONFIGS: dict[str, ModelConfig] = {
     "dense_s128": ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, n_layers=2, seq_len=128),
@@ -35,15 +35,7 @@ def compare(cfg: ModelConfig, batch_size: int = 2) -> tuple[float, float, float,
     """(formula, measured, measured counting the attention recompute, attention share of the formula); FLOPs/token."""
     torch.manual_seed(0)
     model = Transformer(cfg)
-    shape = shape_from_module(
-        model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        head_dim=cfg.head_dim,
-        seq_len=cfg.seq_len,
-        n_experts=cfg.n_experts,
-        top_k=cfg.top_k,
-    )
+    shape = model_shape(model)
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     measured = measure_flops_per_token(model, inputs, targets, lm_loss)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
 from examples.moe import MoE
+from trainer_hooks.flops import ModelShape, shape_from_module
 
 
 @dataclass(frozen=True)
@@ -201,3 +202,17 @@ class Transformer(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def model_shape(model: Transformer) -> ModelShape:
+    """What the MFU formula needs to know of ``model`` (the whole model: build it on the meta device if needed)."""
+    cfg = model.cfg
+    return shape_from_module(
+        model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        seq_len=cfg.seq_len,
+        n_experts=cfg.n_experts,
+        top_k=cfg.top_k,
+    )

@@ -24,9 +24,17 @@ from torch.distributed.tensor import DTensor
 
 from examples.data import TokenSource, TokenSourceConfig
 from examples.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
-from examples.model import ModelConfig, Transformer
-from examples.parallelize import SCHEDULES, Meshes, ParallelModel, batch_shard_index, build_mesh, parallelize
-from trainer_hooks.flops import shape_from_module
+from examples.model import ModelConfig, Transformer, model_shape
+from examples.parallelize import (
+    SCHEDULES,
+    Meshes,
+    ParallelModel,
+    batch_shard_index,
+    build_mesh,
+    lm_loss,
+    parallelize,
+)
+from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
 
 log = logging.getLogger("examples.train")
@@ -55,6 +63,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
     p.add_argument("--opsd-monitor", action="store_true", help="report every step with trainer_hooks")
     p.add_argument("--opsd-jsonl", help="also write the reports to this file; {rank} is replaced by the rank")
+    p.add_argument(
+        "--opsd-flops",
+        choices=("formula", "measured"),
+        default="formula",
+        help="MFU's FLOPs per token: from the model shape, or counted once at start-up (FlopCounterMode)",
+    )
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device for MFU (default: device table)")
     p.add_argument("--losses-out", type=Path, help="write the per-step global losses as JSON (rank 0)")
     p.add_argument("--log-level", default="WARNING")
@@ -137,22 +151,25 @@ def global_loss(local: torch.Tensor | None, spec: MeshSpec, device: torch.device
     return float(total) / (spec.world_size // spec.pp)
 
 
+def measured_flops_per_token(cfg: ModelConfig) -> float:
+    """FLOPs per token counted on one forward + backward of a whole, unsharded copy of the model on the CPU, on
+    one sequence (the training run's random state is left as it was)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))
+        return measure_flops_per_token(model, tokens[:, :-1], tokens[:, 1:], lm_loss)
+
+
 def make_monitor(args: argparse.Namespace, cfg: ModelConfig, meshes: Meshes) -> Monitor:
     """The opsd monitor of this rank: every mesh dimension labelled, the FSDP groups labelled ``dp_shard``."""
     with torch.device("meta"):
         full = Transformer(cfg)  # shape only: no memory, no draw from the seeded generator
-    shape = shape_from_module(
-        full,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        head_dim=cfg.head_dim,
-        seq_len=cfg.seq_len,
-        n_experts=cfg.n_experts,
-        top_k=cfg.top_k,
-    )
+    shape = model_shape(full)
+    measured = measured_flops_per_token(cfg) if args.opsd_flops == "measured" else None
     jsonl = args.opsd_jsonl.replace("{rank}", str(dist.get_rank())) if args.opsd_jsonl else None
     config = MonitorConfig(peak_flops_per_s=args.peak_flops, jsonl_path=jsonl)
-    monitor = Monitor.from_mesh(meshes.world, shape, config)
+    monitor = Monitor.from_mesh(meshes.world, shape, config, flops_per_token=measured)
     for mesh in (meshes.dense, meshes.expert):
         names = mesh.mesh_dim_names or ()
         for name in names:

@@ -27,6 +27,7 @@ def run_module(
     nproc: int = 1,
     env: Mapping[str, str] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    cwd: Path = ROOT,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m module args`` on one rank, or ``torchrun --standalone`` with ``nproc`` ranks."""
     cmd = [sys.executable, "-m", module, *args]
@@ -35,7 +36,7 @@ def run_module(
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from examples.model import ModelConfig, Transformer
+from examples.model import ModelConfig, Transformer, model_shape
 from examples.parallelize import lm_loss
 from trainer_hooks.flops import (
     PEAK_FLOPS_BF16,
@@ -36,15 +36,7 @@ CONFIGS = {
 def build(cfg: ModelConfig) -> tuple[Transformer, ModelShape]:
     torch.manual_seed(0)
     model = Transformer(cfg)
-    shape = shape_from_module(
-        model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        head_dim=cfg.head_dim,
-        seq_len=cfg.seq_len,
-        n_experts=cfg.n_experts,
-        top_k=cfg.top_k,
-    )
+    shape = model_shape(model)
     return model, shape
 
 

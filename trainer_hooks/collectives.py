@@ -11,15 +11,17 @@ The tracer wraps the two Python entry points through which PyTorch's parallelism
   ``torch.distributed._functional_collectives``, including their autograd backward): issue is timed when the op is
   called, completion and exposure by its ``wait_tensor``.
 
-Durations are measured on the host from issue to completion: on CPU (gloo) that is the collective's time. Time
-that did not block the training thread is "overlapped"; per step, compute time = step time - exposed time.
+Durations: on a process group whose backend has an on-completion hook (NCCL), the hook gives each collective's
+duration as measured on the GPU by CUDA events (set ``TORCH_NCCL_ENABLE_TIMING=1``; without it the hook's
+host-side issue-to-detection time is used). Elsewhere (gloo) they are measured on the host from issue to
+completion of the work's future. Time that did not block the training thread is "overlapped"; per step, compute
+time = step time - exposed time.
 
 The tracer never raises into training: its own failures are counted (``internal_errors``) and logged once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -57,6 +59,9 @@ _DIST_FUNCTIONS: dict[str, tuple[str, str, bool]] = {
 # ``distributed_c10d``: they are replaced there as well as in ``torch.distributed``.
 _IDENTITY_CHECKED = ("isend", "irecv")
 # functional op -> (op label, index of the tensor argument, index of the group-name argument)
+# Bytes are those of the full buffer, as in nccl-tests: all-gather output, reduce-scatter input, the tensor of
+# all-reduce / broadcast / send / recv, all-to-all input. A functional all-gather names its input and the group
+# size: its output is input x group size.
 _FUNCTIONAL_OPS: dict[str, tuple[str, int, int]] = {
     "all_reduce": ("all_reduce", 0, 2),
     "all_gather_into_tensor": ("all_gather", 0, 2),
@@ -64,6 +69,61 @@ _FUNCTIONAL_OPS: dict[str, tuple[str, int, int]] = {
     "all_to_all_single": ("all_to_all", 0, 3),
     "broadcast": ("broadcast", 0, 2),
 }
+_FUNCTIONAL_GROUP_SIZE_INDEX = {"all_gather_into_tensor": 1}
+
+
+# c10d OpType name (as the on-completion hook reports it) -> op label
+_OP_TYPES: dict[str, str] = {
+    "ALLREDUCE": "all_reduce",
+    "ALLREDUCE_COALESCED": "all_reduce",
+    "ALLGATHER": "all_gather",
+    "_ALLGATHER_BASE": "all_gather",
+    "ALLGATHER_COALESCED": "all_gather",
+    "REDUCE_SCATTER": "reduce_scatter",
+    "_REDUCE_SCATTER_BASE": "reduce_scatter",
+    "REDUCE_SCATTER_TENSOR_COALESCED": "reduce_scatter",
+    "ALLTOALL": "all_to_all",
+    "ALLTOALL_BASE": "all_to_all",
+    "BROADCAST": "broadcast",
+    "SEND": "send",
+    "RECV": "recv",
+    "RECVANYSOURCE": "recv",
+}
+
+
+def op_label(op_type: Any) -> str:
+    """The op label of a c10d ``OpType`` (``OpType.ALLREDUCE`` -> ``all_reduce``); unknown types -> ``other``."""
+    name = getattr(op_type, "name", str(op_type)).rsplit(".", 1)[-1]
+    return _OP_TYPES.get(name, OTHER)
+
+
+def completion_seconds(info: Any) -> float:
+    """Duration of a completed work from the on-completion hook's ``WorkInfo``: the GPU-side ``active_duration``
+    when timing is enabled, else the host's issue-to-detection time."""
+    active = float(info.active_duration.total_seconds())
+    if active > 0:
+        return active
+    return max(float((info.time_finished - info.time_started).total_seconds()), 0.0)
+
+
+def _argument(function: Callable[..., Any], name: str) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+    """A fast reader of argument ``name`` of calls to ``function`` (binding the signature per call is slow)."""
+    parameter = inspect.signature(function).parameters.get(name)
+    if parameter is None:
+        return lambda args, kwargs: None
+    default = None if parameter.default is inspect.Parameter.empty else parameter.default
+    positional = list(inspect.signature(function).parameters).index(name)
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+        return lambda args, kwargs: kwargs.get(name, default)
+    return lambda args, kwargs: args[positional] if len(args) > positional else kwargs.get(name, default)
+
+
+def _group_name(group: dist.ProcessGroup | str | None) -> str | None:
+    if group is None:
+        group = dist.group.WORLD if dist.is_initialized() else None
+        if group is None:
+            return None
+    return group if isinstance(group, str) else group.group_name
 
 
 def _nbytes(value: Any) -> int:
@@ -103,35 +163,50 @@ class StepComms:
 
 
 class TimedWork(dist.Work):
-    """A ``dist.Work`` that reports when it is waited on and when it completes."""
+    """A ``dist.Work`` that reports when it is waited on and when it is first seen complete.
 
-    def __init__(self, inner: dist.Work, tracer: CollectiveTracer, key: tuple[str, str], issued: float) -> None:
+    Completion is observed on the training thread, never by a callback: a Python callback on the backend's thread
+    must take the GIL from the training thread, which held up the backend's next collective (a few percent of
+    step time on CPU). The tracer polls the works in flight at every collective call and wait, and at the end of
+    each step; a work's duration ends when it is first seen complete, or when its ``wait()`` returns.
+    """
+
+    def __init__(
+        self,
+        inner: dist.Work,
+        tracer: CollectiveTracer,
+        key: tuple[str, str],
+        issued: float,
+        *,
+        host_timed: bool = True,
+    ) -> None:
         super().__init__()
         self._inner = inner
         self._tracer = tracer
         self._key = key
         self._issued = issued
-        self._done = False
-        self._lock = threading.Lock()
-        # Some backends give no future for some ops: completion is then seen at wait().
-        with contextlib.suppress(Exception):
-            inner.get_future().then(self._on_complete)
+        self.done = not host_timed  # the group's completion hook reports the duration
+        if not self.done:
+            tracer._track(self)
 
-    def _finish(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-        self._tracer._add_duration(self._key, time.perf_counter() - self._issued)
+    def finish(self, now: float) -> None:
+        if not self.done:
+            self.done = True
+            self._tracer._add_duration(self._key, now - self._issued)
 
-    def _on_complete(self, fut: torch.futures.Future[Any]) -> None:
-        self._finish()
+    def poll(self, now: float) -> bool:
+        """Finish if the work has completed; whether it is done."""
+        if not self.done and self._inner.is_completed():
+            self.finish(now)
+        return self.done
 
     def wait(self, timeout: Any = None) -> bool:
         start = time.perf_counter()
+        self.poll(start)
         result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        self._tracer._add_exposed(time.perf_counter() - start)
-        self._finish()
+        end = time.perf_counter()
+        self._tracer._add_exposed(end - start)
+        self.finish(end)
         return bool(result)
 
     def is_completed(self) -> bool:
@@ -177,23 +252,46 @@ class CollectiveTracer:
         self._labels: dict[str, str] = {}
         self._lock = threading.Lock()
         self._step = StepComms()
-        self._pending: dict[int, tuple[tuple[str, str], float]] = {}
+        self._pending: dict[int, tuple[tuple[str, str], float, bool]] = {}
         self._originals: dict[tuple[Any, str], Any] = {}
+        self._gpu_timed: set[str] = set()  # groups whose completion hook reports durations
+        self._inflight: list[TimedWork] = []
         self.internal_errors = 0
         self._warned = False
 
     # -- labelling -------------------------------------------------------------------------------------------
     def label(self, group: dist.ProcessGroup, dimension: str) -> None:
-        """Attribute the collectives of ``group`` to ``dimension`` (the last label of a group wins)."""
+        """Attribute the collectives of ``group`` to ``dimension`` (the last label of a group wins). On a backend
+        with an on-completion hook (NCCL) durations come from that hook from now on."""
         if dimension not in DIMENSIONS:
             raise ValueError(f"collectives: unknown dimension {dimension!r}; known: {', '.join(DIMENSIONS)}")
-        self._labels[group.group_name] = dimension
+        name = group.group_name
+        self._labels[name] = dimension
+        if name not in self._gpu_timed:
+            try:
+                group._register_on_completion_hook(  # type: ignore[attr-defined]
+                    functools.partial(self._on_completion, name)
+                )
+            except (RuntimeError, AttributeError):
+                return  # gloo and others: completion futures time the work
+            self._gpu_timed.add(name)
+
+    def host_timed(self, group: dist.ProcessGroup | str | None) -> bool:
+        """Whether this tracer times ``group``'s collectives on the host (no completion hook)."""
+        return _group_name(group) not in self._gpu_timed
+
+    def _on_completion(self, group_name: str, info: Any) -> None:
+        """The completion hook (on the backend's watchdog thread): adds the work's duration to its dimension."""
+        try:
+            key = (self._labels.get(group_name, OTHER), op_label(info.op_type))
+            self._add_duration(key, completion_seconds(info))
+        except Exception as exc:
+            self._internal_error(exc)
 
     def dimension_of(self, group: dist.ProcessGroup | str | None) -> str:
-        if group is None:
-            return OTHER
-        name = group if isinstance(group, str) else group.group_name
-        return self._labels.get(name, OTHER)
+        """The label of ``group`` (None: the default group), ``other`` when it has none."""
+        name = _group_name(group)
+        return OTHER if name is None else self._labels.get(name, OTHER)
 
     # -- accounting ------------------------------------------------------------------------------------------
     def _issue(self, dim: str, op: str, nbytes: int) -> tuple[str, str]:
@@ -212,8 +310,25 @@ class CollectiveTracer:
         with self._lock:
             self._step.exposed_s += seconds
 
+    def _track(self, work: TimedWork) -> None:
+        with self._lock:
+            self._inflight.append(work)
+
+    def poll(self) -> None:
+        """Finish the works in flight that have completed (called at every traced call and each step's end)."""
+        if not self._inflight:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            inflight, self._inflight = self._inflight, []
+        still = [work for work in inflight if not work.poll(now)]
+        if still:
+            with self._lock:
+                self._inflight.extend(still)
+
     def take_step(self) -> StepComms:
         """The collectives since the last call (a collective still in flight adds its time to the next step)."""
+        self.poll()
         with self._lock:
             step, self._step = self._step, StepComms()
         return step
@@ -246,7 +361,9 @@ class CollectiveTracer:
         for name, (op, tensor_index, group_index) in _FUNCTIONAL_OPS.items():
             packet = getattr(namespace, name)
             self._originals[(namespace, name)] = packet
-            traced = self._wrap_functional(packet, op, tensor_index, group_index)
+            traced = self._wrap_functional(
+                packet, op, tensor_index, group_index, _FUNCTIONAL_GROUP_SIZE_INDEX.get(name)
+            )
             setattr(namespace, name, _FunctionalOp(packet, traced))
         wait_packet = getattr(namespace, "wait_tensor")  # noqa: B009
         self._originals[(namespace, "wait_tensor")] = wait_packet
@@ -258,38 +375,47 @@ class CollectiveTracer:
         self._originals.clear()
 
     def _wrap_dist(self, original: Callable[..., Any], op: str, tensor_arg: str, always_async: bool) -> Any:
-        signature = inspect.signature(original)
+        get_tensor, get_group, get_async = (_argument(original, name) for name in (tensor_arg, "group", "async_op"))
 
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
             try:
-                bound = signature.bind_partial(*args, **kwargs).arguments
-                key = self._issue(self.dimension_of(bound.get("group")), op, _nbytes(bound.get(tensor_arg)))
+                self.poll()
+                group = get_group(args, kwargs)
+                key = self._issue(self.dimension_of(group), op, _nbytes(get_tensor(args, kwargs)))
+                host_timed = self.host_timed(group)
+                is_async = always_async or bool(get_async(args, kwargs))
             except Exception as exc:
                 self._internal_error(exc)
                 return original(*args, **kwargs)
             start = time.perf_counter()
             work = original(*args, **kwargs)
-            if work is None or not (always_async or bound.get("async_op")):
+            if work is None or not is_async:
                 elapsed = time.perf_counter() - start
-                self._add_duration(key, elapsed)
+                if host_timed:
+                    self._add_duration(key, elapsed)
                 self._add_exposed(elapsed)
                 return work
             try:
-                return TimedWork(work, self, key, start)
+                return TimedWork(work, self, key, start, host_timed=host_timed)
             except Exception as exc:
                 self._internal_error(exc)
                 return work
 
         return traced
 
-    def _wrap_functional(self, packet: Any, op: str, tensor_index: int, group_index: int) -> Callable[..., Any]:
+    def _wrap_functional(
+        self, packet: Any, op: str, tensor_index: int, group_index: int, size_index: int | None
+    ) -> Callable[..., Any]:
         def traced(*args: Any, **kwargs: Any) -> Any:
             out = packet(*args, **kwargs)
             try:
-                key = self._issue(self.dimension_of(args[group_index]), op, _nbytes(args[tensor_index]))
+                self.poll()
+                group = args[group_index]
+                nbytes = _nbytes(args[tensor_index]) * (int(args[size_index]) if size_index is not None else 1)
+                key = self._issue(self.dimension_of(group), op, nbytes)
                 with self._lock:
-                    self._pending[id(out)] = (key, time.perf_counter())
+                    self._pending[id(out)] = (key, time.perf_counter(), self.host_timed(group))
             except Exception as exc:
                 self._internal_error(exc)
             return out
@@ -302,11 +428,13 @@ class CollectiveTracer:
             out = packet(tensor, *args, **kwargs)
             end = time.perf_counter()
             try:
+                self.poll()
                 with self._lock:
                     pending = self._pending.pop(id(tensor), None)
                 if pending is not None:
                     self._add_exposed(end - start)
-                    self._add_duration(pending[0], end - pending[1])
+                    if pending[2]:
+                        self._add_duration(pending[0], end - pending[1])
             except Exception as exc:
                 self._internal_error(exc)
             return out

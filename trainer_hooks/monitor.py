@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer
-from trainer_hooks.flops import ModelShape, flops_per_token, mfu_ratio, peak_flops
+from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer, StepComms
+from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
+from trainer_hooks.flops import flops_per_token as formula_flops_per_token
 from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
 from trainer_hooks.wire import VERSION, encode
 
@@ -75,7 +76,10 @@ class Monitor:
         batch_shards: int = 1,
         device: torch.device | None = None,
         tracer: CollectiveTracer = TRACER,
+        flops_per_token: float | None = None,
     ) -> None:
+        """``flops_per_token`` overrides the formula of ``shape`` (e.g. the figure of ``measure_flops_per_token``
+        taken once at start-up); with neither, MFU is reported as 0."""
         self.config = config
         self.coords = dict(coords or {})
         self.batch_shards = batch_shards
@@ -89,7 +93,12 @@ class Monitor:
         self.last_report: dict[str, Any] | None = None
         self._started: float | None = None
         self._warned = False
-        self.flops_per_token = flops_per_token(shape) if shape is not None else 0.0
+        if flops_per_token is not None:
+            if not flops_per_token > 0:
+                raise ValueError(f"monitor: flops_per_token must be > 0, got {flops_per_token!r}")
+            self.flops_per_token = float(flops_per_token)
+        else:
+            self.flops_per_token = formula_flops_per_token(shape) if shape is not None else 0.0
         self.peak_flops_per_s = self._peak()
         self.sinks: list[Sink] = []
         socket_path = config.socket_path or os.environ.get(SOCKET_ENV)
@@ -149,11 +158,11 @@ class Monitor:
             self.end_step(tokens)
 
     def begin_step(self) -> None:
+        self._started = time.perf_counter()
         try:
             self.tracer.take_step()  # collectives before the step (set-up, evaluation) are not the step's
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            self._started = time.perf_counter()
         except Exception as exc:
             self._error(exc)
 
@@ -175,7 +184,11 @@ class Monitor:
             self._error(exc)
 
     def _report(self, step_s: float, tokens: int) -> dict[str, Any]:
-        comms = self.tracer.take_step()
+        try:
+            comms = self.tracer.take_step()
+        except Exception as exc:  # the step is still reported, without its collectives
+            self._error(exc)
+            comms = StepComms()
         exposed = min(comms.exposed_s, step_s)
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
         job_tokens_per_s = tokens_per_s * self.batch_shards

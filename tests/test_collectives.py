@@ -1,0 +1,163 @@
+"""The collective tracer in one process (a real gloo group of one rank), and its NCCL completion-hook path.
+
+NVIDIA GPUs are not available here: ``NcclLikeGroup`` is a faithful fake of the one NCCL-only call the tracer
+makes, ``ProcessGroup._register_on_completion_hook``, wrapped around a real gloo group so that the collectives
+themselves still run. ``FakeWorkInfo`` has the attributes of ``torch._C._distributed_c10d.WorkInfo``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, OpType  # type: ignore[attr-defined]
+
+from trainer_hooks.collectives import CollectiveTracer, TimedWork, completion_seconds, op_label
+
+
+@pytest.fixture
+def tracer() -> Iterator[CollectiveTracer]:
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    t = CollectiveTracer()
+    t.install()
+    try:
+        yield t
+    finally:
+        t.uninstall()
+        dist.destroy_process_group()
+
+
+@dataclass
+class FakeWorkInfo:
+    op_type: OpType
+    active_duration: timedelta
+    time_started: datetime
+    time_finished: datetime
+    seq: int = 0
+
+
+class NcclLikeGroup:
+    """A real gloo group that, like ProcessGroupNCCL, accepts an on-completion hook (the test fires it)."""
+
+    def __init__(self, inner: dist.ProcessGroup) -> None:
+        self._inner = inner
+        self.hooks: list[Callable[[Any], None]] = []
+
+    def _register_on_completion_hook(self, hook: Callable[[Any], None]) -> None:
+        self.hooks.append(hook)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+def test_sync_collective_is_counted_with_bytes_and_fully_exposed(tracer: CollectiveTracer) -> None:
+    tracer.label(world(), "tp")
+    dist.all_reduce(torch.ones(10))  # no group: the default group, here labelled too
+    dist.all_reduce(torch.ones(6), group=world())
+    dist.all_reduce(torch.ones(2), dist.ReduceOp.SUM, world())  # the group passed by position
+    step = tracer.take_step()
+    tp = step.ops[("tp", "all_reduce")]
+    assert (tp.count, tp.bytes) == (3, 18 * 4)
+    assert tp.seconds > 0
+    assert step.exposed_s == pytest.approx(step.total_s)
+    assert tracer.take_step().ops == {}  # a step's collectives are taken once
+
+
+def test_unlabelled_group_is_other(tracer: CollectiveTracer) -> None:
+    dist.all_reduce(torch.ones(3))
+    assert tracer.take_step().ops[("other", "all_reduce")].bytes == 12
+
+
+def test_async_work_is_timed_by_its_future_and_wait_is_exposed(tracer: CollectiveTracer) -> None:
+    tracer.label(world(), "dp_shard")
+    out = torch.empty(8)
+    work = dist.all_gather_into_tensor(out, torch.ones(8), group=world(), async_op=True)
+    assert isinstance(work, TimedWork)
+    assert isinstance(work, dist.Work)
+    work.wait()
+    step = tracer.take_step()
+    stats = step.ops[("dp_shard", "all_gather")]
+    assert (stats.count, stats.bytes) == (1, 32)
+    assert stats.seconds > 0
+    assert 0 <= step.exposed_s <= stats.seconds + 1e-3
+
+
+def test_functional_collective_timed_at_wait(tracer: CollectiveTracer) -> None:
+    tracer.label(world(), "cp")
+    out = torch.ops._c10d_functional.all_gather_into_tensor(torch.ones(4), 1, world().group_name)
+    torch.ops._c10d_functional.wait_tensor(out)
+    stats = tracer.take_step().ops[("cp", "all_gather")]
+    assert (stats.count, stats.bytes) == (1, 16)
+    assert stats.seconds > 0
+
+
+def test_p2p_ops_keep_their_identity_for_batch_isend_irecv(tracer: CollectiveTracer) -> None:
+    # P2POp checks ``op in (isend, irecv)`` and batch_isend_irecv ``op.op is isend`` against distributed_c10d.
+    op = dist.P2POp(dist.isend, torch.ones(2), 0)
+    assert op.op is dist.distributed_c10d.isend
+    dist.P2POp(dist.irecv, torch.ones(2), 0)
+
+
+def test_uninstall_restores_torch(tracer: CollectiveTracer) -> None:
+    traced = dist.all_reduce
+    tracer.uninstall()
+    assert dist.all_reduce is not traced
+    assert dist.isend is dist.distributed_c10d.isend
+    assert not isinstance(torch.ops._c10d_functional.all_reduce, type(traced))
+    tracer.install()  # for the fixture's teardown
+
+
+def test_completion_hook_gives_gpu_durations_and_host_times_are_not_added(tracer: CollectiveTracer) -> None:
+    group = NcclLikeGroup(world())
+    tracer.label(group, "tp")  # type: ignore[arg-type]
+    assert len(group.hooks) == 1
+    assert not tracer.host_timed(world())
+    dist.all_reduce(torch.ones(5), group=world())  # counted on the host; the duration comes from the hook
+    now = datetime.now()
+    group.hooks[0](FakeWorkInfo(OpType.ALLREDUCE, timedelta(milliseconds=3), now, now + timedelta(milliseconds=9)))
+    stats = tracer.take_step().ops[("tp", "all_reduce")]
+    assert (stats.count, stats.bytes) == (1, 20)
+    assert stats.seconds == pytest.approx(0.003)
+    tracer.label(group, "pp")  # type: ignore[arg-type]
+    assert len(group.hooks) == 1  # one hook per group; relabelling changes where its durations go
+    group.hooks[0](FakeWorkInfo(OpType.SEND, timedelta(0), now, now + timedelta(milliseconds=2)))
+    assert tracer.take_step().ops[("pp", "send")].seconds == pytest.approx(0.002)
+
+
+def test_completion_hook_errors_are_counted_not_raised(tracer: CollectiveTracer) -> None:
+    group = NcclLikeGroup(world())
+    tracer.label(group, "tp")  # type: ignore[arg-type]
+    group.hooks[0](object())
+    assert tracer.internal_errors == 1
+
+
+@pytest.mark.parametrize(
+    ("op_type", "label"),
+    [
+        (OpType.ALLREDUCE, "all_reduce"),
+        (OpType._ALLGATHER_BASE, "all_gather"),
+        (OpType._REDUCE_SCATTER_BASE, "reduce_scatter"),
+        (OpType.ALLTOALL_BASE, "all_to_all"),
+        (OpType.SEND, "send"),
+        (OpType.RECV, "recv"),
+        (OpType.BARRIER, "other"),
+    ],
+)
+def test_op_label(op_type: OpType, label: str) -> None:
+    assert op_label(op_type) == label
+
+
+def test_completion_seconds_prefers_gpu_time() -> None:
+    t0 = datetime(2026, 1, 1)
+    assert completion_seconds(FakeWorkInfo(OpType.SEND, timedelta(microseconds=250), t0, t0 + timedelta(1))) == 250e-6
+    assert completion_seconds(FakeWorkInfo(OpType.SEND, timedelta(0), t0, t0 + timedelta(seconds=1.5))) == 1.5

@@ -1,0 +1,45 @@
+"""The examples in the docs run: the README's monitor example on 2 real ranks, the protocol's example report
+decodes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT, run_module
+from trainer_hooks.wire import decode
+
+
+def blocks(doc: str, language: str) -> list[str]:
+    text = (ROOT / doc).read_text()
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+@pytest.mark.slow
+def test_readme_monitor_example_runs_under_torchrun(tmp_path: Path) -> None:
+    (example,) = [b for b in blocks("README.md", "python") if "Monitor" in b]
+    script = tmp_path / "readme_example.py"
+    script.write_text(example)
+    proc = run_module(
+        "torch.distributed.run",
+        ["--standalone", "--nproc-per-node=2", str(script)],
+        env={"PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        timeout_s=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0: step" in proc.stdout
+    assert "rank 1: step" in proc.stdout
+    for rank in (0, 1):
+        lines = (tmp_path / f"steps-{rank}.jsonl").read_bytes().splitlines()
+        assert [decode(line)["step"] for line in lines] == [1, 2, 3]
+
+
+def test_protocol_example_is_a_valid_report() -> None:
+    (example,) = blocks("docs/protocol.md", "json")
+    data = json.dumps(json.loads(example)).encode()
+    report = decode(data)
+    assert report["comms"][1] == ["tp", "all_reduce", 28, 917504, 0.019]

@@ -1,0 +1,139 @@
+"""The monitor in one process: its report, its sinks, and that it never raises into or blocks training."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer_hooks.collectives import CollectiveTracer
+from trainer_hooks.flops import ModelShape, flops_per_token
+from trainer_hooks.monitor import Monitor, MonitorConfig
+from trainer_hooks.wire import decode
+
+SHAPE = ModelShape(n_layers=2, n_heads=4, head_dim=16, seq_len=128, dense_matmul_params=100_000)
+
+
+def monitor(tmp_path: Path, **config: Any) -> Monitor:
+    defaults: dict[str, Any] = {"jsonl_path": str(tmp_path / "steps.jsonl"), "cpu_peak_flops_per_s": 1e9}
+    # A tracer of its own, not installed: these tests issue no collectives.
+    return Monitor(SHAPE, MonitorConfig(**{**defaults, **config}), tracer=CollectiveTracer())
+
+
+def lines(tmp_path: Path) -> list[dict[str, Any]]:
+    return [decode(line) for line in (tmp_path / "steps.jsonl").read_bytes().splitlines()]
+
+
+def test_step_report_figures(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    with m.step(tokens=1000):
+        time.sleep(0.02)
+    m.close()
+    (r,) = lines(tmp_path)
+    assert r["step"] == 1
+    assert r["step_s"] >= 0.02
+    assert r["tokens_per_s"] == pytest.approx(1000 / r["step_s"])
+    assert r["job_tokens_per_s"] == r["tokens_per_s"]  # one data-parallel shard
+    assert r["mfu_ratio"] == pytest.approx(r["tokens_per_s"] * flops_per_token(SHAPE) / 1e9)
+    assert r["compute_s"] == r["step_s"]  # no collectives
+    assert r["memory"]["rss_bytes"] > 0
+    assert r["comms"] == []
+
+
+def test_begin_end_calls_and_batch_shards(tmp_path: Path) -> None:
+    m = Monitor(
+        SHAPE, MonitorConfig(jsonl_path=str(tmp_path / "steps.jsonl")), batch_shards=8, tracer=CollectiveTracer()
+    )
+    for _ in range(3):
+        m.begin_step()
+        m.end_step(tokens=10)
+    m.end_step(tokens=10)  # an end without a begin is ignored
+    m.close()
+    reports = lines(tmp_path)
+    assert [r["step"] for r in reports] == [1, 2, 3]
+    assert reports[0]["job_tokens_per_s"] == pytest.approx(8 * reports[0]["tokens_per_s"])
+
+
+def test_measured_flops_override_the_formula(tmp_path: Path) -> None:
+    m = Monitor(SHAPE, MonitorConfig(), flops_per_token=123.0, tracer=CollectiveTracer())
+    assert m.flops_per_token == 123.0
+    with pytest.raises(ValueError, match="flops_per_token must be > 0"):
+        Monitor(SHAPE, MonitorConfig(), flops_per_token=0.0, tracer=CollectiveTracer())
+
+
+def test_missing_agent_socket_only_counts_drops(tmp_path: Path) -> None:
+    m = monitor(tmp_path, socket_path=str(tmp_path / "absent.sock"))
+    for _ in range(3):
+        with m.step(tokens=1):
+            pass
+    assert m.dropped_reports == 3
+    assert [r["dropped_reports_total"] for r in lines(tmp_path)] == [0, 1, 2]
+
+
+def test_reports_reach_a_listening_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(tmp_path / "agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
+        agent.bind(path)
+        monkeypatch.setenv("OPSD_AGENT_SOCKET", path)
+        m = Monitor(SHAPE, MonitorConfig(run_id="job-1"), tracer=CollectiveTracer())
+        with m.step(tokens=5):
+            pass
+        agent.settimeout(5)
+        received = decode(agent.recv(65536))
+    assert received["run"] == "job-1"
+    assert received["tokens"] == 5
+    assert m.dropped_reports == 0
+
+
+def test_full_agent_buffer_never_blocks(tmp_path: Path) -> None:
+    path = str(tmp_path / "agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
+        agent.bind(path)  # bound, never read: the buffer fills
+        m = Monitor(SHAPE, MonitorConfig(socket_path=path), tracer=CollectiveTracer())
+        start = time.perf_counter()
+        for _ in range(2000):
+            m.begin_step()
+            m.end_step(tokens=1)
+        assert time.perf_counter() - start < 10
+    assert m.dropped_reports > 0
+
+
+def test_training_errors_propagate_and_the_step_is_still_reported(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    with pytest.raises(RuntimeError, match="loss is nan"), m.step(tokens=1):
+        raise RuntimeError("loss is nan")
+    assert m.steps == 1
+    assert m.internal_errors == 0
+
+
+def test_internal_failures_are_counted_not_raised(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+
+    def broken() -> None:
+        raise OSError("tracer broke")
+
+    m.tracer.take_step = broken  # type: ignore[method-assign,assignment]
+    with m.step(tokens=1):
+        pass
+    with m.step(tokens=1):
+        pass
+    assert m.internal_errors == 4  # begin and end of each step
+    assert [r["comms"] for r in lines(tmp_path)] == [[], []]  # the steps are still reported
+    assert lines(tmp_path)[-1]["internal_errors_total"] == 4  # its own step's included
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"run_id": ""}, "run_id must not be empty"),
+        ({"peak_flops_per_s": 0}, "peak_flops_per_s must be > 0"),
+        ({"cpu_peak_flops_per_s": -1.0}, "cpu_peak_flops_per_s must be > 0"),
+    ],
+    ids=["empty-run", "zero-peak", "negative-cpu-peak"],
+)
+def test_config_validates_itself(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MonitorConfig(**config)
