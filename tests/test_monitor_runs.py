@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from examples.mesh import MeshSpec
 from tests.launch import run_module
 from trainer_hooks.wire import decode
 
@@ -85,6 +86,15 @@ def expected(mesh: str, rank: int, params: list[int]) -> Expected:
             ("pp", "send"): (2, 2 * micro),
             ("pp", "recv"): (2, 2 * micro),
         }
+    if mesh == "pp=2,tp=2,dp_shard=2":
+        # both of the above per stage: 2 blocks x 7 tp all-reduces per micro-batch, on micro-batch activations
+        micro = BATCH // 2 // 2 * SEQ * DIM * F32
+        return {
+            **fsdp(held * 2, LAYERS // 2 + 1, reshard=False),
+            ("pp", "send"): (2, 2 * micro),
+            ("pp", "recv"): (2, 2 * micro),
+            ("tp", "all_reduce"): (2 * 7 * LAYERS // 2, 2 * 7 * LAYERS // 2 * micro),
+        }
     if mesh == "cp=2,dp_shard=2":
         # per block: K and V all-gathered over cp forward, their gradients reduce-scattered backward; FSDP spans
         # dp_shard x cp
@@ -105,19 +115,20 @@ def expected(mesh: str, rank: int, params: list[int]) -> Expected:
     raise AssertionError(mesh)
 
 
-MESHES = {  # the foundation meshes, on 4 ranks
+MESHES = {  # the foundation meshes -> extra arguments
     "dp_shard=4": (),
     "dp_replicate=2,dp_shard=2": (),
     "dp_shard=2,tp=2": (),
     "pp=2,dp_shard=2": (),
     "cp=2,dp_shard=2": (),
     "ep=2,dp_shard=2": ("--experts", "4"),
+    "pp=2,tp=2,dp_shard=2": (),
 }
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_collectives_attributed_to_their_dimension(tmp_path: Path, mesh: str) -> None:
-    result = run(tmp_path, 4, mesh, *MESHES[mesh])
+    result = run(tmp_path, MeshSpec.parse(mesh).world_size, mesh, *MESHES[mesh])
     for rank, rank_reports in enumerate(result.reports):
         assert [r["step"] for r in rank_reports] == list(range(1, STEPS + 1))
         last = rank_reports[-1]

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer, StepComms
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
@@ -130,6 +132,13 @@ class Monitor:
     def label(self, group: dist.ProcessGroup, dimension: str) -> None:
         """Attribute ``group``'s collectives to ``dimension`` (for flattened or hand-made groups)."""
         self.tracer.label(group, dimension)
+
+    def watch_ddp(self, model: DistributedDataParallel, dimension: str = "dp_replicate") -> None:
+        """Make a DDP model's gradient all-reduces visible. DDP's reducer calls the backend from C++, out of the
+        tracer's sight; this registers torch's reference ``allreduce_hook`` (the same averaging as DDP's built-in
+        reduction) so the buckets are all-reduced through ``torch.distributed``. Call before the first step."""
+        self.label(model.process_group, dimension)
+        model.register_comm_hook(model.process_group, allreduce_hook)
 
     @property
     def dropped_reports(self) -> int:
