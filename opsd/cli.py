@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import signal
+import socket
+import threading
+
 import typer
 
 from opsd import __version__
@@ -23,3 +28,42 @@ def main() -> None:
 def version() -> None:
     """Print the opsd version."""
     typer.echo(__version__)
+
+
+@app.command()
+def agent(
+    socket_path: str = typer.Option(
+        "/tmp/opsd-agent.sock", "--socket", envvar="OPSD_AGENT_SOCKET", help="Unix datagram socket ranks send to"
+    ),
+    metrics_host: str = typer.Option("127.0.0.1", help="address of /metrics and /healthz"),
+    metrics_port: int = typer.Option(9464, help="port of /metrics and /healthz (0: any free port)"),
+    node: str = typer.Option("", help="node name in metrics (default: host name)"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run the node agent: rank reports in, Prometheus metrics out."""
+    from agent.daemon import Agent, AgentConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = AgentConfig(
+            socket_path=socket_path,
+            metrics_host=metrics_host,
+            metrics_port=metrics_port,
+            node=node or socket.gethostname(),
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    daemon = Agent(config)
+    try:
+        daemon.start()
+    except OSError as exc:
+        typer.echo(f"opsd agent: cannot start: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"opsd agent: datagrams on {socket_path}, metrics on http://{metrics_host}:{daemon.metrics_port}/metrics"
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    daemon.stop()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from opsd.wire import decode
 from tests.launch import ROOT, run_module
-from trainer_hooks.wire import decode
 
 
 def blocks(doc: str, language: str) -> list[str]:

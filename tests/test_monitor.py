@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from opsd.wire import decode
 from trainer_hooks.collectives import CollectiveTracer
 from trainer_hooks.flops import ModelShape, flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
-from trainer_hooks.wire import decode
 
 SHAPE = ModelShape(n_layers=2, n_heads=4, head_dim=16, seq_len=128, dense_matmul_params=100_000)
 

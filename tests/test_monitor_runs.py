@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from examples.mesh import MeshSpec
+from opsd.wire import decode
 from tests.launch import run_module
-from trainer_hooks.wire import decode
 
 pytestmark = pytest.mark.slow
 

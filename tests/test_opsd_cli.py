@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
 from typer.testing import CliRunner
 
 from opsd import __version__
 from opsd.cli import app
+from tests.prometheus import free_port
 
 
 def test_version() -> None:
@@ -17,3 +27,49 @@ def test_version() -> None:
 def test_unknown_command_is_a_usage_error() -> None:
     result = CliRunner().invoke(app, ["no-such-command"])
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--metrics-port", "70000"], "metrics_port must be in 0-65535"),
+        (["--socket", "/x" * 60], "at most 107 bytes"),
+        (["--metrics-port", "many"], "unable to parse string as an integer"),
+    ],
+    ids=["port-range", "socket-too-long", "port-not-a-number"],
+)
+def test_agent_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["agent", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())  # unboxed, unwrapped
+
+
+def test_agent_runs_until_sigterm(tmp_path: Path) -> None:
+    sock = tmp_path / "agent.sock"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opsd", "agent", "--socket", str(sock), "--metrics-port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    assert json.load(r)["status"] == "ok"
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert sock.exists()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in out
+    assert not sock.exists()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
-from trainer_hooks.wire import MAX_MESSAGE_BYTES, STEP_FIELDS, VERSION, WireError, decode, encode
+from opsd.wire import MAX_MESSAGE_BYTES, STEP_FIELDS, VERSION, WireError, decode, decode_report, encode
 
 
 def report(**changes: Any) -> dict[str, Any]:
@@ -46,8 +47,9 @@ def test_round_trip() -> None:
     assert decode(encode(report())) == report()
 
 
-def test_unknown_fields_are_kept_for_newer_senders() -> None:
+def test_unknown_fields_are_accepted_for_newer_senders() -> None:
     assert decode(raw(report(gpu_uuid="GPU-1")))["gpu_uuid"] == "GPU-1"
+    assert decode_report(raw(report(gpu_uuid="GPU-1"))).rank == 3
 
 
 def test_oversized_report_is_sent_without_comms_detail() -> None:
@@ -65,31 +67,36 @@ def missing(name: str) -> bytes:
     return raw(message)
 
 
-BAD: dict[str, tuple[bytes, str]] = {
-    "too large": (b" " * (MAX_MESSAGE_BYTES + 1), "exceeds"),
-    "not json": (b"{nope", "not JSON"),
-    "not utf-8": (b"\xff\xfe", "not JSON"),
-    "array": (b"[1, 2]", "not a JSON object"),
-    "old version": (raw(report(v=0)), "unsupported version 0"),
-    "no version": (b"{}", "unsupported version None"),
-    "wrong kind": (raw(report(kind="heartbeat")), "unknown kind"),
-    "missing step_s": (missing("step_s"), "missing field 'step_s'"),
-    "string rank": (raw(report(rank="3")), "field 'rank' has type str"),
-    "bool tokens": (raw(report(tokens=True)), "field 'tokens' has type bool"),
-    "infinite step": (raw(report(step_s=float("inf"))), "'step_s' is not finite"),
-    "nan mfu": (raw(report(mfu_ratio=float("nan"))), "'mfu_ratio' is not finite"),
-    "short comms entry": (raw(report(comms=[["tp", "all_reduce", 1]])), "comms entries"),
+BAD: dict[str, tuple[bytes, str, str]] = {  # name: (datagram, reason, part of the message)
+    "too large": (b" " * (MAX_MESSAGE_BYTES + 1), "too_large", "exceeds"),
+    "not json": (b"{nope", "not_json", "not JSON"),
+    "not utf-8": (b"\xff\xfe", "not_json", "not JSON"),
+    "array": (b"[1, 2]", "not_object", "Expected `object`, got `array`"),
+    "old version": (raw(report(v=0)), "version", "unsupported version"),
+    "no version": (b"{}", "version", "missing required field `v`"),
+    "wrong kind": (raw(report(kind="heartbeat")), "kind", "'heartbeat' - at `$.kind`"),
+    "missing step_s": (missing("step_s"), "field", "missing required field `step_s`"),
+    "string rank": (raw(report(rank="3")), "field", "Expected `int`, got `str` - at `$.rank`"),
+    "bool tokens": (raw(report(tokens=True)), "field", "got `bool` - at `$.tokens`"),
+    "negative rank": (raw(report(rank=-1)), "field", "`$.rank`"),
+    "infinite step": (raw(report(step_s=float("inf"))), "not_json", "not JSON"),
+    "huge step": (raw(report(step_s=1e999)), "not_json", "not JSON"),
+    "nan mfu": (raw(report(mfu_ratio=float("nan"))), "not_json", "not JSON"),
+    "short comms entry": (raw(report(comms=[["tp", "all_reduce", 1]])), "comms", "`$.comms[0]`"),
+    "negative comms bytes": (raw(report(comms=[["tp", "all_reduce", 1, -8, 0.0]])), "comms", "`$.comms[0][3]`"),
+    "memory of strings": (raw(report(memory={"rss_bytes": "1"})), "field", "`$.memory"),
 }
 
 
 @pytest.mark.parametrize("name", BAD)
 def test_bad_datagrams_are_rejected_with_their_rule(name: str) -> None:
-    data, message = BAD[name]
-    with pytest.raises(WireError, match=message):
+    data, reason, message = BAD[name]
+    with pytest.raises(WireError, match=re.escape(message)) as info:
         decode(data)
+    assert info.value.reason == reason
 
 
 def test_every_field_is_required() -> None:
     for name in STEP_FIELDS:
-        with pytest.raises(WireError, match=f"missing field '{name}'|unsupported version"):
+        with pytest.raises(WireError, match=f"missing required field `{name}`"):
             decode(missing(name))

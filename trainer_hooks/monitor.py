@@ -28,11 +28,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from opsd.wire import VERSION, encode
 from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer, StepComms
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
 from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
-from trainer_hooks.wire import VERSION, encode
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,172 @@
+"""The agent process: receives the ranks' datagrams, keeps the node's state, serves ``/metrics`` and ``/healthz``.
+
+    agent = Agent(AgentConfig(socket_path="/run/opsd/agent.sock", metrics_port=9464))
+    agent.start()      # threads: datagram receiver, HTTP server, expiry
+    ...
+    agent.stop()
+
+A malformed datagram is counted by the rule it breaks and dropped; nothing a sender does stops the receiver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from agent.metrics import AgentCollector, AgentStats
+from agent.state import NodeState
+from opsd.wire import MAX_MESSAGE_BYTES, WireError, decode_report
+
+log = logging.getLogger(__name__)
+
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    socket_path: str
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464  # 0: any free port
+    node: str = field(default_factory=socket.gethostname)
+    receive_buffer_bytes: int = 4 << 20
+    stale_after_s: float = 600.0
+    max_comm_series: int = 10
+
+    def __post_init__(self) -> None:
+        if not self.socket_path:
+            raise ValueError("agent.socket_path must not be empty")
+        if len(os.fsencode(self.socket_path)) > UNIX_PATH_MAX:
+            raise ValueError(f"agent.socket_path must be at most {UNIX_PATH_MAX} bytes (a Unix socket path)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("agent.metrics_port must be in 0-65535")
+        if not self.node:
+            raise ValueError("agent.node must not be empty")
+        if self.receive_buffer_bytes < MAX_MESSAGE_BYTES:
+            raise ValueError(f"agent.receive_buffer_bytes must be >= {MAX_MESSAGE_BYTES}")
+        if self.stale_after_s <= 0:
+            raise ValueError("agent.stale_after_s must be > 0")
+        if self.max_comm_series < 1:
+            raise ValueError("agent.max_comm_series must be >= 1")
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.state = NodeState(max_comm_series=config.max_comm_series, stale_after_s=config.stale_after_s)
+        self.stats = AgentStats()
+        self.registry = CollectorRegistry()
+        self.registry.register(AgentCollector(self.state, self.stats, config.node))
+        self._sock: socket.socket | None = None
+        self._http: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+
+    # -- ingest ----------------------------------------------------------------------------------------------
+    def handle(self, data: bytes, now_s: float | None = None) -> str | None:
+        """Take one datagram; the rule it broke (and it is dropped), or None when it was ingested."""
+        try:
+            report = decode_report(data)
+        except WireError as exc:
+            self.stats.count(exc.reason)
+            log.debug("dropped a datagram: %s", exc)
+            return exc.reason
+        self.state.ingest(report, time.time() if now_s is None else now_s)
+        self.stats.count(None)
+        return None
+
+    def _receive(self, sock: socket.socket) -> None:
+        while not self._stopping.is_set():
+            try:
+                data = sock.recv(MAX_MESSAGE_BYTES + 1)
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                log.exception("agent socket failed; receiving again")
+                continue
+            self.handle(data)
+
+    def _expire(self) -> None:
+        while not self._stopping.wait(min(self.config.stale_after_s / 4, 30.0)):
+            for run, rank in self.state.expire(time.time()):
+                log.info("forgot rank %d of run %s: no report for %.0f s", rank, run, self.config.stale_after_s)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    @property
+    def metrics_port(self) -> int:
+        if self._http is None:
+            raise RuntimeError("agent not started")
+        return int(self._http.server_address[1])
+
+    def start(self) -> None:
+        path = self.config.socket_path
+        if os.path.exists(path):
+            os.unlink(path)  # a socket file left by an agent that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.receive_buffer_bytes)
+        sock.bind(path)
+        sock.settimeout(0.5)
+        self._sock = sock
+        self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))
+        self._http.daemon_threads = True
+        for name, target in (("receive", lambda: self._receive(sock)), ("http", self._http.serve_forever)):
+            thread = threading.Thread(target=target, name=f"opsd-agent-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        expiry = threading.Thread(target=self._expire, name="opsd-agent-expire", daemon=True)
+        expiry.start()
+        self._threads.append(expiry)
+        log.info("agent %s: datagrams on %s, metrics on %s:%d", self.config.node, path, *self._http.server_address[:2])
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        if self._sock is not None:
+            self._sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "node": self.config.node, "ranks": len(self.state.snapshot())}
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, agent.metrics_text())
+            elif path == "/healthz":
+                self._reply(200, "application/json", json.dumps(agent.health()).encode())
+            else:
+                self._reply(404, "text/plain", b"not found: /metrics and /healthz are served\n")
+
+        def _reply(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("http: " + format, *args)
+
+    return Handler

@@ -1,0 +1,112 @@
+"""The agent's Prometheus metrics, rendered from ``NodeState`` at each scrape (every one is in docs/metrics.md).
+
+Rendering at scrape time keeps ingest cheap (a datagram updates plain Python totals, not metric objects) and
+makes forgetting a stale rank remove its series.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent.state import NodeState, RankSnapshot
+from opsd.wire import REASONS
+
+RANK = ["run", "rank"]
+COMM = [*RANK, "dimension", "op"]
+MESH_DIMENSIONS = ("pp", "dp_replicate", "ep", "dp_shard", "cp", "tp")
+
+# report field -> (metric name, help)
+_LAST_STEP_GAUGES = {
+    "step_s": ("opsd_step_seconds", "Duration of the rank's last step."),
+    "compute_s": ("opsd_step_compute_seconds", "Last step's time not blocked in collectives (step - exposed)."),
+    "exposed_comm_s": ("opsd_step_exposed_comm_seconds", "Last step's time blocked waiting for collectives."),
+    "overlapped_comm_s": ("opsd_step_overlapped_comm_seconds", "Last step's collective time hidden under compute."),
+    "tokens_per_s": ("opsd_tokens_per_second", "Tokens per second of the rank's data-parallel shard, last step."),
+    "job_tokens_per_s": ("opsd_job_tokens_per_second", "Tokens per second of the whole job, seen from the rank."),
+    "mfu_ratio": ("opsd_mfu_ratio", "Model FLOPs utilisation of the job seen from the rank, last step (0-1)."),
+    "step": ("opsd_step", "Number of the rank's last reported step."),
+}
+
+
+class AgentStats:
+    """The agent's own counters: datagrams received, rejected by reason."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.rejected = dict.fromkeys(REASONS, 0)
+        self._lock = threading.Lock()
+
+    def count(self, reason: str | None) -> None:
+        with self._lock:
+            self.received += 1
+            if reason is not None:
+                self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+
+class AgentCollector(Collector):
+    def __init__(self, state: NodeState, stats: AgentStats, node: str) -> None:
+        self.state = state
+        self.stats = stats
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        ranks = self.state.snapshot()
+        yield from _rank_metrics(ranks)
+        received = CounterMetricFamily("opsd_agent_datagrams", "Datagrams received from ranks.", labels=["node"])
+        received.add_metric([self.node], self.stats.received)
+        yield received
+        rejected = CounterMetricFamily(
+            "opsd_agent_datagrams_rejected",
+            "Datagrams dropped as malformed, by the rule they broke.",
+            labels=["node", "reason"],
+        )
+        for reason, n in sorted(self.stats.rejected.items()):
+            rejected.add_metric([self.node, reason], n)
+        yield rejected
+        seen = GaugeMetricFamily("opsd_agent_ranks", "Ranks this agent has heard from recently.", labels=["node"])
+        seen.add_metric([self.node], len(ranks))
+        yield seen
+
+
+def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
+    ranks = list(ranks)
+    info = GaugeMetricFamily(
+        "opsd_rank_info",
+        "Where a rank is: host and mesh coordinates (value 1).",
+        labels=[*RANK, "host", *MESH_DIMENSIONS],
+    )
+    gauges = {f: GaugeMetricFamily(name, text, labels=RANK) for f, (name, text) in _LAST_STEP_GAUGES.items()}
+    memory = GaugeMetricFamily("opsd_memory_bytes", "Memory of the rank's last step, by kind.", labels=[*RANK, "kind"])
+    seen = GaugeMetricFamily(
+        "opsd_rank_last_report_timestamp_seconds", "When the agent last heard from the rank.", labels=RANK
+    )
+    steps = CounterMetricFamily("opsd_steps", "Steps reported by the rank.", labels=RANK)
+    tokens = CounterMetricFamily("opsd_tokens", "Tokens trained by the rank's data-parallel shard.", labels=RANK)
+    dropped = CounterMetricFamily("opsd_rank_dropped_reports", "Reports the rank could not deliver.", labels=RANK)
+    errors = CounterMetricFamily("opsd_rank_internal_errors", "Failures inside the rank's monitor.", labels=RANK)
+    comm_s = CounterMetricFamily("opsd_collective_seconds", "Time in collectives, issue to completion.", labels=COMM)
+    comm_b = CounterMetricFamily("opsd_collective_bytes", "Bytes of collectives (full buffer).", labels=COMM)
+    comm_n = CounterMetricFamily("opsd_collectives", "Collectives issued.", labels=COMM)
+    for r in ranks:
+        labels = [r.run, str(r.rank)]
+        info.add_metric([*labels, r.host, *(str(r.coords.get(d, 0)) for d in MESH_DIMENSIONS)], 1)
+        for f, gauge in gauges.items():
+            gauge.add_metric(labels, float(getattr(r.last, f)))
+        for kind, value in sorted(r.last.memory.items()):
+            memory.add_metric([*labels, kind.removesuffix("_bytes")], float(value))
+        seen.add_metric(labels, r.last_seen_s)
+        steps.add_metric(labels, r.steps_total)
+        tokens.add_metric(labels, r.tokens_total)
+        dropped.add_metric(labels, r.last.dropped_reports_total)
+        errors.add_metric(labels, r.last.internal_errors_total)
+        for (dim, op), totals in sorted(r.comms.items()):
+            comm_s.add_metric([*labels, dim, op], totals.seconds)
+            comm_b.add_metric([*labels, dim, op], totals.bytes)
+            comm_n.add_metric([*labels, dim, op], totals.count)
+    yield info
+    yield from gauges.values()
+    yield from (memory, seen, steps, tokens, dropped, errors, comm_s, comm_b, comm_n)

@@ -1,0 +1,112 @@
+"""What the agent knows of the ranks of its node: the last step of each, and running totals.
+
+Pure bookkeeping: no sockets, no clocks (``now_s`` is an argument), one lock. Ranks report per-step figures; the
+totals here are sums of those, so they only ever grow (Prometheus counters). Series are bounded: at most
+``max_comm_series`` (dimension, op) pairs per rank, the last of which is ``("other", "other")`` where the pairs
+past the budget are added up; a rank
+not heard from for ``stale_after_s`` is forgotten.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from opsd.wire import StepReport
+
+OVERFLOW = ("other", "other")
+
+
+@dataclass
+class CommTotals:
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RankState:
+    run: str
+    rank: int
+    last: StepReport  # the last report
+    host: str = ""
+    world_size: int = 0
+    coords: dict[str, int] = field(default_factory=dict)
+    steps_total: int = 0
+    tokens_total: int = 0
+    comms: dict[tuple[str, str], CommTotals] = field(default_factory=dict)
+    last_seen_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    run: str
+    rank: int
+    host: str
+    coords: dict[str, int]
+    last: StepReport
+    steps_total: int
+    tokens_total: int
+    comms: dict[tuple[str, str], CommTotals]
+    last_seen_s: float
+
+
+class NodeState:
+    def __init__(self, *, max_comm_series: int = 10, stale_after_s: float = 600.0) -> None:
+        if max_comm_series < 1:
+            raise ValueError("state.max_comm_series must be >= 1")
+        if stale_after_s <= 0:
+            raise ValueError("state.stale_after_s must be > 0")
+        self.max_comm_series = max_comm_series
+        self.stale_after_s = stale_after_s
+        self._ranks: dict[tuple[str, int], RankState] = {}
+        self._lock = threading.Lock()
+
+    def ingest(self, report: StepReport, now_s: float) -> None:
+        """Fold one decoded step report (see ``opsd.wire``) into the totals."""
+        key = (report.run, report.rank)
+        with self._lock:
+            state = self._ranks.get(key)
+            if state is None:
+                state = self._ranks[key] = RankState(run=key[0], rank=key[1], last=report)
+            state.host = report.host
+            state.world_size = report.world_size
+            state.coords = report.coords
+            state.last = report
+            state.steps_total += 1
+            state.tokens_total += report.tokens
+            state.last_seen_s = now_s
+            for dim, op, count, nbytes, seconds in report.comms:
+                pair = (dim, op)
+                if pair not in state.comms and len(state.comms) >= self.max_comm_series - 1:
+                    pair = OVERFLOW  # the last of the budget
+                totals = state.comms.setdefault(pair, CommTotals())
+                totals.count += count
+                totals.bytes += nbytes
+                totals.seconds += seconds
+
+    def expire(self, now_s: float) -> list[tuple[str, int]]:
+        """Forget the ranks not heard from for ``stale_after_s``; the (run, rank) pairs forgotten."""
+        with self._lock:
+            gone = [k for k, s in self._ranks.items() if now_s - s.last_seen_s > self.stale_after_s]
+            for k in gone:
+                del self._ranks[k]
+        return gone
+
+    def snapshot(self) -> list[RankSnapshot]:
+        """A consistent copy of every rank's state, ordered by (run, rank)."""
+        with self._lock:
+            return [
+                RankSnapshot(
+                    run=s.run,
+                    rank=s.rank,
+                    host=s.host,
+                    coords=dict(s.coords),
+                    last=s.last,
+                    steps_total=s.steps_total,
+                    tokens_total=s.tokens_total,
+                    comms={k: CommTotals(v.count, v.bytes, v.seconds) for k, v in s.comms.items()},
+                    last_seen_s=s.last_seen_s,
+                )
+                for _, s in sorted(self._ranks.items())
+            ]

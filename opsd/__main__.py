@@ -1,0 +1,5 @@
+"""``python -m opsd``: the same as the ``opsd`` command."""
+
+from opsd.cli import app
+
+app(prog_name="opsd")

@@ -1,0 +1,110 @@
+"""The step report a rank sends to its node agent: version 1 of the wire format (see docs/protocol.md).
+
+One JSON object per step and rank, UTF-8, at most ``MAX_MESSAGE_BYTES``; never one message per collective.
+Decoding parses and validates in one pass (msgspec, against ``StepReport``): a few microseconds a datagram.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from opsd.errors import PermanentError
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 8192
+
+Count = Annotated[int, Meta(ge=0)]
+Seconds = Annotated[float, Meta(ge=0)]
+#: a comms entry: dimension, op, count, bytes, seconds
+CommEntry = tuple[str, str, Count, Count, Seconds]
+
+
+class StepReport(Struct, frozen=True):
+    """Version 1 of the step report; every field is required, unknown fields are ignored."""
+
+    v: Literal[1]
+    kind: Literal["step"]
+    run: str
+    rank: Count
+    world_size: Count
+    host: str
+    step: Count
+    time_unix_s: float
+    step_s: Seconds
+    compute_s: float
+    exposed_comm_s: Seconds
+    overlapped_comm_s: Seconds
+    tokens: Count
+    tokens_per_s: Seconds
+    job_tokens_per_s: Seconds
+    mfu_ratio: Seconds
+    memory: dict[str, Count]
+    coords: dict[str, Count]
+    comms: list[CommEntry]
+    dropped_reports_total: Count
+    internal_errors_total: Count
+    truncated: bool = False
+
+
+STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f != "truncated")
+
+#: the values of ``WireError.reason``
+REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")
+
+_DECODER = msgspec.json.Decoder(StepReport)
+
+
+class WireError(PermanentError, ValueError):
+    """A message that does not follow the wire format; the text says which rule it breaks, ``reason`` names the
+    rule in a few words fit for a metric label (one of ``REASONS``)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Serialise a step report; drops the comms detail (flagging ``truncated``) rather than exceed the bound."""
+    data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        data = json.dumps({**message, "comms": [], "truncated": True}, separators=(",", ":")).encode()
+    return data
+
+
+def _reason(error: msgspec.ValidationError) -> str:
+    text = str(error)
+    if "`$.v`" in text or "field `v`" in text:
+        return "version"
+    if "`$.kind`" in text or "field `kind`" in text:
+        return "kind"
+    if "`$.comms" in text:
+        return "comms"
+    if text.startswith("Expected `object`") and "- at" not in text:
+        return "not_object"
+    return "field"
+
+
+def decode_report(data: bytes) -> StepReport:
+    """Parse and validate one datagram; raises :class:`WireError` naming the broken rule."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}", "too_large")
+    try:
+        return _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        reason = _reason(exc)
+        if reason == "version":
+            raise WireError(f"unsupported version ({exc}; this side speaks {VERSION})", reason) from None
+        raise WireError(str(exc), reason) from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"not JSON: {exc}", "not_json") from None
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Validate like :func:`decode_report`, return the message as it was sent (a dict, unknown fields kept)."""
+    decode_report(data)
+    message: dict[str, Any] = json.loads(data)
+    return message

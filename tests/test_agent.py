@@ -1,0 +1,222 @@
+"""The agent in one process: ingest, totals, series budget, /metrics and /healthz over real HTTP, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.daemon import Agent, AgentConfig
+from agent.state import OVERFLOW, NodeState
+from opsd.wire import REASONS, StepReport, decode_report, encode
+from tests.test_wire import report
+
+
+def step(**changes: Any) -> StepReport:
+    return decode_report(encode(report(**changes)))
+
+
+def samples(agent: Agent) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(agent.metrics_text().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(agent: Agent, name: str, **labels: str) -> float:
+    return samples(agent)[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Agent:
+    return Agent(AgentConfig(socket_path=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
+
+
+def test_reports_become_per_rank_metrics(agent: Agent) -> None:
+    for step in (1, 2):
+        agent.handle(encode(report(step=step, rank=3, step_s=0.25, tokens=512)), now_s=100.0 + step)
+    r = {"run": "r", "rank": "3"}
+    assert value(agent, "opsd_step_seconds", **r) == 0.25
+    assert value(agent, "opsd_step", **r) == 2
+    assert value(agent, "opsd_steps_total", **r) == 2
+    assert value(agent, "opsd_tokens_total", **r) == 1024
+    assert value(agent, "opsd_mfu_ratio", **r) == 0.4
+    assert value(agent, "opsd_memory_bytes", kind="rss", **r) == 1 << 30
+    assert value(agent, "opsd_rank_last_report_timestamp_seconds", **r) == 102.0
+    comm = {**r, "dimension": "tp", "op": "all_reduce"}
+    assert value(agent, "opsd_collectives_total", **comm) == 56  # summed over the two steps
+    assert value(agent, "opsd_collective_bytes_total", **comm) == 2 * 917504
+    assert value(agent, "opsd_collective_seconds_total", **comm) == pytest.approx(0.02)
+    info = {**r, "host": "node-0", "pp": "0", "dp_replicate": "0", "ep": "0", "dp_shard": "1", "cp": "0", "tp": "1"}
+    assert value(agent, "opsd_rank_info", **info) == 1
+    assert value(agent, "opsd_agent_datagrams_total", node="n1") == 2
+    assert value(agent, "opsd_agent_ranks", node="n1") == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"\x00" * 9000, "too_large"),
+        (b"{", "not_json"),
+        (b"7", "not_object"),
+        (json.dumps(report(v=2)).encode(), "version"),
+        (json.dumps(report(rank="0")).encode(), "field"),
+        (json.dumps(report(kind="x")).encode(), "kind"),
+        (json.dumps(report(comms=[["tp", "all_reduce", -1, 0, 0.0]])).encode(), "comms"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_datagrams_are_counted_by_reason_and_dropped(agent: Agent, data: bytes, reason: str) -> None:
+    assert agent.handle(data) == reason
+    assert value(agent, "opsd_agent_datagrams_rejected_total", node="n1", reason=reason) == 1
+    assert value(agent, "opsd_agent_ranks", node="n1") == 0
+    assert agent.handle(encode(report())) is None  # and the agent goes on
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=10_000))
+def test_no_bytes_crash_the_agent(data: bytes) -> None:
+    a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
+    reason = a.handle(data)
+    assert reason is None or reason in REASONS
+    assert a.stats.received == 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(report())), json_values)
+def test_any_field_value_is_ingested_or_counted(field: str, new: Any) -> None:
+    a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
+    data = json.dumps(report(**{field: new})).encode()
+    reason = a.handle(data)
+    assert reason is None or reason in REASONS
+    a.metrics_text()  # whatever was ingested renders
+
+
+def test_comm_series_per_rank_are_capped() -> None:
+    state = NodeState(max_comm_series=2)
+    comms = [["tp", "all_reduce", 1, 8, 0.1], ["pp", "send", 1, 8, 0.1], ["ep", "all_to_all", 1, 8, 0.1]]
+    state.ingest(step(comms=comms), now_s=0)
+    (rank,) = state.snapshot()
+    assert set(rank.comms) == {("tp", "all_reduce"), OVERFLOW}
+    assert rank.comms[OVERFLOW].count == 2
+
+
+def test_stale_ranks_are_forgotten() -> None:
+    state = NodeState(stale_after_s=60)
+    state.ingest(step(rank=0), now_s=0)
+    state.ingest(step(rank=1), now_s=50)
+    assert state.expire(now_s=100) == [("r", 0)]
+    assert [r.rank for r in state.snapshot()] == [1]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"socket_path": ""}, "socket_path must not be empty"),
+        ({"socket_path": "/x" * 60}, "at most 107 bytes"),
+        ({"metrics_port": 70000}, "metrics_port must be in 0-65535"),
+        ({"node": ""}, "node must not be empty"),
+        ({"receive_buffer_bytes": 100}, "receive_buffer_bytes must be >= 8192"),
+        ({"stale_after_s": 0}, "stale_after_s must be > 0"),
+        ({"max_comm_series": 0}, "max_comm_series must be >= 1"),
+    ],
+    ids=["empty-socket", "long-socket", "port", "node", "buffer", "stale", "series"],
+)
+def test_config_validates_itself(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AgentConfig(**{"socket_path": "/tmp/a.sock", **changes})
+
+
+@pytest.fixture
+def running(agent: Agent) -> Iterator[Agent]:
+    agent.start()
+    try:
+        yield agent
+    finally:
+        agent.stop()
+
+
+def get(agent: Agent, path: str) -> tuple[int, str, bytes]:
+    url = f"http://127.0.0.1:{agent.metrics_port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read()
+
+
+def test_datagrams_over_the_socket_reach_metrics_over_http(running: Agent, tmp_path: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rank:
+        rank.sendto(encode(report(rank=5)), running.config.socket_path)
+        rank.sendto(b"garbage", running.config.socket_path)
+    deadline = time.monotonic() + 5
+    while running.stats.received < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, content_type, body = get(running, "/metrics")
+    assert status == 200
+    assert content_type.startswith("text/plain")
+    assert b'opsd_step_seconds{rank="5",run="r"} 0.2' in body
+    assert b'opsd_agent_datagrams_rejected_total{node="n1",reason="not_json"} 1.0' in body
+    status, _, body = get(running, "/healthz")
+    assert (status, json.loads(body)) == (200, {"status": "ok", "node": "n1", "ranks": 1})
+    assert get(running, "/nope")[0] == 404
+
+
+def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "a.sock"
+    path.write_text("left behind")
+    a = Agent(AgentConfig(socket_path=str(path), metrics_port=0, node="n"))
+    a.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rank:
+            rank.sendto(encode(report()), str(path))
+        deadline = time.monotonic() + 5
+        while a.stats.received < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.stats.received == 1
+    finally:
+        a.stop()
+    assert not path.exists()
+
+
+def documented_metrics() -> dict[str, str]:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    return dict(re.findall(r"^\| `(opsd_\w+)` \| (gauge|counter) \|", text, flags=re.M))
+
+
+def test_every_exposed_metric_is_documented_with_its_type(agent: Agent) -> None:
+    agent.handle(encode(report()))
+    exposed = {}
+    for family in text_string_to_metric_families(agent.metrics_text().decode()):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exposed[name] = family.type
+    assert exposed == documented_metrics()
+
+
+def test_series_budget_per_rank_is_under_50() -> None:
+    pairs = [[f"d{i}", "op", 1, 1, 0.1] for i in range(30)]  # far more pairs than any rank uses
+    memory = {"allocated_peak_bytes": 1, "reserved_peak_bytes": 2}
+    a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
+    a.handle(encode(report(comms=pairs, memory=memory)))
+    per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]
+    per_rank = [s for s in per_rank if s.labels.get("rank") == "3"]
+    assert len(per_rank) == 16 + 3 * 10
