@@ -23,9 +23,13 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from agent.gpu import open_source
+from agent.health import GpuHealth, GpuHealthCollector
 from agent.metrics import AgentCollector, AgentStats
 from agent.state import NodeState
+from opsd.policy.xid import WatchWindow
 from opsd.wire import MAX_MESSAGE_BYTES, WireError, decode_report
+from opsd.xid_table import load_xid_table
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,12 @@ class AgentConfig:
     node: str = field(default_factory=socket.gethostname)
     receive_buffer_bytes: int = 4 << 20
     stale_after_s: float = 600.0
-    max_comm_series: int = 10
+    max_comm_series: int = 8
+    gpu_source: str = "none"  # nvml | none | file:DIRECTORY (the fake)
+    gpu_interval_s: float = 5.0
+    xid_table_path: str | None = None  # default: the table shipped with opsd
+    xid_window_s: float = 3600.0
+    xid_threshold: int = 3
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -57,6 +66,11 @@ class AgentConfig:
             raise ValueError("agent.stale_after_s must be > 0")
         if self.max_comm_series < 1:
             raise ValueError("agent.max_comm_series must be >= 1")
+        if not (self.gpu_source in ("nvml", "none") or self.gpu_source.startswith("file:")):
+            raise ValueError("agent.gpu_source must be nvml, none or file:DIRECTORY")
+        if self.gpu_interval_s <= 0:
+            raise ValueError("agent.gpu_interval_s must be > 0")
+        WatchWindow(self.xid_window_s, self.xid_threshold)  # validates them
 
 
 class Agent:
@@ -66,6 +80,7 @@ class Agent:
         self.stats = AgentStats()
         self.registry = CollectorRegistry()
         self.registry.register(AgentCollector(self.state, self.stats, config.node))
+        self.gpu: GpuHealth | None = None
         self._sock: socket.socket | None = None
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -110,6 +125,13 @@ class Agent:
         return int(self._http.server_address[1])
 
     def start(self) -> None:
+        """Open the GPU source (errors raise OpsError), bind the socket and the HTTP port (errors raise OSError)."""
+        cfg = self.config
+        table = load_xid_table(cfg.xid_table_path)
+        window = WatchWindow(cfg.xid_window_s, cfg.xid_threshold)
+        self.gpu = GpuHealth(open_source(cfg.gpu_source), table, window, interval_s=cfg.gpu_interval_s)
+        self.registry.register(GpuHealthCollector(self.gpu, cfg.node))
+        self.gpu.start()
         path = self.config.socket_path
         if os.path.exists(path):
             os.unlink(path)  # a socket file left by an agent that died
@@ -131,6 +153,8 @@ class Agent:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.gpu is not None:
+            self.gpu.stop()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

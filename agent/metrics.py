@@ -24,11 +24,9 @@ _LAST_STEP_GAUGES = {
     "step_s": ("opsd_step_seconds", "Duration of the rank's last step."),
     "compute_s": ("opsd_step_compute_seconds", "Last step's time not blocked in collectives (step - exposed)."),
     "exposed_comm_s": ("opsd_step_exposed_comm_seconds", "Last step's time blocked waiting for collectives."),
-    "overlapped_comm_s": ("opsd_step_overlapped_comm_seconds", "Last step's collective time hidden under compute."),
     "tokens_per_s": ("opsd_tokens_per_second", "Tokens per second of the rank's data-parallel shard, last step."),
     "job_tokens_per_s": ("opsd_job_tokens_per_second", "Tokens per second of the whole job, seen from the rank."),
     "mfu_ratio": ("opsd_mfu_ratio", "Model FLOPs utilisation of the job seen from the rank, last step (0-1)."),
-    "step": ("opsd_step", "Number of the rank's last reported step."),
 }
 
 

@@ -52,7 +52,7 @@ class RankSnapshot:
 
 
 class NodeState:
-    def __init__(self, *, max_comm_series: int = 10, stale_after_s: float = 600.0) -> None:
+    def __init__(self, *, max_comm_series: int = 8, stale_after_s: float = 600.0) -> None:
         if max_comm_series < 1:
             raise ValueError("state.max_comm_series must be >= 1")
         if stale_after_s <= 0:

@@ -10,6 +10,7 @@ import threading
 import typer
 
 from opsd import __version__
+from opsd.errors import OpsError
 
 app = typer.Typer(
     name="opsd",
@@ -38,6 +39,9 @@ def agent(
     metrics_host: str = typer.Option("127.0.0.1", help="address of /metrics and /healthz"),
     metrics_port: int = typer.Option(9464, help="port of /metrics and /healthz (0: any free port)"),
     node: str = typer.Option("", help="node name in metrics (default: host name)"),
+    gpu_source: str = typer.Option("none", help="GPU health: nvml, none, or file:DIRECTORY (the fake)"),
+    gpu_interval_s: float = typer.Option(5.0, help="seconds between GPU health samples"),
+    xid_table: str = typer.Option("", help="CSV xid,meaning,default_action (default: the table shipped)"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run the node agent: rank reports in, Prometheus metrics out."""
@@ -50,13 +54,16 @@ def agent(
             metrics_host=metrics_host,
             metrics_port=metrics_port,
             node=node or socket.gethostname(),
+            gpu_source=gpu_source,
+            gpu_interval_s=gpu_interval_s,
+            xid_table_path=xid_table or None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     daemon = Agent(config)
     try:
         daemon.start()
-    except OSError as exc:
+    except (OSError, OpsError) as exc:
         typer.echo(f"opsd agent: cannot start: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(

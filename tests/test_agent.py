@@ -18,8 +18,12 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent, AgentConfig
+from agent.gpu import FileGpuSource, GpuSample
+from agent.health import GpuHealth, GpuHealthCollector
 from agent.state import OVERFLOW, NodeState
+from opsd.policy.xid import WatchWindow
 from opsd.wire import REASONS, StepReport, decode_report, encode
+from opsd.xid_table import load_xid_table
 from tests.test_wire import report
 
 
@@ -49,7 +53,6 @@ def test_reports_become_per_rank_metrics(agent: Agent) -> None:
         agent.handle(encode(report(step=step, rank=3, step_s=0.25, tokens=512)), now_s=100.0 + step)
     r = {"run": "r", "rank": "3"}
     assert value(agent, "opsd_step_seconds", **r) == 0.25
-    assert value(agent, "opsd_step", **r) == 2
     assert value(agent, "opsd_steps_total", **r) == 2
     assert value(agent, "opsd_tokens_total", **r) == 1024
     assert value(agent, "opsd_mfu_ratio", **r) == 0.4
@@ -203,8 +206,12 @@ def documented_metrics() -> dict[str, str]:
     return dict(re.findall(r"^\| `(opsd_\w+)` \| (gauge|counter) \|", text, flags=re.M))
 
 
-def test_every_exposed_metric_is_documented_with_its_type(agent: Agent) -> None:
+def test_every_exposed_metric_is_documented_with_its_type(agent: Agent, tmp_path: Path) -> None:
     agent.handle(encode(report()))
+    gpu = GpuHealth(FileGpuSource(tmp_path), load_xid_table(), WatchWindow())
+    gpu.samples = [GpuSample(index=0, uuid="GPU-0")]
+    gpu.record(0, 79, now_s=0)
+    agent.registry.register(GpuHealthCollector(gpu, "n1"))
     exposed = {}
     for family in text_string_to_metric_families(agent.metrics_text().decode()):
         name = family.name + ("_total" if family.type == "counter" else "")
@@ -219,4 +226,4 @@ def test_series_budget_per_rank_is_under_50() -> None:
     a.handle(encode(report(comms=pairs, memory=memory)))
     per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]
     per_rank = [s for s in per_rank if s.labels.get("rank") == "3"]
-    assert len(per_rank) == 16 + 3 * 10
+    assert len(per_rank) == 14 + 3 * 8

@@ -1,0 +1,134 @@
+"""GPU health through the file-backed fake source (no GPU here), XID counting and decisions, and the metrics.
+
+``FileGpuSource`` stands in for NVML at the ``GpuSource`` interface; ``NvmlSource`` is checked only for failing
+cleanly where NVML is missing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.daemon import Agent, AgentConfig
+from agent.gpu import FileGpuSource, GpuSample, NvmlSource, inject_xid, open_source, write_samples
+from agent.health import GpuHealth
+from opsd.errors import PermanentError
+from opsd.policy.xid import WatchWindow
+from opsd.xid_table import load_xid_table
+from tests.test_agent import samples
+
+SAMPLE = GpuSample(
+    index=0,
+    uuid="GPU-0",
+    temperature_c=71.0,
+    sm_clock_hz=1.98e9,
+    power_w=690.5,
+    clock_event_reasons=4,
+    ecc_volatile_corrected=3,
+    ecc_aggregate_corrected=12,
+    retired_pages_sbe=2,
+    remapped_rows_correctable=1,
+    row_remap_pending=True,
+    nvlink_errors=5,
+)
+
+
+def health(tmp_path: Path, threshold: int = 1) -> GpuHealth:
+    source = FileGpuSource(tmp_path)
+    return GpuHealth(source, load_xid_table(), WatchWindow(window_s=60, threshold=threshold), interval_s=0.05)
+
+
+def test_fake_source_reads_samples_and_only_new_xids(tmp_path: Path) -> None:
+    inject_xid(tmp_path, 0, 13)  # before the source opened: not reported
+    source = FileGpuSource(tmp_path)
+    write_samples(tmp_path, [SAMPLE, GpuSample(index=1, uuid="GPU-1")])
+    assert source.sample()[0] == SAMPLE
+    assert source.xid_events(0) == []
+    inject_xid(tmp_path, 1, 79)
+    (tmp_path / "xids.jsonl").open("a").write('{"gpu": "x"}\n{"gpu": 0, "xid": 92}\n{"gpu": 0')  # bad, good, partial
+    assert source.xid_events(0) == [(1, 79), (0, 92)]
+    assert source.bad_lines == 1
+    with (tmp_path / "xids.jsonl").open("a") as f:
+        f.write(', "xid": 94}\n')  # the partial line, completed
+    assert source.xid_events(1.0) == [(0, 94)]
+
+
+def test_xids_are_counters_and_fatal_ones_become_pending_events(tmp_path: Path) -> None:
+    h = health(tmp_path)
+    assert h.record(0, 92, now_s=0).action == "count"
+    assert h.record(0, 92, now_s=10).action == "cordon_and_swap"  # 2 > threshold 1 within 60 s
+    assert h.record(1, 79, now_s=20).action == "cordon_and_swap"
+    assert h.record(1, 13, now_s=30).action == "restart_job"
+    assert h.xid_counts == {(0, 92): 2, (1, 79): 1, (1, 13): 1}
+    pending = h.pending_events()
+    assert [(e.gpu, e.xid, e.action) for e in pending] == [
+        (0, 92, "cordon_and_swap"),
+        (1, 79, "cordon_and_swap"),
+        (1, 13, "restart_job"),
+    ]
+    h.acknowledge(pending[1].seq)
+    assert [e.xid for e in h.pending_events()] == [13]
+
+
+def test_a_broken_source_is_counted_and_polling_goes_on(tmp_path: Path) -> None:
+    h = health(tmp_path)
+    (tmp_path / "gpus.json").write_text("{not json")
+    h.poll_once(0)
+    assert h.source_errors == 1
+    write_samples(tmp_path, [SAMPLE])
+    h.poll_once(0)
+    assert h.samples == [SAMPLE]
+
+
+def test_agent_exports_gpu_health_and_injected_xids(tmp_path: Path) -> None:
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    write_samples(gpus, [SAMPLE])
+    config = AgentConfig(
+        socket_path=str(tmp_path / "a.sock"), metrics_port=0, node="n", gpu_source=f"file:{gpus}", gpu_interval_s=0.05
+    )
+    agent = Agent(config)
+    agent.start()
+    try:
+        inject_xid(gpus, 0, 79)
+        inject_xid(gpus, 0, 79)
+        deadline = time.monotonic() + 10
+        while (("opsd_gpu_xid_errors_total", (("gpu", "0"), ("xid", "79")))) not in samples(agent):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        m = samples(agent)
+    finally:
+        agent.stop()
+    assert m[("opsd_gpu_xid_errors_total", (("gpu", "0"), ("xid", "79")))] == 2
+    assert m[("opsd_gpu_health_actions_total", (("action", "cordon_and_swap"), ("gpu", "0")))] == 2
+    assert m[("opsd_gpu_temperature_celsius", (("gpu", "0"),))] == 71.0
+    assert m[("opsd_gpu_power_watts", (("gpu", "0"),))] == 690.5
+    assert m[("opsd_gpu_row_remap_pending", (("gpu", "0"),))] == 1
+    assert m[("opsd_gpu_ecc_errors_total", (("gpu", "0"), ("scope", "aggregate"), ("type", "corrected")))] == 12
+    assert m[("opsd_gpu_retired_pages", (("cause", "single_bit"), ("gpu", "0")))] == 2
+    assert m[("opsd_gpu_nvlink_errors_total", (("gpu", "0"),))] == 5
+    per_gpu = [k for k in m if k[0].startswith("opsd_gpu_") and ("gpu", "0") in k[1] and "xid" not in k[0]]
+    per_gpu = [k for k in per_gpu if "health_actions" not in k[0]]
+    assert len(per_gpu) == 14  # the documented fixed part of the per-GPU budget
+
+
+def test_nvml_source_samples_or_fails_clearly() -> None:
+    try:
+        source = NvmlSource()
+    except PermanentError as exc:  # no NVML on this machine
+        message = str(exc)
+        assert message.startswith("NVML is not available")
+        return
+    try:  # a GPU machine: every GPU gives a sample
+        samples = source.sample()
+        assert [s.index for s in samples] == list(range(len(samples)))
+        assert all(s.uuid.startswith("GPU-") for s in samples)
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("spec", ["cuda", "file:", ""])
+def test_bad_gpu_source_spec(spec: str) -> None:
+    with pytest.raises(PermanentError, match="expected nvml, none or file:DIRECTORY"):
+        open_source(spec)
