@@ -25,8 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from agent.gpu import open_source
 from agent.health import GpuHealth, GpuHealthCollector
-from agent.metrics import AgentCollector, AgentStats
+from agent.metrics import AgentCollector, AgentStats, ReporterCollector
+from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
+from agent.tracing import Tracing
 from opsd.policy.xid import WatchWindow
 from opsd.wire import MAX_MESSAGE_BYTES, WireError, decode_report
 from opsd.xid_table import load_xid_table
@@ -50,6 +52,10 @@ class AgentConfig:
     xid_table_path: str | None = None  # default: the table shipped with opsd
     xid_window_s: float = 3600.0
     xid_threshold: int = 3
+    controller_url: str | None = None  # heartbeats go there when set
+    controller_token: str = ""
+    heartbeat_interval_s: float = 1.0
+    policy_path: str | None = None  # where the controller's policy is written for the ranks
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -71,6 +77,19 @@ class AgentConfig:
         if self.gpu_interval_s <= 0:
             raise ValueError("agent.gpu_interval_s must be > 0")
         WatchWindow(self.xid_window_s, self.xid_threshold)  # validates them
+        if self.controller_url is not None:
+            self.reporter_config()  # validates the reporter's settings
+
+    def reporter_config(self) -> ReporterConfig:
+        if self.controller_url is None:
+            raise ValueError("agent.controller_url is not set")
+        return ReporterConfig(
+            url=self.controller_url,
+            token=self.controller_token,
+            interval_s=self.heartbeat_interval_s,
+            max_backoff_s=max(30.0, self.heartbeat_interval_s),
+            policy_path=self.policy_path,
+        )
 
 
 class Agent:
@@ -81,6 +100,8 @@ class Agent:
         self.registry = CollectorRegistry()
         self.registry.register(AgentCollector(self.state, self.stats, config.node))
         self.gpu: GpuHealth | None = None
+        self.reporter: Reporter | None = None
+        self.tracing: Tracing | None = None
         self._sock: socket.socket | None = None
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -129,9 +150,15 @@ class Agent:
         cfg = self.config
         table = load_xid_table(cfg.xid_table_path)
         window = WatchWindow(cfg.xid_window_s, cfg.xid_threshold)
-        self.gpu = GpuHealth(open_source(cfg.gpu_source), table, window, interval_s=cfg.gpu_interval_s)
+        self.tracing = Tracing(cfg.node)
+        source = open_source(cfg.gpu_source)
+        self.gpu = GpuHealth(source, table, window, interval_s=cfg.gpu_interval_s, tracer=self.tracing.tracer)
         self.registry.register(GpuHealthCollector(self.gpu, cfg.node))
         self.gpu.start()
+        if cfg.controller_url is not None:
+            self.reporter = Reporter(cfg.reporter_config(), cfg.node, self.state, self.gpu)
+            self.registry.register(ReporterCollector(self.reporter, cfg.node))
+            self.reporter.start()
         path = self.config.socket_path
         if os.path.exists(path):
             os.unlink(path)  # a socket file left by an agent that died
@@ -153,8 +180,12 @@ class Agent:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.reporter is not None:
+            self.reporter.stop()
         if self.gpu is not None:
             self.gpu.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

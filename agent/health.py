@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -46,6 +48,7 @@ class GpuHealth:
         *,
         interval_s: float = 5.0,
         max_history: int = 10_000,
+        tracer: Tracer | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("gpu.interval_s must be > 0")
@@ -57,6 +60,7 @@ class GpuHealth:
         self.xid_counts: dict[tuple[int, int], int] = {}
         self.action_counts: dict[tuple[int, str], int] = {}
         self.source_errors = 0
+        self.tracer: Tracer = tracer or trace.NoOpTracer()
         self._history: deque[XidEvent] = deque(maxlen=max_history)
         self._pending: list[HealthEvent] = []
         self._seq = 0
@@ -78,6 +82,14 @@ class GpuHealth:
             if decision is not None:
                 self.action_counts[(gpu, action)] = self.action_counts.get((gpu, action), 0) + 1
                 self._pending.append(health)
+        attributes: dict[str, str | int] = {
+            "gpu.index": gpu,
+            "gpu.xid": xid,
+            "opsd.action": action,
+            "opsd.reason": reason,
+        }
+        with self.tracer.start_as_current_span("gpu.xid", attributes=attributes):
+            pass  # an event, not a duration: the span marks when it was seen
         if decision is not None:
             log.warning("gpu %d xid %d: %s (%s)", gpu, xid, action, reason)
         else:
@@ -93,11 +105,13 @@ class GpuHealth:
         with self._lock:
             self._pending = [e for e in self._pending if e.seq > up_to_seq]
 
-    def poll_once(self, timeout_s: float) -> None:
+    def poll_once(self, timeout_s: float, *, sample: bool = True) -> None:
+        """Take a sample (unless told not to), then wait up to ``timeout_s`` for XID events."""
         try:
-            samples = self.source.sample()
-            with self._lock:
-                self.samples = samples
+            if sample:
+                samples = self.source.sample()
+                with self._lock:
+                    self.samples = samples
             for gpu, xid in self.source.xid_events(timeout_s):
                 self.record(gpu, xid, time.time())
         except OpsError as exc:
@@ -107,8 +121,14 @@ class GpuHealth:
 
     def start(self) -> None:
         def loop() -> None:
+            next_sample = 0.0
             while not self._stop.is_set():
-                self.poll_once(self.interval_s)
+                now = time.monotonic()
+                due = now >= next_sample
+                if due:
+                    next_sample = now + self.interval_s
+                # XID events are awaited in short slices so that stop() is prompt
+                self.poll_once(min(0.5, max(next_sample - now, 0.01)), sample=due)
 
         self._thread = threading.Thread(target=loop, name="opsd-agent-gpu", daemon=True)
         self._thread.start()
@@ -116,7 +136,7 @@ class GpuHealth:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.interval_s + 5)
+            self._thread.join(timeout=5)
         self.source.close()
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.reporter import Reporter
 from agent.state import NodeState, RankSnapshot
 from opsd.wire import REASONS
 
@@ -89,6 +90,12 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
     comm_s = CounterMetricFamily("opsd_collective_seconds", "Time in collectives, issue to completion.", labels=COMM)
     comm_b = CounterMetricFamily("opsd_collective_bytes", "Bytes of collectives (full buffer).", labels=COMM)
     comm_n = CounterMetricFamily("opsd_collectives", "Collectives issued.", labels=COMM)
+    ckpt_n = CounterMetricFamily("opsd_checkpoints", "Checkpoint saves finished by the rank.", labels=RANK)
+    ckpt_s = CounterMetricFamily(
+        "opsd_checkpoint_seconds", "Checkpoint time: blocking (training stopped) and total.", labels=[*RANK, "phase"]
+    )
+    ckpt_b = CounterMetricFamily("opsd_checkpoint_bytes", "Checkpoint bytes written by the rank.", labels=RANK)
+
     for r in ranks:
         labels = [r.run, str(r.rank)]
         info.add_metric([*labels, r.host, *(str(r.coords.get(d, 0)) for d in MESH_DIMENSIONS)], 1)
@@ -101,10 +108,45 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
         tokens.add_metric(labels, r.tokens_total)
         dropped.add_metric(labels, r.last.dropped_reports_total)
         errors.add_metric(labels, r.last.internal_errors_total)
+        if r.checkpoints.count:
+            c = r.checkpoints
+            ckpt_n.add_metric(labels, c.count)
+            ckpt_b.add_metric(labels, c.bytes)
+            ckpt_s.add_metric([*labels, "blocking"], c.blocking_s)
+            ckpt_s.add_metric([*labels, "total"], c.total_s)
         for (dim, op), totals in sorted(r.comms.items()):
             comm_s.add_metric([*labels, dim, op], totals.seconds)
             comm_b.add_metric([*labels, dim, op], totals.bytes)
             comm_n.add_metric([*labels, dim, op], totals.count)
     yield info
     yield from gauges.values()
-    yield from (memory, seen, steps, tokens, dropped, errors, comm_s, comm_b, comm_n)
+    yield from (memory, seen, steps, tokens, dropped, errors, comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
+
+
+class ReporterCollector(Collector):
+    """Heartbeats to the controller: delivered and failed, summaries dropped, events awaiting acknowledgement."""
+
+    def __init__(self, reporter: Reporter, node: str) -> None:
+        self.reporter = reporter
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.reporter
+        sent = CounterMetricFamily("opsd_agent_heartbeats", "Heartbeats to the controller.", labels=["node", "result"])
+        sent.add_metric([self.node, "ok"], r.sent_ok)
+        sent.add_metric([self.node, "error"], r.sent_failed)
+        yield sent
+        dropped = CounterMetricFamily(
+            "opsd_agent_summaries_dropped",
+            "Summaries dropped, oldest first, while the controller was unreachable.",
+            labels=["node"],
+        )
+        dropped.add_metric([self.node], r.summaries_dropped)
+        yield dropped
+        pending = GaugeMetricFamily(
+            "opsd_agent_pending_health_events",
+            "GPU health events the controller has not acknowledged.",
+            labels=["node"],
+        )
+        pending.add_metric([self.node], len(r.gpu.pending_events()) if r.gpu else 0)
+        yield pending

@@ -10,7 +10,7 @@ not heard from for ``stale_after_s`` is forgotten.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from opsd.wire import StepReport
 
@@ -25,6 +25,15 @@ class CommTotals:
 
 
 @dataclass
+class CheckpointTotals:
+    count: int = 0
+    blocking_s: float = 0.0
+    total_s: float = 0.0
+    bytes: int = 0
+    last_step: int = 0
+
+
+@dataclass
 class RankState:
     run: str
     rank: int
@@ -36,6 +45,7 @@ class RankState:
     tokens_total: int = 0
     comms: dict[tuple[str, str], CommTotals] = field(default_factory=dict)
     last_seen_s: float = 0.0
+    checkpoints: CheckpointTotals = field(default_factory=lambda: CheckpointTotals())
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class RankSnapshot:
     tokens_total: int
     comms: dict[tuple[str, str], CommTotals]
     last_seen_s: float
+    checkpoints: CheckpointTotals
 
 
 class NodeState:
@@ -76,6 +87,13 @@ class NodeState:
             state.steps_total += 1
             state.tokens_total += report.tokens
             state.last_seen_s = now_s
+            for ckpt in report.checkpoints:
+                c = state.checkpoints
+                c.count += 1
+                c.blocking_s += ckpt.blocking_s
+                c.total_s += ckpt.total_s
+                c.bytes += ckpt.bytes
+                c.last_step = ckpt.step
             for dim, op, count, nbytes, seconds in report.comms:
                 pair = (dim, op)
                 if pair not in state.comms and len(state.comms) >= self.max_comm_series - 1:
@@ -107,6 +125,7 @@ class NodeState:
                     tokens_total=s.tokens_total,
                     comms={k: CommTotals(v.count, v.bytes, v.seconds) for k, v in s.comms.items()},
                     last_seen_s=s.last_seen_s,
+                    checkpoints=replace(s.checkpoints),
                 )
                 for _, s in sorted(self._ranks.items())
             ]

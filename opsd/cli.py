@@ -42,6 +42,10 @@ def agent(
     gpu_source: str = typer.Option("none", help="GPU health: nvml, none, or file:DIRECTORY (the fake)"),
     gpu_interval_s: float = typer.Option(5.0, help="seconds between GPU health samples"),
     xid_table: str = typer.Option("", help="CSV xid,meaning,default_action (default: the table shipped)"),
+    controller_url: str = typer.Option("", help="controller heartbeat endpoint (none: no heartbeats)"),
+    controller_token: str = typer.Option("", envvar="OPSD_CONTROLLER_TOKEN", help="bearer token for the controller"),
+    heartbeat_interval_s: float = typer.Option(1.0, help="seconds between heartbeats"),
+    policy_file: str = typer.Option("", envvar="OPSD_POLICY_FILE", help="where the ranks read the controller's policy"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run the node agent: rank reports in, Prometheus metrics out."""
@@ -57,6 +61,10 @@ def agent(
             gpu_source=gpu_source,
             gpu_interval_s=gpu_interval_s,
             xid_table_path=xid_table or None,
+            controller_url=controller_url or None,
+            controller_token=controller_token,
+            heartbeat_interval_s=heartbeat_interval_s,
+            policy_path=policy_file or None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -23,6 +23,18 @@ Seconds = Annotated[float, Meta(ge=0)]
 CommEntry = tuple[str, str, Count, Count, Seconds]
 
 
+class CheckpointReport(Struct, frozen=True):
+    """A checkpoint save that finished since the previous report."""
+
+    step: Count
+    blocking_s: Seconds  # training was stopped for this long
+    total_s: Seconds  # from the start of the save to its commit (async saves finish in the background)
+    bytes: Count  # written by this rank
+
+
+MAX_CHECKPOINTS_PER_REPORT = 4
+
+
 class StepReport(Struct, frozen=True):
     """Version 1 of the step report; every field is required, unknown fields are ignored."""
 
@@ -48,9 +60,11 @@ class StepReport(Struct, frozen=True):
     dropped_reports_total: Count
     internal_errors_total: Count
     truncated: bool = False
+    checkpoints: Annotated[list[CheckpointReport], Meta(max_length=MAX_CHECKPOINTS_PER_REPORT)] = []
 
 
-STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f != "truncated")
+#: the required fields
+STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints"))
 
 #: the values of ``WireError.reason``
 REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")

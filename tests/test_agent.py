@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import FileGpuSource, GpuSample
 from agent.health import GpuHealth, GpuHealthCollector
+from agent.metrics import ReporterCollector
+from agent.reporter import Reporter, ReporterConfig
 from agent.state import OVERFLOW, NodeState
 from opsd.policy.xid import WatchWindow
 from opsd.wire import REASONS, StepReport, decode_report, encode
@@ -207,11 +209,13 @@ def documented_metrics() -> dict[str, str]:
 
 
 def test_every_exposed_metric_is_documented_with_its_type(agent: Agent, tmp_path: Path) -> None:
-    agent.handle(encode(report()))
+    agent.handle(encode(report(checkpoints=[{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}])))
     gpu = GpuHealth(FileGpuSource(tmp_path), load_xid_table(), WatchWindow())
     gpu.samples = [GpuSample(index=0, uuid="GPU-0")]
     gpu.record(0, 79, now_s=0)
     agent.registry.register(GpuHealthCollector(gpu, "n1"))
+    reporter = Reporter(ReporterConfig(url="http://127.0.0.1:1/v1/heartbeat"), "n1", agent.state, gpu)
+    agent.registry.register(ReporterCollector(reporter, "n1"))
     exposed = {}
     for family in text_string_to_metric_families(agent.metrics_text().decode()):
         name = family.name + ("_total" if family.type == "counter" else "")
@@ -223,7 +227,23 @@ def test_series_budget_per_rank_is_under_50() -> None:
     pairs = [[f"d{i}", "op", 1, 1, 0.1] for i in range(30)]  # far more pairs than any rank uses
     memory = {"allocated_peak_bytes": 1, "reserved_peak_bytes": 2}
     a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
-    a.handle(encode(report(comms=pairs, memory=memory)))
+    checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
+    a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints)))
     per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]
     per_rank = [s for s in per_rank if s.labels.get("rank") == "3"]
-    assert len(per_rank) == 14 + 3 * 8
+    assert len(per_rank) == 18 + 3 * 8
+
+
+def test_checkpoints_become_counters_and_last_values(agent: Agent) -> None:
+    first = {"step": 100, "blocking_s": 0.5, "total_s": 4.0, "bytes": 1000}
+    second = {"step": 200, "blocking_s": 0.25, "total_s": 3.0, "bytes": 1000}
+    agent.handle(encode(report(checkpoints=[first])))
+    agent.handle(encode(report()))
+    agent.handle(encode(report(checkpoints=[second])))
+    r = {"run": "r", "rank": "3"}
+    assert value(agent, "opsd_checkpoints_total", **r) == 2
+    assert value(agent, "opsd_checkpoint_bytes_total", **r) == 2000
+    assert value(agent, "opsd_checkpoint_seconds_total", phase="blocking", **r) == 0.75
+    assert value(agent, "opsd_checkpoint_seconds_total", phase="total", **r) == 7.0
+    too_many = report(checkpoints=[first] * 5)
+    assert agent.handle(encode(too_many)) == "field"

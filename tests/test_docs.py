@@ -11,6 +11,7 @@ import pytest
 
 from opsd.wire import decode
 from tests.launch import ROOT, run_module
+from trainer_hooks.policy import parse_policy
 
 
 def blocks(doc: str, language: str) -> list[str]:
@@ -38,8 +39,10 @@ def test_readme_monitor_example_runs_under_torchrun(tmp_path: Path) -> None:
         assert [decode(line)["step"] for line in lines] == [1, 2, 3]
 
 
-def test_protocol_example_is_a_valid_report() -> None:
-    (example,) = blocks("docs/protocol.md", "json")
-    data = json.dumps(json.loads(example)).encode()
-    report = decode(data)
+def test_protocol_examples_are_valid() -> None:
+    step_report, policy = blocks("docs/protocol.md", "json")
+    report = decode(json.dumps(json.loads(step_report)).encode())
     assert report["comms"][1] == ["tp", "all_reduce", 28, 917504, 0.019]
+    parsed = parse_policy(policy.encode())
+    assert parsed.checkpoint_due(12500)
+    assert [c.name for c in parsed.commands] == ["dump_flight_recorder"]

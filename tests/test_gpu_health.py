@@ -81,22 +81,32 @@ def test_a_broken_source_is_counted_and_polling_goes_on(tmp_path: Path) -> None:
     assert h.samples == [SAMPLE]
 
 
-def test_agent_exports_gpu_health_and_injected_xids(tmp_path: Path) -> None:
+def start_file_agent(tmp_path: Path, node: str = "n") -> tuple[Agent, Path]:
+    """A started agent on the fake GPU source in ``tmp_path/gpus``, sampling every 50 ms."""
     gpus = tmp_path / "gpus"
-    gpus.mkdir()
-    write_samples(gpus, [SAMPLE])
     config = AgentConfig(
-        socket_path=str(tmp_path / "a.sock"), metrics_port=0, node="n", gpu_source=f"file:{gpus}", gpu_interval_s=0.05
+        socket_path=str(tmp_path / "a.sock"), metrics_port=0, node=node, gpu_source=f"file:{gpus}", gpu_interval_s=0.05
     )
     agent = Agent(config)
     agent.start()
+    return agent, gpus
+
+
+def wait_for_xids(agent: Agent, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while agent.gpu is None or sum(agent.gpu.xid_counts.values()) < count:
+        assert time.monotonic() < deadline, "the agent did not see the injected XIDs"
+        time.sleep(0.05)
+
+
+def test_agent_exports_gpu_health_and_injected_xids(tmp_path: Path) -> None:
+    agent, gpus = start_file_agent(tmp_path)
+    write_samples(gpus, [SAMPLE])
     try:
         inject_xid(gpus, 0, 79)
         inject_xid(gpus, 0, 79)
-        deadline = time.monotonic() + 10
-        while (("opsd_gpu_xid_errors_total", (("gpu", "0"), ("xid", "79")))) not in samples(agent):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_xids(agent, 2)
+        time.sleep(0.2)  # a sample of the new gpus.json
         m = samples(agent)
     finally:
         agent.stop()

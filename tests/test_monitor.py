@@ -137,3 +137,21 @@ def test_internal_failures_are_counted_not_raised(tmp_path: Path) -> None:
 def test_config_validates_itself(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MonitorConfig(**config)
+
+
+def test_checkpoints_ride_on_the_next_report(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    m.record_checkpoint(step=10, blocking_s=0.2, total_s=2.5, nbytes=4096)
+    with m.step(tokens=1):
+        pass
+    with m.step(tokens=1):
+        pass
+    for i in range(6):
+        m.record_checkpoint(step=i, blocking_s=0.1, total_s=1.0, nbytes=1)
+    with m.step(tokens=1):
+        pass
+    reports = lines(tmp_path)
+    assert reports[0]["checkpoints"] == [{"step": 10, "blocking_s": 0.2, "total_s": 2.5, "bytes": 4096}]
+    assert "checkpoints" not in reports[1]
+    assert [c["step"] for c in reports[2]["checkpoints"]] == [2, 3, 4, 5]  # the bound: oldest dropped, counted
+    assert reports[2]["internal_errors_total"] == 2

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from opsd.wire import VERSION, encode
+from opsd.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
 from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer, StepComms
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
@@ -93,6 +93,7 @@ class Monitor:
         self.internal_errors = 0
         self.steps = 0
         self.last_report: dict[str, Any] | None = None
+        self._checkpoints: list[dict[str, Any]] = []
         self._started: float | None = None
         self._warned = False
         if flops_per_token is not None:
@@ -211,7 +212,7 @@ class Monitor:
             }
         else:
             memory = {"rss_bytes": _rss_bytes()}
-        return {
+        report: dict[str, Any] = {
             "v": VERSION,
             "kind": "step",
             "run": self.config.run_id,
@@ -234,6 +235,22 @@ class Monitor:
             "dropped_reports_total": self.dropped_reports,
             "internal_errors_total": self.internal_errors + self.tracer.internal_errors,
         }
+        if self._checkpoints:
+            report["checkpoints"], self._checkpoints = self._checkpoints, []
+        return report
+
+    def record_checkpoint(self, step: int, blocking_s: float, total_s: float, nbytes: int) -> None:
+        """A checkpoint save of this rank finished: it goes out with the next step report (at most
+        ``MAX_CHECKPOINTS_PER_REPORT`` per report, the oldest dropped and counted as internal errors)."""
+        try:
+            self._checkpoints.append(
+                {"step": int(step), "blocking_s": float(blocking_s), "total_s": float(total_s), "bytes": int(nbytes)}
+            )
+            while len(self._checkpoints) > MAX_CHECKPOINTS_PER_REPORT:
+                self._checkpoints.pop(0)
+                self.internal_errors += 1
+        except Exception as exc:
+            self._error(exc)
 
     def close(self) -> None:
         for sink in self.sinks:

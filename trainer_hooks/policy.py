@@ -1,0 +1,133 @@
+"""The controller's policy as a rank sees it: the file the node agent writes (``$OPSD_POLICY_FILE``).
+
+    reader = PolicyReader(os.environ["OPSD_POLICY_FILE"])
+    ...
+    if reader.current().checkpoint_due(step):
+        save_checkpoint(step)
+    for command in reader.new_commands(rank):
+        run(command)
+
+The checkpoint cadence is "every K steps from step E": E is chosen by the controller safely in the future, so
+every rank, whichever moment its node's file changed, saves at the same steps (a checkpoint is a collective).
+
+The file is replaced atomically by the agent; the reader looks at it at most every ``check_every_s`` (one
+``stat``), parses it only when it changed, keeps the last good policy when a new one is malformed (counting
+``errors``), and never raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+POLICY_ENV = "OPSD_POLICY_FILE"
+
+
+class PolicyError(ValueError):
+    """A policy file that does not follow docs/protocol.md."""
+
+
+@dataclass(frozen=True)
+class Command:
+    id: str
+    name: str  # e.g. "dump_flight_recorder"
+    ranks: tuple[int, ...] | None = None  # None: every rank
+
+
+@dataclass(frozen=True)
+class Policy:
+    checkpoint_every_steps: int | None = None
+    checkpoint_from_step: int = 0
+    commands: tuple[Command, ...] = ()
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.checkpoint_every_steps
+        return (
+            every is not None and step >= self.checkpoint_from_step and (step - self.checkpoint_from_step) % every == 0
+        )
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PolicyError(f"policy.{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_policy(data: bytes) -> Policy:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PolicyError(f"policy is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("v") != 1:
+        raise PolicyError("policy must be a JSON object with v = 1")
+    every, start = None, 0
+    cadence = doc.get("checkpoint")
+    if cadence is not None:
+        if not isinstance(cadence, dict):
+            raise PolicyError("policy.checkpoint must be an object")
+        every = _int(cadence.get("every_steps"), "checkpoint.every_steps", 1)
+        start = _int(cadence.get("from_step", 0), "checkpoint.from_step", 0)
+    commands = []
+    raw = doc.get("commands", [])
+    if not isinstance(raw, list):
+        raise PolicyError("policy.commands must be a list")
+    for c in raw:
+        if not (isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("name"), str)):
+            raise PolicyError("policy.commands entries need string id and name")
+        ranks = c.get("ranks")
+        if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
+            raise PolicyError("policy.commands[].ranks must be a list of ranks")
+        commands.append(Command(c["id"], c["name"], tuple(ranks) if ranks is not None else None))
+    return Policy(every, start, tuple(commands))
+
+
+class PolicyReader:
+    def __init__(
+        self, path: str | None, *, check_every_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.path = path
+        self.check_every_s = check_every_s
+        self.errors = 0
+        self._clock = clock
+        self._checked: float | None = None
+        self._signature: tuple[int, int] | None = None
+        self._policy = Policy()
+        self._done: set[str] = set()
+
+    def current(self) -> Policy:
+        """The policy in force (an empty one until a valid file appears)."""
+        now = self._clock()
+        if self.path is None or (self._checked is not None and now - self._checked < self.check_every_s):
+            return self._policy
+        self._checked = now
+        try:
+            stat = os.stat(self.path)
+            signature = (stat.st_mtime_ns, stat.st_size)
+            if signature == self._signature:
+                return self._policy
+            self._signature = signature  # a bad file is reported once, not at every check
+            with open(self.path, "rb") as f:
+                self._policy = parse_policy(f.read())
+        except FileNotFoundError:
+            pass
+        except (OSError, PolicyError) as exc:
+            self.errors += 1
+            log.warning("policy file %s ignored, keeping the last good policy: %s", self.path, exc)
+        return self._policy
+
+    def new_commands(self, rank: int) -> list[Command]:
+        """Commands for ``rank`` not returned before (each command id runs once per process)."""
+        out = []
+        for command in self.current().commands:
+            if command.id in self._done or (command.ranks is not None and rank not in command.ranks):
+                continue
+            self._done.add(command.id)
+            out.append(command)
+        return out
