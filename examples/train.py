@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from examples.data import TokenSource, TokenSourceConfig
@@ -34,8 +38,10 @@ from examples.parallelize import (
     lm_loss,
     parallelize,
 )
+from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
+from trainer_hooks.policy import POLICY_ENV, PolicyReader
 
 log = logging.getLogger("examples.train")
 
@@ -70,6 +76,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="MFU's FLOPs per token: from the model shape, or counted once at start-up (FlopCounterMode)",
     )
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device for MFU (default: device table)")
+    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear LR warm-up (part of the checkpoint)")
+    p.add_argument("--ckpt-dir", help="checkpoint location: file:///path or a path (none: no checkpoints)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (the controller's policy wins)")
+    p.add_argument("--ckpt-sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    p.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in --ckpt-dir")
+    p.add_argument("--kill-at-step", type=int, default=0, help=argparse.SUPPRESS)  # fault injection (tests)
+    p.add_argument("--kill-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--losses-out", type=Path, help="write the per-step global losses as JSON (rank 0)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -101,6 +114,12 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     microbatches = args.microbatches or spec.pp
     if microbatches < 1:
         raise ValueError("--microbatches must be >= 1")
+    if args.lr_warmup_steps < 0 or args.ckpt_every < 0:
+        raise ValueError("--lr-warmup-steps and --ckpt-every must be >= 0")
+    if args.resume and not args.ckpt_dir:
+        raise ValueError("--resume needs --ckpt-dir")
+    if args.ckpt_dir:
+        CheckpointConfig(args.ckpt_dir, every_steps=args.ckpt_every)  # validates the URL
     limits = LayoutLimits(
         n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads,
@@ -182,7 +201,53 @@ def local_numel(module: torch.nn.Module) -> int:
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
 
 
-def write_report(path: Path, model: ParallelModel, cfg: ModelConfig, losses: list[float], tokens_per_step: int) -> None:
+def make_checkpointer(args: argparse.Namespace, spec: MeshSpec, monitor: Monitor | None) -> Checkpointer | None:
+    if not args.ckpt_dir:
+        return None
+    config = CheckpointConfig(args.ckpt_dir, every_steps=args.ckpt_every, async_save=not args.ckpt_sync)
+    policy = PolicyReader(os.environ.get(POLICY_ENV)) if os.environ.get(POLICY_ENV) else None
+    on_saved = monitor.record_checkpoint if monitor is not None else None
+    return Checkpointer(config, world_layout=spec.degrees(), policy=policy, on_saved=on_saved)
+
+
+def state_hashes(state: TrainState) -> list[str]:
+    """SHA-256 of each rank's part of the model and optimizer state (DTensors by their local shard), gathered:
+    two runs with the same layout ended in the same state exactly when the lists are equal."""
+    digest = hashlib.sha256()
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    flat: list[tuple[str, Any]] = []
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(f"{prefix}/{key}", value[key])
+        else:
+            flat.append((prefix, value))
+
+    walk("model", model_sd)
+    walk("optim", optim_sd)
+    for key, value in flat:
+        digest.update(key.encode())
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+    mine = torch.tensor(list(digest.digest()), dtype=torch.uint8)
+    gathered = torch.zeros(dist.get_world_size() * 32, dtype=torch.uint8)
+    dist.all_gather_into_tensor(gathered, mine)
+    return [bytes(row.tolist()).hex() for row in gathered.view(-1, 32)]
+
+
+def write_report(
+    path: Path,
+    model: ParallelModel,
+    cfg: ModelConfig,
+    losses: list[float],
+    tokens_per_step: int,
+    **extra: Any,
+) -> None:
     """Rank 0 writes the losses and what every rank holds: proof that each dimension splits work or weights."""
     names = list(model.coords)
     mine = [dist.get_rank(), local_numel(model.module), model.local_tokens, *model.coords.values()]
@@ -200,6 +265,7 @@ def write_report(path: Path, model: ParallelModel, cfg: ModelConfig, losses: lis
             "full_params": full,
             "global_tokens_per_step": tokens_per_step,
             "ranks": ranks,
+            **extra,
         }
         path.write_text(json.dumps(report, indent=1))
 
@@ -220,10 +286,20 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=args.batch_size, seed=args.seed
             )
         )
+        warmup = args.lr_warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0
+        )
         monitor = make_monitor(args, cfg, meshes) if args.opsd_monitor else None
+        state = TrainState(model.module, optimizer, data=data, scheduler=scheduler)
+        ckpt = make_checkpointer(args, spec, monitor)
+        resumed = ckpt.load(state) if ckpt is not None and args.resume else None
         rank0 = dist.get_rank() == 0
         if rank0:
             print(f"layout {spec} on {spec.world_size} rank(s), {device.type}/{dist.get_backend()}", flush=True)
+            if resumed is not None:
+                print(f"resumed from the checkpoint of step {resumed}", flush=True)
+        first_step = data.position
         losses: list[float] = []
         while data.position < args.steps:
             step = data.position
@@ -232,13 +308,28 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
                 local = model.forward_backward(inputs, targets)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
             losses.append(global_loss(local, spec, device))
             if rank0:
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
+            if ckpt is not None and ckpt.due(step + 1):
+                ckpt.save(step + 1, state)
+            if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
+                if ckpt is not None:
+                    ckpt.wait()  # the checkpoints before the failure are committed
+                os.kill(os.getpid(), signal.SIGKILL)
+        if ckpt is not None:
+            ckpt.close()
         if monitor is not None:
             monitor.close()
         if args.losses_out is not None:
-            write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len)
+            extra = {
+                "first_step": first_step,
+                "resumed_from_step": resumed,
+                "resume_problems": ckpt.resume_problems if ckpt is not None else [],
+                "state_hashes": state_hashes(state),
+            }
+            write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len, **extra)
         dist.barrier()
         return losses
     finally:

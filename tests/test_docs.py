@@ -46,3 +46,8 @@ def test_protocol_examples_are_valid() -> None:
     parsed = parse_policy(policy.encode())
     assert parsed.checkpoint_due(12500)
     assert [c.name for c in parsed.commands] == ["dump_flight_recorder"]
+
+
+def test_checkpoint_docs_example_is_python() -> None:
+    (example,) = blocks("docs/checkpoints.md", "python")
+    compile(example, "docs/checkpoints.md", "exec")  # a sketch over a user's objects: it must at least parse

@@ -1,0 +1,78 @@
+"""Checkpoints on real multi-rank runs of the reference trainer: exact resume after a rank is SIGKILLed, torn and
+corrupt checkpoints skipped with the reason recorded, and resharding to a smaller mesh."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples.mesh import MeshSpec
+from tests.launch import run_module
+
+pytestmark = pytest.mark.slow
+
+COMMON = ("--lr-warmup-steps", "5")
+
+
+def train(tmp: Path, name: str, mesh: str, steps: int, *extra: str, ok: bool = True) -> dict[str, Any] | None:
+    out = tmp / f"{name}.json"
+    args = ["--mesh", mesh, "--steps", str(steps), *COMMON, "--losses-out", str(out), *extra]
+    proc = run_module("examples.train", args, nproc=MeshSpec.parse(mesh).world_size)
+    if not ok:
+        assert proc.returncode != 0, "the run was meant to be killed"
+        return None
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=2,tp=2", "pp=2,dp_shard=2"])
+def test_killed_run_resumes_to_the_same_state_bit_for_bit(tmp_path: Path, mesh: str) -> None:
+    ckpt = ("--ckpt-dir", f"file://{tmp_path / 'ckpt'}", "--ckpt-every", "10")
+    straight = train(tmp_path, "straight", mesh, 20)
+    train(tmp_path, "killed", mesh, 20, *ckpt, "--kill-at-step", "13", "--kill-rank", "1", ok=False)
+    resumed = train(tmp_path, "resumed", mesh, 20, *ckpt, "--resume")
+    assert straight is not None
+    assert resumed is not None
+    assert resumed["resumed_from_step"] == 10
+    assert resumed["resume_problems"] == []
+    assert resumed["losses"] == straight["losses"][10:]
+    assert resumed["state_hashes"] == straight["state_hashes"]  # model and optimizer, every rank, bitwise
+
+
+def test_torn_and_corrupt_checkpoints_are_skipped_with_the_reason(tmp_path: Path) -> None:
+    mesh = "dp_shard=2"
+    root = tmp_path / "ckpt"
+    ckpt = ("--ckpt-dir", str(root), "--ckpt-every", "5")
+    first = train(tmp_path, "first", mesh, 15, *ckpt)
+    assert first is not None
+    assert sorted(p.name for p in root.iterdir()) == ["step_000000005", "step_000000010", "step_000000015"]
+    (root / "step_000000015" / "manifest.json").unlink()  # as if killed before its commit
+    shard = root / "step_000000010" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped: same size, wrong checksum
+    shard.write_bytes(bytes(data))
+    resumed = train(tmp_path, "resumed", mesh, 20, *ckpt, "--resume")
+    assert resumed is not None
+    assert resumed["resumed_from_step"] == 5
+    assert resumed["resume_problems"] == [
+        "step_000000015: no manifest (the save did not finish)",
+        "step_000000010: __1_0.distcp: checksum mismatch",
+    ]
+    assert resumed["losses"][:10] == first["losses"][5:15]  # it retrained steps 6-15 identically
+
+
+def test_resume_on_a_smaller_mesh_reshards(tmp_path: Path) -> None:
+    ckpt = ("--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10")
+    wide = train(tmp_path, "wide", "dp_shard=4", 20, *ckpt)
+    shutil.rmtree(tmp_path / "ckpt" / "step_000000020")  # resume from step 10
+    narrow = train(tmp_path, "narrow", "dp_shard=2", 20, *ckpt[:2], "--resume")
+    assert wide is not None
+    assert narrow is not None
+    assert narrow["resumed_from_step"] == 10
+    # the same model on half the ranks: the loss continues where the 4-rank run was
+    assert narrow["losses"] == pytest.approx(wide["losses"][10:], rel=1e-4)
