@@ -18,12 +18,11 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from examples.data import TokenSource, TokenSourceConfig
@@ -38,10 +37,12 @@ from examples.parallelize import (
     lm_loss,
     parallelize,
 )
-from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy import POLICY_ENV, PolicyReader
+
+if TYPE_CHECKING:
+    from trainer_hooks.checkpoint import Checkpointer, TrainState
 
 log = logging.getLogger("examples.train")
 
@@ -119,6 +120,8 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     if args.resume and not args.ckpt_dir:
         raise ValueError("--resume needs --ckpt-dir")
     if args.ckpt_dir:
+        from trainer_hooks.checkpoint import CheckpointConfig
+
         CheckpointConfig(args.ckpt_dir, every_steps=args.ckpt_every)  # validates the URL
     limits = LayoutLimits(
         n_heads=cfg.n_heads,
@@ -201,18 +204,31 @@ def local_numel(module: torch.nn.Module) -> int:
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
 
 
-def make_checkpointer(args: argparse.Namespace, spec: MeshSpec, monitor: Monitor | None) -> Checkpointer | None:
+def make_checkpointer(
+    args: argparse.Namespace,
+    spec: MeshSpec,
+    monitor: Monitor | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    **extra: Any,
+) -> tuple[Checkpointer | None, TrainState | None]:
+    """The checkpointer and the state it saves, when ``--ckpt-dir`` is given (torch's DCP is imported only then)."""
     if not args.ckpt_dir:
-        return None
+        return None, None
+    from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
+
     config = CheckpointConfig(args.ckpt_dir, every_steps=args.ckpt_every, async_save=not args.ckpt_sync)
     policy = PolicyReader(os.environ.get(POLICY_ENV)) if os.environ.get(POLICY_ENV) else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
-    return Checkpointer(config, world_layout=spec.degrees(), policy=policy, on_saved=on_saved)
+    checkpointer = Checkpointer(config, world_layout=spec.degrees(), policy=policy, on_saved=on_saved)
+    return checkpointer, TrainState(model, optimizer, **extra)
 
 
 def state_hashes(state: TrainState) -> list[str]:
     """SHA-256 of each rank's part of the model and optimizer state (DTensors by their local shard), gathered:
     two runs with the same layout ended in the same state exactly when the lists are equal."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     digest = hashlib.sha256()
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     flat: list[tuple[str, Any]] = []
@@ -291,9 +307,8 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0
         )
         monitor = make_monitor(args, cfg, meshes) if args.opsd_monitor else None
-        state = TrainState(model.module, optimizer, data=data, scheduler=scheduler)
-        ckpt = make_checkpointer(args, spec, monitor)
-        resumed = ckpt.load(state) if ckpt is not None and args.resume else None
+        ckpt, state = make_checkpointer(args, spec, monitor, model.module, optimizer, data=data, scheduler=scheduler)
+        resumed = ckpt.load(state) if ckpt is not None and state is not None and args.resume else None
         rank0 = dist.get_rank() == 0
         if rank0:
             print(f"layout {spec} on {spec.world_size} rank(s), {device.type}/{dist.get_backend()}", flush=True)
@@ -312,7 +327,7 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             losses.append(global_loss(local, spec, device))
             if rank0:
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
-            if ckpt is not None and ckpt.due(step + 1):
+            if ckpt is not None and state is not None and ckpt.due(step + 1):
                 ckpt.save(step + 1, state)
             if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
                 if ckpt is not None:
@@ -323,12 +338,11 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         if monitor is not None:
             monitor.close()
         if args.losses_out is not None:
-            extra = {
-                "first_step": first_step,
-                "resumed_from_step": resumed,
-                "resume_problems": ckpt.resume_problems if ckpt is not None else [],
-                "state_hashes": state_hashes(state),
-            }
+            extra: dict[str, Any] = {"first_step": first_step}
+            if ckpt is not None and state is not None:
+                extra.update(
+                    resumed_from_step=resumed, resume_problems=ckpt.resume_problems, state_hashes=state_hashes(state)
+                )
             write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len, **extra)
         dist.barrier()
         return losses
