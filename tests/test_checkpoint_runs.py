@@ -33,7 +33,7 @@ def train(tmp: Path, name: str, mesh: str, steps: int, *extra: str, ok: bool = T
 @pytest.mark.parametrize("mesh", ["dp_shard=2,tp=2", "pp=2,dp_shard=2"])
 def test_killed_run_resumes_to_the_same_state_bit_for_bit(tmp_path: Path, mesh: str) -> None:
     ckpt = ("--ckpt-dir", f"file://{tmp_path / 'ckpt'}", "--ckpt-every", "10")
-    straight = train(tmp_path, "straight", mesh, 20)
+    straight = train(tmp_path, "straight", mesh, 20, "--ckpt-dir", str(tmp_path / "straight"), "--ckpt-every", "10")
     train(tmp_path, "killed", mesh, 20, *ckpt, "--kill-at-step", "13", "--kill-rank", "1", ok=False)
     resumed = train(tmp_path, "resumed", mesh, 20, *ckpt, "--resume")
     assert straight is not None
