@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class Monitor:
         self.steps = 0
         self.last_report: dict[str, Any] | None = None
         self._checkpoints: list[dict[str, Any]] = []
+        self._checkpoints_lock = threading.Lock()
         self._started: float | None = None
         self._warned = False
         if flops_per_token is not None:
@@ -235,20 +237,22 @@ class Monitor:
             "dropped_reports_total": self.dropped_reports,
             "internal_errors_total": self.internal_errors + self.tracer.internal_errors,
         }
-        if self._checkpoints:
-            report["checkpoints"], self._checkpoints = self._checkpoints, []
+        with self._checkpoints_lock:
+            if self._checkpoints:
+                report["checkpoints"], self._checkpoints = self._checkpoints, []
         return report
 
     def record_checkpoint(self, step: int, blocking_s: float, total_s: float, nbytes: int) -> None:
         """A checkpoint save of this rank finished: it goes out with the next step report (at most
         ``MAX_CHECKPOINTS_PER_REPORT`` per report, the oldest dropped and counted as internal errors)."""
         try:
-            self._checkpoints.append(
-                {"step": int(step), "blocking_s": float(blocking_s), "total_s": float(total_s), "bytes": int(nbytes)}
-            )
-            while len(self._checkpoints) > MAX_CHECKPOINTS_PER_REPORT:
-                self._checkpoints.pop(0)
-                self.internal_errors += 1
+            entry = {"step": int(step), "blocking_s": float(blocking_s), "total_s": float(total_s)}
+            entry["bytes"] = int(nbytes)
+            with self._checkpoints_lock:  # called from the checkpoint's saving thread
+                self._checkpoints.append(entry)
+                while len(self._checkpoints) > MAX_CHECKPOINTS_PER_REPORT:
+                    self._checkpoints.pop(0)
+                    self.internal_errors += 1
         except Exception as exc:
             self._error(exc)
 
