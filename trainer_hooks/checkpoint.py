@@ -39,7 +39,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -111,6 +113,17 @@ class TrainState:
             obj.load_state_dict(state[name])
         if restore_rng:
             torch.set_rng_state(state[f"rng_rank{rank}"]["cpu"])
+
+
+class _CachedStager(BlockingAsyncStager):
+    """torch's blocking stager with a cached CPU copy, pinned only where an accelerator exists (pinning needs one:
+    the parent class pins unconditionally, which fails on a CPU-only machine). Same private helpers as the parent."""
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.accelerator.is_available())
+        staged: dict[str, Any] = _copy_state_dict(state_dict, self.state_dict_cache)
+        return staged
 
 
 def step_dir_name(step: int) -> str:
@@ -189,6 +202,8 @@ class Checkpointer:
         self.waits = 0  # saves that had to wait for the previous one
         self.resume_problems: list[str] = []
         self._inflight: tuple[Future[Any], threading.Event] | None = None
+        # One staging buffer for the run: each save copies into it instead of allocating the state anew.
+        self._stager = _CachedStager(cache_staged_state_dict=True) if config.async_save else None
         self._lock = threading.Lock()
         if self.rank == 0:
             try:
@@ -218,7 +233,9 @@ class Checkpointer:
         state_dict = state.state_dict(self.rank)
         writer = FileSystemWriter(str(directory))
         if self.config.async_save:
-            future = dcp_async_save(state_dict, storage_writer=writer, process_group=self.group)
+            future = dcp_async_save(
+                state_dict, storage_writer=writer, process_group=self.group, async_stager=self._stager
+            )
             blocking_s = time.perf_counter() - start
             assert isinstance(future, Future)
             committed = threading.Event()
@@ -293,6 +310,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load(self, state: TrainState) -> int | None:
