@@ -81,6 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", help="checkpoint location: file:///path or a path (none: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (the controller's policy wins)")
     p.add_argument("--ckpt-sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    p.add_argument("--ckpt-keep-last", type=int, default=3, help="committed checkpoints kept (newest first)")
+    p.add_argument("--ckpt-keep-every", type=int, default=0, help="also keep steps that are multiples of this")
     p.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in --ckpt-dir")
     p.add_argument("--kill-at-step", type=int, default=0, help=argparse.SUPPRESS)  # fault injection (tests)
     p.add_argument("--kill-rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -122,7 +124,12 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     if args.ckpt_dir:
         from trainer_hooks.checkpoint import CheckpointConfig
 
-        CheckpointConfig(args.ckpt_dir, every_steps=args.ckpt_every)  # validates the URL
+        CheckpointConfig(  # validates the URL and the retention
+            args.ckpt_dir,
+            every_steps=args.ckpt_every,
+            keep_last=args.ckpt_keep_last,
+            keep_every_steps=args.ckpt_keep_every,
+        )
     limits = LayoutLimits(
         n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads,
@@ -217,7 +224,13 @@ def make_checkpointer(
         return None, None
     from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 
-    config = CheckpointConfig(args.ckpt_dir, every_steps=args.ckpt_every, async_save=not args.ckpt_sync)
+    config = CheckpointConfig(
+        args.ckpt_dir,
+        every_steps=args.ckpt_every,
+        keep_last=args.ckpt_keep_last,
+        keep_every_steps=args.ckpt_keep_every,
+        async_save=not args.ckpt_sync,
+    )
     policy = PolicyReader(os.environ.get(POLICY_ENV)) if os.environ.get(POLICY_ENV) else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
     checkpointer = Checkpointer(config, world_layout=spec.degrees(), policy=policy, on_saved=on_saved)

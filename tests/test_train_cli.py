@@ -39,3 +39,21 @@ def test_bad_layout_under_torchrun_fails_fast() -> None:
     )
     assert proc.returncode != 0
     assert "tp=2 must divide the key/value heads (1)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--resume"], "--resume needs --ckpt-dir"),
+        (["--ckpt-dir", "gs://bucket/run"], "supported schemes are file://"),
+        (["--ckpt-dir", "/tmp/c", "--ckpt-keep-last", "0"], "retention.keep_last must be >= 1"),
+        (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+    ],
+    ids=["resume-without-dir", "scheme", "keep-last", "negative-cadence"],
+)
+def test_bad_checkpoint_arguments_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert message in err
+    assert not dist.is_initialized()
