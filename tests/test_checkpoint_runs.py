@@ -21,7 +21,8 @@ COMMON = ("--lr-warmup-steps", "5")
 def train(tmp: Path, name: str, mesh: str, steps: int, *extra: str, ok: bool = True) -> dict[str, Any] | None:
     out = tmp / f"{name}.json"
     args = ["--mesh", mesh, "--steps", str(steps), *COMMON, "--losses-out", str(out), *extra]
-    proc = run_module("examples.train", args, nproc=MeshSpec.parse(mesh).world_size)
+    # a run meant to be killed is not launched again
+    proc = run_module("examples.train", args, nproc=MeshSpec.parse(mesh).world_size, retry_gloo_abort=ok)
     if not ok:
         assert proc.returncode != 0, "the run was meant to be killed"
         return None

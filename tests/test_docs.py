@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,11 @@ import pytest
 from opsd.wire import decode
 from tests.launch import ROOT, run_module
 from trainer_hooks.policy import parse_policy
+
+
+def remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        path.unlink()
 
 
 def blocks(doc: str, language: str) -> list[str]:
@@ -30,6 +36,7 @@ def test_readme_monitor_example_runs_under_torchrun(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(ROOT)},
         cwd=tmp_path,
         timeout_s=120,
+        before_retry=lambda: remove(tmp_path.glob("steps-*.jsonl")),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0: step" in proc.stdout
