@@ -30,7 +30,6 @@ class CheckpointTotals:
     blocking_s: float = 0.0
     total_s: float = 0.0
     bytes: int = 0
-    last_step: int = 0
 
 
 @dataclass
@@ -38,9 +37,6 @@ class RankState:
     run: str
     rank: int
     last: StepReport  # the last report
-    host: str = ""
-    world_size: int = 0
-    coords: dict[str, int] = field(default_factory=dict)
     steps_total: int = 0
     tokens_total: int = 0
     comms: dict[tuple[str, str], CommTotals] = field(default_factory=dict)
@@ -80,9 +76,6 @@ class NodeState:
             state = self._ranks.get(key)
             if state is None:
                 state = self._ranks[key] = RankState(run=key[0], rank=key[1], last=report)
-            state.host = report.host
-            state.world_size = report.world_size
-            state.coords = report.coords
             state.last = report
             state.steps_total += 1
             state.tokens_total += report.tokens
@@ -93,7 +86,6 @@ class NodeState:
                 c.blocking_s += ckpt.blocking_s
                 c.total_s += ckpt.total_s
                 c.bytes += ckpt.bytes
-                c.last_step = ckpt.step
             for dim, op, count, nbytes, seconds in report.comms:
                 pair = (dim, op)
                 if pair not in state.comms and len(state.comms) >= self.max_comm_series - 1:
@@ -118,8 +110,8 @@ class NodeState:
                 RankSnapshot(
                     run=s.run,
                     rank=s.rank,
-                    host=s.host,
-                    coords=dict(s.coords),
+                    host=s.last.host,
+                    coords=dict(s.last.coords),
                     last=s.last,
                     steps_total=s.steps_total,
                     tokens_total=s.tokens_total,

@@ -40,8 +40,8 @@ MESH = "dp_shard=2,tp=2"
 RANKS = 4
 
 
-def order(i: int) -> bool:
-    """Whether step ``i`` (after warm-up) is monitored: A B B A A B B A ..."""
+def is_a(i: int) -> bool:
+    """Whether item ``i`` of an interleaved A/B run is an A: A B B A A B B A ... (neither side always first)."""
     return (i + 1) // 2 % 2 == 0
 
 
@@ -59,7 +59,7 @@ def worker(pairs: int, warmup: int, profile: bool) -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     ratios: list[float] = []  # per adjacent pair (one step on, one off)
     for i in range(warmup + 2 * pairs):
-        on = order(i)
+        on = is_a(i)
         if on:
             TRACER.install()
         else:
