@@ -6,6 +6,7 @@ hung run fails its test quickly and leaves nothing behind to slow down the next 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,10 +22,17 @@ class LaunchTimeoutError(AssertionError):
     """The launched command did not finish in time; carries what it printed so far."""
 
 
-# A rank of a gloo job on this 2-core machine sometimes dies in C++ with this message (SIGABRT from inside gloo,
-# mid-run, a few times in several hundred launches; not reproducible alone). Such a launch is run once more, with a
-# warning that pytest shows in its summary, rather than failing a test that has nothing to do with it.
+# A rank of a gloo job on this 2-core machine sometimes dies of SIGABRT inside gloo, mid-run ("terminate called
+# without an active exception" when its stderr gets out; always torchrun's "exitcode: -6"), a few times in several
+# hundred launches and never when run alone. Such a launch is run once more, with a warning that pytest shows in
+# its summary, rather than failing a test that has nothing to do with it. Nothing in opsd raises SIGABRT.
 GLOO_ABORT = "terminate called without an active exception"
+_SIGABRT_EXIT = re.compile(r"exitcode\s*:\s*-6\b")
+
+
+def aborted(stderr: str) -> bool:
+    """Whether a launch died of the SIGABRT above (a rank's own message, or torchrun's report of exit code -6)."""
+    return GLOO_ABORT in stderr or _SIGABRT_EXIT.search(stderr) is not None
 
 
 def run_module(
@@ -42,8 +50,8 @@ def run_module(
 
     ``before_retry`` undoes what a failed first launch left behind (files it appended to) before the second."""
     proc = _run_once(module, args, nproc=nproc, env=env, timeout_s=timeout_s, cwd=cwd)
-    if retry_gloo_abort and proc.returncode != 0 and GLOO_ABORT in proc.stderr:
-        message = f"a rank aborted inside gloo ({GLOO_ABORT!r}); launched again: {module} {' '.join(args)}"
+    if retry_gloo_abort and proc.returncode != 0 and aborted(proc.stderr):
+        message = f"a rank aborted (SIGABRT) inside gloo; launched again: {module} {' '.join(args)}"
         warnings.warn(message, stacklevel=2)
         if before_retry is not None:
             before_retry()

@@ -6,16 +6,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import run_module
+from tests.launch import aborted, run_module
 
 
 def test_gloo_abort_is_launched_again_with_a_warning(tmp_path: Path) -> None:
     cleaned: list[bool] = []
-    with pytest.warns(UserWarning, match="aborted inside gloo"):
+    with pytest.warns(UserWarning, match=r"aborted \(SIGABRT\) inside gloo"):
         proc = run_module("tests.abort_once", [str(tmp_path / "flag")], before_retry=lambda: cleaned.append(True))
     assert proc.returncode == 0
     assert "second launch" in proc.stdout
     assert cleaned == [True]
+
+
+@pytest.mark.parametrize(
+    ("stderr", "expected"),
+    [
+        ("terminate called without an active exception\n", True),
+        ("  exitcode  : -6 (pid: 7652)\n  traceback : Signal 6 (SIGABRT) received by PID 7652", True),
+        ("  exitcode  : -9 (pid: 7652)", False),
+        ("  exitcode  : -60 (pid: 1)", False),
+        ("examples.train: error: mesh: unknown dimension", False),
+    ],
+    ids=["message", "torchrun-exit-6", "sigkill", "other-code", "usage-error"],
+)
+def test_abort_signature(stderr: str, expected: bool) -> None:
+    assert aborted(stderr) is expected
 
 
 def test_no_retry_when_told_not_to(tmp_path: Path) -> None:
