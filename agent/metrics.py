@@ -92,7 +92,9 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
     comm_n = CounterMetricFamily("opsd_collectives", "Collectives issued.", labels=COMM)
     ckpt_n = CounterMetricFamily("opsd_checkpoints", "Checkpoint saves finished by the rank.", labels=RANK)
     ckpt_s = CounterMetricFamily(
-        "opsd_checkpoint_seconds", "Checkpoint time: blocking (training stopped) and total.", labels=[*RANK, "phase"]
+        "opsd_checkpoint_seconds",
+        "Checkpoint time: blocking (training stopped), staging (part of blocking) and total.",
+        labels=[*RANK, "phase"],
     )
     ckpt_b = CounterMetricFamily("opsd_checkpoint_bytes", "Checkpoint bytes written by the rank.", labels=RANK)
 
@@ -113,6 +115,7 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             ckpt_n.add_metric(labels, c.count)
             ckpt_b.add_metric(labels, c.bytes)
             ckpt_s.add_metric([*labels, "blocking"], c.blocking_s)
+            ckpt_s.add_metric([*labels, "staging"], c.staging_s)
             ckpt_s.add_metric([*labels, "total"], c.total_s)
         for (dim, op), totals in sorted(r.comms.items()):
             comm_s.add_metric([*labels, dim, op], totals.seconds)

@@ -28,6 +28,7 @@ class CommTotals:
 class CheckpointTotals:
     count: int = 0
     blocking_s: float = 0.0
+    staging_s: float = 0.0
     total_s: float = 0.0
     bytes: int = 0
 
@@ -84,6 +85,7 @@ class NodeState:
                 c = state.checkpoints
                 c.count += 1
                 c.blocking_s += ckpt.blocking_s
+                c.staging_s += ckpt.staging_s
                 c.total_s += ckpt.total_s
                 c.bytes += ckpt.bytes
             for dim, op, count, nbytes, seconds in report.comms:

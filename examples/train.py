@@ -42,7 +42,7 @@ from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy import POLICY_ENV, PolicyReader
 
 if TYPE_CHECKING:
-    from trainer_hooks.checkpoint import Checkpointer, TrainState
+    from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 
 log = logging.getLogger("examples.train")
 
@@ -78,14 +78,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device for MFU (default: device table)")
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear LR warm-up (part of the checkpoint)")
-    p.add_argument("--ckpt-dir", help="checkpoint location: file:///path or a path (none: no checkpoints)")
+    p.add_argument("--ckpt-dir", help="checkpoint location: file:///path, a path or s3://bucket/prefix (none: none)")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (the controller's policy wins)")
     p.add_argument("--ckpt-sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    p.add_argument(
+        "--ckpt-async",
+        choices=["thread", "process"],
+        default="thread",
+        help="where asynchronous saves write: a thread of the rank, or a helper process per rank",
+    )
+    p.add_argument("--ckpt-s3-endpoint", help="S3-compatible endpoint URL for s3:// (default: AWS_ENDPOINT_URL*)")
     p.add_argument("--ckpt-keep-last", type=int, default=3, help="committed checkpoints kept (newest first)")
     p.add_argument("--ckpt-keep-every", type=int, default=0, help="also keep steps that are multiples of this")
     p.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in --ckpt-dir")
     p.add_argument("--kill-at-step", type=int, default=0, help=argparse.SUPPRESS)  # fault injection (tests)
     p.add_argument("--kill-rank", type=int, default=0, help=argparse.SUPPRESS)
+    # fault injection (tests): rank 0 is SIGKILLed in the save of this step, after the shards, before the manifest
+    p.add_argument("--kill-before-commit-step", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--losses-out", type=Path, help="write the per-step global losses as JSON (rank 0)")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -122,14 +131,7 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     if args.resume and not args.ckpt_dir:
         raise ValueError("--resume needs --ckpt-dir")
     if args.ckpt_dir:
-        from trainer_hooks.checkpoint import CheckpointConfig
-
-        CheckpointConfig(  # validates the URL and the retention
-            args.ckpt_dir,
-            every_steps=args.ckpt_every,
-            keep_last=args.ckpt_keep_last,
-            keep_every_steps=args.ckpt_keep_every,
-        )
+        checkpoint_config(args)  # validates the URL, the endpoint and the retention
     limits = LayoutLimits(
         n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads,
@@ -211,6 +213,26 @@ def local_numel(module: torch.nn.Module) -> int:
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
 
 
+def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    from opsd.storage import S3Options
+    from trainer_hooks.checkpoint import CheckpointConfig
+
+    return CheckpointConfig(
+        args.ckpt_dir,
+        every_steps=args.ckpt_every,
+        keep_last=args.ckpt_keep_last,
+        keep_every_steps=args.ckpt_keep_every,
+        async_save=not args.ckpt_sync,
+        async_mode=args.ckpt_async,
+        s3=S3Options(endpoint_url=args.ckpt_s3_endpoint),
+    )
+
+
+def _kill_self(step: int) -> None:
+    log.warning("fault injection: killed in the save of step %d, before its manifest", step)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def make_checkpointer(
     args: argparse.Namespace,
     spec: MeshSpec,
@@ -222,18 +244,18 @@ def make_checkpointer(
     """The checkpointer and the state it saves, when ``--ckpt-dir`` is given (torch's DCP is imported only then)."""
     if not args.ckpt_dir:
         return None, None
-    from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
+    from trainer_hooks.checkpoint import Checkpointer, TrainState
 
-    config = CheckpointConfig(
-        args.ckpt_dir,
-        every_steps=args.ckpt_every,
-        keep_last=args.ckpt_keep_last,
-        keep_every_steps=args.ckpt_keep_every,
-        async_save=not args.ckpt_sync,
-    )
     policy = PolicyReader(os.environ.get(POLICY_ENV)) if os.environ.get(POLICY_ENV) else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
-    checkpointer = Checkpointer(config, world_layout=spec.degrees(), policy=policy, on_saved=on_saved)
+    kill_step = args.kill_before_commit_step
+    checkpointer = Checkpointer(
+        checkpoint_config(args),
+        world_layout=spec.degrees(),
+        policy=policy,
+        on_saved=on_saved,
+        before_commit=(lambda step: _kill_self(step) if step == kill_step else None) if kill_step else None,
+    )
     return checkpointer, TrainState(model, optimizer, **extra)
 
 

@@ -30,6 +30,7 @@ class CheckpointReport(Struct, frozen=True):
     blocking_s: Seconds  # training was stopped for this long
     total_s: Seconds  # from the start of the save to its commit (async saves finish in the background)
     bytes: Count  # written by this rank
+    staging_s: Seconds = 0.0  # the part of blocking_s spent copying the state to host memory (async saves)
 
 
 MAX_CHECKPOINTS_PER_REPORT = 4

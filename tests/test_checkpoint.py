@@ -7,14 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
 
 from agent.reporter import write_policy
+from opsd.errors import PermanentError
 from opsd.manifest import parse_manifest
-from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState, inspect_checkpoints
+from opsd.storage import LocalStore, S3Options, inspect_checkpoints
+from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 from trainer_hooks.policy import PolicyReader
 
 
@@ -47,20 +50,36 @@ def make_state() -> tuple[TrainState, torch.nn.Linear, Counter]:
     return TrainState(model, optimizer, counter=counter), model, counter
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_save_commit_and_load(world: None, tmp_path: Path, async_save: bool) -> None:
-    saved: list[tuple[int, float, float, int]] = []
-    config = CheckpointConfig(f"file://{tmp_path}", every_steps=2, keep_last=2, async_save=async_save)
-    ckpt = Checkpointer(config, world_layout={"dp_shard": 1}, on_saved=lambda *a: saved.append(a))
+def s3_config(s3_endpoint: str, tmp_path: Path, **kwargs: Any) -> CheckpointConfig:
+    options = S3Options(endpoint_url=s3_endpoint, spool_dir=str(tmp_path / "spool"))
+    return CheckpointConfig(f"s3://ckpt/{tmp_path.name}", s3=options, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("where", "async_save"),
+    [("file", True), ("file", False), ("s3", True), ("s3", False)],
+    ids=["file-async", "file-sync", "s3-async", "s3-sync"],
+)
+def test_save_commit_and_load(
+    world: None, tmp_path: Path, request: pytest.FixtureRequest, where: str, async_save: bool
+) -> None:
+    saved: list[dict[str, Any]] = []
+    if where == "file":
+        config = CheckpointConfig(f"file://{tmp_path}", every_steps=2, keep_last=2, async_save=async_save)
+    else:
+        config = s3_config(request.getfixturevalue("s3_endpoint"), tmp_path, keep_last=2, async_save=async_save)
+    ckpt = Checkpointer(config, world_layout={"dp_shard": 1}, on_saved=lambda **kw: saved.append(kw))
     state, model, counter = make_state()
     for step in (2, 4, 6):
         counter.n = step
         ckpt.save(step, state)
     ckpt.close()
-    assert [s[0] for s in saved] == [2, 4, 6]
-    assert all(blocking <= total and nbytes > 0 for _, blocking, total, nbytes in saved)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000004", "step_000000006"]  # keep_last=2
-    manifest = parse_manifest((tmp_path / "step_000000006" / "manifest.json").read_bytes())
+    assert [s["step"] for s in saved] == [2, 4, 6]
+    assert all(s["staging_s"] <= s["blocking_s"] <= s["total_s"] and s["nbytes"] > 0 for s in saved)
+    assert all((s["staging_s"] > 0) == async_save for s in saved)
+    found = inspect_checkpoints(ckpt.store)
+    assert [(c.step, c.problem) for c in found] == [(6, None), (4, None)]  # keep_last=2
+    manifest = parse_manifest(ckpt.store.read_manifest(6) or b"")
     assert manifest.step == 6
     assert manifest.mesh == {"dp_shard": 1}
     assert {f.path for f in manifest.files} >= {".metadata", "__0_0.distcp"}
@@ -76,7 +95,7 @@ def test_save_commit_and_load(world: None, tmp_path: Path, async_save: bool) -> 
 def test_nothing_to_resume(world: None, tmp_path: Path) -> None:
     ckpt = Checkpointer(CheckpointConfig(str(tmp_path)))
     assert ckpt.load(make_state()[0]) is None
-    assert inspect_checkpoints(tmp_path / "absent") == []
+    assert inspect_checkpoints(LocalStore(tmp_path / "absent")) == []
 
 
 def test_manifest_for_another_step_is_rejected(world: None, tmp_path: Path) -> None:
@@ -85,7 +104,7 @@ def test_manifest_for_another_step_is_rejected(world: None, tmp_path: Path) -> N
     ckpt.save(3, state)
     src, dst = tmp_path / "step_000000003", tmp_path / "step_000000009"
     src.rename(dst)
-    (candidate,) = inspect_checkpoints(tmp_path)
+    (candidate,) = inspect_checkpoints(ckpt.store)
     assert candidate.problem == "manifest is for step 3, directory for step 9"
 
 
@@ -104,10 +123,12 @@ def test_cadence_follows_the_controller_policy_when_there_is_one(world: None, tm
     [
         ({"url": ""}, "url must not be empty"),
         ({"url": "gs://bucket/x"}, "supported schemes"),
+        ({"url": "s3:///x"}, "no bucket"),
+        ({"url": "/x", "async_mode": "fork"}, "expected thread or process"),
         ({"url": "/x", "every_steps": -1}, "every_steps must be >= 0"),
         ({"url": "/x", "keep_last": 0}, "keep_last must be >= 1"),
     ],
-    ids=["empty", "scheme", "cadence", "retention"],
+    ids=["empty", "scheme", "bucket", "async-mode", "cadence", "retention"],
 )
 def test_config_validates_itself(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -121,3 +142,68 @@ def test_manifest_written_is_valid_json_with_checksums(world: None, tmp_path: Pa
     assert doc["v"] == 1
     assert all(len(f["sha256"]) == 64 for f in doc["files"])
     assert doc["versions"]["torch"] == str(torch.__version__)
+
+
+def corrupt_one_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, wrong checksum
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_shard_is_caught_while_loading_and_the_previous_checkpoint_is_used(
+    world: None, tmp_path: Path
+) -> None:
+    ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
+    state, _, counter = make_state()
+    for step in (1, 2):
+        counter.n = step
+        ckpt.save(step, state)
+    corrupt_one_byte(tmp_path / "step_000000002" / "__0_0.distcp")
+    assert inspect_checkpoints(ckpt.store)[0].problem is None  # the size is right: only the checksum tells
+    counter.n = 0
+    assert ckpt.load(state) == 1
+    assert counter.n == 1
+    assert ckpt.resume_problems == ["step_000000002: __0_0.distcp: checksum mismatch"]
+
+
+def test_on_s3_the_object_is_checked_not_a_local_copy(world: None, tmp_path: Path, s3_endpoint: str) -> None:
+    ckpt = Checkpointer(s3_config(s3_endpoint, tmp_path, async_save=False))
+    state, _, counter = make_state()
+    for step in (1, 2):
+        counter.n = step
+        ckpt.save(step, state)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    key = f"{tmp_path.name}/step_000000002/__0_0.distcp"
+    body = bytearray(client.get_object(Bucket="ckpt", Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket="ckpt", Key=key, Body=bytes(body))
+    assert ckpt.load(state) == 1
+    assert ckpt.resume_problems == ["step_000000002: __0_0.distcp: checksum mismatch"]
+    assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").rglob("*.distcp"))  # cache dropped
+
+
+def test_process_based_async_save(world: None, tmp_path: Path) -> None:
+    saved: list[dict[str, Any]] = []
+    config = CheckpointConfig(str(tmp_path), async_mode="process")
+    ckpt = Checkpointer(config, on_saved=lambda **kw: saved.append(kw))
+    state, model, counter = make_state()
+    counter.n = 5
+    ckpt.save(5, state)
+    ckpt.close()
+    assert [s["step"] for s in saved] == [5]
+    weights = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert ckpt.load(state) == 5
+    assert torch.equal(model.weight, weights)
+
+
+def test_when_every_checkpoint_fails_to_load_training_does_not_start_from_a_half_loaded_state(
+    world: None, tmp_path: Path
+) -> None:
+    ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
+    state = make_state()[0]
+    ckpt.save(1, state)
+    corrupt_one_byte(tmp_path / "step_000000001" / "__0_0.distcp")
+    with pytest.raises(PermanentError, match=r"could be loaded: step_000000001: __0_0.distcp: checksum mismatch"):
+        ckpt.load(state)

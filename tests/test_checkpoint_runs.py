@@ -1,10 +1,12 @@
-"""Checkpoints on real multi-rank runs of the reference trainer: exact resume after a rank is SIGKILLed, torn and
-corrupt checkpoints skipped with the reason recorded, and resharding to a smaller mesh."""
+"""Checkpoints on real multi-rank runs of the reference trainer: exact resume after a rank is SIGKILLed (on a local
+directory and on S3: moto's server on loopback), torn and corrupt checkpoints skipped with the reason recorded, and
+resharding to a smaller mesh."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +14,28 @@ import pytest
 
 from examples.mesh import MeshSpec
 from tests.launch import run_module
+from tests.s3 import CREDENTIALS
 
 pytestmark = pytest.mark.slow
 
 COMMON = ("--lr-warmup-steps", "5")
 
 
-def train(tmp: Path, name: str, mesh: str, steps: int, *extra: str, ok: bool = True) -> dict[str, Any] | None:
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[str, dict[str, Any]]:
+    """The reference runs without a failure, by mesh: each runs once for the module (with checkpoints, as in the
+    runs it is compared with), for its first test."""
+    return {}
+
+
+def train(
+    tmp: Path, name: str, mesh: str, steps: int, *extra: str, ok: bool = True, env: Mapping[str, str] | None = None
+) -> dict[str, Any] | None:
     out = tmp / f"{name}.json"
     args = ["--mesh", mesh, "--steps", str(steps), *COMMON, "--losses-out", str(out), *extra]
     # a run meant to be killed is not launched again
-    proc = run_module("examples.train", args, nproc=MeshSpec.parse(mesh).world_size, retry_gloo_abort=ok)
+    nproc = MeshSpec.parse(mesh).world_size
+    proc = run_module("examples.train", args, nproc=nproc, retry_gloo_abort=ok, env=env)
     if not ok:
         assert proc.returncode != 0, "the run was meant to be killed"
         return None
@@ -32,12 +45,25 @@ def train(tmp: Path, name: str, mesh: str, steps: int, *extra: str, ok: bool = T
 
 
 @pytest.mark.parametrize("mesh", ["dp_shard=2,tp=2", "pp=2,dp_shard=2"])
-def test_killed_run_resumes_to_the_same_state_bit_for_bit(tmp_path: Path, mesh: str) -> None:
-    ckpt = ("--ckpt-dir", f"file://{tmp_path / 'ckpt'}", "--ckpt-every", "10")
-    straight = train(tmp_path, "straight", mesh, 20, "--ckpt-dir", str(tmp_path / "straight"), "--ckpt-every", "10")
-    train(tmp_path, "killed", mesh, 20, *ckpt, "--kill-at-step", "13", "--kill-rank", "1", ok=False)
-    resumed = train(tmp_path, "resumed", mesh, 20, *ckpt, "--resume")
-    assert straight is not None
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_killed_run_resumes_to_the_same_state_bit_for_bit(
+    tmp_path: Path, request: pytest.FixtureRequest, uninterrupted: dict[str, dict[str, Any]], mesh: str, where: str
+) -> None:
+    env: dict[str, str] = {}
+    if where == "file":
+        url = f"file://{tmp_path / 'ckpt'}"
+    else:
+        url = f"s3://ckpt/{tmp_path.name}"
+        env = {**CREDENTIALS, "AWS_ENDPOINT_URL_S3": request.getfixturevalue("s3_endpoint"), "TMPDIR": str(tmp_path)}
+    ckpt = ("--ckpt-dir", url, "--ckpt-every", "10")
+    if mesh not in uninterrupted:
+        ref = ("--ckpt-dir", str(tmp_path / "straight"), "--ckpt-every", "10")
+        straight = train(tmp_path, "straight", mesh, 20, *ref)
+        assert straight is not None
+        uninterrupted[mesh] = straight
+    straight = uninterrupted[mesh]
+    train(tmp_path, "killed", mesh, 20, *ckpt, "--kill-at-step", "13", "--kill-rank", "1", ok=False, env=env)
+    resumed = train(tmp_path, "resumed", mesh, 20, *ckpt, "--resume", env=env)
     assert resumed is not None
     assert resumed["resumed_from_step"] == 10
     assert resumed["resume_problems"] == []
@@ -49,10 +75,13 @@ def test_torn_and_corrupt_checkpoints_are_skipped_with_the_reason(tmp_path: Path
     mesh = "dp_shard=2"
     root = tmp_path / "ckpt"
     ckpt = ("--ckpt-dir", str(root), "--ckpt-every", "5")
-    first = train(tmp_path, "first", mesh, 15, *ckpt)
+    # rank 0 is SIGKILLed inside the save of step 15: every shard is written, the manifest is not
+    train(tmp_path, "first", mesh, 20, *ckpt, "--kill-before-commit-step", "15", ok=False)
+    first = train(tmp_path, "reference", mesh, 15, "--ckpt-dir", str(tmp_path / "ref"), "--ckpt-every", "5")
     assert first is not None
     assert sorted(p.name for p in root.iterdir()) == ["step_000000005", "step_000000010", "step_000000015"]
-    (root / "step_000000015" / "manifest.json").unlink()  # as if killed before its commit
+    torn = sorted(p.name for p in (root / "step_000000015").iterdir())
+    assert torn == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # no manifest.json
     shard = root / "step_000000010" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte flipped: same size, wrong checksum

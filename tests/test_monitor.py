@@ -141,7 +141,7 @@ def test_config_validates_itself(config: dict[str, Any], message: str) -> None:
 
 def test_checkpoints_ride_on_the_next_report(tmp_path: Path) -> None:
     m = monitor(tmp_path)
-    m.record_checkpoint(step=10, blocking_s=0.2, total_s=2.5, nbytes=4096)
+    m.record_checkpoint(step=10, blocking_s=0.2, total_s=2.5, nbytes=4096, staging_s=0.125)
     with m.step(tokens=1):
         pass
     with m.step(tokens=1):
@@ -151,7 +151,9 @@ def test_checkpoints_ride_on_the_next_report(tmp_path: Path) -> None:
     with m.step(tokens=1):
         pass
     reports = lines(tmp_path)
-    assert reports[0]["checkpoints"] == [{"step": 10, "blocking_s": 0.2, "total_s": 2.5, "bytes": 4096}]
+    assert reports[0]["checkpoints"] == [
+        {"step": 10, "blocking_s": 0.2, "total_s": 2.5, "staging_s": 0.125, "bytes": 4096}
+    ]
     assert "checkpoints" not in reports[1]
     assert [c["step"] for c in reports[2]["checkpoints"]] == [2, 3, 4, 5]  # the bound: oldest dropped, counted
     assert reports[2]["internal_errors_total"] == 2

@@ -48,8 +48,9 @@ def test_bad_layout_under_torchrun_fails_fast() -> None:
         (["--ckpt-dir", "gs://bucket/run"], "supported schemes are file://"),
         (["--ckpt-dir", "/tmp/c", "--ckpt-keep-last", "0"], "retention.keep_last must be >= 1"),
         (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+        (["--ckpt-dir", "s3://b/p", "--ckpt-s3-endpoint", "minio:9000"], "must be an http:// or https:// URL"),
     ],
-    ids=["resume-without-dir", "scheme", "keep-last", "negative-cadence"],
+    ids=["resume-without-dir", "scheme", "keep-last", "negative-cadence", "s3-endpoint"],
 )
 def test_bad_checkpoint_arguments_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(argv) == 2

@@ -23,43 +23,48 @@ gloo process group, so background writes never interleave with the training's co
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
 
 import opsd
-from opsd.errors import ConfigError
-from opsd.manifest import MANIFEST_NAME, Manifest, ManifestError, ManifestFile, encode_manifest, parse_manifest
-from opsd.manifest import size_problems as manifest_size_problems
+from opsd.errors import ConfigError, OpsError, PermanentError
+from opsd.manifest import Manifest, ManifestFile, encode_manifest, parse_manifest
 from opsd.policy.retention import Retention, select_deletions
+from opsd.storage import S3Options, Store, inspect_checkpoints, open_store, sha256_file
 from trainer_hooks.policy import PolicyReader
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step_(\d{9})$")
 # Optimizer state keyed by parameter name: pipeline stages hold different parameters, and nested param_groups
 # lists would collide across them.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) once every rank's shards are written
+
+
+class ChecksumError(PermanentError):
+    """A checkpoint file whose bytes do not match its manifest."""
 
 
 class Stateful(Protocol):
@@ -70,24 +75,28 @@ class Stateful(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    url: str  # file:///path or a plain path
+    url: str  # file:///path, a plain path, or s3://bucket/prefix
     every_steps: int = 0  # local cadence when no controller policy says otherwise (0: only the policy)
     keep_last: int = 3
     keep_every_steps: int = 0
     async_save: bool = True
+    # "thread": DCP writes on a thread of the training process; "process": in a helper process per rank (no GIL
+    # shared with training, at the price of one process and a pickled handle per save; see bench.checkpoint_stall)
+    async_mode: Literal["thread", "process"] = "thread"
+    s3: S3Options = field(default_factory=S3Options)
 
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("checkpoint.url must not be empty")
-        if "://" in self.url and not self.url.startswith("file://"):
-            raise ValueError(f"checkpoint.url {self.url!r}: supported schemes are file:// (or a plain path)")
+        if "://" in self.url and not self.url.startswith(("file://", "s3://")):
+            raise ValueError(f"checkpoint.url {self.url!r}: supported schemes are file://, s3:// (or a plain path)")
+        if self.url.startswith("s3://") and not self.url.removeprefix("s3://").split("/")[0]:
+            raise ValueError(f"checkpoint.url {self.url!r}: no bucket (expected s3://bucket/prefix)")
         if self.every_steps < 0:
             raise ValueError("checkpoint.every_steps must be >= 0")
+        if self.async_mode not in ("thread", "process"):
+            raise ValueError(f"checkpoint.async_mode {self.async_mode!r}: expected thread or process")
         Retention(self.keep_last, self.keep_every_steps)  # validates them
-
-    @property
-    def root(self) -> Path:
-        return Path(self.url.removeprefix("file://"))
 
 
 class TrainState:
@@ -117,66 +126,77 @@ class TrainState:
 
 class _CachedStager(BlockingAsyncStager):
     """torch's blocking stager with a cached CPU copy, pinned only where an accelerator exists (pinning needs one:
-    the parent class pins unconditionally, which fails on a CPU-only machine). Same private helpers as the parent."""
+    the parent class pins unconditionally, which fails on a CPU-only machine). Same private helpers as the parent.
+    ``last_staging_s``: how long the last copy took (part of the blocking time)."""
+
+    last_staging_s = 0.0
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
         if self.state_dict_cache is None:
             self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.accelerator.is_available())
         staged: dict[str, Any] = _copy_state_dict(state_dict, self.state_dict_cache)
+        self.last_staging_s = time.perf_counter() - start
         return staged
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
+class _StoreWriter(FileSystemWriter):
+    """DCP's file writer into the store's local directory. For a remote store each rank uploads the files it wrote
+    inside DCP's write phase, and the coordinator uploads ``.metadata`` in ``finish``: DCP runs ``finish`` only
+    after every rank's writes returned, so when the save completes every file is in the store. Picklable (the
+    process-based async save sends it to a helper process)."""
+
+    def __init__(self, store: Store, step: int) -> None:
+        super().__init__(str(store.write_dir(step)))
+        self.store = store
+        self.step = step
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        future = super().write_data(plan, planner)
+        self.store.upload(self.step, [r.storage_data.relative_path for r in future.wait()])
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.store.upload(self.step, [DCP_METADATA])
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+class _VerifyingReader(FileSystemReader):
+    """DCP's file reader that checks each file it reads against the manifest's SHA-256 first (fetching it from a
+    remote store into this process's cache). A mismatch fails the load on every rank (DCP gathers the errors)."""
+
+    def __init__(self, store: Store, manifest: Manifest, reader: str) -> None:
+        super().__init__(str(store.read_dir(manifest.step, reader)))
+        self.store = store
+        self.step = manifest.step
+        self.reader = reader
+        self.expected = {f.path: f.sha256 for f in manifest.files}
+        self.verified: set[str] = set()
+
+    def _ensure(self, name: str) -> None:
+        if name in self.verified:
+            return
+        if name not in self.expected:
+            raise ChecksumError(f"{name}: not in the manifest")
+        if sha256_file(self.store.fetch(self.step, name, self.reader)) != self.expected[name]:
+            raise ChecksumError(f"{name}: checksum mismatch")
+        self.verified.add(name)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._ensure(DCP_METADATA)
+        return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+            self._ensure(name)
+        return super().read_data(plan, planner)
 
 
-@dataclass(frozen=True)
-class Candidate:
-    step: int
-    path: Path
-    problem: str | None  # None: valid
-
-
-def inspect_checkpoints(root: Path, *, verify_checksums: bool = True) -> list[Candidate]:
-    """Every step directory under ``root``, newest first, with what is wrong with it (None when valid)."""
-    if not root.is_dir():
-        return []
-    out = []
-    for entry in sorted(root.iterdir(), reverse=True):
-        match = STEP_DIR.match(entry.name)
-        if not match or not entry.is_dir():
-            continue
-        out.append(Candidate(int(match.group(1)), entry, _problem(entry, int(match.group(1)), verify_checksums)))
-    return out
-
-
-def _problem(path: Path, step: int, verify_checksums: bool) -> str | None:
-    manifest_path = path / MANIFEST_NAME
-    if not manifest_path.exists():
-        return "no manifest (the save did not finish)"
-    try:
-        manifest = parse_manifest(manifest_path.read_bytes())
-    except (OSError, ManifestError) as exc:
-        return str(exc)
-    if manifest.step != step:
-        return f"manifest is for step {manifest.step}, directory for step {step}"
-    sizes = {f.path: (path / f.path).stat().st_size for f in manifest.files if (path / f.path).is_file()}
-    problems = manifest_size_problems(manifest, sizes)
-    if problems:
-        return "; ".join(problems)
-    if verify_checksums:
-        for f in manifest.files:
-            if sha256_file(path / f.path) != f.sha256:
-                return f"{f.path}: checksum mismatch"
-    return None
+def _load_failure(exc: CheckpointException) -> str:
+    """The reason a load failed, from the first failing rank's exception (ours say which file and why)."""
+    for _, (inner, _trace) in sorted(exc.failures.items()):
+        return str(inner) if isinstance(inner, OpsError) else f"{type(inner).__name__}: {inner}"
+    return str(exc)
 
 
 class Checkpointer:
@@ -186,15 +206,21 @@ class Checkpointer:
         *,
         world_layout: dict[str, int] | None = None,
         policy: PolicyReader | None = None,
-        on_saved: Callable[[int, float, float, int], None] | None = None,
+        on_saved: Callable[..., None] | None = None,
+        before_commit: Callable[[int], None] | None = None,
     ) -> None:
-        """``on_saved(step, blocking_s, total_s, bytes)`` runs when this rank's part of a save is written (e.g.
-        ``Monitor.record_checkpoint``). Collective: every rank constructs it (it creates a process group)."""
+        """``on_saved(step=, blocking_s=, staging_s=, total_s=, nbytes=)`` runs when a save this rank took part in is
+        committed (e.g. ``Monitor.record_checkpoint``). ``before_commit(step)`` runs on rank 0 just before the
+        manifest is written (fault injection). Collective: every rank constructs it (it creates a process group)."""
         self.config = config
-        self.root = config.root
+        try:
+            self.store: Store = open_store(config.url, config.s3)
+        except OpsError as exc:
+            raise ConfigError(str(exc)) from None
         self.layout = dict(world_layout or {})
         self.policy = policy
         self.on_saved = on_saved
+        self.before_commit = before_commit
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.group = dist.new_group(backend="gloo")
@@ -205,11 +231,7 @@ class Checkpointer:
         # One staging buffer for the run: each save copies into it instead of allocating the state anew.
         self._stager = _CachedStager(cache_staged_state_dict=True) if config.async_save else None
         self._lock = threading.Lock()
-        if self.rank == 0:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(f"checkpoint directory {self.root}: {exc}") from None
+        self._reader = f"rank{self.rank}-{os.getpid()}"
 
     # -- cadence -------------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -229,20 +251,27 @@ class Checkpointer:
         if busy:
             self.waits += 1
         self.wait()
-        directory = self.root / step_dir_name(step)
         state_dict = state.state_dict(self.rank)
-        writer = FileSystemWriter(str(directory))
-        if self.config.async_save:
+        writer = _StoreWriter(self.store, step)
+        if self._stager is not None:
+            kind = (
+                AsyncCheckpointerType.PROCESS if self.config.async_mode == "process" else AsyncCheckpointerType.THREAD
+            )
             future = dcp_async_save(
-                state_dict, storage_writer=writer, process_group=self.group, async_stager=self._stager
+                state_dict,
+                storage_writer=writer,
+                process_group=self.group,
+                async_stager=self._stager,
+                async_checkpointer_type=kind,
             )
             blocking_s = time.perf_counter() - start
+            staging_s = self._stager.last_staging_s
             assert isinstance(future, Future)
             committed = threading.Event()
 
             def written(f: Future[Any]) -> None:
                 try:
-                    self._written(f, step, directory, start, blocking_s)
+                    self._written(f, step, start, blocking_s, staging_s)
                 finally:
                     committed.set()
 
@@ -254,49 +283,65 @@ class Checkpointer:
             blocking_s = time.perf_counter() - start
             done: Future[Any] = Future()
             done.set_result(None)
-            self._written(done, step, directory, start, blocking_s)
+            self._written(done, step, start, blocking_s, 0.0)
+            blocking_s = time.perf_counter() - start  # a synchronous save blocks until it is committed
         return blocking_s
 
-    def _written(self, future: Future[Any], step: int, directory: Path, start: float, blocking_s: float) -> None:
-        """This rank's shards are written (on the saving thread): rank 0 commits, everyone reports."""
+    def _written(self, future: Future[Any], step: int, start: float, blocking_s: float, staging_s: float) -> None:
+        """DCP's save finished on this rank (on the saving thread; every rank gets here, or every rank failed):
+        each rank hashes the files it wrote, rank 0 gathers them and commits, everyone reports."""
         try:
             future.result()
-            if self.rank == 0:
-                self._commit(step, directory)
+            directory = self.store.write_dir(step)
+            mine = sorted(
+                p.name
+                for p in directory.iterdir()
+                if p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and p.name == DCP_METADATA)
+            )
+            files = [
+                ManifestFile(name, (directory / name).stat().st_size, sha256_file(directory / name)) for name in mine
+            ]
+            gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(files, gathered, dst=0, group=self.group)
+            self.store.discard_spool(step, mine)
+            if gathered is not None:
+                self._commit(step, sorted((f for part in gathered for f in part), key=lambda f: f.path))
                 self._apply_retention()
             total_s = time.perf_counter() - start
-            nbytes = sum(p.stat().st_size for p in directory.glob(f"__{self.rank}_*"))
+            nbytes = sum(f.bytes for f in files)
             if self.on_saved is not None:
-                self.on_saved(step, blocking_s, total_s, nbytes)
-            log.info("checkpoint of step %d: blocking %.3f s, total %.3f s", step, blocking_s, total_s)
-        except Exception:
+                self.on_saved(step=step, blocking_s=blocking_s, staging_s=staging_s, total_s=total_s, nbytes=nbytes)
+            log.info(
+                "checkpoint of step %d: blocking %.3f s (staging %.3f s), total %.3f s, %d bytes from this rank",
+                step,
+                blocking_s,
+                staging_s,
+                total_s,
+                nbytes,
+            )
+        except (Exception, CheckpointException):
             log.exception("checkpoint of step %d failed; it is not committed", step)
 
-    def _commit(self, step: int, directory: Path) -> None:
-        # DCP's coordinator (rank 0) writes .metadata after gathering every rank's write results: when its save
-        # is done, every shard is on storage.
-        files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    def _commit(self, step: int, files: list[ManifestFile]) -> None:
         manifest = Manifest(
             v=1,
             step=step,
             time_unix_s=time.time(),
             world_size=self.world_size,
             mesh=self.layout,
-            files=[
-                ManifestFile(str(p.relative_to(directory).as_posix()), p.stat().st_size, sha256_file(p)) for p in files
-            ],
+            files=files,
             versions={"torch": str(torch.__version__), "opsd": opsd.__version__},
         )
-        tmp = directory / f".{MANIFEST_NAME}.tmp"
-        tmp.write_bytes(encode_manifest(manifest))
-        os.replace(tmp, directory / MANIFEST_NAME)
+        if self.before_commit is not None:
+            self.before_commit(step)
+        self.store.write_manifest(step, encode_manifest(manifest))
 
     def _apply_retention(self) -> None:
-        found = inspect_checkpoints(self.root, verify_checksums=False)
+        found = inspect_checkpoints(self.store)
         committed = [c.step for c in found if c.problem is None]
         torn = [c.step for c in found if c.problem is not None]
         for step in select_deletions(committed, torn, self.retention):
-            shutil.rmtree(self.root / step_dir_name(step), ignore_errors=True)
+            self.store.delete(step)
             log.info("checkpoint of step %d deleted (retention)", step)
 
     def wait(self) -> None:
@@ -304,9 +349,8 @@ class Checkpointer:
         with self._lock:
             inflight, self._inflight = self._inflight, None
         if inflight is not None:
-            future, committed = inflight
-            committed.wait()  # written, and committed on rank 0
-            future.result()
+            _, committed = inflight
+            committed.wait()  # written, and committed on rank 0 (failures are logged by _written)
 
     def close(self) -> None:
         self.wait()
@@ -315,28 +359,44 @@ class Checkpointer:
 
     # -- load ----------------------------------------------------------------------------------------------------
     def load(self, state: TrainState) -> int | None:
-        """Restore the newest committed checkpoint that validates (rank 0 checks sizes and checksums, every rank
-        loads the one it chose); the step restored, or None. Skipped checkpoints are in ``resume_problems``."""
-        chosen = torch.tensor([-1], dtype=torch.int64)
-        if self.rank == 0:
-            for candidate in inspect_checkpoints(self.root):
-                if candidate.problem is None:
-                    chosen[0] = candidate.step
-                    break
-                message = f"{candidate.path.name}: {candidate.problem}"
-                self.resume_problems.append(message)
+        """Restore the newest committed checkpoint that validates: rank 0 checks manifests and sizes, every rank
+        checks the checksum of each file it reads; when a load fails, the next older one is tried. Returns the step
+        restored, or None when there is nothing valid to resume from. Each skipped checkpoint is in
+        ``resume_problems`` (on every rank) with the reason. Raises ``PermanentError`` when every candidate failed
+        while loading (the state may then be partly overwritten: starting afresh from it would be wrong)."""
+        listed: list[Any] = [None]
+        if self.rank == 0:  # every rank gets the manifests rank 0 validated (no rank reads one on its own)
+            listed[0] = [
+                (c.step, c.name, c.problem, self.store.read_manifest(c.step) if c.problem is None else None)
+                for c in inspect_checkpoints(self.store)
+            ]
+        dist.broadcast_object_list(listed, src=0, group=self.group)
+        partly_loaded = False
+        for step, name, problem, manifest in listed[0]:
+            if problem is None:
+                try:
+                    self._load_step(parse_manifest(manifest), state)
+                    return int(step)
+                except CheckpointException as exc:
+                    problem = _load_failure(exc)
+                    partly_loaded = True
+                finally:
+                    self.store.forget_read(step, self._reader)
+            message = f"{name}: {problem}"
+            self.resume_problems.append(message)
+            if self.rank == 0:
                 log.warning("checkpoint skipped: %s", message)
-        dist.broadcast(chosen, src=0, group=self.group)
-        step = int(chosen.item())
-        if step < 0:
-            return None
-        directory = self.root / step_dir_name(step)
-        manifest = parse_manifest((directory / MANIFEST_NAME).read_bytes())
+        if partly_loaded:  # a failed load may have overwritten some tensors, and no later load overwrote them all
+            problems = "; ".join(self.resume_problems)
+            raise PermanentError(f"no checkpoint in {self.store.url} could be loaded: {problems}")
+        return None
+
+    def _load_step(self, manifest: Manifest, state: TrainState) -> None:
         same_world = manifest.world_size == self.world_size
         template = state.state_dict(self.rank)
         if not same_world:
             del template[f"rng_rank{self.rank}"]  # another world's ranks: their RNG states do not apply
-        dcp_load(template, storage_reader=FileSystemReader(str(directory)), process_group=self.group)
+        reader = _VerifyingReader(self.store, manifest, self._reader)
+        dcp_load(template, storage_reader=reader, process_group=self.group)
         state.load_state_dict(template, self.rank, restore_rng=same_world)
-        log.info("resumed from the checkpoint of step %d (%s)", step, json.dumps(manifest.mesh))
-        return step
+        log.info("resumed from the checkpoint of step %d (%s)", manifest.step, json.dumps(manifest.mesh))

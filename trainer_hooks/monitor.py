@@ -242,11 +242,15 @@ class Monitor:
                 report["checkpoints"], self._checkpoints = self._checkpoints, []
         return report
 
-    def record_checkpoint(self, step: int, blocking_s: float, total_s: float, nbytes: int) -> None:
+    def record_checkpoint(
+        self, step: int, blocking_s: float, total_s: float, nbytes: int, staging_s: float = 0.0
+    ) -> None:
         """A checkpoint save of this rank finished: it goes out with the next step report (at most
-        ``MAX_CHECKPOINTS_PER_REPORT`` per report, the oldest dropped and counted as internal errors)."""
+        ``MAX_CHECKPOINTS_PER_REPORT`` per report, the oldest dropped and counted as internal errors).
+        ``staging_s``: the part of ``blocking_s`` spent copying the state to host memory."""
         try:
             entry = {"step": int(step), "blocking_s": float(blocking_s), "total_s": float(total_s)}
+            entry["staging_s"] = float(staging_s)
             entry["bytes"] = int(nbytes)
             with self._checkpoints_lock:  # called from the checkpoint's saving thread
                 self._checkpoints.append(entry)
