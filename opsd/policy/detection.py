@@ -1,0 +1,141 @@
+"""Failure detection: what the controller sees (heartbeats, step progress, GPU events, exits) -> failures.
+
+Pure: views in, ``Failure`` list out; ``now_s`` is an argument. Timeouts come from observed behaviour with floors:
+a node is lost when its heartbeat is late by ``heartbeat_factor`` x its median interval (at least
+``heartbeat_floor_s``); a run hangs when no rank's step has advanced for ``hang_factor`` x the median step time
+(at least ``hang_floor_s``). So a 40-minute step does not look like a hang, and a 1 s step is not left hanging for
+half an hour.
+
+What each failure asks for (``Failure.swap``): a node that stopped sending heartbeats or reported a fatal XID is
+swapped for a spare; a rank that exited, a hang, an application XID or a collective timeout restarts the ranks on
+the same nodes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FailureKind(StrEnum):
+    HEARTBEAT_LOSS = "heartbeat_loss"
+    FATAL_XID = "fatal_xid"
+    APPLICATION_XID = "application_xid"
+    PROCESS_EXIT = "process_exit"
+    HANG = "hang"
+    COLLECTIVE_TIMEOUT = "collective_timeout"
+
+
+SWAP_KINDS = frozenset({FailureKind.HEARTBEAT_LOSS, FailureKind.FATAL_XID})
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    heartbeat_factor: float = 5.0
+    heartbeat_floor_s: float = 10.0
+    hang_factor: float = 3.0
+    hang_floor_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_factor < 1 or self.hang_factor < 1:
+            raise ValueError("detection.heartbeat_factor and detection.hang_factor must be >= 1")
+        if self.heartbeat_floor_s <= 0 or self.hang_floor_s <= 0:
+            raise ValueError("detection.heartbeat_floor_s and detection.hang_floor_s must be > 0")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node: str
+    last_heartbeat_s: float
+    intervals_s: tuple[float, ...] = ()  # recent intervals between its heartbeats
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    node: str
+    step: int  # the last step reported
+    progress_s: float  # when its step last advanced (or when it started)
+    exit_code: int | None = None  # set when its process has exited
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    node: str
+    gpu: int
+    xid: int
+    action: str  # the agent's decision: "cordon_and_swap" or "restart_job"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CollectiveTimeout:
+    rank: int
+    node: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    node: str
+    rank: int | None
+    detail: str
+
+    @property
+    def swap(self) -> bool:
+        return self.kind in SWAP_KINDS
+
+
+def heartbeat_timeout_s(intervals_s: Sequence[float], config: DetectionConfig) -> float:
+    if not intervals_s:
+        return config.heartbeat_floor_s
+    return max(config.heartbeat_floor_s, config.heartbeat_factor * statistics.median(intervals_s))
+
+
+def hang_timeout_s(step_times_s: Sequence[float], config: DetectionConfig) -> float:
+    if not step_times_s:
+        return config.hang_floor_s
+    return max(config.hang_floor_s, config.hang_factor * statistics.median(step_times_s))
+
+
+def detect_failures(
+    *,
+    now_s: float,
+    nodes: Iterable[NodeView],
+    ranks: Iterable[RankView],
+    events: Iterable[GpuEvent] = (),
+    timeouts: Iterable[CollectiveTimeout] = (),
+    step_times_s: Sequence[float] = (),
+    config: DetectionConfig,
+) -> list[Failure]:
+    """Every failure visible now, the ones that need a swap first."""
+    out: list[Failure] = []
+    for n in nodes:
+        limit = heartbeat_timeout_s(n.intervals_s, config)
+        silent = now_s - n.last_heartbeat_s
+        if silent > limit:
+            detail = f"no heartbeat for {silent:.1f} s > {limit:.1f} s"
+            out.append(Failure(FailureKind.HEARTBEAT_LOSS, n.node, None, detail))
+    for e in events:
+        kind = FailureKind.FATAL_XID if e.action == "cordon_and_swap" else FailureKind.APPLICATION_XID
+        out.append(Failure(kind, e.node, None, f"XID {e.xid} on GPU {e.gpu}: {e.reason or e.action}"))
+    rank_list = list(ranks)
+    for r in rank_list:
+        if r.exit_code is not None and r.exit_code != 0:
+            out.append(Failure(FailureKind.PROCESS_EXIT, r.node, r.rank, f"rank {r.rank} exited with {r.exit_code}"))
+    for t in timeouts:
+        out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, t.node, t.rank, t.detail))
+    running = [r for r in rank_list if r.exit_code is None]
+    if running:
+        limit = hang_timeout_s(step_times_s, config)
+        latest = max(r.progress_s for r in running)
+        stalled = now_s - latest
+        if stalled > limit:
+            # the culprit is most likely the rank furthest behind (the others wait for it in a collective)
+            behind = min(running, key=lambda r: (r.step, r.progress_s, r.rank))
+            detail = f"no step progress for {stalled:.1f} s > {limit:.1f} s; furthest behind: rank {behind.rank}"
+            out.append(Failure(FailureKind.HANG, behind.node, behind.rank, detail))
+    return sorted(out, key=lambda f: (not f.swap, f.node, -1 if f.rank is None else f.rank))

@@ -1,0 +1,67 @@
+"""Goodput accounting: where the wall-clock time of a run went, and its effective training time ratio (ETTR).
+
+Pure. Badput buckets, per interruption: ``detection`` (failure to detection), ``spare_wait`` (waiting for a spare),
+``restart`` (detection to the first productive step after the resume, restore included, spare wait excluded),
+``recompute`` (the steps done again after the resume: those since the checkpoint resumed from). Over the run:
+``checkpoint`` (the time saves stopped training). ``productive`` is the rest. ETTR = productive / wall time (as
+MegaScale and ByteRobust report it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Interruption:
+    failed_s: float  # when it failed (injection time, or the last sign of life)
+    detected_s: float
+    resumed_s: float  # the first productive step after the resume
+    lost_steps: int  # steps done again
+    step_time_s: float
+    spare_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.failed_s <= self.detected_s <= self.resumed_s:
+            raise ValueError("an interruption needs failed_s <= detected_s <= resumed_s")
+        if self.lost_steps < 0 or self.step_time_s < 0 or self.spare_wait_s < 0:
+            raise ValueError("lost_steps, step_time_s and spare_wait_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class Goodput:
+    wall_s: float
+    productive_s: float
+    checkpoint_s: float
+    detection_s: float
+    spare_wait_s: float
+    restart_s: float
+    recompute_s: float
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def buckets(self) -> dict[str, float]:
+        return {
+            "productive": self.productive_s,
+            "checkpoint": self.checkpoint_s,
+            "detection": self.detection_s,
+            "spare_wait": self.spare_wait_s,
+            "restart": self.restart_s,
+            "recompute": self.recompute_s,
+        }
+
+
+def account(wall_s: float, checkpoint_blocking_s: float, interruptions: Iterable[Interruption]) -> Goodput:
+    if wall_s < 0 or checkpoint_blocking_s < 0:
+        raise ValueError("wall_s and checkpoint_blocking_s must be >= 0")
+    detection = spare = restart = recompute = 0.0
+    for i in interruptions:
+        detection += i.detected_s - i.failed_s
+        spare += i.spare_wait_s
+        restart += max(0.0, i.resumed_s - i.detected_s - i.spare_wait_s)
+        recompute += i.lost_steps * i.step_time_s
+    bad = checkpoint_blocking_s + detection + spare + restart + recompute
+    return Goodput(wall_s, max(0.0, wall_s - bad), checkpoint_blocking_s, detection, spare, restart, recompute)

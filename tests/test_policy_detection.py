@@ -1,0 +1,107 @@
+"""Failure detection, as tables of named cases (time is an argument)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opsd.policy.detection import (
+    CollectiveTimeout,
+    DetectionConfig,
+    FailureKind,
+    GpuEvent,
+    NodeView,
+    RankView,
+    detect_failures,
+    hang_timeout_s,
+    heartbeat_timeout_s,
+)
+
+C = DetectionConfig(heartbeat_factor=5, heartbeat_floor_s=3, hang_factor=3, hang_floor_s=10)
+
+
+@pytest.mark.parametrize(
+    ("intervals", "timeout"),
+    [((), 3.0), ((1.0, 1.0, 1.2), 5.0), ((0.1, 0.1), 3.0), ((30.0, 30.0), 150.0)],
+    ids=["no history: floor", "1 s beats", "fast beats: floor", "slow beats"],
+)
+def test_heartbeat_timeout_follows_the_observed_interval(intervals: tuple[float, ...], timeout: float) -> None:
+    assert heartbeat_timeout_s(intervals, C) == timeout
+
+
+@pytest.mark.parametrize(
+    ("steps", "timeout"),
+    [((), 10.0), ((0.5, 0.6, 0.5), 10.0), ((2400.0,), 7200.0)],
+    ids=["no history", "fast steps: floor", "40-minute steps"],
+)
+def test_hang_timeout_follows_the_step_time(steps: tuple[float, ...], timeout: float) -> None:
+    assert hang_timeout_s(steps, C) == timeout
+
+
+def node(name: str, last: float) -> NodeView:
+    return NodeView(name, last, (1.0, 1.0, 1.0))
+
+
+def rank(r: int, n: str, step: int, progress: float, exit_code: int | None = None) -> RankView:
+    return RankView(r, n, step, progress, exit_code)
+
+
+HEALTHY_NODES = [node("n0", 99.5), node("n1", 99.8)]
+HEALTHY_RANKS = [rank(0, "n0", 50, 99.0), rank(1, "n0", 50, 99.0), rank(2, "n1", 50, 99.1), rank(3, "n1", 50, 99.1)]
+
+CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | None]]]] = {
+    "healthy": ({}, []),
+    "silent node": ({"nodes": [node("n0", 99.5), node("n1", 94.0)]}, [(FailureKind.HEARTBEAT_LOSS, "n1", None)]),
+    "late but within 5x interval": ({"nodes": [node("n0", 99.5), node("n1", 95.5)]}, []),
+    "fatal XID": (
+        {"events": [GpuEvent("n1", 1, 79, "cordon_and_swap", "fallen off the bus")]},
+        [(FailureKind.FATAL_XID, "n1", None)],
+    ),
+    "application XID": (
+        {"events": [GpuEvent("n0", 0, 13, "restart_job")]},
+        [(FailureKind.APPLICATION_XID, "n0", None)],
+    ),
+    "rank exited": (
+        {"ranks": [*HEALTHY_RANKS[:3], rank(3, "n1", 50, 99.1, exit_code=-9)]},
+        [(FailureKind.PROCESS_EXIT, "n1", 3)],
+    ),
+    "clean exit is no failure": ({"ranks": [rank(0, "n0", 60, 99.0, exit_code=0)]}, []),
+    "hang: nobody advanced for 3 x 0.5 s... but the floor is 10 s": (
+        {"ranks": [rank(r, "n0", 50, 91.0) for r in range(2)]},
+        [],
+    ),
+    "hang past the floor, the rank behind named": (
+        {"ranks": [rank(0, "n0", 50, 85.0), rank(1, "n0", 49, 84.0), rank(2, "n1", 50, 85.0)]},
+        [(FailureKind.HANG, "n0", 1)],
+    ),
+    "collective timeout": (
+        {"timeouts": [CollectiveTimeout(2, "n1", "all_reduce on tp timed out after 600 s")]},
+        [(FailureKind.COLLECTIVE_TIMEOUT, "n1", 2)],
+    ),
+    "swaps come first": (
+        {
+            "nodes": [node("n0", 99.5), node("n1", 90.0)],
+            "ranks": [*HEALTHY_RANKS[:3], rank(3, "n1", 50, 99.1, exit_code=1)],
+        },
+        [(FailureKind.HEARTBEAT_LOSS, "n1", None), (FailureKind.PROCESS_EXIT, "n1", 3)],
+    ),
+}
+
+
+@pytest.mark.parametrize(("changes", "expected"), CASES.values(), ids=CASES.keys())
+def test_detect_failures(changes: dict[str, object], expected: list[tuple[FailureKind, str, int | None]]) -> None:
+    inputs: dict[str, object] = {"nodes": HEALTHY_NODES, "ranks": HEALTHY_RANKS, "step_times_s": [0.5] * 10}
+    inputs.update(changes)
+    found = detect_failures(now_s=100.0, config=C, **inputs)  # type: ignore[arg-type]
+    assert [(f.kind, f.node, f.rank) for f in found] == expected
+    assert all(f.detail for f in found)
+    assert [f.swap for f in found] == [k in (FailureKind.HEARTBEAT_LOSS, FailureKind.FATAL_XID) for k, _, _ in expected]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"heartbeat_factor": 0.5}, "factor"), ({"hang_floor_s": 0}, "floor")],
+    ids=["factor", "floor"],
+)
+def test_config_validates_itself(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DetectionConfig(**kwargs)
