@@ -109,6 +109,11 @@ class Reporter:
                 "host": r.host,
                 "step": r.last.step,
                 "step_s": r.last.step_s,
+                "compute_s": r.last.compute_s,
+                "mfu_ratio": r.last.mfu_ratio,
+                "job_tokens_per_s": r.last.job_tokens_per_s,
+                "checkpoints": r.checkpoints.count,
+                "checkpoint_blocking_s": r.checkpoints.blocking_s,
                 "last_report_unix_s": r.last_seen_s,
                 "coords": r.coords,
             }

@@ -82,3 +82,44 @@ def agent(
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     daemon.stop()
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address of the API"),
+    port: int = typer.Option(8470, help="port of the API"),
+    state_dir: str = typer.Option(".opsd", envvar="OPSD_STATE_DIR", help="where the default state and token live"),
+    state_url: str = typer.Option(
+        "", envvar="OPSD_STATE_URL", help="sqlite:///path or postgresql+psycopg://... (default: STATE_DIR/opsd.db)"
+    ),
+    token: str = typer.Option(
+        "", envvar="OPSD_TOKEN", help="bearer token of the mutating endpoints (default: STATE_DIR/token, made once)"
+    ),
+    tick_interval_s: float = typer.Option(0.5, help="seconds between failure-detection passes"),
+    heartbeat_floor_s: float = typer.Option(10.0, help="a node is lost after at least this long without heartbeat"),
+    hang_floor_s: float = typer.Option(60.0, help="a run hangs after at least this long without a step"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run the controller: the HTTP API for agents and the CLI, failure detection, incidents (OpenAPI at
+    /openapi.json, metrics at /metrics)."""
+    from opsd.server import ServeConfig, run_server
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = ServeConfig(
+            host=host,
+            port=port,
+            state_dir=state_dir,
+            state_url=state_url,
+            token=token,
+            tick_interval_s=tick_interval_s,
+            heartbeat_floor_s=heartbeat_floor_s,
+            hang_floor_s=hang_floor_s,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        run_server(config)
+    except OpsError as exc:
+        typer.echo(f"opsd serve: {exc}", err=True)
+        raise typer.Exit(1) from None

@@ -19,3 +19,12 @@ def s3_endpoint() -> Iterator[str]:
         with moto_server() as url:
             make_bucket(url, "ckpt")
             yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A real PostgreSQL server on loopback for the session (Debian's postgresql)."""
+    from tests.postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url

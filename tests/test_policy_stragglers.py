@@ -50,7 +50,7 @@ def test_score_stragglers(samples: list[ComputeSample], flagged: list[int]) -> N
 
 def test_an_episode_that_ended_is_forgotten_after_the_window() -> None:
     slow = [s for s in run({0: 1.0, 1: 1.0, 2: 1.3}, steps=20)]
-    recovered = [ComputeSample(s.rank, s.node, s.stage, s.step + 20, 1.0) for s in run({0: 1.0, 1: 1.0, 2: 1.0})]
+    recovered = [ComputeSample(s.rank, s.node, s.stage, s.slot + 20, 1.0) for s in run({0: 1.0, 1: 1.0, 2: 1.0})]
     assert [s.rank for s in score_stragglers(slow, C) if s.flagged] == [2]
     assert [s.rank for s in score_stragglers(slow + recovered, C) if s.flagged] == []
 

@@ -2,11 +2,11 @@
 
 Pure. A rank's samples are its compute seconds per step (the step minus the time it waited, exposed, in
 collectives: a rank that waits for a straggler is not one). Ranks doing the same work are the ranks of the same
-pipeline stage; at each step a rank's ratio is its compute time over the median of the *other* ranks of its stage
-at that step (leave-one-out, so that with two ranks a slow one is not hidden by its own weight in the median). A
-rank is flagged when, over its last ``window`` steps (at least ``min_samples``), at least ``persistence_ratio`` of
-its ratios are >= ``threshold_ratio`` (1.10: 10% slower, the usual definition, e.g. the OSDI 2025 straggler
-study). Its slowdown is the median ratio over the window.
+pipeline stage; in each slot (a step, or a time bucket) a rank's ratio is its compute time over the median of the
+*other* ranks of its stage in that slot (leave-one-out, so that with two ranks a slow one is not hidden by its own
+weight in the median). A rank is flagged when, over its last ``window`` slots (at least ``min_samples``), at
+least ``persistence_ratio`` of its ratios are >= ``threshold_ratio`` (1.10: 10% slower, the usual definition, e.g.
+the OSDI 2025 straggler study). Its slowdown is the median ratio over the window.
 
 Swap or warn: a straggler slows the whole synchronous job to its pace, so keeping it costs
 ``remaining_s x (1 - 1 / slowdown)`` of wall time; a swap costs ``swap_cost_s`` (stop, restart, restore, recompute).
@@ -45,7 +45,7 @@ class ComputeSample:
     rank: int
     node: str
     stage: int  # pipeline stage (0 without pipeline parallelism)
-    step: int
+    slot: int  # what makes samples comparable: the step, or a time bucket when samples are taken periodically
     compute_s: float
 
 
@@ -61,18 +61,18 @@ class StragglerScore:
 
 def score_stragglers(samples: Iterable[ComputeSample], config: StragglerConfig) -> list[StragglerScore]:
     """A score per rank that has peers, flagged ones first, then by slowdown (largest first)."""
-    by_step: dict[tuple[int, int], dict[int, ComputeSample]] = defaultdict(dict)
+    by_slot: dict[tuple[int, int], dict[int, ComputeSample]] = defaultdict(dict)
     for s in samples:
-        by_step[(s.stage, s.step)][s.rank] = s
+        by_slot[(s.stage, s.slot)][s.rank] = s
     ratios: dict[int, list[tuple[int, float]]] = defaultdict(list)
     where: dict[int, ComputeSample] = {}
-    for (_, step), ranks in by_step.items():
+    for (_, slot), ranks in by_slot.items():
         if len(ranks) < 2:
             continue
         for rank, s in ranks.items():
             peers = statistics.median(o.compute_s for r, o in ranks.items() if r != rank)
             if peers > 0:
-                ratios[rank].append((step, s.compute_s / peers))
+                ratios[rank].append((slot, s.compute_s / peers))
                 where[rank] = s
     scores = []
     for rank, series in ratios.items():

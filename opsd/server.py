@@ -1,0 +1,94 @@
+"""``opsd serve``: the controller's API on uvicorn, with a detection pass every ``tick_interval_s``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from opsd.api import create_app
+from opsd.controller import Controller, ControllerConfig
+from opsd.errors import ConfigError, OpsError
+from opsd.policy.detection import DetectionConfig
+from opsd.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8470
+    state_dir: str = ".opsd"
+    state_url: str = ""  # default: sqlite:///<state_dir>/opsd.db
+    token: str = ""  # default: <state_dir>/token, created once
+    tick_interval_s: float = 0.5
+    heartbeat_floor_s: float = 10.0
+    hang_floor_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("serve.port must be in 0..65535")
+        if self.tick_interval_s <= 0:
+            raise ValueError("serve.tick_interval_s must be > 0")
+        DetectionConfig(heartbeat_floor_s=self.heartbeat_floor_s, hang_floor_s=self.hang_floor_s)
+
+    def controller_config(self) -> ControllerConfig:
+        detection = DetectionConfig(heartbeat_floor_s=self.heartbeat_floor_s, hang_floor_s=self.hang_floor_s)
+        return ControllerConfig(detection=detection)
+
+
+def load_token(config: ServeConfig) -> str:
+    """The configured token, or the one in ``<state_dir>/token`` (made, readable by its owner only, if missing)."""
+    if config.token:
+        return config.token
+    path = Path(config.state_dir) / "token"
+    try:
+        if path.exists():
+            return path.read_text().strip()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        log.info("a new API token was written to %s", path)
+        return token
+    except OSError as exc:
+        raise ConfigError(f"token file {path}: {exc}") from None
+
+
+def build(config: ServeConfig) -> tuple[Controller, str]:
+    Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    url = config.state_url or f"sqlite:///{Path(config.state_dir) / 'opsd.db'}"
+    return Controller(Store.open(url), config.controller_config()), load_token(config)
+
+
+def tick_forever(controller: Controller, interval_s: float, stop: threading.Event) -> None:
+    while not stop.wait(interval_s):
+        try:
+            controller.tick(time.time())
+        except OpsError as exc:
+            log.warning("detection pass skipped: %s", exc)
+        except Exception:
+            log.exception("detection pass failed")
+
+
+def run_server(config: ServeConfig) -> None:
+    controller, token = build(config)
+    stop = threading.Event()
+    ticker = threading.Thread(target=tick_forever, args=(controller, config.tick_interval_s, stop), daemon=True)
+    ticker.start()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(controller, token), host=config.host, port=config.port, log_level="warning")
+    )
+    log.info("opsd controller on http://%s:%d (OpenAPI at /openapi.json)", config.host, config.port)
+    try:
+        server.run()
+    finally:
+        stop.set()

@@ -1,0 +1,338 @@
+"""The controller's durable state: runs, nodes, incidents and the action timeline (SQLAlchemy Core).
+
+SQLite by default (a file, in WAL mode, so the CLI can read while the controller writes), PostgreSQL by URL
+(``postgresql+psycopg://user@host/db``). What must survive a controller crash lives here; what is rebuilt within
+seconds from the agents' heartbeats (liveness, rank progress, compute samples) does not.
+
+Exactly-once recovery: every action of a recovery has a request id and is recorded (``record_action``) before it
+is carried out, then marked done (``complete_action``). A controller that restarts mid-recovery finds the
+incident still open and its actions recorded: it carries out only those not done (each action is idempotent, so
+one interrupted half-way is safe to redo), and the incident stays one row. Incidents have a unique ``key`` too,
+so the same failure reported again (an agent resends an unacknowledged XID) does not open a second one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from opsd.errors import ConfigError, TransientError
+
+log = logging.getLogger(__name__)
+
+metadata = MetaData()
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", String(200), primary_key=True),
+    Column("state", String(32), nullable=False),  # running | recovering | waiting_for_spare | completed | failed
+    Column("spec", Text, nullable=False),  # JSON: what the run was started with
+    Column("created_s", Float, nullable=False),
+    Column("updated_s", Float, nullable=False),
+    Column("generation", Integer, nullable=False, default=0),  # launches so far (0: not launched)
+    Column("last_step", Integer, nullable=False, default=0),
+    Column("final_step", Integer),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("run", String(200)),  # the run it serves (active or spare), or None
+    Column("role", String(32), nullable=False),  # active | spare | cordoned
+    Column("domain", String(200), nullable=False, default=""),
+    Column("reason", Text, nullable=False, default=""),  # why it was cordoned
+    Column("events_acked", Integer, nullable=False, default=0),  # GPU events handled, up to this seq
+    Column("updated_s", Float, nullable=False),
+)
+
+incidents = Table(
+    "incidents",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("key", String(400), nullable=False, unique=True),
+    Column("run", String(200), nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("node", String(200), nullable=False),
+    Column("rank", Integer),
+    Column("detail", Text, nullable=False),
+    Column("state", String(32), nullable=False),  # open | recovered | abandoned
+    Column("failed_s", Float, nullable=False),
+    Column("detected_s", Float, nullable=False),
+    Column("resumed_s", Float),
+    Column("resumed_from_step", Integer),
+    Column("lost_steps", Integer),
+    Column("spare", String(200)),
+)
+
+actions = Table(
+    "actions",
+    metadata,
+    Column("request_id", String(200), primary_key=True),
+    Column("incident_id", Integer, ForeignKey("incidents.id")),
+    Column("run", String(200), nullable=False),
+    Column("seq", Integer, nullable=False),  # order within the incident
+    Column("kind", String(64), nullable=False),
+    Column("args", Text, nullable=False),  # JSON
+    Column("state", String(16), nullable=False),  # pending | done
+    Column("created_s", Float, nullable=False),
+    Column("done_s", Float),
+)
+
+
+@dataclass(frozen=True)
+class Action:
+    request_id: str
+    incident_id: int | None
+    run: str
+    seq: int
+    kind: str
+    args: dict[str, Any]
+    state: str
+    created_s: float
+    done_s: float | None
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def open_engine(url: str) -> Engine:
+    """An engine for ``sqlite:///path`` (WAL) or ``postgresql+psycopg://...``; the tables are created if missing."""
+    if not url.startswith(("sqlite:", "postgresql")):
+        raise ConfigError(f"state URL {url!r}: expected sqlite:///path or postgresql+psycopg://...")
+    try:
+        engine = create_engine(url, pool_pre_ping=True)
+        if engine.dialect.name == "sqlite":
+            event.listen(engine, "connect", _sqlite_pragmas)
+        metadata.create_all(engine)
+    except SQLAlchemyError as exc:
+        raise ConfigError(f"state URL {url!r}: {exc}") from exc
+    return engine
+
+
+class Store:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def open(cls, url: str) -> Store:
+        return cls(open_engine(url))
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except OperationalError as exc:  # database locked or unreachable: worth retrying
+            raise TransientError(f"state store: {exc.orig}", retry_after_s=1.0) from exc
+
+    # -- runs --------------------------------------------------------------------------------------------------
+    def create_run(self, run: str, spec: dict[str, Any], now_s: float) -> bool:
+        """Record a run (running, generation 0); False when it exists already (nothing changed)."""
+        row = {"id": run, "state": "running", "spec": json.dumps(spec), "created_s": now_s, "updated_s": now_s}
+        try:
+            with self._tx() as c:
+                c.execute(insert(runs).values(generation=0, last_step=0, **row))
+        except IntegrityError:
+            return False
+        return True
+
+    def run(self, run: str) -> dict[str, Any] | None:
+        with self._tx() as c:
+            row = c.execute(select(runs).where(runs.c.id == run)).mappings().first()
+        return _run_row(row) if row else None
+
+    def runs(self) -> list[dict[str, Any]]:
+        with self._tx() as c:
+            rows = c.execute(select(runs).order_by(runs.c.created_s)).mappings().all()
+        return [_run_row(r) for r in rows]
+
+    def update_run(self, run: str, now_s: float, **fields: Any) -> None:
+        allowed = {"state", "generation", "last_step", "final_step"}
+        if not set(fields) <= allowed:
+            raise ValueError(f"update_run: unknown fields {sorted(set(fields) - allowed)}")
+        with self._tx() as c:
+            c.execute(update(runs).where(runs.c.id == run).values(updated_s=now_s, **fields))
+
+    # -- nodes -------------------------------------------------------------------------------------------------
+    def upsert_node(self, name: str, now_s: float, **fields: Any) -> None:
+        allowed = {"run", "role", "domain", "reason", "events_acked"}
+        if not set(fields) <= allowed:
+            raise ValueError(f"upsert_node: unknown fields {sorted(set(fields) - allowed)}")
+        with self._tx() as c:
+            exists = c.execute(select(nodes.c.name).where(nodes.c.name == name)).first()
+            if exists:
+                if fields:
+                    c.execute(update(nodes).where(nodes.c.name == name).values(updated_s=now_s, **fields))
+            else:
+                row = {"role": "spare", "domain": "", "reason": "", "events_acked": 0, "run": None, **fields}
+                c.execute(insert(nodes).values(name=name, updated_s=now_s, **row))
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        with self._tx() as c:
+            row = c.execute(select(nodes).where(nodes.c.name == name)).mappings().first()
+        return dict(row) if row else None
+
+    def nodes(self, run: str | None = None) -> list[dict[str, Any]]:
+        query = select(nodes).order_by(nodes.c.name)
+        if run is not None:
+            query = query.where(nodes.c.run == run)
+        with self._tx() as c:
+            return [dict(r) for r in c.execute(query).mappings().all()]
+
+    # -- incidents ---------------------------------------------------------------------------------------------
+    def open_incident(
+        self,
+        *,
+        key: str,
+        run: str,
+        kind: str,
+        node: str,
+        rank: int | None,
+        detail: str,
+        failed_s: float,
+        detected_s: float,
+    ) -> tuple[int, bool]:
+        """The incident's id, and whether it is new (False: the same failure was recorded before)."""
+        row = {
+            "key": key,
+            "run": run,
+            "kind": kind,
+            "node": node,
+            "rank": rank,
+            "detail": detail,
+            "state": "open",
+            "failed_s": failed_s,
+            "detected_s": detected_s,
+        }
+        try:
+            with self._tx() as c:
+                result = c.execute(insert(incidents).values(**row))
+                key_id = result.inserted_primary_key
+                assert key_id is not None
+                return int(key_id[0]), True
+        except IntegrityError:
+            with self._tx() as c:
+                found = c.execute(select(incidents.c.id).where(incidents.c.key == key)).scalar_one()
+            return int(found), False
+
+    def update_incident(self, incident_id: int, **fields: Any) -> None:
+        allowed = {"state", "resumed_s", "resumed_from_step", "lost_steps", "spare", "detail"}
+        if not set(fields) <= allowed:
+            raise ValueError(f"update_incident: unknown fields {sorted(set(fields) - allowed)}")
+        with self._tx() as c:
+            c.execute(update(incidents).where(incidents.c.id == incident_id).values(**fields))
+
+    def incidents(self, run: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+        query = select(incidents).order_by(incidents.c.id)
+        if run is not None:
+            query = query.where(incidents.c.run == run)
+        if state is not None:
+            query = query.where(incidents.c.state == state)
+        with self._tx() as c:
+            return [dict(r) for r in c.execute(query).mappings().all()]
+
+    # -- the action timeline -----------------------------------------------------------------------------------
+    def record_action(
+        self,
+        request_id: str,
+        *,
+        run: str,
+        incident_id: int | None,
+        seq: int,
+        kind: str,
+        args: dict[str, Any],
+        now_s: float,
+    ) -> Action:
+        """Record an action before it is carried out; recording the same request id again returns the first."""
+        row = {
+            "request_id": request_id,
+            "incident_id": incident_id,
+            "run": run,
+            "seq": seq,
+            "kind": kind,
+            "args": json.dumps(args, sort_keys=True),
+            "state": "pending",
+            "created_s": now_s,
+        }
+        try:
+            with self._tx() as c:
+                c.execute(insert(actions).values(**row))
+        except IntegrityError:
+            pass
+        found = self.action(request_id)
+        assert found is not None
+        return found
+
+    def complete_action(self, request_id: str, now_s: float) -> None:
+        with self._tx() as c:
+            c.execute(
+                update(actions)
+                .where(actions.c.request_id == request_id, actions.c.state == "pending")
+                .values(state="done", done_s=now_s)
+            )
+
+    def action(self, request_id: str) -> Action | None:
+        with self._tx() as c:
+            row = c.execute(select(actions).where(actions.c.request_id == request_id)).mappings().first()
+        return _action_row(row) if row else None
+
+    def actions(self, *, run: str | None = None, incident_id: int | None = None) -> list[Action]:
+        query = select(actions).order_by(actions.c.created_s, actions.c.seq)
+        if run is not None:
+            query = query.where(actions.c.run == run)
+        if incident_id is not None:
+            query = query.where(actions.c.incident_id == incident_id)
+        with self._tx() as c:
+            return [_action_row(r) for r in c.execute(query).mappings().all()]
+
+
+def _run_row(row: Any) -> dict[str, Any]:
+    out = dict(row)
+    out["spec"] = json.loads(out["spec"])
+    return out
+
+
+def _action_row(row: Any) -> Action:
+    r = dict(row)
+    return Action(
+        r["request_id"],
+        r["incident_id"],
+        r["run"],
+        r["seq"],
+        r["kind"],
+        json.loads(r["args"]),
+        r["state"],
+        r["created_s"],
+        r["done_s"],
+    )

@@ -1,0 +1,196 @@
+"""The controller's HTTP API: tokens, validation with a message and a counter, no 5xx on any body (hypothesis),
+the OpenAPI document, run-level metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from opsd.api import create_app
+from opsd.controller import Controller
+from opsd.policy.cadence import Cadence
+from opsd.store import Store
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory) -> Controller:
+    return Controller(Store.open(f"sqlite:///{tmp_path_factory.mktemp('api') / 'opsd.db'}"))
+
+
+@pytest.fixture(scope="module")
+def client(controller: Controller) -> Iterator[TestClient]:
+    with TestClient(create_app(controller, TOKEN)) as c:
+        yield c
+
+
+def heartbeat(**changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "v": 1,
+        "node": "n0",
+        "time_unix_s": 1.0,
+        "ranks": [{"run": "job", "rank": 0, "step": 3, "step_s": 0.5, "compute_s": 0.4, "coords": {"dp_shard": 0}}],
+        "events": [],
+    }
+    body.update(changes)
+    return body
+
+
+def rejected(client: TestClient, reason: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "opsd_controller_rejected_requests_total" and sample.labels["reason"] == reason:
+                return sample.value
+    raise AssertionError("no rejection counter")
+
+
+def test_a_heartbeat_with_the_token_is_taken(client: TestClient) -> None:
+    reply = client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["ack_events_up_to"] == 0
+    assert [r["id"] for r in client.get("/v1/runs").json()] == ["job"]
+    status = client.get("/v1/runs/job").json()
+    assert (status["step"], status["ranks"]) == (3, 1)
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}], ids=["none", "wrong", "no-bearer"]
+)
+def test_mutating_endpoints_refuse_requests_without_the_token(client: TestClient, headers: dict[str, str]) -> None:
+    before = rejected(client, "auth")
+    assert client.post("/v1/heartbeat", json=heartbeat(), headers=headers).status_code == 401
+    assert client.post("/v1/nodes/n0/cordon", json={"reason": "x"}, headers=headers).status_code == 401
+    assert client.post("/v1/nodes/n0/uncordon", headers=headers).status_code == 401
+    assert rejected(client, "auth") == before + 3
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (heartbeat(v=2), "v"),
+        (heartbeat(node=""), "node"),
+        (heartbeat(node="../etc"), "node"),
+        (heartbeat(ranks=[{"run": "job", "rank": -1, "step": 1, "step_s": 1}]), "rank"),
+        (heartbeat(ranks=[{"run": "job", "rank": 0, "step": 1, "step_s": "fast"}]), "step_s"),
+        ({"v": 1}, "node"),
+    ],
+    ids=["version", "empty-node", "bad-node", "negative-rank", "string-seconds", "missing"],
+)
+def test_bad_bodies_get_a_422_naming_the_field(client: TestClient, body: dict[str, Any], field: str) -> None:
+    before = rejected(client, "validation")
+    reply = client.post("/v1/heartbeat", json=body, headers=AUTH)
+    assert reply.status_code == 422
+    assert field in reply.json()["detail"]
+    assert rejected(client, "validation") == before + 1
+
+
+def test_not_json_and_nan_are_refused(client: TestClient) -> None:
+    assert (
+        client.post("/v1/heartbeat", content=b"{nope", headers={**AUTH, "Content-Type": "application/json"}).status_code
+        == 422
+    )
+    nan = json.dumps(heartbeat(time_unix_s=float("nan")))
+    assert (
+        client.post("/v1/heartbeat", content=nan, headers={**AUTH, "Content-Type": "application/json"}).status_code
+        == 422
+    )
+
+
+def test_cordon_and_uncordon(client: TestClient) -> None:
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    assert client.post("/v1/nodes/ghost/cordon", json={"reason": "x"}, headers=AUTH).status_code == 404
+    node = client.post("/v1/nodes/n0/cordon", json={"reason": "bad DIMM"}, headers=AUTH).json()
+    assert (node["role"], node["reason"]) == ("cordoned", "bad DIMM")
+    assert client.post("/v1/nodes/n0/uncordon", headers=AUTH).json()["role"] == "spare"
+
+
+def test_unknown_runs_are_404(client: TestClient) -> None:
+    for path in ("/v1/runs/nope", "/v1/runs/nope/incidents", "/v1/runs/nope/actions"):
+        assert client.get(path).status_code == 404
+
+
+def test_openapi_lists_the_endpoints(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    assert {
+        "/v1/heartbeat",
+        "/v1/runs",
+        "/v1/runs/{run}",
+        "/v1/runs/{run}/incidents",
+        "/v1/nodes/{node}/cordon",
+    } <= set(spec["paths"])
+
+
+def test_run_metrics_are_exposed(client: TestClient) -> None:
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    names = {f.name for f in text_string_to_metric_families(client.get("/metrics").text)}
+    assert {"opsd_run_mfu_ratio", "opsd_run_step", "opsd_run_ettr_ratio", "opsd_run_spares_available"} <= names
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=20,
+)
+FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "v": JSON,
+        "node": JSON,
+        "time_unix_s": JSON,
+        "ranks": st.lists(
+            st.dictionaries(st.sampled_from(["run", "rank", "step", "step_s", "coords"]), JSON), max_size=3
+        ),
+        "events": st.lists(
+            st.dictionaries(st.sampled_from(["seq", "gpu", "xid", "action", "time_s"]), JSON), max_size=3
+        ),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=FIELDS | JSON)
+def test_no_body_makes_the_controller_fail(client: TestClient, body: Any) -> None:
+    reply = client.post("/v1/heartbeat", json=body, headers=AUTH)
+    assert reply.status_code in (200, 422), reply.text
+    if reply.status_code == 422:
+        assert reply.json()["detail"]
+
+
+def test_every_controller_metric_is_documented_with_its_type(client: TestClient, controller: Controller) -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text().split("\n# Controller\n")[1]
+    documented = dict(re.findall(r"^\| `(opsd_\w+)` \| (gauge|counter) \|", text, flags=re.M))
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    controller.cadences["job"] = Cadence(10, 20, 100.0, 3600.0, "test")  # so that the cadence series exist
+    controller.store.open_incident(
+        key="doc", run="job", kind="hang", node="n0", rank=0, detail="d", failed_s=0.0, detected_s=0.0
+    )
+    exposed = {
+        f.name + ("_total" if f.type == "counter" else ""): f.type
+        for f in text_string_to_metric_families(client.get("/metrics").text)
+    }
+    assert exposed == documented
+
+
+def test_an_unreachable_state_store_answers_503_with_retry_after(tmp_path: Path) -> None:
+    directory = tmp_path / "state"
+    directory.mkdir()
+    store = Store.open(f"sqlite:///{directory / 'opsd.db'}")
+    with TestClient(create_app(Controller(store), TOKEN)) as c:
+        shutil.rmtree(directory)
+        store.engine.dispose()  # no pooled connection to the old file: the next one must open it
+        reply = c.get("/v1/runs")
+    assert reply.status_code == 503
+    assert reply.headers["Retry-After"] == "1"
+    assert "state store" in reply.json()["detail"]

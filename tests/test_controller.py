@@ -1,0 +1,126 @@
+"""The controller's decisions on heartbeats, driven with a clock of its own (no backend: incidents only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opsd.controller import Controller, ControllerConfig
+from opsd.policy.cadence import CadenceConfig
+from opsd.policy.detection import DetectionConfig
+from opsd.policy.stragglers import StragglerConfig
+from opsd.store import Store
+
+CONFIG = ControllerConfig(
+    detection=DetectionConfig(heartbeat_floor_s=3, hang_floor_s=5),
+    stragglers=StragglerConfig(window=10, min_samples=5),
+    cadence=CadenceConfig(min_interval_s=1, lead_s=2, min_lead_steps=2),
+    sample_slot_s=1.0,
+)
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Controller:
+    return Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG)
+
+
+def beat(node: str, ranks: list[dict[str, Any]], events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"v": 1, "node": node, "time_unix_s": 0.0, "ranks": ranks, "events": events or []}
+
+
+def rank(r: int, step: int, compute_s: float = 0.5, **extra: Any) -> dict[str, Any]:
+    return {"run": "job", "rank": r, "step": step, "step_s": 0.6, "compute_s": compute_s, "coords": {}, **extra}
+
+
+def healthy(c: Controller, until_s: float, slow: dict[int, float] | None = None, start_s: float = 0.0) -> None:
+    """Two nodes of two ranks each, a step and a heartbeat every second."""
+    t = start_s
+    while t < until_s:
+        step = int(t) + 1
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            c.heartbeat(beat(n, [rank(r, step, 0.5 * (slow or {}).get(r, 1.0)) for r in ranks]), t)
+        c.tick(t)
+        t += 1.0
+
+
+def test_a_healthy_run_has_no_incident(controller: Controller) -> None:
+    healthy(controller, 30)
+    assert controller.store.incidents() == []
+    status = controller.status("job", 30)
+    assert status is not None
+    assert (status["state"], status["step"], status["ranks"], status["stragglers"]) == ("running", 30, 4, [])
+
+
+def test_a_fatal_xid_opens_one_incident_and_is_acknowledged_after(controller: Controller) -> None:
+    healthy(controller, 5)
+    event = {"seq": 1, "gpu": 1, "xid": 79, "time_s": 5.0, "action": "cordon_and_swap", "reason": "fallen off the bus"}
+    reply = controller.heartbeat(beat("n1", [rank(2, 6), rank(3, 6)], [event]), 5.2)
+    assert reply["ack_events_up_to"] == 0  # not handled yet
+    failures = controller.tick(5.3)
+    assert [(f.kind.value, f.node) for f in failures] == [("fatal_xid", "n1")]
+    reply = controller.heartbeat(beat("n1", [rank(2, 6), rank(3, 6)], [event]), 5.5)  # the agent resends it
+    assert reply["ack_events_up_to"] == 1
+    controller.tick(5.6)
+    (incident,) = controller.store.incidents("job")
+    assert (incident["kind"], incident["node"], incident["state"]) == ("fatal_xid", "n1", "open")
+    assert "XID 79 on GPU 1" in incident["detail"]
+
+
+def test_events_needing_no_action_are_acknowledged_at_once(controller: Controller) -> None:
+    event = {"seq": 4, "gpu": 0, "xid": 92, "time_s": 1.0, "action": "count", "reason": ""}
+    assert controller.heartbeat(beat("n0", [rank(0, 1)], [event]), 1.0)["ack_events_up_to"] == 4
+
+
+def test_a_silent_node_is_lost_after_5_intervals_or_the_floor(controller: Controller) -> None:
+    healthy(controller, 10)
+    for t in (10.0, 11.0, 12.0, 13.0, 14.0, 15.0):
+        controller.heartbeat(beat("n0", [rank(0, int(t)), rank(1, int(t))]), t)
+        failures = controller.tick(t)
+        if failures:
+            break
+    # n1's last heartbeat was at 9 s; 5 x 1 s later it is lost
+    assert [(f.kind.value, f.node) for f in failures] == [("heartbeat_loss", "n1")]
+    assert t == 15.0
+    (incident,) = controller.store.incidents("job")
+    assert incident["failed_s"] == 9.0  # the last sign of life
+
+
+def test_a_hang_is_detected_after_the_floor(controller: Controller) -> None:
+    healthy(controller, 9)  # steps 1..9 at 0..8 s
+    t = 9.0
+    while not (failures := controller.tick(t)):
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            # at 9 s ranks 0-2 reach step 10 and wait for rank 3, stuck at step 9; nobody advances after
+            controller.heartbeat(beat(n, [rank(r, 9 if r == 3 else 10) for r in ranks]), t)
+        t += 0.5
+    assert [(f.kind.value, f.rank) for f in failures] == [("hang", 3)]
+    assert 9.0 + 5.0 < t <= 9.0 + 5.0 + 1.0  # 5 s floor (3 x 0.6 s steps is less) after the last progress
+
+
+def test_a_slow_rank_is_flagged_and_recorded_once(controller: Controller) -> None:
+    healthy(controller, 20, slow={2: 1.3})
+    status = controller.status("job", 20)
+    assert status is not None
+    assert [(s["rank"], s["node"]) for s in status["stragglers"]] == [(2, "n1")]
+    assert status["stragglers"][0]["slowdown_ratio"] == pytest.approx(1.3)
+    (incident,) = controller.store.incidents("job")
+    assert (incident["kind"], incident["rank"], incident["state"]) == ("straggler", 2, "warned")
+
+
+def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Controller) -> None:
+    healthy(controller, 3)
+    assert "policy" not in controller.heartbeat(beat("n0", [rank(0, 4), rank(1, 4)]), 3.0)
+    for t in (4.0, 5.0):
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            ckpt = {"checkpoints": 1, "checkpoint_blocking_s": 2.0}
+            controller.heartbeat(beat(n, [rank(r, int(t) + 1, **ckpt) for r in ranks]), t)
+        controller.tick(t)
+    policy = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0)["policy"]
+    every, start = policy["checkpoint"]["every_steps"], policy["checkpoint"]["from_step"]
+    assert every > 1
+    assert start >= 6 + 2  # ahead of the current step by the lead
+    status = controller.status("job", 6.0)
+    assert status is not None
+    assert "Daly interval" in status["cadence"]["reason"]

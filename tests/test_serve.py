@@ -1,0 +1,118 @@
+"""`opsd serve` and `opsd agent` as real processes: heartbeats over HTTP with the token, an XID injected into
+the agent's (fake) GPU source becomes an incident on the controller, acknowledged back to the agent."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.gpu import GpuSample, inject_xid, write_samples
+from opsd.wire import encode
+from tests.prometheus import free_port
+from tests.test_wire import report
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "integration-token"
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def until(check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    port = free_port()
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    write_samples(gpus, [GpuSample(0, "GPU-0"), GpuSample(1, "GPU-1")])
+    opsd = [sys.executable, "-m", "opsd"]
+    serve = subprocess.Popen(
+        [*opsd, "serve", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--token", TOKEN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    sock = str(tmp_path / "agent.sock")
+    agent = subprocess.Popen(
+        [
+            *opsd,
+            "agent",
+            "--socket",
+            sock,
+            "--metrics-port",
+            "0",
+            "--node",
+            "node-a",
+            "--gpu-source",
+            f"file:{gpus}",
+            "--gpu-interval-s",
+            "0.2",
+            "--controller-url",
+            f"{url}/v1/heartbeat",
+            "--controller-token",
+            TOKEN,
+            "--heartbeat-interval-s",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        until(lambda: get(f"{url}/healthz")["status"] == "ok")
+        yield {"url": url, "socket": sock, "gpus": gpus, "agent": agent}
+    finally:
+        for p in (agent, serve):
+            p.terminate()
+            p.wait(timeout=10)
+
+
+def test_an_xid_on_a_node_becomes_an_incident(stack: dict[str, Any]) -> None:
+    url = stack["url"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        until(lambda: Path(stack["socket"]).exists())
+        for step in (1, 2, 3):
+            s.sendto(encode(report(run="demo", rank=0, step=step)), stack["socket"])
+            s.sendto(encode(report(run="demo", rank=1, step=step)), stack["socket"])
+    status = until(lambda: get(f"{url}/v1/runs/demo") if get(f"{url}/v1/runs") else None)
+    assert status["ranks"] == 2
+    injected = time.monotonic()
+    inject_xid(stack["gpus"], gpu=1, xid=79)
+    (incident,) = until(lambda: get(f"{url}/v1/runs/demo/incidents"))
+    detected_after_s = time.monotonic() - injected
+    assert (incident["kind"], incident["node"]) == ("fatal_xid", "node-a")
+    assert "XID 79 on GPU 1" in incident["detail"]
+    assert detected_after_s < 5.0
+    # acknowledged: the agent stops resending it (its pending count drops to 0)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'opsd_run_incidents_total{cause="fatal_xid",run="demo"} 1.0' in metrics
+    nodes = get(f"{url}/v1/nodes")
+    assert until(lambda: get(f"{url}/v1/nodes")[0]["events_acked"] >= 1)
+    assert nodes[0]["name"] == "node-a"

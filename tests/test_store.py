@@ -1,0 +1,110 @@
+"""The controller's state store, on SQLite and on a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from opsd.errors import ConfigError
+from opsd.store import Store
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        s = Store.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+        yield s
+        s.engine.dispose()
+        return
+    server: str = request.getfixturevalue("postgres_url")
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f"CREATE DATABASE {name}"))
+    s = Store.open(server.rsplit("/", 1)[0] + f"/{name}")
+    yield s
+    s.engine.dispose()
+    with admin.connect() as c:
+        c.execute(sa.text(f"DROP DATABASE {name}"))
+    admin.dispose()
+
+
+def test_runs(store: Store) -> None:
+    assert store.create_run("r1", {"nodes": 2}, now_s=10.0)
+    assert not store.create_run("r1", {"nodes": 3}, now_s=11.0)  # exists: unchanged
+    store.update_run("r1", 12.0, state="recovering", generation=2, last_step=40)
+    run = store.run("r1")
+    assert run is not None
+    assert (run["state"], run["generation"], run["last_step"], run["spec"]) == ("recovering", 2, 40, {"nodes": 2})
+    assert [r["id"] for r in store.runs()] == ["r1"]
+    assert store.run("nope") is None
+    with pytest.raises(ValueError, match="unknown fields"):
+        store.update_run("r1", 13.0, spec="x")
+
+
+def test_nodes(store: Store) -> None:
+    store.upsert_node("n0", 1.0, run="r1", role="active", domain="rack1")
+    store.upsert_node("n2", 1.0, run="r1", role="spare")
+    store.upsert_node("n0", 2.0, role="cordoned", reason="XID 79")
+    n0 = store.node("n0")
+    assert n0 is not None
+    assert (n0["role"], n0["reason"], n0["domain"], n0["updated_s"]) == ("cordoned", "XID 79", "rack1", 2.0)
+    assert [n["name"] for n in store.nodes("r1")] == ["n0", "n2"]
+    assert store.nodes("other") == []
+
+
+def test_the_same_failure_opens_one_incident(store: Store) -> None:
+    args = {"run": "r1", "kind": "fatal_xid", "node": "n1", "rank": None, "detail": "XID 79", "failed_s": 5.0}
+    first, new = store.open_incident(key="r1/1/n1/xid-3", detected_s=6.0, **args)  # type: ignore[arg-type]
+    again, new_again = store.open_incident(key="r1/1/n1/xid-3", detected_s=7.0, **args)  # type: ignore[arg-type]
+    assert new
+    assert not new_again
+    assert first == again
+    store.update_incident(first, state="recovered", resumed_s=30.0, resumed_from_step=10, lost_steps=3, spare="n2")
+    (incident,) = store.incidents("r1")
+    assert (incident["state"], incident["lost_steps"], incident["spare"], incident["detected_s"]) == (
+        "recovered",
+        3,
+        "n2",
+        6.0,
+    )
+    assert store.incidents("r1", state="open") == []
+
+
+def test_actions_are_recorded_once_and_completed_once(store: Store) -> None:
+    incident, _ = store.open_incident(
+        key="k", run="r1", kind="hang", node="n0", rank=1, detail="d", failed_s=1.0, detected_s=2.0
+    )
+    a = store.record_action("req-1", run="r1", incident_id=incident, seq=0, kind="stop", args={"gen": 1}, now_s=3.0)
+    b = store.record_action("req-1", run="r1", incident_id=incident, seq=0, kind="stop", args={"gen": 9}, now_s=4.0)
+    assert a == b  # the first record stands
+    assert (a.state, a.args) == ("pending", {"gen": 1})
+    store.record_action("req-2", run="r1", incident_id=incident, seq=1, kind="launch", args={}, now_s=3.5)
+    store.complete_action("req-1", 5.0)
+    store.complete_action("req-1", 6.0)  # idempotent: the first completion stands
+    done = store.action("req-1")
+    assert done is not None
+    assert (done.state, done.done_s) == ("done", 5.0)
+    assert [(x.request_id, x.state) for x in store.actions(incident_id=incident)] == [
+        ("req-1", "done"),
+        ("req-2", "pending"),
+    ]
+
+
+def test_state_survives_a_new_store_on_the_same_database(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'opsd.db'}"
+    Store.open(url).create_run("r1", {}, now_s=1.0)
+    assert [r["id"] for r in Store.open(url).runs()] == ["r1"]
+    with sa.create_engine(url).connect() as c:
+        assert c.execute(sa.text("PRAGMA journal_mode")).scalar() == "wal"
+
+
+def test_bad_urls_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected sqlite"):
+        Store.open("mysql://x/y")
+    with pytest.raises(ConfigError, match="state URL"):
+        Store.open(f"sqlite:///{tmp_path}/missing/dir/opsd.db")
