@@ -25,7 +25,7 @@ system-deps:
 	fi
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m examples.train --mesh dp_shard=2,tp=2 --steps 10
+	$(PY) -m opsd.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

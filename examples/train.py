@@ -350,6 +350,8 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             if resumed is not None:
                 print(f"resumed from the checkpoint of step {resumed}", flush=True)
         first_step = data.position
+        if monitor is not None:
+            monitor.resume_at(first_step)  # reports number steps as training does
         losses: list[float] = []
         while data.position < args.steps:
             step = data.position

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
 from opsd.controller import Controller
-from opsd.errors import TransientError
+from opsd.errors import PermanentError, TransientError
+from opsd.local import LocalBackend
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,15 @@ class HeartbeatReply(BaseModel):
 
 class CordonIn(Strict):
     reason: Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+class InjectIn(Strict):
+    fault: Literal["xid", "kill", "hang", "slow"]
+    node: Annotated[str, Field(max_length=200)] = ""
+    gpu: Annotated[int, Field(ge=0)] = 0
+    xid: Annotated[int, Field(ge=0)] = 79
+    rank: Annotated[int, Field(ge=0)] = 0
+    factor: Annotated[float, Field(gt=1, le=100)] = 1.3
 
 
 class ApiStats:
@@ -150,6 +160,24 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     @app.post("/v1/nodes/{node}/uncordon", dependencies=[Depends(authorized)])
     def uncordon(node: str) -> dict[str, Any]:
         return _set_role(controller, node, "spare", "", clock())
+
+    @app.post("/v1/runs/{run}/inject", dependencies=[Depends(authorized)])
+    def inject(run: str, body: InjectIn) -> dict[str, str]:
+        backend = controller.backend
+        if controller.store.run(run) is None:
+            raise HTTPException(404, f"no run {run!r}")
+        if not isinstance(backend, LocalBackend):
+            raise HTTPException(409, "fault injection needs the local backend (opsd run)")
+        if backend.spec.run != run:
+            raise HTTPException(404, f"run {run!r} is not run by this controller")
+        try:
+            done = backend.inject(
+                body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor
+            )
+        except PermanentError as exc:
+            raise HTTPException(400, str(exc)) from None
+        log.warning("fault injected into run %s: %s", run, done)
+        return {"injected": done}
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -123,3 +123,132 @@ def serve(
     except OpsError as exc:
         typer.echo(f"opsd serve: {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    name: str = typer.Option("run", "--run", help="the run's name"),
+    nodes: int = typer.Option(2, help="nodes the run uses"),
+    gpus_per_node: int = typer.Option(2, help="rank processes per node"),
+    spares: int = typer.Option(1, help="hot spare nodes"),
+    checkpoint_url: str = typer.Option("", help="where the trainer checkpoints (to tell the step it resumes from)"),
+    host: str = typer.Option("127.0.0.1", help="address of the API"),
+    port: int = typer.Option(8470, help="port of the API"),
+    state_dir: str = typer.Option(".opsd", envvar="OPSD_STATE_DIR", help="state, token, and the nodes' files"),
+    token: str = typer.Option("", envvar="OPSD_TOKEN", help="bearer token (default: STATE_DIR/token)"),
+    heartbeat_floor_s: float = typer.Option(3.0, help="a node is lost after at least this long without heartbeat"),
+    hang_floor_s: float = typer.Option(6.0, help="a run hangs after at least this long without a step"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Run a training command on local "nodes" with a controller and hot spares: `opsd run --nodes 2
+    --gpus-per-node 2 --spares 1 -- python -m examples.train ... --resume`. Failures are detected and recovered
+    (swap, relaunch, resume from the newest checkpoint) until every rank exits 0."""
+    import json as json_module
+
+    from opsd.local import LocalRunSpec, check_command
+    from opsd.runner import run_local
+    from opsd.server import ServeConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        command = check_command(list(ctx.args))
+        config = ServeConfig(
+            host=host,
+            port=port,
+            state_dir=state_dir,
+            token=token,
+            heartbeat_floor_s=heartbeat_floor_s,
+            hang_floor_s=hang_floor_s,
+        )
+        spec = LocalRunSpec(
+            run=name,
+            command=command,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            spares=spares,
+            workdir=f"{state_dir}/runs",
+            controller_url=f"http://{host}:{port}/v1/heartbeat",
+            checkpoint_url=checkpoint_url,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        status = run_local(config, spec)
+    except OpsError as exc:
+        typer.echo(f"opsd run: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json_module.dumps({k: status[k] for k in ("run", "state", "step", "ettr")}))
+    raise typer.Exit(0 if status["state"] == "completed" else 1)
+
+
+inject_app = typer.Typer(help="Inject a fault into a run of `opsd run` (local mode).", no_args_is_help=True)
+app.add_typer(inject_app, name="inject")
+
+
+def _inject(run: str, url: str, token: str, state_dir: str, body: dict[str, object]) -> None:
+    from opsd.client import ApiClient
+
+    try:
+        reply = ApiClient(url, token or None, state_dir).post(f"/v1/runs/{run}/inject", body)
+    except OpsError as exc:
+        typer.echo(f"opsd inject: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(reply["injected"])
+
+
+URL = typer.Option("http://127.0.0.1:8470", "--url", envvar="OPSD_URL", help="the controller")
+TOKEN = typer.Option("", "--token", envvar="OPSD_TOKEN", help="bearer token (default: STATE_DIR/token)")
+STATE = typer.Option(".opsd", "--state-dir", envvar="OPSD_STATE_DIR", help="where the token file is")
+RUN = typer.Option("run", "--run", help="the run")
+
+
+@inject_app.command("xid")
+def inject_xid(
+    node: str = typer.Option(..., help="the node"),
+    gpu: int = typer.Option(0, help="the GPU index"),
+    xid: int = typer.Option(79, help="the XID code"),
+    run: str = RUN,
+    url: str = URL,
+    token: str = TOKEN,
+    state_dir: str = STATE,
+) -> None:
+    """An XID event on a node's GPU (written into its GPU source)."""
+    _inject(run, url, token, state_dir, {"fault": "xid", "node": node, "gpu": gpu, "xid": xid})
+
+
+@inject_app.command("kill")
+def inject_kill(
+    rank: int = typer.Option(..., help="the rank"),
+    run: str = RUN,
+    url: str = URL,
+    token: str = TOKEN,
+    state_dir: str = STATE,
+) -> None:
+    """SIGKILL a rank process."""
+    _inject(run, url, token, state_dir, {"fault": "kill", "rank": rank})
+
+
+@inject_app.command("hang")
+def inject_hang(
+    rank: int = typer.Option(..., help="the rank"),
+    run: str = RUN,
+    url: str = URL,
+    token: str = TOKEN,
+    state_dir: str = STATE,
+) -> None:
+    """SIGSTOP a rank process: the others wait for it in their next collective."""
+    _inject(run, url, token, state_dir, {"fault": "hang", "rank": rank})
+
+
+@inject_app.command("slow")
+def inject_slow(
+    rank: int = typer.Option(..., help="the rank"),
+    factor: float = typer.Option(1.3, help="how many times slower"),
+    run: str = RUN,
+    url: str = URL,
+    token: str = TOKEN,
+    state_dir: str = STATE,
+) -> None:
+    """Slow a rank down by a factor (SIGSTOP/SIGCONT duty cycle)."""
+    _inject(run, url, token, state_dir, {"fault": "slow", "rank": rank, "factor": factor})

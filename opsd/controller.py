@@ -56,7 +56,11 @@ class Backend(Protocol):
     given ``request_id``: the controller may repeat one after a restart."""
 
     def recover(self, controller: Controller, run: str, incident_id: int, failure: Failure, now_s: float) -> None:
-        """Carry out (or go on with) the recovery of ``run`` from ``failure``."""
+        """Carry out (or go on with) the recovery of ``run`` from ``failure``, without blocking the caller."""
+        ...
+
+    def resumed_from_step(self, run: str) -> int | None:
+        """The checkpoint step the current launch resumed from, when the backend knows it."""
         ...
 
 
@@ -91,9 +95,10 @@ class Controller:
         self.nodes: dict[str, NodeLive] = {}
         self.ranks: dict[str, dict[int, RankLive]] = defaultdict(dict)  # run -> rank -> live
         self.cadences: dict[str, Cadence] = {}
+        self.previous_cadences: dict[str, Cadence] = {}  # in force before the current one's from_step
         self.stragglers: dict[str, list[StragglerScore]] = {}
         self.heartbeats_total = 0
-        self.started_s: float | None = None
+        self.launched_s: dict[str, float] = {}  # run -> when its current launch started
 
     # -- heartbeats --------------------------------------------------------------------------------------------
     def heartbeat(self, body: dict[str, Any], now_s: float) -> dict[str, Any]:
@@ -131,11 +136,17 @@ class Controller:
             run_of_node = known["run"] if known else None
             if run_of_node in self.cadences:
                 c = self.cadences[run_of_node]
-                reply["policy"] = {"checkpoint": {"every_steps": c.every_steps, "from_step": c.from_step}}
+                checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
+                if run_of_node in self.previous_cadences:
+                    p = self.previous_cadences[run_of_node]
+                    checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
+                reply["policy"] = {"checkpoint": checkpoint}
             return reply
 
     def _rank(self, r: dict[str, Any], node: str, now_s: float) -> None:
         run, rank = str(r["run"]), int(r["rank"])
+        if float(r.get("last_report_unix_s", now_s)) < self.launched_s.get(run, 0.0):
+            return  # the agent still remembers a rank of an earlier launch
         live = self.ranks[run].get(rank)
         if live is None or live.node != node:
             live = RankLive(
@@ -165,11 +176,13 @@ class Controller:
                 live = self.ranks[run][rank] = RankLive(node, -1, now_s, {}, deque(maxlen=2), deque(maxlen=2))
             live.exit_code = exit_code
 
-    def forget_ranks(self, run: str) -> None:
-        """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch)."""
+    def forget_ranks(self, run: str, now_s: float) -> None:
+        """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch); what
+        agents report from before ``now_s`` is ignored."""
         with self.lock:
             self.ranks.pop(run, None)
             self.stragglers.pop(run, None)
+            self.launched_s[run] = now_s
 
     # -- decisions ---------------------------------------------------------------------------------------------
     def tick(self, now_s: float) -> list[Failure]:
@@ -179,6 +192,7 @@ class Controller:
             for run in self.store.runs():
                 if run["state"] != "running":
                     continue
+                self._progress(run, now_s)
                 failures = self._detect(run["id"], now_s)
                 if failures:
                     found.extend(failures)
@@ -241,6 +255,37 @@ class Controller:
         if self.backend is not None:
             self.store.update_run(run["id"], now_s, state="recovering")
             self.backend.recover(self, run["id"], incident, cause, now_s)
+
+    def _progress(self, run: dict[str, Any], now_s: float) -> None:
+        """Keep the run's newest step, and close the incidents a relaunch has recovered from: the first progress of
+        the new launch is the first productive step (lost steps: from the checkpoint resumed from to the newest
+        step before the failure)."""
+        ranks = [r for r in self.ranks.get(run["id"], {}).values() if r.step >= 0]
+        if not ranks:
+            return
+        for incident in self.store.incidents(run["id"], state="open"):
+            if _generation_of(incident["key"]) >= int(run["generation"]):
+                continue
+            first = min(r.step for r in ranks)
+            resumed_from = self.backend.resumed_from_step(run["id"]) if self.backend is not None else None
+            if resumed_from is None:
+                resumed_from = max(0, first - 1)
+            lost = max(0, int(run["last_step"]) - resumed_from)
+            resumed_s = min(r.progress_s for r in ranks)
+            self.store.update_incident(
+                incident["id"], state="recovered", resumed_s=resumed_s, resumed_from_step=resumed_from, lost_steps=lost
+            )
+            log.info(
+                "run %s: incident %d recovered: resumed from step %d, %d steps lost, %.1f s after detection",
+                run["id"],
+                incident["id"],
+                resumed_from,
+                lost,
+                resumed_s - incident["detected_s"],
+            )
+        newest = max(r.step for r in ranks)
+        if newest > int(run["last_step"]):
+            self.store.update_run(run["id"], now_s, last_step=newest)
 
     def _failed_at(self, run: str, cause: Failure, now_s: float) -> float:
         """When the failure happened, as well as the controller can tell: the last sign of life."""
@@ -323,6 +368,8 @@ class Controller:
                 cadence.reason,
             )
             self.cadences[run["id"]] = cadence
+            if previous is not None:
+                self.previous_cadences[run["id"]] = previous
 
     # -- spares ------------------------------------------------------------------------------------------------
     def take_spare(self, run: str, failed_node: str, now_s: float) -> str | None:
@@ -384,3 +431,11 @@ class Controller:
                 ],
                 "open_incidents": len(self.store.incidents(run_id, state="open")),
             }
+
+
+def _generation_of(key: str) -> int:
+    """The launch an incident key (``run/genN[/...]``) belongs to."""
+    for part in key.split("/"):
+        if part.startswith("gen") and part[3:].isdigit():
+            return int(part[3:])
+    return -1

@@ -194,3 +194,11 @@ def test_an_unreachable_state_store_answers_503_with_retry_after(tmp_path: Path)
     assert reply.status_code == 503
     assert reply.headers["Retry-After"] == "1"
     assert "state store" in reply.json()["detail"]
+
+
+def test_fault_injection_needs_the_local_backend(client: TestClient) -> None:
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    reply = client.post("/v1/runs/job/inject", json={"fault": "kill", "rank": 0}, headers=AUTH)
+    assert reply.status_code == 409
+    assert client.post("/v1/runs/job/inject", json={"fault": "melt"}, headers=AUTH).status_code == 422
+    assert client.post("/v1/runs/job/inject", json={"fault": "kill"}).status_code == 401

@@ -157,3 +157,13 @@ def test_checkpoints_ride_on_the_next_report(tmp_path: Path) -> None:
     assert "checkpoints" not in reports[1]
     assert [c["step"] for c in reports[2]["checkpoints"]] == [2, 3, 4, 5]  # the bound: oldest dropped, counted
     assert reports[2]["internal_errors_total"] == 2
+
+
+def test_steps_are_numbered_from_the_step_resumed_from(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    m.resume_at(20)
+    with m.step(tokens=1):
+        pass
+    assert [r["step"] for r in lines(tmp_path)] == [21]
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        m.resume_at(-1)

@@ -73,3 +73,26 @@ def test_agent_runs_until_sigterm(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert f"metrics on http://127.0.0.1:{port}/metrics" in out
     assert not sock.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run"], "give the trainer command after --"),
+        (["run", "--nodes", "0", "--", "true"], "--nodes and --gpus-per-node must be >= 1"),
+        (["serve", "--port", "99999"], "serve.port must be in 0..65535"),
+        (["serve", "--tick-interval-s", "0"], "tick_interval_s must be > 0"),
+    ],
+    ids=["run-no-command", "run-no-nodes", "serve-port", "serve-tick"],
+)
+def test_controller_commands_refuse_bad_arguments(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_inject_without_a_controller_says_so(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["inject", "kill", "--rank", "1", "--url", url, "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "opsd inject:" in result.output

@@ -20,6 +20,27 @@ def test_checkpoint_due(every: int | None, start: int, due: list[int]) -> None:
     assert [s for s in range(30) if Policy(every, start).checkpoint_due(s)] == due
 
 
+CHANGES = {
+    # name: (policy, local cadence, steps due in 0..39)
+    "before E: the local cadence": (Policy(10, 25), 4, [4, 8, 12, 16, 20, 24, 25, 35]),
+    "before E: the previous published one": (Policy(10, 25, (), 6, 6), 4, [4, 6, 12, 18, 24, 25, 35]),
+    "before the previous one: local": (Policy(10, 25, (), 6, 18), 4, [4, 8, 12, 16, 18, 24, 25, 35]),
+}
+
+
+@pytest.mark.parametrize(("policy", "local", "due"), CHANGES.values(), ids=CHANGES.keys())
+def test_a_new_cadence_takes_effect_only_from_its_step(policy: Policy, local: int, due: list[int]) -> None:
+    assert [s for s in range(40) if policy.checkpoint_due(s, local=s > 0 and s % local == 0)] == due
+
+
+def test_previous_cadence_is_parsed() -> None:
+    doc = {"v": 1, "checkpoint": {"every_steps": 10, "from_step": 25, "previous": {"every_steps": 6, "from_step": 6}}}
+    policy = parse_policy(json.dumps(doc).encode())
+    assert (policy.previous_every_steps, policy.previous_from_step) == (6, 6)
+    with pytest.raises(PolicyError, match="previous must be an object"):
+        parse_policy(json.dumps({"v": 1, "checkpoint": {"every_steps": 1, "previous": 3}}).encode())
+
+
 BAD = {
     "not json": (b"{", "not JSON"),
     "no version": (b"{}", "v = 1"),

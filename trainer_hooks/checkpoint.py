@@ -235,12 +235,12 @@ class Checkpointer:
 
     # -- cadence -------------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        """Whether to save after ``step``: the controller's cadence when it published one, else the local one."""
+        """Whether to save after ``step``: the controller's cadence from the step it takes effect, else the local
+        one."""
+        local = self.config.every_steps > 0 and step % self.config.every_steps == 0
         if self.policy is not None:
-            policy = self.policy.current()
-            if policy.checkpoint_every_steps is not None:
-                return policy.checkpoint_due(step)
-        return self.config.every_steps > 0 and step % self.config.every_steps == 0
+            return self.policy.current().checkpoint_due(step, local)
+        return local
 
     # -- save ----------------------------------------------------------------------------------------------------
     def save(self, step: int, state: TrainState) -> float:

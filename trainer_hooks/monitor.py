@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,14 +38,16 @@ from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
 log = logging.getLogger(__name__)
 
 SOCKET_ENV = "OPSD_AGENT_SOCKET"
+RUN_ENV = "OPSD_RUN"
 BATCH_DIMENSIONS = ("dp_replicate", "dp_shard", "ep")
 
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """``socket_path`` defaults to ``$OPSD_AGENT_SOCKET``; ``jsonl_path`` adds a file sink (both may be set)."""
+    """``run_id`` defaults to ``$OPSD_RUN`` (set by ``opsd run``), else "local"; ``socket_path`` defaults to
+    ``$OPSD_AGENT_SOCKET``; ``jsonl_path`` adds a file sink (both may be set)."""
 
-    run_id: str = "local"
+    run_id: str = field(default_factory=lambda: os.environ.get(RUN_ENV) or "local")
     peak_flops_per_s: float | None = None
     cpu_peak_flops_per_s: float | None = 1e12
     socket_path: str | None = None
@@ -241,6 +243,12 @@ class Monitor:
             if self._checkpoints:
                 report["checkpoints"], self._checkpoints = self._checkpoints, []
         return report
+
+    def resume_at(self, step: int) -> None:
+        """Training resumed from a checkpoint of ``step``: the next step reported is ``step + 1``."""
+        if step < 0:
+            raise ValueError("resume_at: step must be >= 0")
+        self.steps = int(step)
 
     def record_checkpoint(
         self, step: int, blocking_s: float, total_s: float, nbytes: int, staging_s: float = 0.0

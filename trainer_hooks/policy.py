@@ -9,6 +9,8 @@
 
 The checkpoint cadence is "every K steps from step E": E is chosen by the controller safely in the future, so
 every rank, whichever moment its node's file changed, saves at the same steps (a checkpoint is a collective).
+Before E, what was in force before applies: the ``previous`` cadence the file names, else the rank's local one
+(the same on every rank, since every rank got the same command line).
 
 The file is replaced atomically by the agent; the reader looks at it at most every ``check_every_s`` (one
 ``stat``), parses it only when it changed, keeps the last good policy when a new one is malformed (counting
@@ -46,12 +48,19 @@ class Policy:
     checkpoint_every_steps: int | None = None
     checkpoint_from_step: int = 0
     commands: tuple[Command, ...] = ()
+    previous_every_steps: int | None = None  # the cadence in force before checkpoint_from_step, if any
+    previous_from_step: int = 0
 
-    def checkpoint_due(self, step: int) -> bool:
+    def checkpoint_due(self, step: int, local: bool = False) -> bool:
+        """Whether to save after ``step``; ``local``: the rank's own cadence's answer, used before any published
+        cadence takes effect."""
         every = self.checkpoint_every_steps
-        return (
-            every is not None and step >= self.checkpoint_from_step and (step - self.checkpoint_from_step) % every == 0
-        )
+        if every is not None and step >= self.checkpoint_from_step:
+            return (step - self.checkpoint_from_step) % every == 0
+        before = self.previous_every_steps
+        if before is not None and step >= self.previous_from_step:
+            return (step - self.previous_from_step) % before == 0
+        return local
 
 
 def _int(value: Any, name: str, minimum: int) -> int:
@@ -67,13 +76,19 @@ def parse_policy(data: bytes) -> Policy:
         raise PolicyError(f"policy is not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("v") != 1:
         raise PolicyError("policy must be a JSON object with v = 1")
-    every, start = None, 0
+    every, start, before, before_start = None, 0, None, 0
     cadence = doc.get("checkpoint")
     if cadence is not None:
         if not isinstance(cadence, dict):
             raise PolicyError("policy.checkpoint must be an object")
         every = _int(cadence.get("every_steps"), "checkpoint.every_steps", 1)
         start = _int(cadence.get("from_step", 0), "checkpoint.from_step", 0)
+        previous = cadence.get("previous")
+        if previous is not None:
+            if not isinstance(previous, dict):
+                raise PolicyError("policy.checkpoint.previous must be an object")
+            before = _int(previous.get("every_steps"), "checkpoint.previous.every_steps", 1)
+            before_start = _int(previous.get("from_step", 0), "checkpoint.previous.from_step", 0)
     commands = []
     raw = doc.get("commands", [])
     if not isinstance(raw, list):
@@ -85,7 +100,7 @@ def parse_policy(data: bytes) -> Policy:
         if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
             raise PolicyError("policy.commands[].ranks must be a list of ranks")
         commands.append(Command(c["id"], c["name"], tuple(ranks) if ranks is not None else None))
-    return Policy(every, start, tuple(commands))
+    return Policy(every, start, tuple(commands), before, before_start)
 
 
 class PolicyReader:

@@ -1,0 +1,55 @@
+"""A small client of the controller's API for the CLI: base URL, bearer token, errors turned into opsd's."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from opsd.errors import ConfigError, PermanentError, TransientError
+
+
+class ApiClient:
+    def __init__(self, url: str, token: str | None = None, state_dir: str = ".opsd", timeout_s: float = 10.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"controller URL {url!r} must start with http:// or https://")
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else _token_file(state_dir)
+        self.timeout_s = timeout_s
+
+    def get(self, path: str) -> Any:
+        return self._call("GET", path, None)
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._call("POST", path, body)
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = json.loads(exc.read()).get("detail", "")
+            except (ValueError, AttributeError):
+                detail = ""
+            message = f"{method} {path}: {exc.code} {detail or exc.reason}"
+            if exc.code >= 500:
+                raise TransientError(message) from None
+            raise PermanentError(message) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise TransientError(f"{self.url}: {exc}") from None
+
+
+def _token_file(state_dir: str) -> str:
+    path = Path(state_dir) / "token"
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
