@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import socket
 import threading
+from typing import Any
 
 import typer
 
@@ -144,8 +146,6 @@ def run(
     """Run a training command on local "nodes" with a controller and hot spares: `opsd run --nodes 2
     --gpus-per-node 2 --spares 1 -- python -m examples.train ... --resume`. Failures are detected and recovered
     (swap, relaunch, resume from the newest checkpoint) until every rank exits 0."""
-    import json as json_module
-
     from opsd.local import LocalRunSpec, check_command
     from opsd.runner import run_local
     from opsd.server import ServeConfig
@@ -178,7 +178,7 @@ def run(
     except OpsError as exc:
         typer.echo(f"opsd run: {exc}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(json_module.dumps({k: status[k] for k in ("run", "state", "step", "ettr")}))
+    typer.echo(json.dumps({k: status[k] for k in ("run", "state", "step", "ettr")}))
     raise typer.Exit(0 if status["state"] == "completed" else 1)
 
 
@@ -252,3 +252,87 @@ def inject_slow(
 ) -> None:
     """Slow a rank down by a factor (SIGSTOP/SIGCONT duty cycle)."""
     _inject(run, url, token, state_dir, {"fault": "slow", "rank": rank, "factor": factor})
+
+
+@app.command()
+def status(
+    run: str = typer.Argument(..., help="the run"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    url: str = URL,
+    token: str = TOKEN,
+    state_dir: str = STATE,
+) -> None:
+    """A run's state: step, MFU, tokens/s, ETTR, cadence, nodes, spares, stragglers. Exit 1: no such run or no
+    controller."""
+    from rich.console import Console
+    from rich.table import Table
+
+    body = _get(url, token, state_dir, f"/v1/runs/{run}")
+    if as_json:
+        typer.echo(json.dumps(body))
+        return
+    table = Table(title=f"run {run}", show_header=False)
+    cadence = body["cadence"]
+    rows = [
+        ("state", f"{body['state']} (launch {body['generation']})"),
+        ("step", str(body["step"])),
+        ("ranks", str(body["ranks"])),
+        ("MFU", f"{body['mfu_ratio']:.3f}"),
+        ("tokens/s", f"{body['tokens_per_s']:.0f}"),
+        ("ETTR", f"{body['ettr']:.3f}"),
+        ("checkpoint cadence", f"every {cadence['every_steps']} steps from {cadence['from_step']}" if cadence else "-"),
+        ("nodes", ", ".join(f"{n['name']} ({n['role']})" for n in body["nodes"]) or "-"),
+        ("spares available", str(body["spares_available"])),
+        ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
+        ("open incidents", str(body["open_incidents"])),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+
+
+@app.command()
+def incidents(
+    run: str = typer.Argument(..., help="the run"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    url: str = URL,
+    token: str = TOKEN,
+    state_dir: str = STATE,
+) -> None:
+    """A run's incidents, oldest first. Exit 1: no such run or no controller."""
+    from rich.console import Console
+    from rich.table import Table
+
+    body = _get(url, token, state_dir, f"/v1/runs/{run}/incidents")
+    if as_json:
+        typer.echo(json.dumps(body))
+        return
+    table = Table(title=f"incidents of {run}")
+    columns = ("id", "kind", "node", "rank", "state", "detected after s", "recovered after s", "lost steps")
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for i in body:
+        recovered = f"{i['resumed_s'] - i['detected_s']:.1f}" if i["resumed_s"] else "-"
+        table.add_row(
+            str(i["id"]),
+            i["kind"],
+            i["node"],
+            "-" if i["rank"] is None else str(i["rank"]),
+            i["state"],
+            f"{i['detected_s'] - i['failed_s']:.1f}",
+            recovered,
+            "-" if i["lost_steps"] is None else str(i["lost_steps"]),
+            i["detail"],
+        )
+    Console().print(table)
+
+
+def _get(url: str, token: str, state_dir: str, path: str) -> Any:
+    from opsd.client import ApiClient
+
+    try:
+        return ApiClient(url, token or None, state_dir).get(path)
+    except OpsError as exc:
+        typer.echo(f"opsd: {exc}", err=True)
+        raise typer.Exit(1) from None

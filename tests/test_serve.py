@@ -4,6 +4,7 @@ the agent's (fake) GPU source becomes an incident on the controller, acknowledge
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -116,3 +117,18 @@ def test_an_xid_on_a_node_becomes_an_incident(stack: dict[str, Any]) -> None:
     nodes = get(f"{url}/v1/nodes")
     assert until(lambda: get(f"{url}/v1/nodes")[0]["events_acked"] >= 1)
     assert nodes[0]["name"] == "node-a"
+    cli = [sys.executable, "-m", "opsd"]
+    auth = ["--url", url, "--token", TOKEN]
+    out = subprocess.run([*cli, "incidents", "demo", "--json", *auth], capture_output=True, text=True, check=True)
+    assert [i["kind"] for i in json.loads(out.stdout)] == ["fatal_xid"]
+    out = subprocess.run([*cli, "status", "demo", "--json", *auth], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["open_incidents"] == 1
+    wide = {**os.environ, "COLUMNS": "200"}  # rich's width when not on a terminal
+    table = subprocess.run(
+        [*cli, "incidents", "demo", *auth], capture_output=True, text=True, check=True, env=wide
+    ).stdout
+    assert "fatal_xid" in table
+    assert "node-a" in table
+    missing = subprocess.run([*cli, "status", "nope", *auth], capture_output=True, text=True)
+    assert missing.returncode == 1
+    assert "404 no run 'nope'" in missing.stderr
