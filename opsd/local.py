@@ -101,19 +101,18 @@ class LocalBackend:
     def start(self, controller: Controller, now_s: float) -> None:
         """Register the run and its nodes, start an agent per node, launch the first generation."""
         spec = self.spec
-        fresh = controller.store.create_run(
+        if not controller.store.create_run(
             spec.run, {"backend": "local", "nodes": spec.nodes, "spares": spec.spares}, now_s
-        )
+        ):
+            state = (controller.store.run(spec.run) or {}).get("state")
+            raise PermanentError(
+                f"run {spec.run!r} exists already in this state store ({state}); give another --run or --state-dir"
+            )
         for i, node in enumerate(self.node_names()):
-            if fresh:
-                role = "active" if i < spec.nodes else "spare"
-                controller.store.upsert_node(node, now_s, run=spec.run, role=role, domain=f"rack{i % 2}")
+            role = "active" if i < spec.nodes else "spare"
+            controller.store.upsert_node(node, now_s, run=spec.run, role=role, domain=f"rack{i % 2}")
             self._start_agent(node)
-        run = controller.store.run(spec.run)
-        assert run is not None
-        self.generation = int(run["generation"])
-        if fresh or run["state"] == "running":
-            self.launch(controller, now_s)
+        self.launch(controller, now_s)
 
     def _start_agent(self, node: str) -> None:
         directory = self.spec.node_dir(node)
