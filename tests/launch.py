@@ -22,17 +22,19 @@ class LaunchTimeoutError(AssertionError):
     """The launched command did not finish in time; carries what it printed so far."""
 
 
-# A rank of a gloo job on this 2-core machine sometimes dies of SIGABRT inside gloo, mid-run ("terminate called
-# without an active exception" when its stderr gets out; always torchrun's "exitcode: -6"), a few times in several
-# hundred launches and never when run alone. Such a launch is run once more, with a warning that pytest shows in
-# its summary, rather than failing a test that has nothing to do with it. Nothing in opsd raises SIGABRT.
+# A rank of a gloo job on this 2-core machine sometimes crashes inside gloo, mid-run: SIGABRT ("terminate called
+# without an active exception" when its stderr gets out; torchrun's "exitcode: -6"), and once SIGSEGV (-11). It
+# happens a few times in several hundred launches and never when the job is run alone. Such a launch is run once
+# more, with a warning that pytest shows in its summary, rather than failing a test that has nothing to do with
+# it. Nothing in opsd raises either signal.
 GLOO_ABORT = "terminate called without an active exception"
-_SIGABRT_EXIT = re.compile(r"exitcode\s*:\s*-6\b")
+_CRASH_EXIT = re.compile(r"exitcode\s*:\s*-(6|11)\b")
 
 
 def aborted(stderr: str) -> bool:
-    """Whether a launch died of the SIGABRT above (a rank's own message, or torchrun's report of exit code -6)."""
-    return GLOO_ABORT in stderr or _SIGABRT_EXIT.search(stderr) is not None
+    """Whether a launch died of the crash above (a rank's own message, or torchrun's report of exit code -6 or
+    -11)."""
+    return GLOO_ABORT in stderr or _CRASH_EXIT.search(stderr) is not None
 
 
 def run_module(
@@ -51,7 +53,7 @@ def run_module(
     ``before_retry`` undoes what a failed first launch left behind (files it appended to) before the second."""
     proc = _run_once(module, args, nproc=nproc, env=env, timeout_s=timeout_s, cwd=cwd)
     if retry_gloo_abort and proc.returncode != 0 and aborted(proc.stderr):
-        message = f"a rank aborted (SIGABRT) inside gloo; launched again: {module} {' '.join(args)}"
+        message = f"a rank crashed (SIGABRT or SIGSEGV) inside gloo; launched again: {module} {' '.join(args)}"
         warnings.warn(message, stacklevel=2)
         if before_retry is not None:
             before_retry()

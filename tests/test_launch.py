@@ -11,7 +11,7 @@ from tests.launch import aborted, run_module
 
 def test_gloo_abort_is_launched_again_with_a_warning(tmp_path: Path) -> None:
     cleaned: list[bool] = []
-    with pytest.warns(UserWarning, match=r"aborted \(SIGABRT\) inside gloo"):
+    with pytest.warns(UserWarning, match=r"crashed \(SIGABRT or SIGSEGV\) inside gloo"):
         proc = run_module("tests.abort_once", [str(tmp_path / "flag")], before_retry=lambda: cleaned.append(True))
     assert proc.returncode == 0
     assert "second launch" in proc.stdout
@@ -23,11 +23,12 @@ def test_gloo_abort_is_launched_again_with_a_warning(tmp_path: Path) -> None:
     [
         ("terminate called without an active exception\n", True),
         ("  exitcode  : -6 (pid: 7652)\n  traceback : Signal 6 (SIGABRT) received by PID 7652", True),
+        ("  exitcode  : -11 (pid: 28918) of binary: python", True),
         ("  exitcode  : -9 (pid: 7652)", False),
         ("  exitcode  : -60 (pid: 1)", False),
         ("examples.train: error: mesh: unknown dimension", False),
     ],
-    ids=["message", "torchrun-exit-6", "sigkill", "other-code", "usage-error"],
+    ids=["message", "torchrun-exit-6", "torchrun-exit-11", "sigkill", "other-code", "usage-error"],
 )
 def test_abort_signature(stderr: str, expected: bool) -> None:
     assert aborted(stderr) is expected
