@@ -146,13 +146,12 @@ def run(
     """Run a training command on local "nodes" with a controller and hot spares: `opsd run --nodes 2
     --gpus-per-node 2 --spares 1 -- python -m examples.train ... --resume`. Failures are detected and recovered
     (swap, relaunch, resume from the newest checkpoint) until every rank exits 0."""
-    from opsd.local import LocalRunSpec, check_command
+    from opsd.local import LocalRunSpec
     from opsd.runner import run_local
     from opsd.server import ServeConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        command = check_command(list(ctx.args))
         config = ServeConfig(
             host=host,
             port=port,
@@ -163,7 +162,7 @@ def run(
         )
         spec = LocalRunSpec(
             run=name,
-            command=command,
+            command=tuple(ctx.args),
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             spares=spares,

@@ -99,6 +99,7 @@ class Controller:
         self.stragglers: dict[str, list[StragglerScore]] = {}
         self.heartbeats_total = 0
         self.launched_s: dict[str, float] = {}  # run -> when its current launch started
+        self.known_runs: set[str] = set()  # runs the store has (recorded once, not at every heartbeat)
 
     # -- heartbeats --------------------------------------------------------------------------------------------
     def heartbeat(self, body: dict[str, Any], now_s: float) -> dict[str, Any]:
@@ -121,9 +122,11 @@ class Controller:
             for r in body.get("ranks", []):
                 runs.add(r["run"])
                 self._rank(r, node, now_s)
-            for run in sorted(runs):
+            for run in sorted(runs - self.known_runs):
                 if self.store.create_run(run, {"observed": True}, now_s):
                     log.info("run %s first seen in a heartbeat from node %s", run, node)
+                self.known_runs.add(run)
+            for run in sorted(runs):
                 if known is None or known["run"] is None:
                     self.store.upsert_node(node, now_s, run=run, role="active")
                     known = self.store.node(node)

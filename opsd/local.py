@@ -31,7 +31,7 @@ from typing import Any
 
 from agent.gpu import GpuSample, inject_xid, write_samples
 from opsd.controller import Controller
-from opsd.errors import ConfigError, OpsError, PermanentError
+from opsd.errors import OpsError, PermanentError
 from opsd.policy.detection import Failure
 from opsd.storage import inspect_checkpoints, open_store
 
@@ -366,9 +366,3 @@ def _duty_cycle(pid: int, factor: float, stop: threading.Event, period_s: float 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-
-
-def check_command(command: list[str]) -> tuple[str, ...]:
-    if not command:
-        raise ConfigError("opsd run: give the trainer command after --")
-    return tuple(command)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.prometheus import free_port
+from opsd.local import free_port
 
 
 def bindir() -> Path | None:

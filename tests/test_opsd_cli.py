@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from opsd import __version__
 from opsd.cli import app
-from tests.prometheus import free_port
+from opsd.local import free_port
 
 
 def test_version() -> None:
@@ -78,7 +78,7 @@ def test_agent_runs_until_sigterm(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["run"], "give the trainer command after --"),
+        (["run"], "a trainer command is needed (after --)"),
         (["run", "--nodes", "0", "--", "true"], "--nodes and --gpus-per-node must be >= 1"),
         (["serve", "--port", "99999"], "serve.port must be in 0..65535"),
         (["serve", "--tick-interval-s", "0"], "tick_interval_s must be > 0"),

@@ -17,10 +17,10 @@ from agent.gpu import FileGpuSource
 from agent.health import GpuHealth
 from agent.reporter import Reporter, ReporterConfig, backoff_s
 from agent.state import NodeState
+from opsd.local import free_port
 from opsd.policy.xid import WatchWindow
 from opsd.wire import encode
 from opsd.xid_table import load_xid_table
-from tests.prometheus import free_port
 from tests.test_agent import step
 from tests.test_wire import report
 from trainer_hooks.policy import PolicyReader
