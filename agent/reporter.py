@@ -110,6 +110,8 @@ class Reporter:
                 "step": r.last.step,
                 "step_s": r.last.step_s,
                 "compute_s": r.last.compute_s,
+                "steps_total": r.steps_total,
+                "compute_total_s": r.compute_total_s,
                 "mfu_ratio": r.last.mfu_ratio,
                 "job_tokens_per_s": r.last.job_tokens_per_s,
                 "checkpoints": r.checkpoints.count,

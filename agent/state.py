@@ -40,6 +40,7 @@ class RankState:
     last: StepReport  # the last report
     steps_total: int = 0
     tokens_total: int = 0
+    compute_total_s: float = 0.0  # sum of the steps' compute_s (straggler scoring takes its differences)
     comms: dict[tuple[str, str], CommTotals] = field(default_factory=dict)
     last_seen_s: float = 0.0
     checkpoints: CheckpointTotals = field(default_factory=lambda: CheckpointTotals())
@@ -54,6 +55,7 @@ class RankSnapshot:
     last: StepReport
     steps_total: int
     tokens_total: int
+    compute_total_s: float
     comms: dict[tuple[str, str], CommTotals]
     last_seen_s: float
     checkpoints: CheckpointTotals
@@ -80,6 +82,7 @@ class NodeState:
             state.last = report
             state.steps_total += 1
             state.tokens_total += report.tokens
+            state.compute_total_s += report.compute_s
             state.last_seen_s = now_s
             for ckpt in report.checkpoints:
                 c = state.checkpoints
@@ -117,6 +120,7 @@ class NodeState:
                     last=s.last,
                     steps_total=s.steps_total,
                     tokens_total=s.tokens_total,
+                    compute_total_s=s.compute_total_s,
                     comms={k: CommTotals(v.count, v.bytes, v.seconds) for k, v in s.comms.items()},
                     last_seen_s=s.last_seen_s,
                     checkpoints=replace(s.checkpoints),

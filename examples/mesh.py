@@ -37,8 +37,9 @@ class MeshSpec:
                 raise MeshError(f"mesh: {f.name} must be an integer >= 1, got {value!r}")
 
     @classmethod
-    def parse(cls, text: str) -> MeshSpec:
-        """Parse ``"dp_shard=2,tp=2"``; unnamed dimensions are 1."""
+    def parse(cls, text: str, world_size: int | None = None) -> MeshSpec:
+        """Parse ``"dp_shard=2,tp=2"``; unnamed dimensions are 1. ``dp_shard=-1`` takes what the other degrees leave
+        of ``world_size`` (so that a command line fits a job that grows or shrinks by whole data-parallel shards)."""
         degrees: dict[str, int] = {}
         for item in (part.strip() for part in text.split(",")):
             if not item:
@@ -55,6 +56,13 @@ class MeshSpec:
                 degrees[name] = int(raw)
             except ValueError:
                 raise MeshError(f"mesh: degree of {name} must be an integer, got {raw.strip()!r}") from None
+        if degrees.get("dp_shard") == -1:
+            others = cls(**{**degrees, "dp_shard": 1}).world_size
+            if world_size is None or world_size % others:
+                raise MeshError(
+                    f"mesh: dp_shard=-1 needs a world size that is a multiple of {others}, got {world_size}"
+                )
+            degrees["dp_shard"] = world_size // others
         return cls(**degrees)
 
     @property

@@ -49,7 +49,11 @@ log = logging.getLogger("examples.train")
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="examples.train", description=__doc__.splitlines()[0])
-    p.add_argument("--mesh", default="", help="e.g. dp_replicate=2,dp_shard=2,tp=1,pp=1,cp=1,ep=1 (unnamed = 1)")
+    p.add_argument(
+        "--mesh",
+        default="",
+        help="e.g. dp_replicate=2,dp_shard=2,tp=1,pp=1,cp=1,ep=1 (unnamed = 1; dp_shard=-1: the rest of the world)",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
@@ -122,7 +126,7 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     if args.steps < 0:
         raise ValueError("--steps must be >= 0")
     cfg = model_config(args)
-    spec = MeshSpec.parse(args.mesh)
+    spec = MeshSpec.parse(args.mesh, world_size)
     microbatches = args.microbatches or spec.pp
     if microbatches < 1:
         raise ValueError("--microbatches must be >= 1")

@@ -43,6 +43,8 @@ class RankIn(Strict):
     step: Annotated[int, Field(ge=0)]
     step_s: NonNegative
     compute_s: NonNegative = 0.0
+    steps_total: Annotated[int, Field(ge=0)] = 0
+    compute_total_s: NonNegative = 0.0
     mfu_ratio: NonNegative = 0.0
     job_tokens_per_s: NonNegative = 0.0
     checkpoints: Annotated[int, Field(ge=0)] = 0

@@ -141,11 +141,18 @@ def run(
     token: str = typer.Option("", envvar="OPSD_TOKEN", help="bearer token (default: STATE_DIR/token)"),
     heartbeat_floor_s: float = typer.Option(3.0, help="a node is lost after at least this long without heartbeat"),
     hang_floor_s: float = typer.Option(6.0, help="a run hangs after at least this long without a step"),
+    on_no_spare: str = typer.Option("wait", help="no spare left: wait for one, or shrink (relaunch on fewer nodes)"),
+    min_nodes: int = typer.Option(1, help="shrink no further than this many nodes"),
+    crash_after_action: str = typer.Option("", hidden=True),  # fault injection (tests): SIGKILL itself after it
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run a training command on local "nodes" with a controller and hot spares: `opsd run --nodes 2
     --gpus-per-node 2 --spares 1 -- python -m examples.train ... --resume`. Failures are detected and recovered
-    (swap, relaunch, resume from the newest checkpoint) until every rank exits 0."""
+    (swap, relaunch, resume from the newest checkpoint) until every rank exits 0. Run it again with the same --run
+    and --state-dir to take up a run whose controller died; SIGINT or SIGTERM stops the run."""
+    import signal
+    import threading
+
     from opsd.local import LocalRunSpec
     from opsd.runner import run_local
     from opsd.server import ServeConfig
@@ -169,11 +176,17 @@ def run(
             workdir=f"{state_dir}/runs",
             controller_url=f"http://{host}:{port}/v1/heartbeat",
             checkpoint_url=checkpoint_url,
+            on_no_spare=on_no_spare,
+            min_nodes=min_nodes,
+            crash_after_action=crash_after_action,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        status = run_local(config, spec)
+        status = run_local(config, spec, stop=stop)
     except OpsError as exc:
         typer.echo(f"opsd run: {exc}", err=True)
         raise typer.Exit(1) from None

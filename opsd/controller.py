@@ -71,7 +71,8 @@ class RankLive:
     progress_s: float  # controller time when the step last advanced
     coords: dict[str, int]
     step_times_s: deque[float]
-    compute: deque[tuple[int, float]]  # (slot, compute_s)
+    compute: deque[tuple[int, float, int]]  # (slot, compute seconds, steps) summed per slot
+    counters: tuple[int, float] | None = None  # the agent's (steps_total, compute_total_s) last seen
     mfu_ratio: float = 0.0
     job_tokens_per_s: float = 0.0
     checkpoints: int = 0
@@ -157,12 +158,18 @@ class Controller:
             )
             self.ranks[run][rank] = live
         step = int(r["step"])
+        slot = int(now_s // self.config.sample_slot_s)
+        steps_total, compute_total_s = int(r.get("steps_total", 0)), float(r.get("compute_total_s", 0.0))
+        if steps_total:  # the agent's running sums: the mean compute of the steps since the last heartbeat
+            before = live.counters
+            live.counters = (steps_total, compute_total_s)
+            if before is not None and steps_total > before[0] and compute_total_s >= before[1]:
+                _add_sample(live.compute, slot, compute_total_s - before[1], steps_total - before[0])
         if step != live.step:
             if step > live.step >= 0:
                 live.step_times_s.append(float(r["step_s"]))
-                slot = int(now_s // self.config.sample_slot_s)
-                if not live.compute or live.compute[-1][0] != slot:
-                    live.compute.append((slot, float(r.get("compute_s", r["step_s"]))))
+                if not steps_total:  # an agent without running sums: the last step's compute
+                    _add_sample(live.compute, slot, float(r.get("compute_s", r["step_s"])), 1)
             live.step = step
             live.progress_s = now_s
         live.coords = dict(r.get("coords", {}))
@@ -193,6 +200,8 @@ class Controller:
         found: list[Failure] = []
         with self.lock:
             for run in self.store.runs():
+                if run["state"] == "waiting_for_spare":
+                    self._retry_waiting(run, now_s)
                 if run["state"] != "running":
                     continue
                 self._progress(run, now_s)
@@ -310,9 +319,9 @@ class Controller:
 
     def _score(self, run: str, now_s: float) -> None:
         samples = [
-            ComputeSample(rank, r.node, int(r.coords.get("pp", 0)), slot, seconds)
+            ComputeSample(rank, r.node, int(r.coords.get("pp", 0)), slot, seconds / steps)
             for rank, r in self.ranks.get(run, {}).items()
-            for slot, seconds in r.compute
+            for slot, seconds, steps in r.compute
         ]
         scores = score_stragglers(samples, self.config.stragglers)
         before = {s.rank for s in self.stragglers.get(run, []) if s.flagged}
@@ -374,16 +383,37 @@ class Controller:
             if previous is not None:
                 self.previous_cadences[run["id"]] = previous
 
+    def _retry_waiting(self, run: dict[str, Any], now_s: float) -> None:
+        """A run waits for a spare: once one is there (a node uncordoned or added), go on with its recovery."""
+        if self.backend is None or self.choose_spare(run["id"], "") is None:
+            return
+        incident = self.unfinished_incident(run["id"])
+        if incident is None:
+            return
+        failure = failure_of(incident)
+        log.info("run %s: a spare is available; incident %d's recovery goes on", run["id"], incident["id"])
+        self.store.update_run(run["id"], now_s, state="recovering")
+        self.backend.recover(self, run["id"], incident["id"], failure, now_s)
+
+    def unfinished_incident(self, run: str) -> dict[str, Any] | None:
+        """The open failure incident of ``run`` whose recovery has not relaunched the ranks yet, if any."""
+        for incident in reversed(self.store.incidents(run, state="open")):
+            if incident["kind"] not in FAILURE_KINDS:
+                continue
+            launched = any(
+                a.kind == "launch" and a.state == "done" for a in self.store.actions(incident_id=incident["id"])
+            )
+            if not launched:
+                return dict(incident)
+        return None
+
     # -- spares ------------------------------------------------------------------------------------------------
-    def take_spare(self, run: str, failed_node: str, now_s: float) -> str | None:
-        """Move a healthy spare of ``run`` (same domain first) into it; None when the pool is empty."""
+    def choose_spare(self, run: str, failed_node: str) -> str | None:
+        """A healthy spare of ``run``, in the failed node's domain first; None when the pool is empty."""
         domain = (self.store.node(failed_node) or {}).get("domain", "")
         spares = [Spare(n["name"], True, n["domain"]) for n in self.store.nodes(run) if n["role"] == "spare"]
         chosen = select_spare(spares, domain)
-        if chosen is None:
-            return None
-        self.store.upsert_node(chosen.node, now_s, role="active")
-        return chosen.node
+        return None if chosen is None else chosen.node
 
     # -- reading -----------------------------------------------------------------------------------------------
     def goodput(self, run: dict[str, Any], now_s: float) -> Goodput:
@@ -434,6 +464,23 @@ class Controller:
                 ],
                 "open_incidents": len(self.store.incidents(run_id, state="open")),
             }
+
+
+FAILURE_KINDS = frozenset(k.value for k in FailureKind)
+
+
+def failure_of(incident: dict[str, Any]) -> Failure:
+    """The failure an incident row records (to go on with its recovery)."""
+    return Failure(FailureKind(incident["kind"]), incident["node"], incident["rank"], incident["detail"])
+
+
+def _add_sample(samples: deque[tuple[int, float, int]], slot: int, compute_s: float, steps: int) -> None:
+    """Add ``steps`` steps of ``compute_s`` seconds in all to the sums of ``slot``."""
+    if samples and samples[-1][0] == slot:
+        _, seconds, count = samples[-1]
+        samples[-1] = (slot, seconds + compute_s, count + steps)
+    else:
+        samples.append((slot, compute_s, steps))
 
 
 def _generation_of(key: str) -> int:

@@ -7,15 +7,28 @@ each launch (a generation) gets a fresh rendezvous port. The trainer command mus
 checkpoint by itself (the reference trainer: ``--ckpt-dir URL --resume``).
 
 A recovery is a list of actions, each recorded in the state store under a request id before it is carried out
-and marked done after: ``stop`` (every rank of the launch, SIGKILL to its process group), ``cordon`` (when the
-failure asks for a swap), ``take_spare``, ``launch``. Each is idempotent, so a recovery cut short is taken up
-where it stopped. Fault injection (``inject``) is real: an XID appended to a node's GPU source, SIGKILL, SIGSTOP
-(a hang), or a SIGSTOP/SIGCONT duty cycle that slows a rank down by a factor.
+and marked done (with what it did) after: ``stop`` (every rank of the launch, SIGKILL to its process group),
+``cordon`` (when the failure asks for a swap), ``take_spare``, ``launch``. Each is idempotent: the spare chosen is
+written to the incident before the node changes role, and ``launch`` starts the generation its record names. With
+no spare left the run waits (``waiting_for_spare``, until a node is uncordoned or added) or, when the spec allows
+it (``on_no_spare="shrink"``, ``min_nodes``), relaunches on the nodes it has left; the trainer then sees a smaller
+world (the reference trainer: ``--mesh dp_shard=-1,...``).
+
+A controller that stops (killed, machine rebooted) leaves its agents and ranks running; their process ids and start
+times are in ``<run>/processes.json``. Running ``opsd run`` again with the same run name and state takes the run up:
+it kills what the old controller left (checking start times, so that a reused pid is not hit), then goes on with
+the recovery that was under way, skipping the actions already done, or, when none was, records a
+``controller_restart`` incident and relaunches from the newest checkpoint. A lock file (``flock``) keeps two
+controllers off one run.
+
+Fault injection (``inject``) is real: an XID appended to a node's GPU source, SIGKILL, SIGSTOP (a hang), or a
+SIGSTOP/SIGCONT duty cycle that slows a rank down by a factor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -30,12 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from agent.gpu import GpuSample, inject_xid, write_samples
-from opsd.controller import Controller
+from opsd.controller import Controller, failure_of
 from opsd.errors import OpsError, PermanentError
-from opsd.policy.detection import Failure
+from opsd.policy.detection import Failure, FailureKind
 from opsd.storage import inspect_checkpoints, open_store
 
 log = logging.getLogger(__name__)
+
+TERMINAL_STATES = ("completed", "failed", "stopped")
+ON_NO_SPARE = ("wait", "shrink")
 
 
 @dataclass(frozen=True)
@@ -52,12 +68,19 @@ class LocalRunSpec:
     heartbeat_interval_s: float = 0.5
     gpu_interval_s: float = 0.2
     extra_env: dict[str, str] = field(default_factory=dict)
+    on_no_spare: str = "wait"  # or "shrink": relaunch on the nodes left, down to min_nodes
+    min_nodes: int = 1
+    crash_after_action: str = ""  # fault injection (tests): SIGKILL this controller once an action of this kind is done
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("run: a trainer command is needed (after --)")
         if self.nodes < 1 or self.gpus_per_node < 1 or self.spares < 0:
             raise ValueError("run: --nodes and --gpus-per-node must be >= 1, --spares >= 0")
+        if self.on_no_spare not in ON_NO_SPARE:
+            raise ValueError(f"run: --on-no-spare must be one of {', '.join(ON_NO_SPARE)}")
+        if not 1 <= self.min_nodes <= self.nodes:
+            raise ValueError("run: --min-nodes must be between 1 and --nodes")
         if not self.run or "/" in self.run:
             raise ValueError("run: the run name must be non-empty, without '/'")
 
@@ -93,26 +116,92 @@ class LocalBackend:
         self.slowdowns: dict[int, threading.Event] = {}
         self.resumed_from: int | None = None
         self.recovering: threading.Thread | None = None
+        self.lock_fd: int | None = None
 
     # -- nodes -------------------------------------------------------------------------------------------------
     def node_names(self) -> list[str]:
         return [f"node-{i}" for i in range(self.spec.nodes + self.spec.spares)]
 
     def start(self, controller: Controller, now_s: float) -> None:
-        """Register the run and its nodes, start an agent per node, launch the first generation."""
+        """Register the run and its nodes, start an agent per node, launch the first generation; or take the run up
+        when the state store has it unfinished (its controller stopped)."""
         spec = self.spec
-        if not controller.store.create_run(
-            spec.run, {"backend": "local", "nodes": spec.nodes, "spares": spec.spares}, now_s
-        ):
-            state = (controller.store.run(spec.run) or {}).get("state")
+        existing = controller.store.run(spec.run)
+        if existing is not None and existing["state"] in TERMINAL_STATES:
             raise PermanentError(
-                f"run {spec.run!r} exists already in this state store ({state}); give another --run or --state-dir"
+                f"run {spec.run!r} is {existing['state']} in this state store; give another --run or --state-dir"
             )
+        self._lock()
+        if existing is not None:
+            self.take_up(controller, existing, now_s)
+            return
+        controller.store.create_run(spec.run, {"backend": "local", "nodes": spec.nodes, "spares": spec.spares}, now_s)
         for i, node in enumerate(self.node_names()):
             role = "active" if i < spec.nodes else "spare"
             controller.store.upsert_node(node, now_s, run=spec.run, role=role, domain=f"rack{i % 2}")
             self._start_agent(node)
-        self.launch(controller, now_s)
+        self.launch(controller, now_s, generation=1)
+
+    def _lock(self) -> None:
+        """One controller per run: an exclusive ``flock`` on ``<run>/controller.lock``, released when it exits."""
+        path = self.spec.root / "controller.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            message = f"run {self.spec.run!r} has another opsd run supervising it ({path} is locked)"
+            raise PermanentError(message) from None
+        self.lock_fd = fd
+
+    def take_up(self, controller: Controller, run: dict[str, Any], now_s: float) -> None:
+        """Go on with a run whose controller stopped: kill what it left running, restart the agents, and carry on
+        with the recovery under way (or relaunch, recorded as a ``controller_restart`` incident)."""
+        spec = self.spec
+        recorded = run["spec"]
+        if (recorded.get("nodes"), recorded.get("spares")) != (spec.nodes, spec.spares):
+            raise PermanentError(
+                f"run {spec.run!r} was started with --nodes {recorded.get('nodes')} --spares {recorded.get('spares')};"
+                " take it up with the same"
+            )
+        store = controller.store
+        store.update_run(spec.run, now_s, state="recovering")
+        killed = self._kill_orphans()
+        self.generation = int(run["generation"])
+        for node in self.node_names():
+            self._start_agent(node)
+        incident = controller.unfinished_incident(spec.run)
+        if incident is None:
+            failure = Failure(
+                FailureKind.CONTROLLER_RESTART,
+                "",
+                None,
+                f"the run's controller stopped during generation {self.generation}; {killed} processes it left killed",
+            )
+            incident_id, _ = store.open_incident(
+                key=f"{spec.run}/gen{self.generation}",
+                run=spec.run,
+                kind=failure.kind.value,
+                node="",
+                rank=None,
+                detail=failure.detail,
+                failed_s=float(run["updated_s"]),  # the last thing the old controller wrote
+                detected_s=now_s,
+            )
+        else:
+            incident_id, failure = int(incident["id"]), failure_of(incident)
+        log.warning(
+            "run %s: taken up (was %s, generation %d): %d processes of the previous controller killed;"
+            " recovery of incident %d (%s) goes on",
+            spec.run,
+            run["state"],
+            self.generation,
+            killed,
+            incident_id,
+            failure.kind.value,
+        )
+        self.recover(controller, spec.run, incident_id, failure, now_s)
 
     def _start_agent(self, node: str) -> None:
         directory = self.spec.node_dir(node)
@@ -147,20 +236,23 @@ class LocalBackend:
         if self.spec.controller_url:
             cmd += ["--controller-url", self.spec.controller_url]
         env = {**os.environ, "OPSD_CONTROLLER_TOKEN": self.spec.token}
-        log_file = (directory / "agent.log").open("ab")
-        self.agents[node] = subprocess.Popen(
-            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with (directory / "agent.log").open("ab") as log_file:
+            self.agents[node] = subprocess.Popen(
+                cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._write_processes()
 
     # -- ranks -------------------------------------------------------------------------------------------------
     def active_nodes(self, controller: Controller) -> list[str]:
         return [n["name"] for n in controller.store.nodes(self.spec.run) if n["role"] == "active"]
 
-    def launch(self, controller: Controller, now_s: float) -> None:
-        """Start generation ``generation + 1`` on the active nodes (the previous one must be stopped)."""
+    def launch(self, controller: Controller, now_s: float, generation: int) -> list[str]:
+        """Start ``generation`` on the active nodes (whatever still runs of a launch is stopped first); returns the
+        nodes."""
         with self.lock:
+            self.stop_ranks()
             nodes = self.active_nodes(controller)
-            self.generation += 1
+            self.generation = generation
             controller.forget_ranks(self.spec.run, now_s)
             self.resumed_from = self._newest_checkpoint()
             controller.store.update_run(self.spec.run, now_s, state="running", generation=self.generation)
@@ -188,12 +280,16 @@ class LocalBackend:
                         "OPSD_AGENT_SOCKET": str(directory / "agent.sock"),
                         "OPSD_POLICY_FILE": str(directory / "policy.json"),
                     }
-                    out = (directory / f"rank{rank}.gen{self.generation}.log").open("wb")
-                    proc = subprocess.Popen(
-                        list(self.spec.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                    )
+                    with (directory / f"rank{rank}.gen{self.generation}.log").open("wb") as out:
+                        proc = subprocess.Popen(
+                            list(self.spec.command),
+                            env=env,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
                     self.ranks.append(RankProcess(rank, node, proc))
-            self._write_pids()
+            self._write_processes()
             log.info(
                 "run %s: generation %d launched on %s (%d ranks)",
                 self.spec.run,
@@ -201,32 +297,68 @@ class LocalBackend:
                 ", ".join(nodes),
                 world,
             )
+            return nodes
 
-    def _write_pids(self) -> None:
-        pids = {"generation": self.generation, "ranks": {str(r.rank): r.proc.pid for r in self.ranks}}
-        path = self.spec.root / "ranks.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(pids))
-        os.replace(tmp, path)
+    # -- the processes a controller leaves behind --------------------------------------------------------------
+    def _write_processes(self) -> None:
+        """Record every agent and rank (pid and start time) in ``<run>/processes.json``, atomically."""
+        with self.lock:
+            record = {
+                "generation": self.generation,
+                "agents": {n: [p.pid, _start_time(p.pid)] for n, p in self.agents.items()},
+                "ranks": {str(r.rank): [r.proc.pid, _start_time(r.proc.pid)] for r in self.ranks},
+            }
+            path = self.spec.root / "processes.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
 
-    def stop_ranks(self) -> None:
-        """SIGKILL every rank of the current launch (and anything it started), and reap them. Idempotent."""
+    def _kill_orphans(self, timeout_s: float = 10.0) -> int:
+        """SIGKILL the process groups a previous controller of this run recorded and that still run (the same pid
+        *and* start time); returns how many."""
+        path = self.spec.root / "processes.json"
+        try:
+            record = json.loads(path.read_text())
+            pids = [
+                int(p)
+                for group in ("agents", "ranks")
+                for p, start in record.get(group, {}).values()
+                if start is not None and _start_time(int(p)) == start
+            ]
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            log.warning("run %s: %s is unreadable (%s): nothing killed", self.spec.run, path, exc)
+            return 0
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, sig)
+        deadline = time.monotonic() + timeout_s
+        while any(_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(pids)
+
+    def stop_ranks(self) -> int:
+        """SIGKILL every rank of the current launch (and anything it started), and reap them; returns how many were
+        still running. Idempotent."""
         with self.lock:
             for event in self.slowdowns.values():
                 event.set()
             self.slowdowns.clear()
-            for r in self.ranks:
-                if r.proc.poll() is None:
-                    for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped (hung) rank is killed too
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(r.proc.pid, sig)
+            running = [r for r in self.ranks if r.proc.poll() is None]
+            for r in running:
+                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped (hung) rank is killed too
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(r.proc.pid, sig)
             for r in self.ranks:
                 try:
                     r.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     log.warning("rank %d (pid %d) did not die", r.rank, r.proc.pid)
                 r.reported_exit = True
+            return len(running)
 
     def supervise(self, controller: Controller, now_s: float) -> bool:
         """Report rank exits (0 included: a finished rank is no hang) to the controller; True once every rank of the
@@ -275,7 +407,8 @@ class LocalBackend:
             controller.store.update_run(run, time.time(), state="failed")
 
     def recover_now(self, controller: Controller, run: str, incident_id: int, failure: Failure, now_s: float) -> None:
-        """Stop, cordon and swap (when the failure asks for it), relaunch: each step recorded before it is done."""
+        """Stop, cordon and swap (when the failure asks for it), relaunch: each step recorded before it is done,
+        the ones a previous attempt did skipped."""
         store = controller.store
         steps: list[tuple[str, dict[str, Any]]] = [("stop", {"generation": self.generation})]
         if failure.swap:
@@ -296,21 +429,46 @@ class LocalBackend:
             )
             if action.state == "done":
                 continue
+            result: dict[str, Any] = {}
             if kind == "stop":
-                self.stop_ranks()
+                result = {"killed": self.stop_ranks()}
             elif kind == "cordon":
                 store.upsert_node(failure.node, now_s, role="cordoned", reason=failure.detail)
+                result = {"node": failure.node}
             elif kind == "take_spare":
-                chosen = controller.take_spare(run, failure.node, now_s)
-                if chosen is None:
+                chosen = self._take_spare(controller, run, incident_id, failure, now_s)
+                left = len(self.active_nodes(controller))
+                if chosen is not None:
+                    result = {"spare": chosen}
+                elif self.spec.on_no_spare == "shrink" and left >= self.spec.min_nodes:
+                    result = {"spare": None, "shrunk_to_nodes": left}
+                    log.warning("run %s: no spare left; going on with %d nodes", run, left)
+                else:
                     store.update_run(run, now_s, state="waiting_for_spare")
                     log.warning("run %s: no spare left; waiting for one", run)
-                    return  # taken up again when a node is uncordoned or added
-                store.update_incident(incident_id, spare=chosen)
-                log.info("run %s: %s replaces %s", run, chosen, failure.node)
+                    return  # the controller goes on once a node is uncordoned or added
             elif kind == "launch":
-                self.launch(controller, time.time())
-            store.complete_action(action.request_id, time.time())
+                generation = int(action.args["after_generation"]) + 1  # the record's: a repeat launches the same
+                nodes = self.launch(controller, time.time(), generation)
+                result = {"generation": generation, "nodes": nodes, "resumed_from_step": self.resumed_from}
+            store.complete_action(action.request_id, time.time(), result)
+            if kind == self.spec.crash_after_action:
+                log.critical("run %s: killing this controller after %s (fault injection)", run, action.request_id)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _take_spare(
+        self, controller: Controller, run: str, incident_id: int, failure: Failure, now_s: float
+    ) -> str | None:
+        """The incident's spare: the one chosen before (a repeat) or a new one, written to the incident before the
+        node becomes active, so that a repeat never takes a second."""
+        store = controller.store
+        chosen = (store.incident(incident_id) or {}).get("spare") or controller.choose_spare(run, failure.node)
+        if chosen is None:
+            return None
+        store.update_incident(incident_id, spare=chosen)
+        store.upsert_node(chosen, now_s, role="active")
+        log.info("run %s: %s replaces %s", run, chosen, failure.node)
+        return str(chosen)
 
     # -- fault injection ---------------------------------------------------------------------------------------
     def inject(
@@ -341,6 +499,8 @@ class LocalBackend:
         raise PermanentError(f"inject: unknown fault {kind!r} (xid, kill, hang, slow)")
 
     def close(self) -> None:
+        if self.recovering is not None:
+            self.recovering.join(timeout=60)  # a recovery under way would launch after the stop otherwise
         self.stop_ranks()
         for proc in self.agents.values():
             proc.terminate()
@@ -349,6 +509,22 @@ class LocalBackend:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _start_time(pid: int) -> int | None:
+    """When a live process started (clock ticks since boot, from ``/proc/PID/stat``); None when it is gone or a
+    zombie. With the pid, it names one process: pids are reused, start times with them are not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
 
 
 def _duty_cycle(pid: int, factor: float, stop: threading.Event, period_s: float = 0.1) -> None:

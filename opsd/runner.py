@@ -1,4 +1,9 @@
-"""``opsd run``: a controller (API, detection) with the local backend, supervising one run to its end."""
+"""``opsd run``: a controller (API, detection) with the local backend, supervising one run to its end.
+
+The run ends when every rank of its launch exits 0 (``completed``), when a recovery fails or it outlives
+``timeout_s`` (``failed``), or when ``stop`` is set (``stopped``: SIGINT or SIGTERM to ``opsd run``; the ranks are
+killed). A run left ``running``, ``recovering`` or ``waiting_for_spare`` by a controller that died is taken up by
+the next ``run_local`` of the same run and state (``LocalBackend.take_up``)."""
 
 from __future__ import annotations
 
@@ -43,20 +48,28 @@ def run_local(
     poll_s: float = 0.25,
     timeout_s: float | None = None,
     on_poll: OnPoll | None = None,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Run ``spec`` to its end (every rank exited 0, or the run failed); returns its final status."""
+    """Run ``spec`` to its end (every rank exited 0, the run failed, or ``stop`` was set); returns its final
+    status."""
     controller, token = build(config)
     backend = LocalBackend(dataclasses.replace(spec, token=token))  # the agents use the controller's token
     controller.backend = backend
     server = start_api(controller, token, config.host, config.port)
-    stop = threading.Event()
-    threading.Thread(target=tick_forever, args=(controller, config.tick_interval_s, stop), daemon=True).start()
+    ticking = threading.Event()
+    stop = stop or threading.Event()
     started = time.monotonic()
     try:
-        backend.start(controller, time.time())
+        backend.start(controller, time.time())  # before the first detection pass: a run taken up is "recovering"
+        threading.Thread(target=tick_forever, args=(controller, config.tick_interval_s, ticking), daemon=True).start()
         while True:
-            time.sleep(poll_s)
+            stop.wait(poll_s)
             now = time.time()
+            if stop.is_set():
+                backend.stop_ranks()
+                controller.store.update_run(spec.run, now, state="stopped")
+                log.warning("run %s: stopped on request", spec.run)
+                break
             if on_poll is not None:
                 on_poll(controller, backend, now)
             run = controller.store.run(spec.run)
@@ -79,7 +92,7 @@ def run_local(
         status["incidents"] = controller.store.incidents(spec.run)
         return status
     finally:
-        stop.set()
+        ticking.set()
         backend.close()
         server.should_exit = True
 

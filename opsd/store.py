@@ -49,7 +49,8 @@ runs = Table(
     "runs",
     metadata,
     Column("id", String(200), primary_key=True),
-    Column("state", String(32), nullable=False),  # running | recovering | waiting_for_spare | completed | failed
+    # running | recovering | waiting_for_spare | completed | failed | stopped
+    Column("state", String(32), nullable=False),
     Column("spec", Text, nullable=False),  # JSON: what the run was started with
     Column("created_s", Float, nullable=False),
     Column("updated_s", Float, nullable=False),
@@ -101,6 +102,7 @@ actions = Table(
     Column("state", String(16), nullable=False),  # pending | done
     Column("created_s", Float, nullable=False),
     Column("done_s", Float),
+    Column("result", Text),  # JSON: what it did (the spare chosen, the nodes launched on), once done
 )
 
 
@@ -115,6 +117,7 @@ class Action:
     state: str
     created_s: float
     done_s: float | None
+    result: dict[str, Any] | None = None
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _: Any) -> None:
@@ -253,6 +256,11 @@ class Store:
         with self._tx() as c:
             c.execute(update(incidents).where(incidents.c.id == incident_id).values(**fields))
 
+    def incident(self, incident_id: int) -> dict[str, Any] | None:
+        with self._tx() as c:
+            row = c.execute(select(incidents).where(incidents.c.id == incident_id)).mappings().first()
+        return dict(row) if row else None
+
     def incidents(self, run: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         query = select(incidents).order_by(incidents.c.id)
         if run is not None:
@@ -294,12 +302,13 @@ class Store:
         assert found is not None
         return found
 
-    def complete_action(self, request_id: str, now_s: float) -> None:
+    def complete_action(self, request_id: str, now_s: float, result: dict[str, Any] | None = None) -> None:
+        """Mark an action done, with what it did; completing it again changes nothing."""
         with self._tx() as c:
             c.execute(
                 update(actions)
                 .where(actions.c.request_id == request_id, actions.c.state == "pending")
-                .values(state="done", done_s=now_s)
+                .values(state="done", done_s=now_s, result=None if result is None else json.dumps(result))
             )
 
     def action(self, request_id: str) -> Action | None:
@@ -335,4 +344,5 @@ def _action_row(row: Any) -> Action:
         r["state"],
         r["created_s"],
         r["done_s"],
+        json.loads(r["result"]) if r.get("result") else None,
     )

@@ -109,6 +109,26 @@ def test_a_slow_rank_is_flagged_and_recorded_once(controller: Controller) -> Non
     assert (incident["kind"], incident["rank"], incident["state"]) == ("straggler", 2, "warned")
 
 
+def test_stragglers_are_scored_on_the_mean_compute_between_heartbeats(controller: Controller) -> None:
+    """Agents send running sums (steps_total, compute_total_s): the controller scores the mean compute of the steps
+    between two heartbeats, not the last step alone. Rank 2's last step always looks normal, but the two steps before
+    it in each interval took 0.8 s: it is flagged at its mean, (0.8 + 0.8 + 0.5) / 3 / 0.5 = 1.4."""
+    totals = {r: (0, 0.0) for r in range(4)}
+    for t in range(20):
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            entries = []
+            for r in ranks:
+                steps, seconds = totals[r]
+                totals[r] = (steps + 3, seconds + (0.8 + 0.8 + 0.5 if r == 2 else 1.5))
+                entries.append(rank(r, 3 * (t + 1), steps_total=totals[r][0], compute_total_s=totals[r][1]))
+            controller.heartbeat(beat(n, entries), float(t))
+        controller.tick(float(t))
+    status = controller.status("job", 20)
+    assert status is not None
+    assert [s["rank"] for s in status["stragglers"]] == [2]
+    assert status["stragglers"][0]["slowdown_ratio"] == pytest.approx(1.4)
+
+
 def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Controller) -> None:
     healthy(controller, 3)
     assert "policy" not in controller.heartbeat(beat("n0", [rank(0, 4), rank(1, 4)]), 3.0)

@@ -1,14 +1,17 @@
-"""The local backend's guards (its runs end to end are in tests/test_demo.py)."""
+"""The local backend's guards (its runs end to end: tests/test_demo.py, test_recoveries.py, test_takeover.py)."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from opsd.controller import Controller
 from opsd.errors import PermanentError
-from opsd.local import LocalBackend, LocalRunSpec
+from opsd.local import LocalBackend, LocalRunSpec, _start_time
 from opsd.store import Store
 
 
@@ -17,7 +20,7 @@ def test_a_run_name_is_not_taken_twice(tmp_path: Path) -> None:
     controller.store.create_run("job", {}, now_s=1.0)
     controller.store.update_run("job", 2.0, state="completed")
     backend = LocalBackend(LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs")))
-    with pytest.raises(PermanentError, match=r"run 'job' exists already in this state store \(completed\)"):
+    with pytest.raises(PermanentError, match=r"run 'job' is completed in this state store"):
         backend.start(controller, now_s=3.0)
     assert backend.agents == {}  # nothing was started
 
@@ -34,3 +37,38 @@ def test_a_run_name_is_not_taken_twice(tmp_path: Path) -> None:
 def test_spec_validates_itself(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LocalRunSpec(**{"run": "r", "command": ("true",), **kwargs})  # type: ignore[arg-type]
+
+
+def test_a_second_controller_of_a_run_is_refused(tmp_path: Path) -> None:
+    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller.store.create_run("job", {"nodes": 2, "spares": 1}, now_s=1.0)  # running: a candidate to take up
+    spec = LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs"))
+    first = LocalBackend(spec)
+    first._lock()
+    try:
+        with pytest.raises(PermanentError, match="another opsd run supervising it"):
+            LocalBackend(spec).start(controller, now_s=2.0)
+    finally:
+        first.close()
+    LocalBackend(spec)._lock()  # released with the first
+
+
+def test_what_a_dead_controller_left_is_killed_by_pid_and_start_time(tmp_path: Path) -> None:
+    """A recorded process runs with the recorded start time: killed. A pid whose start time differs (reused by
+    another process since): left alone."""
+    spec = LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs"))
+    left = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        start = _start_time(left.pid)
+        assert start is not None
+        spec.root.mkdir(parents=True)
+        record = {"agents": {"node-0": [left.pid, start]}, "ranks": {"0": [other.pid, start - 1]}}
+        (spec.root / "processes.json").write_text(json.dumps(record))
+        assert LocalBackend(spec)._kill_orphans() == 1
+        assert left.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for p in (left, other):
+            p.kill()
+            p.wait()

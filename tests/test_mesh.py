@@ -25,6 +25,18 @@ def test_parse(text: str, expected: MeshSpec) -> None:
     assert MeshSpec.parse(text) == expected
 
 
+FILL_CASES = {
+    "alone: the world": ("dp_shard=-1", 4, MeshSpec(dp_shard=4)),
+    "with tp: what tp leaves": ("dp_shard=-1,tp=2", 4, MeshSpec(dp_shard=2, tp=2)),
+    "shrunk to one shard": ("dp_shard=-1,tp=2", 2, MeshSpec(dp_shard=1, tp=2)),
+}
+
+
+@pytest.mark.parametrize(("text", "world", "expected"), FILL_CASES.values(), ids=FILL_CASES.keys())
+def test_dp_shard_fills_the_world(text: str, world: int, expected: MeshSpec) -> None:
+    assert MeshSpec.parse(text, world) == expected
+
+
 PARSE_ERRORS = {
     "unknown dimension": ("dp=2", "unknown dimension 'dp'"),
     "missing degree": ("tp", "expected NAME=DEGREE"),
@@ -32,6 +44,8 @@ PARSE_ERRORS = {
     "zero": ("tp=0", "tp must be an integer >= 1"),
     "negative": ("pp=-2", "pp must be an integer >= 1"),
     "given twice": ("tp=2,tp=2", "given twice"),
+    "fill without a world": ("dp_shard=-1", "dp_shard=-1 needs a world size that is a multiple of 1, got None"),
+    "-1 elsewhere": ("tp=-1", "tp must be an integer >= 1"),
 }
 
 

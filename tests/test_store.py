@@ -84,11 +84,11 @@ def test_actions_are_recorded_once_and_completed_once(store: Store) -> None:
     assert a == b  # the first record stands
     assert (a.state, a.args) == ("pending", {"gen": 1})
     store.record_action("req-2", run="r1", incident_id=incident, seq=1, kind="launch", args={}, now_s=3.5)
-    store.complete_action("req-1", 5.0)
-    store.complete_action("req-1", 6.0)  # idempotent: the first completion stands
+    store.complete_action("req-1", 5.0, {"stopped": 4})
+    store.complete_action("req-1", 6.0, {"stopped": 0})  # idempotent: the first completion stands
     done = store.action("req-1")
     assert done is not None
-    assert (done.state, done.done_s) == ("done", 5.0)
+    assert (done.state, done.done_s, done.result) == ("done", 5.0, {"stopped": 4})
     assert [(x.request_id, x.state) for x in store.actions(incident_id=incident)] == [
         ("req-1", "done"),
         ("req-2", "pending"),

@@ -8,7 +8,8 @@ half an hour.
 
 What each failure asks for (``Failure.swap``): a node that stopped sending heartbeats or reported a fatal XID is
 swapped for a spare; a rank that exited, a hang, an application XID or a collective timeout restarts the ranks on
-the same nodes.
+the same nodes. A controller that takes up a run after its predecessor stopped records a ``controller_restart``
+(the ranks it could no longer supervise are killed and relaunched).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class FailureKind(StrEnum):
     PROCESS_EXIT = "process_exit"
     HANG = "hang"
     COLLECTIVE_TIMEOUT = "collective_timeout"
+    CONTROLLER_RESTART = "controller_restart"  # not detected here: a controller taking up a run whose own stopped
 
 
 SWAP_KINDS = frozenset({FailureKind.HEARTBEAT_LOSS, FailureKind.FATAL_XID})
