@@ -30,7 +30,7 @@ from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
 from agent.tracing import Tracing
 from opsd.policy.xid import WatchWindow
-from opsd.wire import MAX_MESSAGE_BYTES, WireError, decode_report
+from opsd.wire import MAX_MESSAGE_BYTES, TimeoutReport, WireError, decode_report
 from opsd.xid_table import load_xid_table
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,18 @@ class Agent:
             self.stats.count(exc.reason)
             log.debug("dropped a datagram: %s", exc)
             return exc.reason
-        self.state.ingest(report, time.time() if now_s is None else now_s)
+        if isinstance(report, TimeoutReport):
+            log.warning(
+                "rank %d of run %s has waited %.0f s in %s on %s",
+                report.rank,
+                report.run,
+                report.waited_s,
+                report.op,
+                report.dim,
+            )
+            self.state.ingest_timeout(report)
+        else:
+            self.state.ingest(report, time.time() if now_s is None else now_s)
         self.stats.count(None)
         return None
 

@@ -122,12 +122,17 @@ class Reporter:
             for r in self.state.snapshot()
         ]
         events = [asdict(e) for e in self.gpu.pending_events()] if self.gpu else []
+        timeouts = [
+            {f: getattr(t, f) for f in ("run", "rank", "step", "time_unix_s", "dim", "op", "waited_s")}
+            for t in self.state.timeouts()
+        ]
         return {
             "v": HEARTBEAT_VERSION,
             "node": self.node,
             "time_unix_s": now_s,
             "ranks": ranks,
             "events": events,
+            "timeouts": timeouts,
             "summaries": list(self.summaries),
             "summaries_dropped_total": self.summaries_dropped,
         }

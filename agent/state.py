@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
-from opsd.wire import StepReport
+from opsd.wire import StepReport, TimeoutReport
 
 OVERFLOW = ("other", "other")
 
@@ -70,7 +70,18 @@ class NodeState:
         self.max_comm_series = max_comm_series
         self.stale_after_s = stale_after_s
         self._ranks: dict[tuple[str, int], RankState] = {}
+        self._timeouts: dict[tuple[str, int], TimeoutReport] = {}  # cleared by the rank's next step report
         self._lock = threading.Lock()
+
+    def ingest_timeout(self, report: TimeoutReport) -> None:
+        """A rank waits on a collective past its timeout: kept until the rank reports a step after it."""
+        with self._lock:
+            self._timeouts[(report.run, report.rank)] = report
+
+    def timeouts(self) -> list[TimeoutReport]:
+        """The collective timeouts outstanding, by (run, rank)."""
+        with self._lock:
+            return [t for _, t in sorted(self._timeouts.items())]
 
     def ingest(self, report: StepReport, now_s: float) -> None:
         """Fold one decoded step report (see ``opsd.wire``) into the totals."""
@@ -80,6 +91,9 @@ class NodeState:
             if state is None:
                 state = self._ranks[key] = RankState(run=key[0], rank=key[1], last=report)
             state.last = report
+            timeout = self._timeouts.get(key)
+            if timeout is not None and report.step > timeout.step:
+                del self._timeouts[key]  # the wait is over
             state.steps_total += 1
             state.tokens_total += report.tokens
             state.compute_total_s += report.compute_s
@@ -106,6 +120,7 @@ class NodeState:
             gone = [k for k, s in self._ranks.items() if now_s - s.last_seen_s > self.stale_after_s]
             for k in gone:
                 del self._ranks[k]
+                self._timeouts.pop(k, None)
         return gone
 
     def snapshot(self) -> list[RankSnapshot]:

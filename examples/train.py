@@ -75,6 +75,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opsd-monitor", action="store_true", help="report every step with trainer_hooks")
     p.add_argument("--opsd-jsonl", help="also write the reports to this file; {rank} is replaced by the rank")
     p.add_argument(
+        "--opsd-collective-timeout-s",
+        type=float,
+        default=300.0,
+        help="report a wait on one collective longer than this to the agent (0: never)",
+    )
+    p.add_argument(
         "--opsd-flops",
         choices=("formula", "measured"),
         default="formula",
@@ -203,7 +209,9 @@ def make_monitor(args: argparse.Namespace, cfg: ModelConfig, meshes: Meshes) -> 
     shape = model_shape(full)
     measured = measured_flops_per_token(cfg) if args.opsd_flops == "measured" else None
     jsonl = args.opsd_jsonl.replace("{rank}", str(dist.get_rank())) if args.opsd_jsonl else None
-    config = MonitorConfig(peak_flops_per_s=args.peak_flops, jsonl_path=jsonl)
+    config = MonitorConfig(
+        peak_flops_per_s=args.peak_flops, jsonl_path=jsonl, collective_timeout_s=args.opsd_collective_timeout_s
+    )
     monitor = Monitor.from_mesh(meshes.world, shape, config, flops_per_token=measured)
     for mesh in (meshes.dense, meshes.expert):
         names = mesh.mesh_dim_names or ()

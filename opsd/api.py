@@ -62,6 +62,16 @@ class EventIn(Strict):
     reason: Annotated[str, Field(max_length=1000)] = ""
 
 
+class TimeoutIn(Strict):
+    run: Name
+    rank: Annotated[int, Field(ge=0, le=10_000_000)]
+    step: Annotated[int, Field(ge=0)]
+    time_unix_s: float
+    dim: Annotated[str, Field(max_length=64)]
+    op: Annotated[str, Field(max_length=64)]
+    waited_s: NonNegative
+
+
 class HeartbeatIn(Strict):
     v: Literal[1]
     node: Name
@@ -70,6 +80,7 @@ class HeartbeatIn(Strict):
     events: Annotated[list[EventIn], Field(max_length=10_000)] = []
     summaries: Annotated[list[dict[str, Any]], Field(max_length=10_000)] = []
     summaries_dropped_total: Annotated[int, Field(ge=0)] = 0
+    timeouts: Annotated[list[TimeoutIn], Field(max_length=4096)] = []
 
 
 class HeartbeatReply(BaseModel):

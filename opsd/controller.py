@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
 from opsd.policy.detection import (
+    CollectiveTimeout,
     DetectionConfig,
     Failure,
     FailureKind,
@@ -78,6 +79,7 @@ class RankLive:
     checkpoints: int = 0
     checkpoint_blocking_s: float = 0.0
     exit_code: int | None = None
+    timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
 
 
 @dataclass
@@ -123,6 +125,8 @@ class Controller:
             for r in body.get("ranks", []):
                 runs.add(r["run"])
                 self._rank(r, node, now_s)
+            for t in body.get("timeouts", []):
+                self._timeout(t, node)
             for run in sorted(runs - self.known_runs):
                 if self.store.create_run(run, {"observed": True}, now_s):
                     log.info("run %s first seen in a heartbeat from node %s", run, node)
@@ -172,11 +176,20 @@ class Controller:
                     _add_sample(live.compute, slot, float(r.get("compute_s", r["step_s"])), 1)
             live.step = step
             live.progress_s = now_s
+            live.timeout = ""  # it stepped on: whatever it waited on is over
         live.coords = dict(r.get("coords", {}))
         live.mfu_ratio = float(r.get("mfu_ratio", 0.0))
         live.job_tokens_per_s = float(r.get("job_tokens_per_s", 0.0))
         live.checkpoints = int(r.get("checkpoints", 0))
         live.checkpoint_blocking_s = float(r.get("checkpoint_blocking_s", 0.0))
+
+    def _timeout(self, t: dict[str, Any], node: str) -> None:
+        run, rank = str(t["run"]), int(t["rank"])
+        live = self.ranks.get(run, {}).get(rank)
+        if live is None or live.node != node or float(t["time_unix_s"]) < self.launched_s.get(run, 0.0):
+            return  # a rank of an earlier launch, or one not heard from yet
+        if int(t["step"]) >= live.step:  # still waiting in the step after its last report
+            live.timeout = f"rank {rank} waited {float(t['waited_s']):.0f} s in {t['op']} on {t['dim']}"
 
     def rank_exited(self, run: str, rank: int, node: str, exit_code: int, now_s: float) -> None:
         """The backend saw a rank process end."""
@@ -214,7 +227,9 @@ class Controller:
                 self._plan(run, now_s)
         return found
 
-    def _views(self, run: str) -> tuple[list[NodeView], list[RankView], list[GpuEvent], list[float]]:
+    def _views(
+        self, run: str
+    ) -> tuple[list[NodeView], list[RankView], list[GpuEvent], list[CollectiveTimeout], list[float]]:
         ranks = self.ranks.get(run, {})
         node_names = {n["name"] for n in self.store.nodes(run) if n["role"] == "active"} | {
             r.node for r in ranks.values()
@@ -224,15 +239,22 @@ class Controller:
         ]
         events = [e for n in node_names if n in self.nodes for e in self.nodes[n].events.values()]
         views = [RankView(rank, r.node, r.step, r.progress_s, r.exit_code) for rank, r in sorted(ranks.items())]
+        timeouts = [CollectiveTimeout(rank, r.node, r.timeout) for rank, r in sorted(ranks.items()) if r.timeout]
         step_times = [t for r in ranks.values() for t in r.step_times_s]
-        return nodes, views, events, step_times
+        return nodes, views, events, timeouts, step_times
 
     def _detect(self, run: str, now_s: float) -> list[Failure]:
-        nodes, ranks, events, step_times = self._views(run)
+        nodes, ranks, events, timeouts, step_times = self._views(run)
         if not ranks and not events:
             return []
         return detect_failures(
-            now_s=now_s, nodes=nodes, ranks=ranks, events=events, step_times_s=step_times, config=self.config.detection
+            now_s=now_s,
+            nodes=nodes,
+            ranks=ranks,
+            events=events,
+            timeouts=timeouts,
+            step_times_s=step_times,
+            config=self.config.detection,
         )
 
     def _open(self, run: dict[str, Any], failures: list[Failure], now_s: float) -> None:

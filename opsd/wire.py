@@ -1,6 +1,8 @@
-"""The step report a rank sends to its node agent: version 1 of the wire format (see docs/protocol.md).
+"""The messages a rank sends to its node agent: version 1 of the wire format (see docs/protocol.md).
 
-One JSON object per step and rank, UTF-8, at most ``MAX_MESSAGE_BYTES``; never one message per collective.
+One JSON object per step and rank (``kind: "step"``), UTF-8, at most ``MAX_MESSAGE_BYTES``; never one message
+per collective. Besides, one ``kind: "collective_timeout"`` message when a rank has waited on a collective for
+longer than its timeout.
 Decoding parses and validates in one pass (msgspec, against ``StepReport``): a few microseconds a datagram.
 """
 
@@ -64,6 +66,21 @@ class StepReport(Struct, frozen=True):
     checkpoints: Annotated[list[CheckpointReport], Meta(max_length=MAX_CHECKPOINTS_PER_REPORT)] = []
 
 
+class TimeoutReport(Struct, frozen=True):
+    """A rank has waited on one collective for longer than its timeout (sent once per wait)."""
+
+    v: Literal[1]
+    kind: Literal["collective_timeout"]
+    run: str
+    rank: Count
+    host: str
+    step: Count  # steps completed before the wait
+    time_unix_s: float
+    dim: str  # the mesh dimension of the collective's group
+    op: str
+    waited_s: Seconds
+
+
 #: the required fields
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints"))
 
@@ -71,6 +88,7 @@ STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in ("trunca
 REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")
 
 _DECODER = msgspec.json.Decoder(StepReport)
+_TIMEOUT_DECODER = msgspec.json.Decoder(TimeoutReport)
 
 
 class WireError(PermanentError, ValueError):
@@ -103,7 +121,7 @@ def _reason(error: msgspec.ValidationError) -> str:
     return "field"
 
 
-def decode_report(data: bytes) -> StepReport:
+def decode_report(data: bytes) -> StepReport | TimeoutReport:
     """Parse and validate one datagram; raises :class:`WireError` naming the broken rule."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}", "too_large")
@@ -111,6 +129,12 @@ def decode_report(data: bytes) -> StepReport:
         return _DECODER.decode(data)
     except msgspec.ValidationError as exc:
         reason = _reason(exc)
+        if reason == "kind":  # not a step report: a timeout report, or neither
+            try:
+                return _TIMEOUT_DECODER.decode(data)
+            except msgspec.ValidationError as other:
+                if _reason(other) != "kind":
+                    raise WireError(str(other), _reason(other)) from None
         if reason == "version":
             raise WireError(f"unsupported version ({exc}; this side speaks {VERSION})", reason) from None
         raise WireError(str(exc), reason) from None

@@ -26,11 +26,13 @@ from agent.state import OVERFLOW, NodeState
 from opsd.policy.xid import WatchWindow
 from opsd.wire import REASONS, StepReport, decode_report, encode
 from opsd.xid_table import load_xid_table
-from tests.test_wire import report
+from tests.test_wire import report, timeout_report
 
 
 def step(**changes: Any) -> StepReport:
-    return decode_report(encode(report(**changes)))
+    decoded = decode_report(encode(report(**changes)))
+    assert isinstance(decoded, StepReport)
+    return decoded
 
 
 def samples(agent: Agent) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -249,3 +251,14 @@ def test_checkpoints_become_counters_and_last_values(agent: Agent) -> None:
     assert value(agent, "opsd_checkpoint_seconds_total", phase="staging", **r) == 0.125  # absent in the second: 0
     too_many = report(checkpoints=[first] * 5)
     assert agent.handle(encode(too_many)) == "field"
+
+
+def test_a_collective_timeout_goes_to_the_controller_until_the_rank_steps_on(agent: Agent) -> None:
+    agent.handle(encode(report(step=7, rank=1)), now_s=100.0)
+    assert agent.handle(encode(timeout_report(step=7, rank=1)), now_s=101.0) is None
+    reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n1", agent.state, None)
+    assert reporter.heartbeat(102.0)["timeouts"] == [
+        {"run": "r", "rank": 1, "step": 7, "time_unix_s": 1.5e9, "dim": "tp", "op": "all_reduce", "waited_s": 301.5}
+    ]
+    agent.handle(encode(report(step=8, rank=1)), now_s=103.0)  # it stepped on: the wait is over
+    assert reporter.heartbeat(104.0)["timeouts"] == []

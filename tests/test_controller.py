@@ -109,6 +109,29 @@ def test_a_slow_rank_is_flagged_and_recorded_once(controller: Controller) -> Non
     assert (incident["kind"], incident["rank"], incident["state"]) == ("straggler", 2, "warned")
 
 
+def test_collective_timeouts_name_the_rank_that_does_not_wait(controller: Controller) -> None:
+    """Ranks 0, 1 and 2 report that they have waited 30 s on an all-reduce; rank 3 reports nothing: the suspect."""
+    healthy(controller, 5)
+    waits = [
+        {"run": "job", "rank": r, "step": 5, "time_unix_s": 5.5, "dim": "dp_shard", "op": "all_reduce", "waited_s": 30}
+        for r in (0, 1, 2)
+    ]
+    controller.heartbeat({**beat("n0", [rank(0, 5), rank(1, 5)]), "timeouts": waits[:2]}, 5.5)
+    controller.heartbeat({**beat("n1", [rank(2, 5), rank(3, 5)]), "timeouts": waits[2:]}, 5.5)
+    controller.tick(5.6)
+    (incident,) = controller.store.incidents("job")
+    assert (incident["kind"], incident["node"], incident["rank"]) == ("collective_timeout", "n1", 3)
+    assert "rank 0 waited 30 s in all_reduce on dp_shard" in incident["detail"]
+
+
+def test_a_timeout_of_a_rank_that_stepped_on_is_no_failure(controller: Controller) -> None:
+    healthy(controller, 5)
+    late = {"run": "job", "rank": 0, "step": 4, "time_unix_s": 5.5, "dim": "tp", "op": "all_reduce", "waited_s": 30}
+    controller.heartbeat({**beat("n0", [rank(0, 5), rank(1, 5)]), "timeouts": [late]}, 5.5)
+    controller.tick(5.6)
+    assert controller.store.incidents("job") == []
+
+
 def test_stragglers_are_scored_on_the_mean_compute_between_heartbeats(controller: Controller) -> None:
     """Agents send running sums (steps_total, compute_total_s): the controller scores the mean compute of the steps
     between two heartbeats, not the last step alone. Rank 2's last step always looks normal, but the two steps before

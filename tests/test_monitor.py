@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from opsd.wire import decode
-from trainer_hooks.collectives import CollectiveTracer
+from trainer_hooks.collectives import Blocked, CollectiveTracer
 from trainer_hooks.flops import ModelShape, flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
 
@@ -167,3 +167,46 @@ def test_steps_are_numbered_from_the_step_resumed_from(tmp_path: Path) -> None:
     assert [r["step"] for r in lines(tmp_path)] == [21]
     with pytest.raises(ValueError, match="step must be >= 0"):
         m.resume_at(-1)
+
+
+class Waiting(CollectiveTracer):
+    """A tracer whose training thread waits on a tp all-reduce (``since`` names the wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since: float | None = 1.0
+
+    def blocked(self) -> Blocked | None:
+        return None if self.since is None else Blocked("tp", "all_reduce", self.since, 5.0)
+
+
+def test_a_long_wait_on_a_collective_is_reported_once_per_wait(tmp_path: Path) -> None:
+    tracer = Waiting()
+    config = MonitorConfig(jsonl_path=str(tmp_path / "steps.jsonl"), collective_timeout_s=0.2)
+    m = Monitor(SHAPE, config, tracer=tracer)
+    try:
+
+        def reported(n: int) -> list[dict[str, Any]]:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                path = tmp_path / "steps.jsonl"
+                found = lines(tmp_path) if path.exists() else []
+                if len(found) >= n:
+                    time.sleep(0.3)  # a few more watchdog rounds: still n
+                    return lines(tmp_path)
+                time.sleep(0.05)
+            return lines(tmp_path)
+
+        (first,) = reported(1)
+        assert (first["kind"], first["dim"], first["op"], first["waited_s"]) == (
+            "collective_timeout",
+            "tp",
+            "all_reduce",
+            5.0,
+        )
+        tracer.since = 2.0  # the next wait
+        assert [x["kind"] for x in reported(2)] == ["collective_timeout"] * 2
+        assert m.timeouts_reported == 2
+    finally:
+        m.close()
+        tracer.uninstall()

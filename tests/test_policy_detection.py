@@ -73,9 +73,23 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
         {"ranks": [rank(0, "n0", 50, 85.0), rank(1, "n0", 49, 84.0), rank(2, "n1", 50, 85.0)]},
         [(FailureKind.HANG, "n0", 1)],
     ),
-    "collective timeout": (
-        {"timeouts": [CollectiveTimeout(2, "n1", "all_reduce on tp timed out after 600 s")]},
+    "collective timeout: the rank that does not wait is the suspect": (
+        {
+            "ranks": [*HEALTHY_RANKS[:2], rank(2, "n1", 49, 98.0), HEALTHY_RANKS[3]],
+            "timeouts": [CollectiveTimeout(r, "n0" if r < 2 else "n1", f"rank {r} waited") for r in (0, 1, 3)],
+        },
         [(FailureKind.COLLECTIVE_TIMEOUT, "n1", 2)],
+    ),
+    "collective timeout: of those not waiting, the one furthest behind": (
+        {
+            "ranks": [rank(0, "n0", 50, 99.0), rank(1, "n0", 48, 97.0), rank(2, "n1", 50, 99.1)],
+            "timeouts": [CollectiveTimeout(0, "n0", "rank 0 waited 300 s in all_reduce on tp")],
+        },
+        [(FailureKind.COLLECTIVE_TIMEOUT, "n0", 1)],
+    ),
+    "collective timeout: every rank waits, the first reporter named": (
+        {"timeouts": [CollectiveTimeout(r, "n0" if r < 2 else "n1", "waited") for r in (3, 0, 1, 2)]},
+        [(FailureKind.COLLECTIVE_TIMEOUT, "n1", 3)],
     ),
     "swaps come first": (
         {

@@ -156,3 +156,50 @@ def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
 
     assert status["generation"] == 3  # the first launch and one relaunch per failure, no swap
     assert [n["role"] for n in status["nodes"]] == ["active", "active", "spare"]
+
+
+def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) -> None:
+    """Rank 0 is stopped (SIGSTOP); rank 1 waits for it in a collective and, after 2 s, says so. The controller
+    names rank 0 (the rank that does not wait) long before the hang timeout (60 s here), and recovers."""
+    ckpt = f"file://{tmp_path / 'ckpt'}"
+    port = free_port()
+    command = (
+        *(sys.executable, "-m", "examples.train", "--mesh", "dp_shard=2", "--steps", "1000000", "--opsd-monitor"),
+        *("--opsd-collective-timeout-s", "2", "--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume"),
+    )
+    config = ServeConfig(port=port, state_dir=str(tmp_path / "state"), hang_floor_s=60.0, tick_interval_s=0.25)
+    spec = LocalRunSpec(
+        run=RUN,
+        command=command,
+        nodes=2,
+        gpus_per_node=1,
+        spares=1,
+        workdir=str(tmp_path / "runs"),
+        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
+        checkpoint_url=ckpt,
+    )
+    stop = threading.Event()
+    stopped_at: dict[str, float] = {}
+
+    def on_poll(controller: Controller, backend: LocalBackend, now_s: float) -> None:
+        status = controller.status(RUN, now_s)
+        assert status is not None
+        if "hang" not in stopped_at and status["step"] >= 20:
+            backend.inject("hang", rank=0)
+            stopped_at["hang"] = now_s
+        if (
+            any(i["state"] == "recovered" for i in controller.store.incidents(RUN))
+            or now_s - stopped_at.get("hang", now_s) > 50
+        ):
+            stop.set()
+
+    status = run_local(config, spec, on_poll=on_poll, stop=stop, timeout_s=300)
+    (incident,) = status["incidents"]
+    assert (incident["kind"], incident["rank"], incident["node"], incident["state"]) == (
+        "collective_timeout",
+        0,
+        "node-0",
+        "recovered",
+    )
+    assert "rank 1 waited" in incident["detail"]
+    assert incident["detected_s"] - stopped_at["hang"] <= 6.0  # 2 s of waiting, then a watchdog round and a heartbeat

@@ -1,4 +1,4 @@
-"""The step report's wire format (docs/protocol.md): what decodes, and the rule each bad datagram breaks."""
+"""The wire format (docs/protocol.md): what decodes, and the rule each bad datagram breaks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ from typing import Any
 
 import pytest
 
-from opsd.wire import MAX_MESSAGE_BYTES, STEP_FIELDS, VERSION, WireError, decode, decode_report, encode
+from opsd.wire import (
+    MAX_MESSAGE_BYTES,
+    STEP_FIELDS,
+    VERSION,
+    TimeoutReport,
+    WireError,
+    decode,
+    decode_report,
+    encode,
+)
 
 
 def report(**changes: Any) -> dict[str, Any]:
@@ -39,12 +48,36 @@ def report(**changes: Any) -> dict[str, Any]:
     return base
 
 
+def timeout_report(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "v": VERSION,
+        "kind": "collective_timeout",
+        "run": "r",
+        "rank": 1,
+        "host": "node-0",
+        "step": 7,
+        "time_unix_s": 1.5e9,
+        "dim": "tp",
+        "op": "all_reduce",
+        "waited_s": 301.5,
+    }
+    base.update(changes)
+    return base
+
+
 def raw(message: dict[str, Any]) -> bytes:
     return json.dumps(message).encode()
 
 
 def test_round_trip() -> None:
     assert decode(encode(report())) == report()
+
+
+def test_a_collective_timeout_is_a_message_of_its_own_kind() -> None:
+    decoded = decode_report(encode(timeout_report()))
+    assert isinstance(decoded, TimeoutReport)
+    assert (decoded.rank, decoded.dim, decoded.op, decoded.waited_s) == (1, "tp", "all_reduce", 301.5)
+    assert decode(encode(timeout_report())) == timeout_report()
 
 
 def test_unknown_fields_are_accepted_for_newer_senders() -> None:
@@ -85,6 +118,8 @@ BAD: dict[str, tuple[bytes, str, str]] = {  # name: (datagram, reason, part of t
     "short comms entry": (raw(report(comms=[["tp", "all_reduce", 1]])), "comms", "`$.comms[0]`"),
     "negative comms bytes": (raw(report(comms=[["tp", "all_reduce", 1, -8, 0.0]])), "comms", "`$.comms[0][3]`"),
     "memory of strings": (raw(report(memory={"rss_bytes": "1"})), "field", "`$.memory"),
+    "timeout without op": (raw({k: v for k, v in timeout_report().items() if k != "op"}), "field", "field `op`"),
+    "timeout of a negative wait": (raw(timeout_report(waited_s=-1.0)), "field", "`$.waited_s`"),
 }
 
 

@@ -22,12 +22,13 @@ The tracer never raises into training: its own failures are counted (``internal_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +163,16 @@ class StepComms:
         return out
 
 
+@dataclass(frozen=True)
+class Blocked:
+    """The training thread is waiting on a collective: its dimension and op, since (``perf_counter``), how long."""
+
+    dim: str
+    op: str
+    since: float
+    waited_s: float
+
+
 class TimedWork(dist.Work):
     """A ``dist.Work`` that reports when it is waited on and when it is first seen complete.
 
@@ -203,7 +214,8 @@ class TimedWork(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         start = time.perf_counter()
         self.poll(start)
-        result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        with self._tracer.blocking(None if self.done else self._key):
+            result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         end = time.perf_counter()
         self._tracer._add_exposed(end - start)
         self.finish(end)
@@ -256,6 +268,7 @@ class CollectiveTracer:
         self._originals: dict[tuple[Any, str], Any] = {}
         self._gpu_timed: set[str] = set()  # groups whose completion hook reports durations
         self._inflight: list[TimedWork] = []
+        self._blocked: tuple[tuple[str, str], float] | None = None  # what the training thread waits on, since when
         self.internal_errors = 0
         self._warned = False
 
@@ -275,6 +288,23 @@ class CollectiveTracer:
             except (RuntimeError, AttributeError):
                 return  # gloo and others: completion futures time the work
             self._gpu_timed.add(name)
+
+    @contextlib.contextmanager
+    def blocking(self, key: tuple[str, str] | None) -> Iterator[None]:
+        """The training thread waits on the collective ``key`` inside this block (``blocked()`` tells for how long)."""
+        self._blocked = None if key is None else (key, time.perf_counter())
+        try:
+            yield
+        finally:
+            self._blocked = None
+
+    def blocked(self) -> Blocked | None:
+        """What the training thread is waiting on now; None if nothing. Read from any thread (the watchdog)."""
+        current = self._blocked
+        if current is None:
+            return None
+        (dim, op), since = current
+        return Blocked(dim, op, since, time.perf_counter() - since)
 
     def host_timed(self, group: dist.ProcessGroup | str | None) -> bool:
         """Whether this tracer times ``group``'s collectives on the host (no completion hook)."""
@@ -389,7 +419,8 @@ class CollectiveTracer:
                 self._internal_error(exc)
                 return original(*args, **kwargs)
             start = time.perf_counter()
-            work = original(*args, **kwargs)
+            with self.blocking(None if is_async else key):
+                work = original(*args, **kwargs)
             if work is None or not is_async:
                 elapsed = time.perf_counter() - start
                 if host_timed:
@@ -425,7 +456,9 @@ class CollectiveTracer:
     def _wrap_wait(self, packet: Any) -> Callable[..., Any]:
         def traced(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            out = packet(tensor, *args, **kwargs)
+            pending = self._pending.get(id(tensor))
+            with self.blocking(pending[0] if pending is not None else None):
+                out = packet(tensor, *args, **kwargs)
             end = time.perf_counter()
             try:
                 self.poll()

@@ -9,6 +9,10 @@
 differ only in tp, pp or cp report the same number). Loops that do not fit a context manager call
 ``begin_step()`` and ``end_step(tokens)``. Nothing here raises into training or blocks it: failures are counted
 (``internal_errors``) and logged once; undeliverable reports are dropped and counted.
+
+A watchdog thread reports a rank that has waited on one collective for longer than ``collective_timeout_s``
+(one ``collective_timeout`` message per wait, naming the dimension and the op): its peers are most likely stopped,
+dead or slower, and the controller learns it before the run's hang timeout.
 """
 
 from __future__ import annotations
@@ -53,10 +57,13 @@ class MonitorConfig:
     socket_path: str | None = None
     jsonl_path: str | None = None
     trace_collectives: bool = True
+    collective_timeout_s: float = 300.0  # a wait on one collective longer than this is reported (0: never)
 
     def __post_init__(self) -> None:
         if not self.run_id:
             raise ValueError("monitor.run_id must not be empty")
+        if self.collective_timeout_s < 0:
+            raise ValueError("monitor.collective_timeout_s must be >= 0")
         for name in ("peak_flops_per_s", "cpu_peak_flops_per_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -115,6 +122,42 @@ class Monitor:
             self.sinks.append(JsonlSink(config.jsonl_path))
         if config.trace_collectives:
             tracer.install()
+        self.timeouts_reported = 0
+        self._closing = threading.Event()
+        if config.trace_collectives and config.collective_timeout_s > 0 and self.sinks:
+            watchdog = threading.Thread(target=self._watch, name="opsd-collective-watchdog", daemon=True)
+            watchdog.start()
+
+    def _watch(self) -> None:
+        """Report each wait on a collective that outlasts ``collective_timeout_s``, once (never raises)."""
+        limit_s = self.config.collective_timeout_s
+        reported = None
+        while not self._closing.wait(min(1.0, limit_s / 4)):
+            try:
+                blocked = self.tracer.blocked()
+                if blocked is None or blocked.waited_s < limit_s or blocked.since == reported:
+                    continue
+                reported = blocked.since
+                self.timeouts_reported += 1
+                data = encode(self._timeout_report(blocked.dim, blocked.op, blocked.waited_s))
+                for sink in self.sinks:
+                    sink.send(data)
+            except Exception as exc:
+                self._error(exc)
+
+    def _timeout_report(self, dim: str, op: str, waited_s: float) -> dict[str, Any]:
+        return {
+            "v": VERSION,
+            "kind": "collective_timeout",
+            "run": self.config.run_id,
+            "rank": self.rank,
+            "host": self.host,
+            "step": self.steps,
+            "time_unix_s": time.time(),
+            "dim": dim,
+            "op": op,
+            "waited_s": waited_s,
+        }
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, shape: ModelShape | None, config: MonitorConfig, **kwargs: Any) -> Monitor:
@@ -269,5 +312,6 @@ class Monitor:
             self._error(exc)
 
     def close(self) -> None:
+        self._closing.set()
         for sink in self.sinks:
             sink.close()

@@ -8,8 +8,9 @@ half an hour.
 
 What each failure asks for (``Failure.swap``): a node that stopped sending heartbeats or reported a fatal XID is
 swapped for a spare; a rank that exited, a hang, an application XID or a collective timeout restarts the ranks on
-the same nodes. A controller that takes up a run after its predecessor stopped records a ``controller_restart``
-(the ranks it could no longer supervise are killed and relaunched).
+the same nodes. Ranks that report a collective timeout are waiting for a peer: the failure names a rank that does
+not wait (the one furthest behind) as the suspect. A controller that takes up a run after its predecessor stopped
+records a ``controller_restart`` (the ranks it could no longer supervise are killed and relaunched).
 """
 
 from __future__ import annotations
@@ -128,9 +129,20 @@ def detect_failures(
     for r in rank_list:
         if r.exit_code is not None and r.exit_code != 0:
             out.append(Failure(FailureKind.PROCESS_EXIT, r.node, r.rank, f"rank {r.rank} exited with {r.exit_code}"))
-    for t in timeouts:
-        out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, t.node, t.rank, t.detail))
     running = [r for r in rank_list if r.exit_code is None]
+    waiting = list(timeouts)
+    if waiting:
+        # the ranks that wait are victims: the suspect is a rank that does not wait (stopped, dead or slow), the
+        # furthest behind; when every rank waits, the first that reported
+        waiters = {t.rank for t in waiting}
+        others = [r for r in running if r.rank not in waiters]
+        if others:
+            suspect = min(others, key=lambda r: (r.step, r.progress_s, r.rank))
+            node, rank, named = suspect.node, suspect.rank, f"suspect: rank {suspect.rank}, not waiting"
+        else:
+            node, rank, named = waiting[0].node, waiting[0].rank, "every rank waits"
+        detail = "; ".join(t.detail for t in waiting[:3]) + (f" (+{len(waiting) - 3} more)" if len(waiting) > 3 else "")
+        out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, node, rank, f"{detail}; {named}"))
     if running:
         limit = hang_timeout_s(step_times_s, config)
         latest = max(r.progress_s for r in running)
