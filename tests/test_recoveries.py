@@ -86,31 +86,14 @@ def _recovered(incidents: list[dict[str, Any]], kind: str) -> bool:
     return any(i["kind"] == kind and i["state"] == "recovered" for i in incidents)
 
 
-def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
-    ckpt = f"file://{tmp_path / 'ckpt'}"
-    port = free_port()
+def two_nodes(tmp_path: Path, *trainer_options: str, **config: Any) -> tuple[ServeConfig, LocalRunSpec]:
+    """2 nodes x 1 rank and a spare running the reference trainer until stopped (checkpoints every 20 steps)."""
+    ckpt, port = f"file://{tmp_path / 'ckpt'}", free_port()
     command = (
-        sys.executable,
-        "-m",
-        "examples.train",
-        "--mesh",
-        "dp_shard=2",
-        "--steps",
-        "1000000",  # stopped by the scenario
-        "--opsd-monitor",
-        "--ckpt-dir",
-        ckpt,
-        "--ckpt-every",
-        "20",
-        "--resume",
+        *(sys.executable, "-m", "examples.train", "--mesh", "dp_shard=2", "--steps", "1000000", "--opsd-monitor"),
+        *(*trainer_options, "--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume"),
     )
-    config = ServeConfig(
-        port=port,
-        state_dir=str(tmp_path / "state"),
-        heartbeat_floor_s=3.0,
-        hang_floor_s=HANG_FLOOR_S - 2.0,  # the detection latency (a heartbeat, a pass) fits in the other 2 s
-        tick_interval_s=0.25,
-    )
+    serve = ServeConfig(port=port, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, **config)
     spec = LocalRunSpec(
         run=RUN,
         command=command,
@@ -121,6 +104,12 @@ def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
         controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
         checkpoint_url=ckpt,
     )
+    return serve, spec
+
+
+def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
+    # the detection latency (a heartbeat, a pass) fits in the 2 s above the floor
+    config, spec = two_nodes(tmp_path, heartbeat_floor_s=3.0, hang_floor_s=HANG_FLOOR_S - 2.0)
     scenario = Scenario()
     status = run_local(config, spec, on_poll=scenario, stop=scenario.stop, timeout_s=600)
     assert not scenario.problem, (scenario.problem, scenario.times, status)
@@ -161,23 +150,7 @@ def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
 def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) -> None:
     """Rank 0 is stopped (SIGSTOP); rank 1 waits for it in a collective and, after 2 s, says so. The controller
     names rank 0 (the rank that does not wait) long before the hang timeout (60 s here), and recovers."""
-    ckpt = f"file://{tmp_path / 'ckpt'}"
-    port = free_port()
-    command = (
-        *(sys.executable, "-m", "examples.train", "--mesh", "dp_shard=2", "--steps", "1000000", "--opsd-monitor"),
-        *("--opsd-collective-timeout-s", "2", "--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume"),
-    )
-    config = ServeConfig(port=port, state_dir=str(tmp_path / "state"), hang_floor_s=60.0, tick_interval_s=0.25)
-    spec = LocalRunSpec(
-        run=RUN,
-        command=command,
-        nodes=2,
-        gpus_per_node=1,
-        spares=1,
-        workdir=str(tmp_path / "runs"),
-        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
-        checkpoint_url=ckpt,
-    )
+    config, spec = two_nodes(tmp_path, "--opsd-collective-timeout-s", "2", hang_floor_s=60.0)
     stop = threading.Event()
     stopped_at: dict[str, float] = {}
 
