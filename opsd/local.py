@@ -332,9 +332,7 @@ class LocalBackend:
             log.warning("run %s: %s is unreadable (%s): nothing killed", self.spec.run, path, exc)
             return 0
         for pid in pids:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, sig)
+            _kill_group(pid)
         deadline = time.monotonic() + timeout_s
         while any(_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -349,9 +347,7 @@ class LocalBackend:
             self.slowdowns.clear()
             running = [r for r in self.ranks if r.proc.poll() is None]
             for r in running:
-                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped (hung) rank is killed too
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(r.proc.pid, sig)
+                _kill_group(r.proc.pid)
             for r in self.ranks:
                 try:
                     r.proc.wait(timeout=10)
@@ -512,6 +508,13 @@ class LocalBackend:
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (SIGCONT first, so that a stopped, hung, process dies too)."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
 
 
 def _start_time(pid: int) -> int | None:

@@ -50,7 +50,9 @@ def test_a_second_controller_of_a_run_is_refused(tmp_path: Path) -> None:
             LocalBackend(spec).start(controller, now_s=2.0)
     finally:
         first.close()
-    LocalBackend(spec)._lock()  # released with the first
+    again = LocalBackend(spec)
+    again._lock()  # released with the first
+    again.close()
 
 
 def test_what_a_dead_controller_left_is_killed_by_pid_and_start_time(tmp_path: Path) -> None:

@@ -69,6 +69,14 @@ def _int(value: Any, name: str, minimum: int) -> int:
     return value
 
 
+def _cadence(value: Any, name: str) -> tuple[int, int]:
+    """``{"every_steps": K, "from_step": E}`` at ``policy.<name>`` -> (K, E)."""
+    if not isinstance(value, dict):
+        raise PolicyError(f"policy.{name} must be an object")
+    every = _int(value.get("every_steps"), f"{name}.every_steps", 1)
+    return every, _int(value.get("from_step", 0), f"{name}.from_step", 0)
+
+
 def parse_policy(data: bytes) -> Policy:
     try:
         doc = json.loads(data)
@@ -76,19 +84,14 @@ def parse_policy(data: bytes) -> Policy:
         raise PolicyError(f"policy is not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("v") != 1:
         raise PolicyError("policy must be a JSON object with v = 1")
-    every, start, before, before_start = None, 0, None, 0
+    every: int | None = None
+    before: int | None = None
+    start = before_start = 0
     cadence = doc.get("checkpoint")
     if cadence is not None:
-        if not isinstance(cadence, dict):
-            raise PolicyError("policy.checkpoint must be an object")
-        every = _int(cadence.get("every_steps"), "checkpoint.every_steps", 1)
-        start = _int(cadence.get("from_step", 0), "checkpoint.from_step", 0)
-        previous = cadence.get("previous")
-        if previous is not None:
-            if not isinstance(previous, dict):
-                raise PolicyError("policy.checkpoint.previous must be an object")
-            before = _int(previous.get("every_steps"), "checkpoint.previous.every_steps", 1)
-            before_start = _int(previous.get("from_step", 0), "checkpoint.previous.from_step", 0)
+        every, start = _cadence(cadence, "checkpoint")
+        if cadence.get("previous") is not None:
+            before, before_start = _cadence(cadence["previous"], "checkpoint.previous")
     commands = []
     raw = doc.get("commands", [])
     if not isinstance(raw, list):
