@@ -1,4 +1,5 @@
-"""For tests/test_launch.py: fails like a gloo abort the first time (no flag file yet), succeeds the second."""
+"""For tests/test_launch.py: fails like a gloo abort the first N times (argv[2], default 1; the count is kept in the
+file argv[1]), then succeeds."""
 
 import sys
 from pathlib import Path
@@ -6,8 +7,10 @@ from pathlib import Path
 from tests.launch import GLOO_ABORT
 
 flag = Path(sys.argv[1])
-if not flag.exists():
-    flag.write_text("aborted once")
+times = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+aborted = int(flag.read_text()) if flag.exists() else 0
+if aborted < times:
+    flag.write_text(str(aborted + 1))
     print(GLOO_ABORT, file=sys.stderr)
     sys.exit(134)
-print("second launch")
+print(f"launch {aborted + 1}")

@@ -1,4 +1,5 @@
-"""The test launcher: a launch that dies of the known gloo abort runs once more, with a warning; others do not."""
+"""The test launcher: a launch that dies of the known gloo abort runs again (up to GLOO_CRASH_ATTEMPTS launches),
+with a warning; others do not."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import aborted, run_module
+from tests.launch import GLOO_CRASH_ATTEMPTS, aborted, run_module
 
 
 def test_gloo_abort_is_launched_again_with_a_warning(tmp_path: Path) -> None:
@@ -14,8 +15,20 @@ def test_gloo_abort_is_launched_again_with_a_warning(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"crashed \(SIGABRT or SIGSEGV\) inside gloo"):
         proc = run_module("tests.abort_once", [str(tmp_path / "flag")], before_retry=lambda: cleaned.append(True))
     assert proc.returncode == 0
-    assert "second launch" in proc.stdout
+    assert "launch 2" in proc.stdout
     assert cleaned == [True]
+
+
+def test_the_abort_is_retried_a_bounded_number_of_times(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="inside gloo") as caught:
+        ok = run_module("tests.abort_once", [str(tmp_path / "a"), str(GLOO_CRASH_ATTEMPTS - 1)])
+    assert ok.returncode == 0
+    assert f"launch {GLOO_CRASH_ATTEMPTS}" in ok.stdout
+    assert len(caught) == GLOO_CRASH_ATTEMPTS - 1
+    with pytest.warns(UserWarning, match="inside gloo"):
+        given_up = run_module("tests.abort_once", [str(tmp_path / "b"), str(GLOO_CRASH_ATTEMPTS)])
+    assert given_up.returncode == 134  # every attempt aborted: the test that launched it fails
+    assert (tmp_path / "b").read_text() == str(GLOO_CRASH_ATTEMPTS)
 
 
 @pytest.mark.parametrize(
