@@ -56,18 +56,20 @@ class FlakyProxy:
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if proxy.fail(self.command, self.path):
+                    # recorded before the answer goes out: the client may act on the answer before this thread runs on
+                    proxy.requests.append((self.command, self.path, 503))
                     payload = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
                     self.send_response(503)
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)
-                    proxy.requests.append((self.command, self.path, 503))
                     return
                 conn = http.client.HTTPConnection(host, int(port), timeout=30)
                 headers = dict(self.headers.items())  # Host included: it is signed (moto does not check it)
                 conn.request(self.command, self.path, body=body, headers=headers)
                 response = conn.getresponse()
                 data = response.read()
+                proxy.requests.append((self.command, self.path, response.status))
                 self.send_response(response.status)
                 for k, v in response.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
@@ -76,7 +78,6 @@ class FlakyProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                proxy.requests.append((self.command, self.path, response.status))
                 conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any  # noqa: N815 (http.server's names)
