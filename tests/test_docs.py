@@ -58,3 +58,9 @@ def test_protocol_examples_are_valid() -> None:
 def test_checkpoint_docs_example_is_python() -> None:
     (example,) = blocks("docs/checkpoints.md", "python")
     compile(example, "docs/checkpoints.md", "exec")  # a sketch over a user's objects: it must at least parse
+
+
+@pytest.mark.parametrize("doc", ["docs/planner.md", "docs/simulation.md"])
+def test_python_examples_of_the_docs_run(doc: str) -> None:
+    (example,) = blocks(doc, "python")
+    exec(compile(example, doc, "exec"), {})

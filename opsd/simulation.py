@@ -1,0 +1,352 @@
+"""A discrete-event simulation of a long training run: where its wall-clock time goes under a checkpoint cadence and
+a spare pool, for a failure workload (``opsd.presets``). The model and its assumptions: docs/simulation.md.
+
+The run alternates compute and checkpoints. A checkpoint stops training for ``checkpoint_blocking_s``, then
+becomes durable ``checkpoint_background_s`` later (the asynchronous upload); a failure before that falls back to
+the checkpoint before it, and a checkpoint due before then first waits for that upload. Failures arrive as a
+Poisson process in wall-clock time (during recoveries too); each draws a category from the workload's mix, which
+sets its detection delay and whether its node must be swapped.
+A recovery is detection, then waiting for a spare when the pool is empty (failed nodes come back after
+``repair_h``), then ``restart_s`` (relaunch and restore). The work done since the durable checkpoint is lost.
+
+Policies, each calling the controller's own code in ``opsd.policy``: a fixed interval, or the adaptive cadence
+(``plan_cadence``: the Young/Daly interval from the MTBF observed so far); a fixed spare pool, or the pool the
+binomial rule sizes (``spare_pool_size``). Straggler episodes slow the whole job (synchronous training runs at
+the pace of its slowest rank) until they end, or until opsd flags the rank and swaps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
+from opsd.policy.spares import spare_pool_size
+from opsd.presets import CATEGORIES, DETECTION, Workload
+
+log = logging.getLogger(__name__)
+
+BUCKETS = ("checkpoint", "recompute", "detection", "spare_wait", "restart", "straggler")
+
+
+@dataclass(frozen=True)
+class Costs:
+    checkpoint_blocking_s: float = 1.0  # training stops this long per checkpoint
+    checkpoint_background_s: float = 30.0  # then the checkpoint is durable this much later
+    restart_s: float = 120.0  # relaunch and restore, a spare in hand
+    repair_h: float = 24.0  # a failed node is back in the pool this much later
+    step_time_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if min(self.checkpoint_blocking_s, self.checkpoint_background_s, self.restart_s) < 0:
+            raise ValueError("costs: checkpoint_blocking_s, checkpoint_background_s and restart_s must be >= 0")
+        if self.repair_h <= 0 or self.step_time_s <= 0:
+            raise ValueError("costs.repair_h and costs.step_time_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    episodes_per_day: float = 0.0  # of the whole job
+    duration_h: float = 2.0  # mean length of an episode left alone (exponential)
+    slowdown_ratio: float = 1.3  # the job's step time over its normal step time during an episode
+    detect_s: float = 60.0  # opsd flags the rank after this long (docs/controller.md: 10 two-second slots, and more)
+
+    def __post_init__(self) -> None:
+        if self.episodes_per_day < 0 or self.duration_h <= 0 or self.detect_s < 0:
+            raise ValueError("stragglers: episodes_per_day and detect_s must be >= 0, duration_h > 0")
+        if self.slowdown_ratio < 1:
+            raise ValueError("stragglers.slowdown_ratio must be >= 1")
+
+
+@dataclass(frozen=True)
+class Policy:
+    interval_s: float | None = None  # a fixed checkpoint interval; None: the adaptive cadence
+    spares: int | None = None  # a fixed pool; None: sized by the binomial rule
+    detection: str = "opsd"  # a detection model of opsd.presets.DETECTION
+    swap_stragglers: bool = True
+    spare_risk: float = 0.001  # the binomial rule's P(more failures than spares in one repair window)
+    cadence: CadenceConfig = field(default_factory=CadenceConfig)
+
+    def __post_init__(self) -> None:
+        if self.interval_s is not None and self.interval_s <= 0:
+            raise ValueError("policy.interval_s must be > 0")
+        if self.spares is not None and self.spares < 0:
+            raise ValueError("policy.spares must be >= 0")
+        if self.detection not in DETECTION:
+            raise ValueError(f"policy.detection must be one of {', '.join(DETECTION)}")
+        if not 0 < self.spare_risk < 1:
+            raise ValueError("policy.spare_risk must be between 0 and 1")
+
+    def describe(self) -> str:
+        interval = "adaptive" if self.interval_s is None else f"every {self.interval_s:.0f} s"
+        spares = "binomial" if self.spares is None else str(self.spares)
+        return f"checkpoint {interval}, spares {spares}, detection {self.detection}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    workload: Workload
+    days: float
+    costs: Costs = field(default_factory=Costs)
+    stragglers: Stragglers = field(default_factory=Stragglers)
+    seed: int = 0
+    replicas: int = 1  # independent runs, summed: less noise
+
+    def __post_init__(self) -> None:
+        if self.days <= 0 or self.replicas < 1:
+            raise ValueError("scenario.days must be > 0 and scenario.replicas >= 1")
+
+
+@dataclass(frozen=True)
+class Result:
+    policy: str
+    wall_s: float
+    badput_s: dict[str, float]  # BUCKETS
+    failures: int
+    swaps: int
+    spares: int
+    mean_interval_s: float  # the checkpoint intervals used, weighted by the checkpoints taken
+
+    @property
+    def productive_s(self) -> float:
+        return self.wall_s - sum(self.badput_s.values())
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_s / self.wall_s
+
+    @property
+    def lost_work_per_failure_s(self) -> float:
+        """Work done again per failure (the time since the durable checkpoint)."""
+        return self.badput_s["recompute"] / self.failures if self.failures else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "policy": self.policy,
+            "ettr": self.ettr,
+            "wall_s": self.wall_s,
+            "productive_s": self.productive_s,
+            "badput_s": dict(self.badput_s),
+            "failures": self.failures,
+            "swaps": self.swaps,
+            "spares": self.spares,
+            "mean_interval_s": self.mean_interval_s,
+            "lost_work_per_failure_s": self.lost_work_per_failure_s,
+        }
+
+
+def binomial_spares(workload: Workload, costs: Costs, risk: float) -> int:
+    """The pool the binomial rule sizes for the workload's rate of failures that take a node out."""
+    swap_share = _swap_share(workload)
+    if workload.failures_per_day * swap_share == 0:
+        return 0
+    node_mtbf_h = workload.nodes * 24.0 / (workload.failures_per_day * swap_share)
+    return spare_pool_size(workload.nodes, costs.repair_h, node_mtbf_h, risk)
+
+
+def simulate(scenario: Scenario, policy: Policy) -> Result:
+    """Run the scenario ``replicas`` times (seeds ``seed``, ``seed + 1``, ...) and sum them."""
+    spares = policy.spares
+    if spares is None:
+        spares = binomial_spares(scenario.workload, scenario.costs, policy.spare_risk)
+    totals = dict.fromkeys(BUCKETS, 0.0)
+    failures = swaps = checkpoints = 0
+    interval_sum = 0.0
+    for replica in range(scenario.replicas):
+        one = _Run(scenario, policy, spares, scenario.seed + replica)
+        one.run()
+        for bucket in BUCKETS:
+            totals[bucket] += one.badput[bucket]
+        totals["straggler"] += _straggler_badput(scenario, policy, scenario.seed + replica)
+        failures += one.failures
+        swaps += one.swaps
+        checkpoints += one.checkpoints
+        interval_sum += one.interval_sum
+    wall = scenario.days * 86400.0 * scenario.replicas
+    mean_interval = interval_sum / checkpoints if checkpoints else math.inf
+    return Result(policy.describe(), wall, totals, failures, swaps, spares, mean_interval)
+
+
+def sweep(
+    scenario: Scenario, policy: Policy, intervals_s: Sequence[float], progress: Callable[[], None] | None = None
+) -> list[Result]:
+    """Fixed intervals over the same failures (the same seeds): a fair comparison."""
+    results = []
+    for interval in intervals_s:
+        results.append(simulate(scenario, _with_interval(policy, interval)))
+        if progress is not None:
+            progress()
+    return results
+
+
+def log_grid(low_s: float, high_s: float, points: int) -> list[float]:
+    if not 0 < low_s < high_s or points < 2:
+        raise ValueError("a grid needs 0 < low < high and at least 2 points")
+    ratio = (high_s / low_s) ** (1 / (points - 1))
+    return [low_s * ratio**i for i in range(points)]
+
+
+def parse_interval(text: str, step_time_s: float) -> float | None:
+    """``adaptive`` (None), seconds (``900``, ``900s``), ``30m``, ``3h``, or ``steps:500``."""
+    value = text.strip().lower()
+    if value == "adaptive":
+        return None
+    scale = 1.0
+    if value.startswith("steps:"):
+        value, scale = value.removeprefix("steps:"), step_time_s
+    elif value[-1:] in ("s", "m", "h"):
+        value, scale = value[:-1], {"s": 1.0, "m": 60.0, "h": 3600.0}[value[-1]]
+    try:
+        seconds = float(value) * scale
+    except ValueError:
+        raise ValueError(f"interval {text!r}: expected adaptive, 900, 900s, 30m, 3h or steps:500") from None
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"interval {text!r} must be > 0")
+    return seconds
+
+
+def _with_interval(policy: Policy, interval_s: float) -> Policy:
+    return dataclasses.replace(policy, interval_s=interval_s)
+
+
+def _swap_share(workload: Workload) -> float:
+    total = sum(w for _, w in workload.causes)
+    return sum(w for c, w in workload.causes if CATEGORIES[c].swap) / total
+
+
+class _SparePool:
+    def __init__(self, size: int, repair_s: float) -> None:
+        self.free = size
+        self.repair_s = repair_s
+        self.repairs: list[float] = []  # when nodes in repair come back
+
+    def take(self, at_s: float) -> float:
+        """A failed node leaves at ``at_s``: the wait for a node to replace it."""
+        while self.repairs and self.repairs[0] <= at_s:
+            heapq.heappop(self.repairs)
+            self.free += 1
+        heapq.heappush(self.repairs, at_s + self.repair_s)
+        if self.free > 0:
+            self.free -= 1
+            return 0.0
+        return heapq.heappop(self.repairs) - at_s  # the first node back goes straight into the job
+
+
+class _Run:
+    """One run of the event loop; the module docstring describes the model."""
+
+    def __init__(self, scenario: Scenario, policy: Policy, spares: int, seed: int) -> None:
+        self.s, self.p, self.c = scenario, policy, scenario.costs
+        self.rng = random.Random(seed)
+        self.rate_per_s = scenario.workload.failures_per_day / 86400.0
+        self.horizon_s = scenario.days * 86400.0
+        self.categories = [c for c, _ in scenario.workload.causes]
+        self.weights = [w for _, w in scenario.workload.causes]
+        self.detect = DETECTION[policy.detection]
+        self.pool = _SparePool(spares, self.c.repair_h * 3600.0)
+        self.badput = dict.fromkeys(BUCKETS, 0.0)
+        self.failures = self.swaps = self.checkpoints = 0
+        self.interval_sum = 0.0
+        self.cadence: Cadence | None = None
+
+    def _next_failure(self, after_s: float) -> float:
+        return after_s + self.rng.expovariate(self.rate_per_s) if self.rate_per_s > 0 else math.inf
+
+    def _interval(self, t: float, work: float) -> float:
+        if self.p.interval_s is not None:
+            return self.p.interval_s
+        self.cadence = plan_cadence(
+            checkpoint_cost_s=self.c.checkpoint_blocking_s,
+            step_time_s=self.c.step_time_s,
+            current_step=int(work / self.c.step_time_s),
+            failures=self.failures,
+            node_hours=self.s.workload.nodes * t / 3600.0,
+            nodes=self.s.workload.nodes,
+            config=self.p.cadence,
+            previous=self.cadence,
+        )
+        return self.cadence.every_steps * self.c.step_time_s
+
+    def run(self) -> None:
+        t = work = durable = 0.0
+        pending: tuple[float, float] | None = None  # (work saved, when durable)
+        fail_t = self._next_failure(0.0)
+        interval = self._interval(t, work)
+        next_checkpoint = work + interval
+        while t < self.horizon_s:
+            end = min(t + next_checkpoint - work, fail_t, self.horizon_s)
+            work += end - t
+            t = end
+            if t < fail_t and t < self.horizon_s:  # a checkpoint: training stops, then the upload runs behind
+                # a save waits for the upload of the one before it (as an async save does)
+                behind = max(0.0, pending[1] - t) if pending is not None else 0.0
+                end = min(t + behind + self.c.checkpoint_blocking_s, fail_t, self.horizon_s)
+                self.badput["checkpoint"] += end - t
+                t = end
+                if t < fail_t and t < self.horizon_s:
+                    if pending is not None and pending[1] <= t:
+                        durable = pending[0]
+                    pending = (work, t + self.c.checkpoint_background_s)
+                    self.checkpoints += 1
+                    self.interval_sum += interval
+                    interval = self._interval(t, work)
+                    next_checkpoint = work + interval
+                    continue
+            if t >= self.horizon_s:
+                break
+            if pending is not None and pending[1] <= t:
+                durable = pending[0]
+            pending = None
+            self.badput["recompute"] += work - durable
+            work = durable
+            t, fail_t = self._recover(t)
+            interval = self._interval(t, work)
+            next_checkpoint = work + interval
+
+    def _recover(self, t: float) -> tuple[float, float]:
+        """Failures from ``t`` until the job runs again: (when it runs again, its next failure)."""
+        while True:
+            self.failures += 1
+            category = CATEGORIES[self.rng.choices(self.categories, self.weights)[0]]
+            detection = self.detect[category.signal]
+            wait = 0.0
+            if category.swap:
+                self.swaps += 1
+                wait = self.pool.take(t + detection)
+            next_fail = self._next_failure(t)
+            end = t + detection + wait + self.c.restart_s
+            cut = min(next_fail, end, self.horizon_s)
+            start = t
+            for bucket, length in (("detection", detection), ("spare_wait", wait), ("restart", self.c.restart_s)):
+                self.badput[bucket] += min(length, max(0.0, cut - start))
+                start += length
+            if next_fail < end and next_fail < self.horizon_s:
+                t = next_fail  # failed again before it ran
+                continue
+            return cut, next_fail
+
+
+def _straggler_badput(scenario: Scenario, policy: Policy, seed: int) -> float:
+    """Throughput lost to straggler episodes (drawn apart from the failures, so that both see the same failures):
+    the slowdown while an episode lasts, or until opsd flags the rank, plus the swap."""
+    st = scenario.stragglers
+    if st.episodes_per_day == 0:
+        return 0.0
+    rng = random.Random(seed ^ 0x5EED)
+    horizon = scenario.days * 86400.0
+    lost = 0.0
+    t = rng.expovariate(st.episodes_per_day / 86400.0)
+    while t < horizon:
+        length = rng.expovariate(1.0 / (st.duration_h * 3600.0))
+        swapped = policy.swap_stragglers and length > st.detect_s
+        exposure = min(length, st.detect_s) if swapped else length
+        lost += exposure * (1.0 - 1.0 / st.slowdown_ratio)
+        if swapped:  # checkpoint, then relaunch with a spare in the straggler's place
+            lost += scenario.costs.checkpoint_blocking_s + scenario.costs.restart_s
+        t += rng.expovariate(st.episodes_per_day / 86400.0)
+    return lost
