@@ -121,11 +121,9 @@ def expected(mesh: str, rank: int, params: list[int]) -> Expected:
     raise AssertionError(mesh)
 
 
-MESHES = {  # the foundation meshes -> extra arguments
+MESHES = {  # the foundation meshes -> extra arguments (tp and pp with dp_shard are checked together, in the last)
     "dp_shard=4": (),
     "dp_replicate=2,dp_shard=2": (),
-    "dp_shard=2,tp=2": (),
-    "pp=2,dp_shard=2": (),
     "cp=2,dp_shard=2": (),
     "ep=2,dp_shard=2": ("--experts", "4"),
     "pp=2,tp=2,dp_shard=2": (),

@@ -42,12 +42,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[str, 
     }
 
 
-# name: (ranks, mesh, MoE?, extra arguments)
+# name: (ranks, mesh, MoE?, extra arguments). tp and pp with fsdp are checked together, in "pp+tp+fsdp".
 LAYOUTS: dict[str, tuple[int, str, bool, tuple[str, ...]]] = {
     "fsdp": (4, "dp_shard=4", False, ()),
     "hsdp": (4, "dp_replicate=2,dp_shard=2", False, ()),
-    "tp+fsdp": (4, "dp_shard=2,tp=2", False, ()),
-    "pp+fsdp": (4, "pp=2,dp_shard=2", False, ()),
     "cp+fsdp": (4, "cp=2,dp_shard=2", False, ()),
     "ep+fsdp moe": (4, "ep=2,dp_shard=2", True, ()),
     "pp+tp+fsdp": (8, "pp=2,tp=2,dp_shard=2", False, ()),
