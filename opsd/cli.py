@@ -369,7 +369,7 @@ def simulate(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Simulate a long run's goodput: ETTR and badput by bucket under a checkpoint cadence, a spare pool and a
-    failure workload (docs/simulation.md). Exit 2: bad arguments."""
+    failure workload (docs/simulation.md). Exit 1: the plot cannot be written; 2: bad arguments."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -414,7 +414,11 @@ def simulate(
         from opsd.plots import plot_ettr_sweep
 
         title = f"{workload.name} on {workload.gpus} GPUs, {scenario.days:g} days"
-        plot_ettr_sweep(grid, [r.ettr for r in swept], (result.mean_interval_s, result.ettr), daly, title, plot)
+        try:
+            plot_ettr_sweep(grid, [r.ettr for r in swept], (result.mean_interval_s, result.ettr), daly, title, plot)
+        except OSError as exc:
+            typer.echo(f"opsd simulate: cannot write the plot {plot}: {exc}", err=True)
+            raise typer.Exit(1) from None
         body["sweep"] = {"best_interval_s": best.mean_interval_s, "best_ettr": best.ettr, "plot": plot}
     if as_json:
         typer.echo(json.dumps(body))

@@ -195,3 +195,7 @@ def test_the_cli_prints_a_table_and_refuses_bad_arguments() -> None:
     for bad in (["--interval", "sometimes"], ["--preset", "gpt-5"], ["--spares", "many"], ["--detection", "x"]):
         result = runner.invoke(app, ["simulate", *bad])
         assert result.exit_code == 2, bad
+    unwritable = ["simulate", "--days", "2", "--replicas", "1", "--plot", "/nonexistent/dir/x.png"]
+    result = runner.invoke(app, unwritable)
+    assert result.exit_code == 1
+    assert "cannot write the plot" in result.output
