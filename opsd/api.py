@@ -3,11 +3,12 @@
 Agents POST heartbeats; the CLI reads runs, incidents and the action timeline, and cordons nodes. Every mutating
 endpoint needs ``Authorization: Bearer <token>``; reads, ``/metrics`` and ``/healthz`` do not. Bad bodies get a
 4xx with a message naming the field, and are counted (``opsd_controller_rejected_requests_total``).
+
+Heartbeats, which come at the nodes' rate, are taken by ``opsd.ingest`` in front of FastAPI's routing.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -24,68 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field
 import opsd
 from opsd.controller import Controller
 from opsd.errors import PermanentError, TransientError
+from opsd.ingest import OPENAPI_PATH, PATH, SCHEMAS, HeartbeatEndpoint, token_ok
 from opsd.local import LocalBackend
 
 log = logging.getLogger(__name__)
 
-Name = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
-NonNegative = Annotated[float, Field(ge=0)]
-
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class RankIn(Strict):
-    run: Name
-    rank: Annotated[int, Field(ge=0, le=10_000_000)]
-    host: str = ""
-    step: Annotated[int, Field(ge=0)]
-    step_s: NonNegative
-    compute_s: NonNegative = 0.0
-    steps_total: Annotated[int, Field(ge=0)] = 0
-    compute_total_s: NonNegative = 0.0
-    mfu_ratio: NonNegative = 0.0
-    job_tokens_per_s: NonNegative = 0.0
-    checkpoints: Annotated[int, Field(ge=0)] = 0
-    checkpoint_blocking_s: NonNegative = 0.0
-    last_report_unix_s: float = 0.0
-    coords: dict[str, Annotated[int, Field(ge=0)]] = {}
-
-
-class EventIn(Strict):
-    seq: Annotated[int, Field(ge=0)]
-    gpu: Annotated[int, Field(ge=0)]
-    xid: int
-    time_s: float
-    action: Annotated[str, Field(max_length=64)]
-    reason: Annotated[str, Field(max_length=1000)] = ""
-
-
-class TimeoutIn(Strict):
-    run: Name
-    rank: Annotated[int, Field(ge=0, le=10_000_000)]
-    step: Annotated[int, Field(ge=0)]
-    time_unix_s: float
-    dim: Annotated[str, Field(max_length=64)]
-    op: Annotated[str, Field(max_length=64)]
-    waited_s: NonNegative
-
-
-class HeartbeatIn(Strict):
-    v: Literal[1]
-    node: Name
-    time_unix_s: float
-    ranks: Annotated[list[RankIn], Field(max_length=4096)] = []
-    events: Annotated[list[EventIn], Field(max_length=10_000)] = []
-    summaries: Annotated[list[dict[str, Any]], Field(max_length=10_000)] = []
-    summaries_dropped_total: Annotated[int, Field(ge=0)] = 0
-    timeouts: Annotated[list[TimeoutIn], Field(max_length=4096)] = []
-
-
-class HeartbeatReply(BaseModel):
-    ack_events_up_to: int
-    policy: dict[str, Any] | None = None
 
 
 class CordonIn(Strict):
@@ -118,9 +65,10 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     registry = CollectorRegistry()
     registry.register(ControllerCollector(controller, stats, clock))
 
+    app.add_middleware(HeartbeatEndpoint, controller=controller, token=token, reject=stats.reject, clock=clock)
+
     def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not authorization or not authorization.startswith("Bearer ") or not hmac.compare_digest(given, token):
+        if not token_ok(authorization, token):
             stats.reject("auth")
             raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
 
@@ -133,11 +81,6 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     @app.exception_handler(TransientError)
     async def unavailable(request: Request, exc: TransientError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(int(exc.retry_after_s))})
-
-    @app.post("/v1/heartbeat", dependencies=[Depends(authorized)])
-    def heartbeat(body: HeartbeatIn) -> HeartbeatReply:
-        reply = controller.heartbeat(body.model_dump(), clock())
-        return HeartbeatReply(**reply)
 
     @app.get("/v1/runs")
     def runs() -> list[dict[str, Any]]:
@@ -200,6 +143,18 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": opsd.__version__}
 
+    generated = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the endpoint it does not route (the heartbeat) and its schemas."""
+        if app.openapi_schema is None:
+            document = generated()
+            document["paths"] = {PATH: OPENAPI_PATH, **document.get("paths", {})}
+            document.setdefault("components", {}).setdefault("schemas", {}).update(SCHEMAS)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -245,24 +200,23 @@ class ControllerCollector(Collector):
         )
         stragglers = GaugeMetricFamily("opsd_run_stragglers", "Ranks flagged as stragglers now.", labels=run_labels)
         incidents = CounterMetricFamily("opsd_run_incidents", "Incidents by cause.", labels=["run", "cause"])
-        with self.controller.lock:
-            for run in self.controller.store.runs():
-                status = self.controller.status(run["id"], now)
-                if status is None:
-                    continue
-                for key, family in gauges.items():
-                    family.add_metric([run["id"]], float(status[key]))
-                if status["mtbf_s"] is not None:
-                    mtbf.add_metric([run["id"]], float(status["mtbf_s"]))
-                if status["cadence"] is not None:
-                    every.add_metric([run["id"]], float(status["cadence"]["every_steps"]))
-                stragglers.add_metric([run["id"]], float(len(status["stragglers"])))
-                causes: dict[str, int] = {}
-                for i in self.controller.store.incidents(run["id"]):
-                    causes[i["kind"]] = causes.get(i["kind"], 0) + 1
-                for cause, n in sorted(causes.items()):
-                    incidents.add_metric([run["id"], cause], n)
-            heartbeats = self.controller.heartbeats_total
+        for run in self.controller.store.runs():
+            status = self.controller.status(run["id"], now)
+            if status is None:
+                continue
+            for key, family in gauges.items():
+                family.add_metric([run["id"]], float(status[key]))
+            if status["mtbf_s"] is not None:
+                mtbf.add_metric([run["id"]], float(status["mtbf_s"]))
+            if status["cadence"] is not None:
+                every.add_metric([run["id"]], float(status["cadence"]["every_steps"]))
+            stragglers.add_metric([run["id"]], float(len(status["stragglers"])))
+            causes: dict[str, int] = {}
+            for i in self.controller.store.incidents(run["id"]):
+                causes[i["kind"]] = causes.get(i["kind"], 0) + 1
+            for cause, n in sorted(causes.items()):
+                incidents.add_metric([run["id"], cause], n)
+        heartbeats = self.controller.heartbeats_total
         yield from gauges.values()
         yield from (mtbf, every, stragglers, incidents)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=heartbeats)

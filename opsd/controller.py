@@ -10,12 +10,15 @@ Time comes in as ``now_s`` (the controller's wall clock), so tests drive it.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
-from collections import defaultdict, deque
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opsd.live import NodeLive, RankLive, Ratios, RunLive, Samples, Window
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
 from opsd.policy.detection import (
     CollectiveTimeout,
@@ -23,18 +26,19 @@ from opsd.policy.detection import (
     Failure,
     FailureKind,
     GpuEvent,
-    NodeView,
-    RankView,
     detect_failures,
 )
 from opsd.policy.goodput import Goodput, Interruption, account
 from opsd.policy.spares import Spare, select_spare
-from opsd.policy.stragglers import ComputeSample, StragglerConfig, StragglerScore, score_stragglers
+from opsd.policy.stragglers import StragglerConfig, StragglerScore, is_straggler, peer_ratios, score_rank
 from opsd.store import Store
 
 log = logging.getLogger(__name__)
 
 ACTIONABLE_EVENTS = ("cordon_and_swap", "restart_job")
+# a slot's scoring goes by parts of this many ranks (a millisecond or so of work), each followed by a pause that
+# leaves the interpreter to the API's thread (which waits for it after every socket call while another computes)
+PART, PAUSE_S = 1024, 0.004
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,13 @@ class ControllerConfig:
     cadence: CadenceConfig = field(default_factory=CadenceConfig)
     sample_slot_s: float = 2.0  # compute samples of ranks are compared within slots of this length
     history: int = 64  # heartbeat intervals and step times kept per node / rank
+    run_history: int = 4096  # step times kept per run, of any rank: its median step time is theirs
 
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:
             raise ValueError("controller.sample_slot_s must be > 0")
-        if self.history < 2:
-            raise ValueError("controller.history must be >= 2")
+        if self.history < 2 or self.run_history < 2:
+            raise ValueError("controller.history and controller.run_history must be >= 2")
 
 
 class Backend(Protocol):
@@ -65,83 +70,76 @@ class Backend(Protocol):
         ...
 
 
-@dataclass
-class RankLive:
-    node: str
-    step: int
-    progress_s: float  # controller time when the step last advanced
-    coords: dict[str, int]
-    step_times_s: deque[float]
-    compute: deque[tuple[int, float, int]]  # (slot, compute seconds, steps) summed per slot
-    counters: tuple[int, float] | None = None  # the agent's (steps_total, compute_total_s) last seen
-    mfu_ratio: float = 0.0
-    job_tokens_per_s: float = 0.0
-    checkpoints: int = 0
-    checkpoint_blocking_s: float = 0.0
-    exit_code: int | None = None
-    timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
-
-
-@dataclass
-class NodeLive:
-    last_s: float
-    intervals_s: deque[float]
-    events: dict[int, GpuEvent] = field(default_factory=dict)  # seq -> event not yet handled
-
-
 class Controller:
+    """Heartbeats come in on the API's threads, detection passes on a thread of their own (and on ``opsd run``'s
+    loop), recoveries on the backend's: ``lock`` guards what is in memory, and is held only while it is read or
+    changed, never while the store or the backend is waited on, so that heartbeats are not held up by a pass."""
+
     def __init__(self, store: Store, config: ControllerConfig | None = None, backend: Backend | None = None) -> None:
         self.store = store
         self.config = config or ControllerConfig()
         self.backend = backend
         self.lock = threading.RLock()
+        self.ticking = threading.Lock()  # one detection pass at a time
         self.nodes: dict[str, NodeLive] = {}
-        self.ranks: dict[str, dict[int, RankLive]] = defaultdict(dict)  # run -> rank -> live
+        self.runs_live: dict[str, RunLive] = {}
         self.cadences: dict[str, Cadence] = {}
         self.previous_cadences: dict[str, Cadence] = {}  # in force before the current one's from_step
-        self.stragglers: dict[str, list[StragglerScore]] = {}
+        self.stragglers: dict[str, list[StragglerScore]] = {}  # run -> the ranks flagged now
         self.heartbeats_total = 0
         self.launched_s: dict[str, float] = {}  # run -> when its current launch started
         self.known_runs: set[str] = set()  # runs the store has (recorded once, not at every heartbeat)
+
+    @property
+    def ranks(self) -> dict[str, dict[int, RankLive]]:
+        """run -> rank -> what its heartbeats say."""
+        return {run: live.ranks for run, live in self.runs_live.items()}
+
+    def _run_live(self, run: str) -> RunLive:
+        live = self.runs_live.get(run)
+        if live is None:
+            stragglers = self.config.stragglers
+            live = RunLive(Window(self.config.run_history), Ratios(stragglers.window, stragglers.threshold_ratio))
+            self.runs_live[run] = live
+        return live
 
     # -- heartbeats --------------------------------------------------------------------------------------------
     def heartbeat(self, body: dict[str, Any], now_s: float) -> dict[str, Any]:
         """Take one validated heartbeat (``docs/protocol.md``); the reply: events acknowledged, and the policy."""
         node = str(body["node"])
+        events = body.get("events", [])
+        runs = sorted({str(r["run"]) for r in body.get("ranks", [])})
+        # the store first, without the lock (written only when something is new: a run, a node, events)
+        for run in runs:
+            if run not in self.known_runs:
+                if self.store.create_run(run, {"observed": True}, now_s):
+                    log.info("run %s first seen in a heartbeat from node %s", run, node)
+                self.known_runs.add(run)
+        known = self.store.node(node)
+        if runs and (known is None or known["run"] is None):
+            self.store.upsert_node(node, now_s, run=runs[0], role="active")
+            known = self.store.node(node)
+        acked = int(known["events_acked"]) if known else 0
+        run_of_node = known["run"] if known else None
         with self.lock:
             self.heartbeats_total += 1
             live = self.nodes.get(node)
             if live is None:
-                live = self.nodes[node] = NodeLive(now_s, deque(maxlen=self.config.history))
+                live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
             else:
-                live.intervals_s.append(now_s - live.last_s)
-                live.last_s = now_s
-            known = self.store.node(node)
-            acked = int(known["events_acked"]) if known else 0
-            for e in body.get("events", []):
+                live.intervals_s.append(now_s - live.last_heartbeat_s)
+                live.last_heartbeat_s = now_s
+            for e in events:
                 if int(e["seq"]) > acked and e["action"] in ACTIONABLE_EVENTS:
                     live.events.setdefault(int(e["seq"]), GpuEvent(node, e["gpu"], e["xid"], e["action"], e["reason"]))
-            runs = set()
             for r in body.get("ranks", []):
-                runs.add(r["run"])
                 self._rank(r, node, now_s)
             for t in body.get("timeouts", []):
                 self._timeout(t, node)
-            for run in sorted(runs - self.known_runs):
-                if self.store.create_run(run, {"observed": True}, now_s):
-                    log.info("run %s first seen in a heartbeat from node %s", run, node)
-                self.known_runs.add(run)
-            for run in sorted(runs):
-                if known is None or known["run"] is None:
-                    self.store.upsert_node(node, now_s, run=run, role="active")
-                    known = self.store.node(node)
             # events that need no action are acknowledged at once; the others once their incident is recorded
-            newest = max((int(e["seq"]) for e in body.get("events", [])), default=acked)
+            newest = max((int(e["seq"]) for e in events), default=acked)
             ack = min(live.events) - 1 if live.events else max(acked, newest)
-            if ack > acked:
-                self.store.upsert_node(node, now_s, events_acked=ack)
             reply: dict[str, Any] = {"ack_events_up_to": ack}
-            run_of_node = known["run"] if known else None
             if run_of_node in self.cadences:
                 c = self.cadences[run_of_node]
                 checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
@@ -149,61 +147,84 @@ class Controller:
                     p = self.previous_cadences[run_of_node]
                     checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
                 reply["policy"] = {"checkpoint": checkpoint}
-            return reply
+        if ack > acked:
+            self.store.ack_events(node, ack, now_s)
+        return reply
+
+    def heartbeat_writes(self, body: dict[str, Any]) -> bool:
+        """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);
+        the others are taken in memory alone."""
+        known = self.store.node(str(body["node"]))
+        if known is None or known["run"] is None or body.get("events"):
+            return True
+        return any(r["run"] not in self.known_runs for r in body.get("ranks", []))
 
     def _rank(self, r: dict[str, Any], node: str, now_s: float) -> None:
         run, rank = str(r["run"]), int(r["rank"])
         if float(r.get("last_report_unix_s", now_s)) < self.launched_s.get(run, 0.0):
             return  # the agent still remembers a rank of an earlier launch
-        live = self.ranks[run].get(rank)
+        run_live = self._run_live(run)
+        live = run_live.ranks.get(rank)
         if live is None or live.node != node:
-            live = RankLive(
-                node, -1, now_s, {}, deque(maxlen=self.config.history), deque(maxlen=self.config.stragglers.window * 2)
-            )
-            self.ranks[run][rank] = live
+            live = RankLive(rank, node, -1, now_s, Window(self.config.history))
+            run_live.place(live)
+        live.stage = int(r.get("coords", {}).get("pp", 0))
         step = int(r["step"])
         slot = int(now_s // self.config.sample_slot_s)
         steps_total, compute_total_s = int(r.get("steps_total", 0)), float(r.get("compute_total_s", 0.0))
         if steps_total:  # the agent's running sums: the mean compute of the steps since the last heartbeat
-            before = live.counters
-            live.counters = (steps_total, compute_total_s)
-            if before is not None and steps_total > before[0] and compute_total_s >= before[1]:
-                _add_sample(live.compute, slot, compute_total_s - before[1], steps_total - before[0])
+            steps_before, compute_before_s = live.steps_total, live.compute_total_s
+            live.steps_total, live.compute_total_s = steps_total, compute_total_s
+            if 0 <= steps_before < steps_total and compute_total_s >= compute_before_s:
+                run_live.add_sample(live, slot, compute_total_s - compute_before_s, steps_total - steps_before)
         if step != live.step:
             if step > live.step >= 0:
-                live.step_times_s.append(float(r["step_s"]))
+                step_s = float(r["step_s"])
+                live.step_times_s.append(step_s)
+                run_live.step_times_s.append(step_s)
                 if not steps_total:  # an agent without running sums: the last step's compute
-                    _add_sample(live.compute, slot, float(r.get("compute_s", r["step_s"])), 1)
+                    run_live.add_sample(live, slot, float(r.get("compute_s", step_s)), 1)
             live.step = step
             live.progress_s = now_s
             live.timeout = ""  # it stepped on: whatever it waited on is over
-        live.coords = dict(r.get("coords", {}))
+            run_live.waiting.discard(rank)
+            run_live.newest_step = max(run_live.newest_step, step)
+            run_live.latest_progress_s = max(run_live.latest_progress_s, now_s)
         live.mfu_ratio = float(r.get("mfu_ratio", 0.0))
         live.job_tokens_per_s = float(r.get("job_tokens_per_s", 0.0))
-        live.checkpoints = int(r.get("checkpoints", 0))
-        live.checkpoint_blocking_s = float(r.get("checkpoint_blocking_s", 0.0))
+        run_live.count_checkpoints(live, int(r.get("checkpoints", 0)), float(r.get("checkpoint_blocking_s", 0.0)))
 
     def _timeout(self, t: dict[str, Any], node: str) -> None:
         run, rank = str(t["run"]), int(t["rank"])
-        live = self.ranks.get(run, {}).get(rank)
-        if live is None or live.node != node or float(t["time_unix_s"]) < self.launched_s.get(run, 0.0):
+        run_live = self.runs_live.get(run)
+        live = run_live.ranks.get(rank) if run_live is not None else None
+        if (
+            run_live is None
+            or live is None
+            or live.node != node
+            or float(t["time_unix_s"]) < self.launched_s.get(run, 0.0)
+        ):
             return  # a rank of an earlier launch, or one not heard from yet
         if int(t["step"]) >= live.step:  # still waiting in the step after its last report
             live.timeout = f"rank {rank} waited {float(t['waited_s']):.0f} s in {t['op']} on {t['dim']}"
+            run_live.waiting.add(rank)
 
     def rank_exited(self, run: str, rank: int, node: str, exit_code: int, now_s: float) -> None:
         """The backend saw a rank process end."""
         with self.lock:
-            live = self.ranks[run].get(rank)
+            run_live = self._run_live(run)
+            live = run_live.ranks.get(rank)
             if live is None:
-                live = self.ranks[run][rank] = RankLive(node, -1, now_s, {}, deque(maxlen=2), deque(maxlen=2))
+                live = RankLive(rank, node, -1, now_s, Window(2))
+                run_live.place(live)
             live.exit_code = exit_code
+            run_live.exited.add(rank)
 
     def forget_ranks(self, run: str, now_s: float) -> None:
         """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch); what
         agents report from before ``now_s`` is ignored."""
         with self.lock:
-            self.ranks.pop(run, None)
+            self.runs_live.pop(run, None)
             self.stragglers.pop(run, None)
             self.launched_s[run] = now_s
 
@@ -211,7 +232,7 @@ class Controller:
     def tick(self, now_s: float) -> list[Failure]:
         """Detect failures of running runs and start their recovery; score stragglers; plan cadences."""
         found: list[Failure] = []
-        with self.lock:
+        with self.ticking:
             for run in self.store.runs():
                 if run["state"] == "waiting_for_spare":
                     self._retry_waiting(run, now_s)
@@ -227,35 +248,35 @@ class Controller:
                 self._plan(run, now_s)
         return found
 
-    def _views(
-        self, run: str
-    ) -> tuple[list[NodeView], list[RankView], list[GpuEvent], list[CollectiveTimeout], list[float]]:
-        ranks = self.ranks.get(run, {})
-        node_names = {n["name"] for n in self.store.nodes(run) if n["role"] == "active"} | {
-            r.node for r in ranks.values()
-        }
-        nodes = [
-            NodeView(n, self.nodes[n].last_s, tuple(self.nodes[n].intervals_s)) for n in node_names if n in self.nodes
-        ]
-        events = [e for n in node_names if n in self.nodes for e in self.nodes[n].events.values()]
-        views = [RankView(rank, r.node, r.step, r.progress_s, r.exit_code) for rank, r in sorted(ranks.items())]
-        timeouts = [CollectiveTimeout(rank, r.node, r.timeout) for rank, r in sorted(ranks.items()) if r.timeout]
-        step_times = [t for r in ranks.values() for t in r.step_times_s]
-        return nodes, views, events, timeouts, step_times
-
     def _detect(self, run: str, now_s: float) -> list[Failure]:
-        nodes, ranks, events, timeouts, step_times = self._views(run)
-        if not ranks and not events:
-            return []
-        return detect_failures(
-            now_s=now_s,
-            nodes=nodes,
-            ranks=ranks,
-            events=events,
-            timeouts=timeouts,
-            step_times_s=step_times,
-            config=self.config.detection,
-        )
+        active = self.store.node_names(run, "active")
+        with self.lock:
+            live = self.runs_live.get(run)
+            names = active | live.rank_nodes.keys() if live is not None else active
+            nodes = [self.nodes[n] for n in names if n in self.nodes]
+            events = [e for n in nodes for e in n.events.values()]
+            if (live is None or not live.ranks) and not events:
+                return []
+            ranks: Iterable[RankLive] = ()
+            timeouts = []
+            if live is not None:
+                # every rank only when one may have failed: it exited, waits on a collective, or no rank stepped
+                # within the hang floor (a hang is never detected sooner); else none of them can be a failure
+                quiet = now_s - live.latest_progress_s <= self.config.detection.hang_floor_s
+                if live.exited or live.waiting or not quiet:
+                    ranks = live.ranks.values()
+                for rank in sorted(live.waiting):
+                    r = live.ranks[rank]
+                    timeouts.append(CollectiveTimeout(rank, r.node, r.timeout))
+            return detect_failures(
+                now_s=now_s,
+                nodes=nodes,
+                ranks=ranks,
+                events=events,
+                timeouts=timeouts,
+                step_times_s=live.step_times_s if live is not None else (),
+                config=self.config.detection,
+            )
 
     def _open(self, run: dict[str, Any], failures: list[Failure], now_s: float) -> None:
         """One incident per launch: the first failure (a swap first) is the cause; the rest are its consequences."""
@@ -294,99 +315,148 @@ class Controller:
         """Keep the run's newest step, and close the incidents a relaunch has recovered from: the first progress of
         the new launch is the first productive step (lost steps: from the checkpoint resumed from to the newest
         step before the failure)."""
-        ranks = [r for r in self.ranks.get(run["id"], {}).values() if r.step >= 0]
-        if not ranks:
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            newest = live.newest_step if live is not None else -1
+        if newest < 0:
             return
-        for incident in self.store.incidents(run["id"], state="open"):
-            if _generation_of(incident["key"]) >= int(run["generation"]):
-                continue
-            first = min(r.step for r in ranks)
-            resumed_from = self.backend.resumed_from_step(run["id"]) if self.backend is not None else None
-            if resumed_from is None:
-                resumed_from = max(0, first - 1)
-            lost = max(0, int(run["last_step"]) - resumed_from)
-            resumed_s = min(r.progress_s for r in ranks)
-            self.store.update_incident(
-                incident["id"], state="recovered", resumed_s=resumed_s, resumed_from_step=resumed_from, lost_steps=lost
-            )
-            log.info(
-                "run %s: incident %d recovered: resumed from step %d, %d steps lost, %.1f s after detection",
-                run["id"],
-                incident["id"],
-                resumed_from,
-                lost,
-                resumed_s - incident["detected_s"],
-            )
-        newest = max(r.step for r in ranks)
+        earlier = [
+            i
+            for i in self.store.incidents(run["id"], state="open")
+            if _generation_of(i["key"]) < int(run["generation"])
+        ]
+        if earlier:
+            with self.lock:
+                ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+                first = min((r.step for r in ranks), default=-1)
+                resumed_s = min((r.progress_s for r in ranks), default=now_s)
+            if first < 0:
+                return
+            for incident in earlier:
+                resumed_from = self.backend.resumed_from_step(run["id"]) if self.backend is not None else None
+                if resumed_from is None:
+                    resumed_from = max(0, first - 1)
+                lost = max(0, int(run["last_step"]) - resumed_from)
+                self.store.update_incident(
+                    incident["id"],
+                    state="recovered",
+                    resumed_s=resumed_s,
+                    resumed_from_step=resumed_from,
+                    lost_steps=lost,
+                )
+                log.info(
+                    "run %s: incident %d recovered: resumed from step %d, %d steps lost, %.1f s after detection",
+                    run["id"],
+                    incident["id"],
+                    resumed_from,
+                    lost,
+                    resumed_s - incident["detected_s"],
+                )
         if newest > int(run["last_step"]):
             self.store.update_run(run["id"], now_s, last_step=newest)
 
     def _failed_at(self, run: str, cause: Failure, now_s: float) -> float:
         """When the failure happened, as well as the controller can tell: the last sign of life."""
-        if cause.kind is FailureKind.HEARTBEAT_LOSS and cause.node in self.nodes:
-            return self.nodes[cause.node].last_s
-        if cause.kind is FailureKind.HANG:
-            return max((r.progress_s for r in self.ranks.get(run, {}).values()), default=now_s)
-        return now_s
+        with self.lock:
+            if cause.kind is FailureKind.HEARTBEAT_LOSS and cause.node in self.nodes:
+                return self.nodes[cause.node].last_heartbeat_s
+            if cause.kind is FailureKind.HANG:
+                live = self.runs_live.get(run)
+                return max((r.progress_s for r in live.ranks.values()), default=now_s) if live else now_s
+            return now_s
 
     def _handled_events(self, cause: Failure, now_s: float) -> None:
         if cause.kind not in (FailureKind.FATAL_XID, FailureKind.APPLICATION_XID):
             return
-        live = self.nodes.get(cause.node)
-        if live is None or not live.events:
-            return
-        newest = max(live.events)
-        live.events.clear()
-        self.store.upsert_node(cause.node, now_s, events_acked=newest)
+        with self.lock:
+            live = self.nodes.get(cause.node)
+            if live is None or not live.events:
+                return
+            newest = max(live.events)
+        self.store.ack_events(cause.node, newest, now_s)  # first: a heartbeat now does not add them again
+        with self.lock:
+            for seq in [seq for seq in live.events if seq <= newest]:
+                del live.events[seq]
 
     def _score(self, run: str, now_s: float) -> None:
-        samples = [
-            ComputeSample(rank, r.node, int(r.coords.get("pp", 0)), slot, seconds / steps)
-            for rank, r in self.ranks.get(run, {}).items()
-            for slot, seconds, steps in r.compute
-        ]
-        scores = score_stragglers(samples, self.config.stragglers)
-        before = {s.rank for s in self.stragglers.get(run, []) if s.flagged}
-        for s in scores:
-            if s.flagged and s.rank not in before:
-                log.warning(
-                    "run %s: straggler rank %d on %s (stage %d): %.2fx its peers over %d samples",
-                    run,
-                    s.rank,
-                    s.node,
-                    s.stage,
-                    s.slowdown_ratio,
-                    s.samples,
-                )
-                generation = int((self.store.run(run) or {}).get("generation", 0))
-                incident, _ = self.store.open_incident(
-                    key=f"{run}/gen{generation}/straggler/{s.rank}",
-                    run=run,
-                    kind="straggler",
-                    node=s.node,
-                    rank=s.rank,
-                    detail=f"compute {s.slowdown_ratio:.2f}x the median of its peers over {s.samples} samples",
-                    failed_s=now_s,
-                    detected_s=now_s,
-                )
-                self.store.update_incident(incident, state="warned")  # a warning: nothing to recover
-        self.stragglers[run] = scores
+        """Score the compute samples of the slots that ended since the last pass (each slot once, when all its
+        samples are in), and flag the ranks persistently slower than their peers."""
+        current = int(now_s // self.config.sample_slot_s)
+        with self.lock:
+            live = self.runs_live.get(run)
+            if live is None or not live.slot_ended(current):
+                return
+            ranks = list(live.ranks.values())
+        # in parts, with pauses: heartbeats are taken in between (the API's thread needs the interpreter lock)
+        for i in range(0, len(ranks), PART):
+            with self.lock:
+                live.take_samples(ranks[i : i + PART], current)
+            time.sleep(PAUSE_S)
+        with self.lock:
+            taken, live.finished = live.finished, Samples()
+        after, live.scored_slot = live.scored_slot, current - 1
+        # the ratios belong to this pass alone (passes take turns): computed without the lock, a stage at a time
+        for slot, stages in sorted(taken.by_slot.items()):
+            if after is not None and slot <= after:
+                continue
+            for ranks_of_stage, compute_s in stages.values():
+                ratios = peer_ratios(compute_s)
+                for i in range(0, len(ratios), PART):
+                    live.ratios.add(ranks_of_stage[i : i + PART], ratios[i : i + PART])
+                    time.sleep(PAUSE_S)
+        config = self.config.stragglers
+        flagged = []
+        for rank in live.ratios.with_slow(config.persistence_ratio * config.min_samples):  # a flagged rank has these
+            series, r = live.ratios.series(rank), live.ranks.get(rank)
+            if r is not None and is_straggler(series, config):
+                flagged.append(score_rank(rank, r.node, r.stage, series, config))
+        flagged.sort(key=lambda x: (-x.slowdown_ratio, x.rank))
+        with self.lock:
+            if self.runs_live.get(run) is not live:
+                return  # relaunched meanwhile: these ranks are gone
+            before = {s.rank for s in self.stragglers.get(run, [])}
+            self.stragglers[run] = flagged
+        for s in flagged:
+            if s.rank in before:
+                continue
+            log.warning(
+                "run %s: straggler rank %d on %s (stage %d): %.2fx its peers over %d samples",
+                run,
+                s.rank,
+                s.node,
+                s.stage,
+                s.slowdown_ratio,
+                s.samples,
+            )
+            generation = int((self.store.run(run) or {}).get("generation", 0))
+            incident, _ = self.store.open_incident(
+                key=f"{run}/gen{generation}/straggler/{s.rank}",
+                run=run,
+                kind="straggler",
+                node=s.node,
+                rank=s.rank,
+                detail=f"compute {s.slowdown_ratio:.2f}x the median of its peers over {s.samples} samples",
+                failed_s=now_s,
+                detected_s=now_s,
+            )
+            self.store.update_incident(incident, state="warned")  # a warning: nothing to recover
 
     def _plan(self, run: dict[str, Any], now_s: float) -> None:
-        ranks = self.ranks.get(run["id"], {})
-        step_times = [t for r in ranks.values() for t in r.step_times_s]
-        saves = sum(r.checkpoints for r in ranks.values())
-        if not step_times or not saves:
-            return  # nothing measured yet: the ranks keep their local cadence
-        cost_s = sum(r.checkpoint_blocking_s for r in ranks.values()) / saves
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            if live is None or not live.step_times_s or not live.checkpoints:
+                return  # nothing measured yet: the ranks keep their local cadence
+            cost_s = live.checkpoint_blocking_s / live.checkpoints
+            nodes = max(1, len(live.rank_nodes))
+            step_time_s = statistics.median(live.step_times_s)
+            current_step = live.newest_step
+            previous = self.cadences.get(run["id"])
         failures = [i for i in self.store.incidents(run["id"]) if i["kind"] != "straggler"]
-        nodes = max(1, len({r.node for r in ranks.values()}))
         node_hours = nodes * max(0.0, now_s - float(run["created_s"])) / 3600.0
-        previous = self.cadences.get(run["id"])
         cadence = plan_cadence(
             checkpoint_cost_s=cost_s,
-            step_time_s=statistics.median(step_times),
-            current_step=max(r.step for r in ranks.values()),
+            step_time_s=step_time_s,
+            current_step=current_step,
             failures=len(failures),
             node_hours=node_hours,
             nodes=nodes,
@@ -401,9 +471,10 @@ class Controller:
                 cadence.from_step,
                 cadence.reason,
             )
-            self.cadences[run["id"]] = cadence
-            if previous is not None:
-                self.previous_cadences[run["id"]] = previous
+            with self.lock:
+                self.cadences[run["id"]] = cadence
+                if previous is not None:
+                    self.previous_cadences[run["id"]] = previous
 
     def _retry_waiting(self, run: dict[str, Any], now_s: float) -> None:
         """A run waits for a spare: once one is there (a node uncordoned or added), go on with its recovery."""
@@ -438,54 +509,63 @@ class Controller:
         return None if chosen is None else chosen.node
 
     # -- reading -----------------------------------------------------------------------------------------------
-    def goodput(self, run: dict[str, Any], now_s: float) -> Goodput:
-        ranks = self.ranks.get(run["id"], {})
-        blocking = max((r.checkpoint_blocking_s for r in ranks.values()), default=0.0)
-        step = statistics.median([t for r in ranks.values() for t in r.step_times_s] or [0.0])
+    def goodput(self, run: dict[str, Any], now_s: float, incidents: list[dict[str, Any]] | None = None) -> Goodput:
+        """Where the run's wall time went; ``incidents``: its incidents, when the caller has them already."""
+        if incidents is None:
+            incidents = self.store.incidents(run["id"])
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            ranks = live.ranks.values() if live is not None else ()
+            blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
+            step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
         interruptions = [
             Interruption(i["failed_s"], i["detected_s"], i["resumed_s"], int(i["lost_steps"] or 0), step)
-            for i in self.store.incidents(run["id"])
+            for i in incidents
             if i["kind"] != "straggler" and i["resumed_s"] is not None
         ]
         end = float(run["updated_s"]) if run["state"] in ("completed", "failed") else now_s
         return account(max(0.0, end - float(run["created_s"])), blocking, interruptions)
 
     def status(self, run_id: str, now_s: float) -> dict[str, Any] | None:
+        run = self.store.run(run_id)
+        if run is None:
+            return None
+        nodes = self.store.nodes(run_id)
+        incidents = self.store.incidents(run_id)
+        goodput = self.goodput(run, now_s, incidents)
         with self.lock:
-            run = self.store.run(run_id)
-            if run is None:
-                return None
-            ranks = self.ranks.get(run_id, {})
+            live = self.runs_live.get(run_id)
+            ranks = list(live.ranks.values()) if live is not None else []
             cadence = self.cadences.get(run_id)
-            goodput = self.goodput(run, now_s)
-            nodes = self.store.nodes(run_id)
-            return {
-                "run": run_id,
-                "state": run["state"],
-                "generation": run["generation"],
-                "step": max((r.step for r in ranks.values()), default=run["last_step"]),
-                "ranks": len(ranks),
-                "mfu_ratio": statistics.mean([r.mfu_ratio for r in ranks.values()] or [0.0]),
-                "tokens_per_s": max((r.job_tokens_per_s for r in ranks.values()), default=0.0),
-                "ettr": goodput.ettr,
-                "badput_s": {k: v for k, v in goodput.buckets().items() if k != "productive"},
-                "mtbf_s": cadence.mtbf_s if cadence else None,
-                "cadence": {
-                    "every_steps": cadence.every_steps,
-                    "from_step": cadence.from_step,
-                    "reason": cadence.reason,
-                }
-                if cadence
-                else None,
-                "nodes": [{"name": n["name"], "role": n["role"], "reason": n["reason"]} for n in nodes],
-                "spares_available": sum(1 for n in nodes if n["role"] == "spare"),
-                "stragglers": [
-                    {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio}
-                    for s in self.stragglers.get(run_id, [])
-                    if s.flagged
-                ],
-                "open_incidents": len(self.store.incidents(run_id, state="open")),
+            stragglers = list(self.stragglers.get(run_id, []))
+            step = max((r.step for r in ranks), default=run["last_step"])
+            mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
+            tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
+        return {
+            "run": run_id,
+            "state": run["state"],
+            "generation": run["generation"],
+            "step": step,
+            "ranks": len(ranks),
+            "mfu_ratio": mfu_ratio,
+            "tokens_per_s": tokens_per_s,
+            "ettr": goodput.ettr,
+            "badput_s": {k: v for k, v in goodput.buckets().items() if k != "productive"},
+            "mtbf_s": cadence.mtbf_s if cadence else None,
+            "cadence": {
+                "every_steps": cadence.every_steps,
+                "from_step": cadence.from_step,
+                "reason": cadence.reason,
             }
+            if cadence
+            else None,
+            "nodes": [{"name": n["name"], "role": n["role"], "reason": n["reason"]} for n in nodes],
+            "spares_available": sum(1 for n in nodes if n["role"] == "spare"),
+            "stragglers": [
+                {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
+            ],
+            "open_incidents": sum(1 for i in incidents if i["state"] == "open"),
+        }
 
 
 FAILURE_KINDS = frozenset(k.value for k in FailureKind)
@@ -494,15 +574,6 @@ FAILURE_KINDS = frozenset(k.value for k in FailureKind)
 def failure_of(incident: dict[str, Any]) -> Failure:
     """The failure an incident row records (to go on with its recovery)."""
     return Failure(FailureKind(incident["kind"]), incident["node"], incident["rank"], incident["detail"])
-
-
-def _add_sample(samples: deque[tuple[int, float, int]], slot: int, compute_s: float, steps: int) -> None:
-    """Add ``steps`` steps of ``compute_s`` seconds in all to the sums of ``slot``."""
-    if samples and samples[-1][0] == slot:
-        _, seconds, count = samples[-1]
-        samples[-1] = (slot, seconds + compute_s, count + steps)
-    else:
-        samples.append((slot, compute_s, steps))
 
 
 def _generation_of(key: str) -> int:

@@ -9,12 +9,17 @@ is carried out, then marked done (``complete_action``). A controller that restar
 incident still open and its actions recorded: it carries out only those not done (each action is idempotent, so
 one interrupted half-way is safe to redo), and the incident stays one row. Incidents have a unique ``key`` too,
 so the same failure reported again (an agent resends an unacknowledged XID) does not open a second one.
+
+Node rows are read on every heartbeat: they are loaded once and kept in memory, written through (a write that
+fails leaves them as they were). This holds because the controller is the only writer of its state store (one
+controller per store: ``opsd run`` takes a lock, and the CLI goes through the API).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,7 +139,8 @@ def open_engine(url: str) -> Engine:
     if not url.startswith(("sqlite:", "postgresql")):
         raise ConfigError(f"state URL {url!r}: expected sqlite:///path or postgresql+psycopg://...")
     try:
-        engine = create_engine(url, pool_pre_ping=True)
+        # a connection to a server may have been dropped while pooled; a file's may not
+        engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite:"))
         if engine.dialect.name == "sqlite":
             event.listen(engine, "connect", _sqlite_pragmas)
         metadata.create_all(engine)
@@ -146,6 +152,8 @@ def open_engine(url: str) -> Engine:
 class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._nodes: dict[str, dict[str, Any]] | None = None  # name -> row, once loaded
+        self._nodes_lock = threading.Lock()
 
     @classmethod
     def open(cls, url: str) -> Store:
@@ -192,26 +200,59 @@ class Store:
         allowed = {"run", "role", "domain", "reason", "events_acked"}
         if not set(fields) <= allowed:
             raise ValueError(f"upsert_node: unknown fields {sorted(set(fields) - allowed)}")
-        with self._tx() as c:
-            exists = c.execute(select(nodes.c.name).where(nodes.c.name == name)).first()
-            if exists:
-                if fields:
+        with self._nodes_lock:
+            cached = self._node_rows()
+            row = cached.get(name)
+            if row is not None and not fields:
+                return
+            with self._tx() as c:
+                if row is not None:
                     c.execute(update(nodes).where(nodes.c.name == name).values(updated_s=now_s, **fields))
-            else:
-                row = {"role": "spare", "domain": "", "reason": "", "events_acked": 0, "run": None, **fields}
-                c.execute(insert(nodes).values(name=name, updated_s=now_s, **row))
+                    row = {**row, **fields, "updated_s": now_s}
+                else:
+                    defaults = {"run": None, "role": "spare", "domain": "", "reason": "", "events_acked": 0}
+                    row = {"name": name, **defaults, **fields, "updated_s": now_s}
+                    c.execute(insert(nodes).values(**row))
+            cached[name] = row  # committed: the copy in memory follows
+
+    def ack_events(self, name: str, seq: int, now_s: float) -> None:
+        """Record that a node's GPU events are handled up to ``seq`` (a node not seen yet is added, as a spare);
+        never moves back."""
+        with self._nodes_lock:
+            row = self._node_rows().get(name)
+            if row is not None:
+                if row["events_acked"] < seq:
+                    with self._tx() as c:
+                        c.execute(
+                            update(nodes)
+                            .where(nodes.c.name == name, nodes.c.events_acked < seq)
+                            .values(events_acked=seq, updated_s=now_s)
+                        )
+                    self._node_rows()[name] = {**row, "events_acked": seq, "updated_s": now_s}
+                return
+        self.upsert_node(name, now_s, events_acked=seq)
 
     def node(self, name: str) -> dict[str, Any] | None:
-        with self._tx() as c:
-            row = c.execute(select(nodes).where(nodes.c.name == name)).mappings().first()
-        return dict(row) if row else None
+        with self._nodes_lock:
+            row = self._node_rows().get(name)
+            return dict(row) if row else None
 
     def nodes(self, run: str | None = None) -> list[dict[str, Any]]:
-        query = select(nodes).order_by(nodes.c.name)
-        if run is not None:
-            query = query.where(nodes.c.run == run)
-        with self._tx() as c:
-            return [dict(r) for r in c.execute(query).mappings().all()]
+        with self._nodes_lock:
+            rows = self._node_rows()
+            return [dict(rows[n]) for n in sorted(rows) if run is None or rows[n]["run"] == run]
+
+    def node_names(self, run: str, role: str) -> set[str]:
+        """The names of the nodes of ``run`` in ``role`` (no copies of their rows)."""
+        with self._nodes_lock:
+            return {n for n, row in self._node_rows().items() if row["run"] == run and row["role"] == role}
+
+    def _node_rows(self) -> dict[str, dict[str, Any]]:
+        """The node rows, read from the database the first time (the caller holds ``_nodes_lock``)."""
+        if self._nodes is None:
+            with self._tx() as c:
+                self._nodes = {r["name"]: dict(r) for r in c.execute(select(nodes)).mappings().all()}
+        return self._nodes
 
     # -- incidents ---------------------------------------------------------------------------------------------
     def open_incident(

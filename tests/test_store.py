@@ -55,6 +55,21 @@ def test_nodes(store: Store) -> None:
     assert (n0["role"], n0["reason"], n0["domain"], n0["updated_s"]) == ("cordoned", "XID 79", "rack1", 2.0)
     assert [n["name"] for n in store.nodes("r1")] == ["n0", "n2"]
     assert store.nodes("other") == []
+    assert store.node_names("r1", "spare") == {"n2"}
+
+
+def test_node_rows_kept_in_memory_are_those_of_the_database(store: Store) -> None:
+    """Node rows are read once and written through: a store opened afresh on the same database reads the same."""
+    store.upsert_node("n0", 1.0, run="r1", role="active")
+    store.ack_events("n0", 5, 2.0)
+    store.ack_events("n0", 3, 3.0)  # never back
+    store.ack_events("n9", 2, 4.0)  # a node not seen yet
+    again = Store(store.engine)
+    assert again.nodes() == store.nodes()
+    assert [(n["name"], n["events_acked"], n["role"]) for n in again.nodes()] == [
+        ("n0", 5, "active"),
+        ("n9", 2, "spare"),
+    ]
 
 
 def test_the_same_failure_opens_one_incident(store: Store) -> None:

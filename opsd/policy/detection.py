@@ -11,6 +11,11 @@ swapped for a spare; a rank that exited, a hang, an application XID or a collect
 the same nodes. Ranks that report a collective timeout are waiting for a peer: the failure names a rank that does
 not wait (the one furthest behind) as the suspect. A controller that takes up a run after its predecessor stopped
 records a ``controller_restart`` (the ranks it could no longer supervise are killed and relaunched).
+
+A pass costs what it must at scale (24,576 ranks every half second): views are anything with the attributes of
+``NodeView`` and ``RankView`` (read only; the controller passes its live records as they are, not copies), and the
+medians of the observed intervals and step times are computed only for what has been quiet for longer than its
+floor (a timeout is never shorter than its floor).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 
 class FailureKind(StrEnum):
@@ -64,6 +70,32 @@ class RankView:
     exit_code: int | None = None  # set when its process has exited
 
 
+class NodeLike(Protocol):
+    """What detection reads of a node: ``NodeView``'s attributes."""
+
+    @property
+    def node(self) -> str: ...
+    @property
+    def last_heartbeat_s(self) -> float: ...
+    @property
+    def intervals_s(self) -> Sequence[float]: ...
+
+
+class RankLike(Protocol):
+    """What detection reads of a rank: ``RankView``'s attributes."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def progress_s(self) -> float: ...
+    @property
+    def exit_code(self) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class GpuEvent:
     node: str
@@ -107,8 +139,8 @@ def hang_timeout_s(step_times_s: Sequence[float], config: DetectionConfig) -> fl
 def detect_failures(
     *,
     now_s: float,
-    nodes: Iterable[NodeView],
-    ranks: Iterable[RankView],
+    nodes: Iterable[NodeLike],
+    ranks: Iterable[RankLike],
     events: Iterable[GpuEvent] = (),
     timeouts: Iterable[CollectiveTimeout] = (),
     step_times_s: Sequence[float] = (),
@@ -117,8 +149,10 @@ def detect_failures(
     """Every failure visible now, the ones that need a swap first."""
     out: list[Failure] = []
     for n in nodes:
-        limit = heartbeat_timeout_s(n.intervals_s, config)
         silent = now_s - n.last_heartbeat_s
+        if silent <= config.heartbeat_floor_s:
+            continue  # never late within the floor, whatever its intervals
+        limit = heartbeat_timeout_s(n.intervals_s, config)
         if silent > limit:
             detail = f"no heartbeat for {silent:.1f} s > {limit:.1f} s"
             out.append(Failure(FailureKind.HEARTBEAT_LOSS, n.node, None, detail))
@@ -144,9 +178,10 @@ def detect_failures(
         detail = "; ".join(t.detail for t in waiting[:3]) + (f" (+{len(waiting) - 3} more)" if len(waiting) > 3 else "")
         out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, node, rank, f"{detail}; {named}"))
     if running:
-        limit = hang_timeout_s(step_times_s, config)
         latest = max(r.progress_s for r in running)
         stalled = now_s - latest
+        # the median step time only when quiet for longer than the floor (the limit is never below it)
+        limit = hang_timeout_s(step_times_s, config) if stalled > config.hang_floor_s else config.hang_floor_s
         if stalled > limit:
             # the culprit is most likely the rank furthest behind (the others wait for it in a collective)
             behind = min(running, key=lambda r: (r.step, r.progress_s, r.rank))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -61,27 +61,66 @@ class StragglerScore:
 
 def score_stragglers(samples: Iterable[ComputeSample], config: StragglerConfig) -> list[StragglerScore]:
     """A score per rank that has peers, flagged ones first, then by slowdown (largest first)."""
-    by_slot: dict[tuple[int, int], dict[int, ComputeSample]] = defaultdict(dict)
+    by_slot: dict[int, dict[tuple[int, int], ComputeSample]] = defaultdict(dict)
     for s in samples:
-        by_slot[(s.stage, s.slot)][s.rank] = s
-    ratios: dict[int, list[tuple[int, float]]] = defaultdict(list)
+        by_slot[s.slot][(s.stage, s.rank)] = s
+    ratios: dict[int, list[float]] = defaultdict(list)
     where: dict[int, ComputeSample] = {}
-    for (_, slot), ranks in by_slot.items():
-        if len(ranks) < 2:
-            continue
-        for rank, s in ranks.items():
-            peers = statistics.median(o.compute_s for r, o in ranks.items() if r != rank)
-            if peers > 0:
-                ratios[rank].append((slot, s.compute_s / peers))
-                where[rank] = s
-    scores = []
-    for rank, series in ratios.items():
-        recent = [ratio for _, ratio in sorted(series)[-config.window :]]
-        slow = sum(1 for r in recent if r >= config.threshold_ratio)
-        flagged = len(recent) >= config.min_samples and slow >= config.persistence_ratio * len(recent)
-        s = where[rank]
-        scores.append(StragglerScore(rank, s.node, s.stage, statistics.median(recent), len(recent), flagged))
+    for slot in sorted(by_slot):
+        by_stage: dict[int, list[ComputeSample]] = defaultdict(list)
+        for s in by_slot[slot].values():
+            by_stage[s.stage].append(s)
+        for group in by_stage.values():
+            for s, ratio in zip(group, peer_ratios([s.compute_s for s in group]), strict=True):
+                if ratio is not None:
+                    ratios[s.rank].append(ratio)
+                    where[s.rank] = s
+    scores = [
+        score_rank(rank, where[rank].node, where[rank].stage, series[-config.window :], config)
+        for rank, series in ratios.items()
+    ]
     return sorted(scores, key=lambda x: (not x.flagged, -x.slowdown_ratio, x.rank))
+
+
+def peer_ratios(compute_s: Sequence[float]) -> list[float | None]:
+    """The compute times of the ranks of one stage in one slot -> each one's over the median of the others (None
+    for a rank without peers, or whose peers' median is 0). A controller scores 24,576 ranks a slot: plain numbers
+    in and out.
+
+    Leaving one of n sorted values out moves the median of the others by at most one place: it is one of three
+    values, told apart by how the value left out compares with the middle one (equal values are interchangeable)."""
+    n = len(compute_s)
+    if n < 2:
+        return [None] * n
+    values = sorted(compute_s)
+    half = (n - 1) // 2  # the median of the n - 1 others: their value at half (odd) or half - 1 and half (even)
+    middle = values[half]
+    if (n - 1) % 2:  # the others' median is one value: values[half] when it stays, values[half + 1] if not
+        above, at, below = middle, values[half + 1], values[half + 1]
+    else:
+        above = (values[half - 1] + middle) / 2
+        at = (values[half - 1] + values[half + 1]) / 2
+        below = (middle + values[half + 1]) / 2
+    out: list[float | None] = []
+    for c in compute_s:
+        peers = above if c > middle else at if c == middle else below
+        out.append(c / peers if peers > 0 else None)
+    return out
+
+
+def is_straggler(recent_ratios: Sequence[float], config: StragglerConfig) -> bool:
+    """Whether a rank's ratios over its last ``window`` slots flag it."""
+    n = len(recent_ratios)
+    slow = sum(1 for r in recent_ratios if r >= config.threshold_ratio)
+    return n >= config.min_samples and slow >= config.persistence_ratio * n
+
+
+def score_rank(
+    rank: int, node: str, stage: int, recent_ratios: Sequence[float], config: StragglerConfig
+) -> StragglerScore:
+    """A rank's score from its ratios over its last ``window`` slots (oldest first)."""
+    flagged = is_straggler(recent_ratios, config)
+    return StragglerScore(rank, node, stage, statistics.median(recent_ratios), len(recent_ratios), flagged)
 
 
 def swap_pays_off(slowdown_ratio: float, remaining_s: float, swap_cost_s: float, config: StragglerConfig) -> bool:

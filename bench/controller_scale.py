@@ -1,0 +1,444 @@
+"""The controller at Llama 3 scale: ``python -m bench.controller_scale``.
+
+Starts ``opsd serve`` as its own process (the real API on uvicorn, with its detection pass every 0.5 s), then
+simulated agents in ``--clients`` processes: one per node, 3,072 nodes x 8 GPUs (24,576 ranks) by default, each
+sending one heartbeat a second on a keep-alive connection of its own, the nodes' phases spread evenly over the
+second. A heartbeat is what ``opsd agent`` sends (``docs/protocol.md``): the node's 8 ranks with their step
+advancing every 0.5 s, ``step_s``, ``compute_s``, the running sums ``steps_total`` and ``compute_total_s``,
+checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest), and one node summary; one rank computes
+1.3x slower than its peers. The load generators are cheap (asyncio streams writing HTTP/1.1 requests formatted
+from templates), so that the controller gets most of a core.
+
+After ``--warmup-s`` (first contact: every node and run recorded), for ``--duration-s``:
+
+- ingest latency: request written to response read, per heartbeat, on the client side (p50, p99, max);
+- heartbeats per second answered 200 (the load asks for one per node per second), and the errors;
+- CPU: the controller's share of one core, the load generators' and the machine's; the controller's memory;
+- silent-node detection: 10 s before the end of the window (at its start if it is shorter) one node stops sending;
+  the time from its last heartbeat to the moment ``GET /v1/runs/{run}/incidents`` shows its ``heartbeat_loss``
+  (polled every 0.25 s). The controller runs with ``--heartbeat-floor-s 3``: with heartbeats every second its
+  limit is then 5 x the median interval observed, 5 s (the default floor, 10 s, would set the limit by itself).
+
+On this machine (2 cores, shared by the controller and the load), 3,072 nodes x 8 GPUs, 30 s window: 3,072
+heartbeats/s answered, ingest p50 0.6 ms and p99 26 ms (9 to 71 ms over six runs, over 50 ms once), the silent
+node reported after 5.2 s (5.0 to 5.5 s), the controller at 63% of a core and 143 MiB (``docs/controller.md``,
+"Scale", says what that takes and what sets the p99). Smaller runs: ``--nodes 64 --duration-s 10``.
+
+Last lines: ``heartbeats_per_s=``, ``ingest_p99_ms=`` and ``silent_node_detect_s=``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import http.client
+import json
+import logging
+import multiprocessing
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RUN = "bench"
+TOKEN = "bench-token"
+STEP_S = 0.5  # the simulated job's step time
+COMPUTE_S = 0.45  # its compute time per step (the rest: exposed communication)
+SLOW_RANK = 1  # computes 1.3x slower than its peers
+CHECKPOINT_EVERY = 100  # steps
+CHECKPOINT_BLOCKING_S = 2.5
+FIRST_STEP = 1000  # the run has been going on for a while
+TP, PP = 8, 16
+POLL_S = 0.25
+SILENT_BEFORE_END_S = 10.0  # the silent node stops this long before the window ends (at its start if shorter)
+_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.I)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every load generator needs to know; times are wall-clock (``time.time()``), shared by the processes."""
+
+    host: str
+    port: int
+    nodes: int
+    gpus_per_node: int
+    start_s: float  # heartbeats begin
+    window_s: tuple[float, float]  # latencies are kept for heartbeats sent in [begin, end)
+    silent_node: int
+    silent_s: float  # the silent node sends nothing from then on
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2 or self.gpus_per_node < 1:
+            raise ValueError("controller_scale needs at least 2 nodes and 1 GPU per node")
+
+
+def node_name(index: int) -> str:
+    return f"node-{index:05d}"
+
+
+class SimulatedAgent:
+    """One node's agent: its ranks' running sums, and the bytes of its next heartbeat."""
+
+    def __init__(self, index: int, plan: Plan, run_start_s: float) -> None:
+        self.name = node_name(index)
+        self.run_start_s = run_start_s
+        self.rng = random.Random(index)
+        gpus = plan.gpus_per_node
+        self.ranks = list(range(index * gpus, (index + 1) * gpus))
+        self.factors = [1.3 if r == SLOW_RANK else 1.0 for r in self.ranks]
+        self.steps = [0] * gpus
+        self.compute_totals_s = [0.0] * gpus
+        self.templates = [
+            (
+                f'{{"run":"{RUN}","rank":{r},"host":"{self.name}","step":%d,"step_s":%.4f,"compute_s":%.4f,'
+                f'"steps_total":%d,"compute_total_s":%.4f,"mfu_ratio":0.41,"job_tokens_per_s":%.1f,'
+                f'"checkpoints":%d,"checkpoint_blocking_s":%.1f,"last_report_unix_s":%.3f,'
+                f'"coords":{{"dp_replicate":0,"dp_shard":{r // (TP * PP)},"cp":0,"pp":{(r // TP) % PP},'
+                f'"tp":{r % TP}}}}}'
+            )
+            for r in self.ranks
+        ]
+        self.head = (
+            f"POST /v1/heartbeat HTTP/1.1\r\nhost: {plan.host}:{plan.port}\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {TOKEN}\r\ncontent-length: %d\r\n\r\n"
+        )
+        self.tokens_per_s = 4096 * plan.nodes * plan.gpus_per_node / STEP_S
+
+    def request(self, now_s: float) -> bytes:
+        elapsed = now_s - self.run_start_s
+        step = FIRST_STEP + int(elapsed / STEP_S)
+        last_report_s = self.run_start_s + (step - FIRST_STEP) * STEP_S
+        checkpoints = step // CHECKPOINT_EVERY
+        entries = []
+        step_s_max = 0.0
+        for i, template in enumerate(self.templates):
+            new = step - self.steps[i] if self.steps[i] else step
+            compute_s = COMPUTE_S * self.factors[i] * (1.0 + self.rng.uniform(-0.02, 0.02))
+            self.steps[i] = step
+            self.compute_totals_s[i] += new * compute_s
+            step_s = max(STEP_S, compute_s + 0.02)
+            step_s_max = max(step_s_max, step_s)
+            entries.append(
+                template
+                % (
+                    step,
+                    step_s,
+                    compute_s,
+                    step,
+                    self.compute_totals_s[i],
+                    self.tokens_per_s,
+                    checkpoints,
+                    checkpoints * CHECKPOINT_BLOCKING_S,
+                    last_report_s,
+                )
+            )
+        summary = (
+            f'{{"time_unix_s":{now_s:.3f},"ranks":{len(entries)},"step_s_max":{step_s_max:.4f},'
+            f'"step_s_mean":{STEP_S:.4f},"mfu_ratio_mean":0.41}}'
+        )
+        body = (
+            f'{{"v":1,"node":"{self.name}","time_unix_s":{now_s:.3f},"ranks":[{",".join(entries)}],'
+            f'"events":[],"timeouts":[],"summaries":[{summary}],"summaries_dropped_total":0}}'
+        ).encode()
+        return (self.head % len(body)).encode() + body
+
+
+@dataclass
+class Tally:
+    latencies_ms: array.array[float]
+    ok: int = 0  # answered 200 within the window
+    errors: int = 0
+    late: int = 0  # heartbeats sent more than 0.5 s after their time (the previous one took that long)
+    silent_last_s: float = 0.0  # when the silent node sent its last heartbeat
+
+
+async def drive(index: int, plan: Plan, stop: Event, tally: Tally) -> None:
+    """One agent: a heartbeat a second at its phase, on a keep-alive connection (opened again after an error),
+    until ``stop``."""
+    agent = SimulatedAgent(index, plan, plan.start_s - 3600.0)
+    begin, end = plan.window_s
+    due = plan.start_s + index / plan.nodes
+    streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    try:
+        while not stop.is_set():
+            now = time.time()
+            if due > now:
+                await asyncio.sleep(due - now)
+                now = time.time()
+            if index == plan.silent_node and now >= plan.silent_s:
+                return
+            if now - due > 0.5:
+                tally.late += begin <= now < end
+                due = now  # no burst to catch up: the next one a second after this one
+            due += 1.0
+            try:
+                if streams is None:
+                    streams = await asyncio.open_connection(plan.host, plan.port)
+                reader, writer = streams
+                data = agent.request(now)
+                sent = time.perf_counter()
+                writer.write(data)
+                head = await reader.readuntil(b"\r\n\r\n")
+                found = _LENGTH.search(head)
+                if found:
+                    await reader.readexactly(int(found.group(1)))
+                took_ms = (time.perf_counter() - sent) * 1000.0
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                tally.errors += begin <= now < end
+                log.debug("%s: %s", node_name(index), exc)
+                if streams is not None:
+                    streams[1].close()
+                streams = None
+                continue
+            if index == plan.silent_node:
+                tally.silent_last_s = now
+            if begin <= now < end:
+                if head.startswith(b"HTTP/1.1 200"):
+                    tally.ok += 1
+                    tally.latencies_ms.append(took_ms)
+                else:
+                    tally.errors += 1
+    finally:
+        if streams is not None:
+            streams[1].close()
+
+
+async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tally:
+    tally = Tally(array.array("d"))
+    await asyncio.gather(*(drive(i, plan, stop, tally) for i in indices))
+    return tally
+
+
+def generate(plan: Plan, part: int, parts: int, stop: Event, results: Any) -> None:
+    """A load generator process: the nodes ``part::parts``."""
+    tally = asyncio.run(generate_async(plan, range(part, plan.nodes, parts), stop))
+    results.put((part, tally.latencies_ms.tobytes(), tally.ok, tally.errors, tally.late, tally.silent_last_s))
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> tuple[float, float, float]:
+    """(busy, stolen, total) CPU seconds of the machine so far, all cores (stolen: by the hypervisor)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    idle, steal, tick = values[3] + values[4], values[7], os.sysconf("SC_CLK_TCK")
+    return (sum(values) - idle - steal) / tick, steal / tick, sum(values) / tick
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(conn: http.client.HTTPConnection, path: str) -> Any:
+    conn.request("GET", path)
+    response = conn.getresponse()
+    data = response.read()
+    return json.loads(data) if response.status == 200 else None
+
+
+def start_controller(state: Path, port: int, heartbeat_floor_s: float, log_path: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "opsd",
+        "serve",
+        "--port",
+        str(port),
+        "--state-dir",
+        str(state),
+        "--token",
+        TOKEN,
+        "--heartbeat-floor-s",
+        str(heartbeat_floor_s),
+        "--log-level",
+        "WARNING",
+    ]
+    with log_path.open("wb") as out:
+        controller = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            if get_json(conn, "/healthz"):
+                conn.close()
+                return controller
+        except OSError:
+            pass
+        if time.monotonic() > deadline or controller.poll() is not None:
+            controller.kill()
+            raise RuntimeError(f"the controller did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
+def watch_for_loss(port: int, since_s: float, until_s: float) -> tuple[float, dict[str, Any] | None]:
+    """Poll the run's incidents from ``since_s`` until one is a failure; (when it was seen, the incident)."""
+    time.sleep(max(0.0, since_s - time.time()))
+    while time.time() < until_s:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=max(1.0, until_s - time.time()))
+        try:
+            for incident in get_json(conn, f"/v1/runs/{RUN}/incidents") or []:
+                if incident["kind"] != "straggler":
+                    return time.time(), incident
+        except OSError as exc:  # a controller too busy to answer in time
+            log.warning("polling the incidents: %s", exc)
+        finally:
+            conn.close()
+        time.sleep(POLL_S)
+    return float("inf"), None
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def final_status(port: int) -> dict[str, Any]:
+    try:
+        return get_json(http.client.HTTPConnection("127.0.0.1", port, timeout=30), f"/v1/runs/{RUN}") or {}
+    except OSError as exc:
+        log.warning("reading the run's status: %s", exc)
+        return {}
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.controller_scale", description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=3072)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--duration-s", type=float, default=30.0, help="the measured window")
+    p.add_argument("--warmup-s", type=float, default=15.0, help="heartbeats before the window (first contact)")
+    p.add_argument("--clients", type=int, default=2, help="load generator processes")
+    p.add_argument("--heartbeat-floor-s", type=float, default=3.0, help="the controller's --heartbeat-floor-s")
+    args = p.parse_args(argv)
+    if args.duration_s <= 0 or args.warmup_s < 0 or args.clients < 1:
+        p.error("--duration-s must be > 0, --warmup-s >= 0, --clients >= 1")
+
+    with tempfile.TemporaryDirectory(prefix="controller-scale-") as tmp:
+        port = free_port()
+        log_path = Path(tmp) / "controller.log"
+        controller = start_controller(Path(tmp) / "state", port, args.heartbeat_floor_s, log_path)
+        context = multiprocessing.get_context("spawn")
+        stop = context.Event()
+        results = context.Queue()
+        start_s = time.time() + 3.0  # the generators start and connect first
+        begin = start_s + args.warmup_s
+        plan = Plan(
+            host="127.0.0.1",
+            port=port,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            start_s=start_s,
+            window_s=(begin, begin + args.duration_s),
+            silent_node=args.nodes // 2,
+            silent_s=begin + max(0.0, args.duration_s - SILENT_BEFORE_END_S),
+        )
+        generators = [
+            context.Process(target=generate, args=(plan, part, args.clients, stop, results), daemon=True)
+            for part in range(args.clients)
+        ]
+        try:
+            for g in generators:
+                g.start()
+            time.sleep(max(0.0, begin - time.time()))
+            pids = [controller.pid] + [g.pid or 0 for g in generators]
+            cpu_before, machine_before, read_s = [cpu_s(pid) for pid in pids], machine_busy_s(), time.time()
+            seen_s, incident = watch_for_loss(port, plan.silent_s, plan.window_s[1] + 60)
+            time.sleep(max(0.0, plan.window_s[1] - time.time()))
+            cpu_after, machine_after = [cpu_s(pid) for pid in pids], machine_busy_s()
+            wall = time.time() - read_s
+            status, memory = final_status(port), rss_bytes(controller.pid)
+            stop.set()
+            tallies = [results.get(timeout=60) for _ in generators]
+            for g in generators:
+                g.join(timeout=30)
+        except Exception:
+            log.error("the controller's log ends with:\n%s", log_path.read_text()[-3000:])
+            raise
+        finally:
+            stop.set()
+            controller.terminate()
+            try:
+                controller.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                controller.kill()
+            for g in generators:
+                if g.is_alive():
+                    g.kill()
+
+    latencies: array.array[float] = array.array("d")
+    ok = errors = late = 0
+    silent_last_s = 0.0
+    for _, data, n_ok, n_errors, n_late, last_s in tallies:
+        latencies.frombytes(data)
+        ok, errors, late = ok + n_ok, errors + n_errors, late + n_late
+        silent_last_s = max(silent_last_s, last_s)
+    ordered = sorted(latencies)
+    window = plan.window_s[1] - plan.window_s[0]
+    shares = [(a - b) / wall for a, b in zip(cpu_after, cpu_before, strict=True)]
+    busy, stolen = ((machine_after[i] - machine_before[i]) / (machine_after[2] - machine_before[2]) for i in (0, 1))
+    silent = node_name(plan.silent_node)
+    found = incident is not None and (incident["kind"], incident["node"]) == ("heartbeat_loss", silent)
+    detect_s = seen_s - silent_last_s if found else float("inf")
+    ranks = args.nodes * args.gpus_per_node
+    print(
+        f"load: {args.nodes} nodes x {args.gpus_per_node} GPUs ({ranks} ranks), 1 heartbeat/s per node, "
+        f"{args.clients} load processes, window {window:.0f} s after {args.warmup_s:.0f} s of warm-up"
+    )
+    print(
+        f"answered: {ok} heartbeats ({ok / window:.0f}/s; asked: {args.nodes}/s, one node silent for the last "
+        f"{plan.window_s[1] - plan.silent_s:.0f} s), {errors} errors, {late} sent over 0.5 s late"
+    )
+    print(
+        f"latency: p50 {percentile(ordered, 0.5):.1f} ms, p99 {percentile(ordered, 0.99):.1f} ms, "
+        f"max {ordered[-1] if ordered else float('nan'):.1f} ms"
+    )
+    print(
+        f"CPU: controller {shares[0] * 100:.0f}% of a core, load generators "
+        f"{sum(shares[1:]) * 100:.0f}%, machine busy {busy * 100:.0f}% of {os.cpu_count()} cores (stolen by the "
+        f"hypervisor {stolen * 100:.0f}%); controller memory {memory / 2**20:.0f} MiB"
+    )
+    print(
+        f"status: {status.get('ranks')} ranks, step {status.get('step')}, "
+        f"stragglers {[s['rank'] for s in status.get('stragglers', [])]}"
+    )
+    if incident is not None and found:
+        print(
+            f"silent node {silent}: {incident['detail']}; the controller took "
+            f"{incident['detected_s'] - incident['failed_s']:.1f} s after its last heartbeat, seen "
+            f"{detect_s:.1f} s after"
+        )
+    else:
+        print(f"silent node {silent}: not detected; the incident: {incident}")
+    print(f"controller_cpu_ratio={shares[0]:.2f}")
+    print(f"heartbeats_per_s={ok / window:.0f}")
+    print(f"ingest_p99_ms={percentile(ordered, 0.99):.1f}")
+    print(f"silent_node_detect_s={detect_s:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""What the heartbeats say, kept in the controller's memory: nodes' liveness, ranks' progress and compute samples,
+and per run the sums a detection pass needs, kept as heartbeats arrive so that a pass does not go over every rank
+(24,576 at Llama 3 scale).
+
+Nothing here is durable: it is rebuilt within a few heartbeats after a restart. The controller guards it with its
+lock. Histories of numbers are ``Window``s, rings of doubles: millions of values, and nothing in them for the
+garbage collector to visit (Python floats in deques would be millions of references for each full collection to
+follow at 24,576 ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import overload
+
+from opsd.policy.detection import GpuEvent
+
+
+class Window(Sequence[float]):
+    """The last ``size`` values appended, oldest first."""
+
+    __slots__ = ("_count", "_next", "_values")
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("a window holds at least one value")
+        self._values = array("d", bytes(8 * size))
+        self._next = 0  # where the next value goes
+        self._count = 0
+
+    def append(self, value: float) -> None:
+        self.push(value)
+
+    def push(self, value: float) -> float | None:
+        """Append ``value``; the oldest value, when it falls out."""
+        out = self._values[self._next] if self._count == len(self._values) else None
+        self._values[self._next] = value
+        self._next = (self._next + 1) % len(self._values)
+        self._count = min(self._count + 1, len(self._values))
+        return out
+
+    def _ordered(self) -> array[float]:
+        if self._count < len(self._values):
+            return self._values[: self._count]
+        return self._values[self._next :] + self._values[: self._next]
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._ordered())
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[float]: ...
+    def __getitem__(self, index: int | slice) -> float | Sequence[float]:
+        return self._ordered()[index]
+
+    def __repr__(self) -> str:
+        return f"Window({list(self)})"
+
+
+class Ratios:
+    """Each rank's last ``size`` ratios to its peers, and how many of them are at least ``slow``: one array for all
+    ranks (a row per rank), so that adding a slot's 24,576 ratios is a few array stores each."""
+
+    def __init__(self, size: int, slow: float) -> None:
+        self.size, self.slow_ratio = size, slow
+        self.rows: dict[int, int] = {}  # rank -> its row
+        self.values = array("d")  # row * size + i: a ring per row
+        self.next = array("q")  # per row: where its next value goes
+        self.count = array("q")  # per row: values held
+        self.slow = array("q")  # per row: values held that are slow
+
+    def add(self, ranks: Sequence[int], ratios: Sequence[float | None]) -> None:
+        """Add each rank's ratio to its peers in a slot (None: it has none)."""
+        size, slow_ratio, rows, values = self.size, self.slow_ratio, self.rows, self.values
+        nexts, counts, slow = self.next, self.count, self.slow
+        for rank, ratio in zip(ranks, ratios, strict=True):
+            if ratio is None:
+                continue
+            row = rows.get(rank)
+            if row is None:
+                row = rows[rank] = len(rows)
+                values.extend(array("d", bytes(8 * size)))
+                nexts.append(0)
+                counts.append(0)
+                slow.append(0)
+            at = row * size + nexts[row]
+            if counts[row] == size:
+                slow[row] -= values[at] >= slow_ratio
+            else:
+                counts[row] += 1
+            values[at] = ratio
+            slow[row] += ratio >= slow_ratio
+            nexts[row] = (nexts[row] + 1) % size
+
+    def with_slow(self, at_least: float) -> list[int]:
+        """The ranks with at least this many slow ratios."""
+        slow = self.slow
+        return [rank for rank, row in self.rows.items() if slow[row] >= at_least]
+
+    def series(self, rank: int) -> list[float]:
+        """A rank's ratios, oldest first."""
+        row = self.rows[rank]
+        start, n, size = row * self.size, self.count[row], self.size
+        ring = self.values[start : start + size].tolist()
+        return ring[:n] if n < size else ring[self.next[row] :] + ring[: self.next[row]]
+
+
+class Samples:
+    """Compute samples of ranks in slots that ended, grouped as they come: slot -> stage -> (ranks, their mean
+    compute seconds per step). Numbers in lists: a slot's 24,576 samples are no objects to make, free, or follow for
+    the garbage collector (whose young generation grows by every such object freed), and no pass to group them."""
+
+    __slots__ = ("by_slot",)
+
+    def __init__(self) -> None:
+        self.by_slot: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
+
+    def add(self, slot: int, rank: int, stage: int, compute_s: float) -> None:
+        stages = self.by_slot.get(slot)
+        if stages is None:
+            stages = self.by_slot[slot] = {}
+        group = stages.get(stage)
+        if group is None:
+            group = stages[stage] = ([], [])
+        group[0].append(rank)
+        group[1].append(compute_s)
+
+
+@dataclass(slots=True)
+class RankLive:
+    rank: int
+    node: str
+    step: int
+    progress_s: float  # controller time when the step last advanced
+    step_times_s: Window
+    stage: int = 0  # pipeline stage (its ``pp`` coordinate)
+    sample_slot: int = -1  # the newest slot with compute samples, not taken yet:
+    sample_s: float = 0.0  # their compute seconds,
+    sample_steps: int = 0  # over this many steps
+    steps_total: int = -1  # the agent's running sums last seen (-1: none yet)
+    compute_total_s: float = 0.0
+    mfu_ratio: float = 0.0
+    job_tokens_per_s: float = 0.0
+    checkpoints: int = 0
+    checkpoint_blocking_s: float = 0.0
+    exit_code: int | None = None
+    timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
+
+
+@dataclass(slots=True)
+class NodeLive:
+    node: str
+    last_heartbeat_s: float
+    intervals_s: Window
+    events: dict[int, GpuEvent] = field(default_factory=dict)  # seq -> event not yet handled
+
+
+@dataclass
+class RunLive:
+    """The ranks of the current launch of a run, and what is kept over them as they change, so that a detection
+    pass does not go over every rank: their nodes, newest step and progress, checkpoint sums, the ranks that exited
+    or wait on a collective, and the compute samples of the slots that ended."""
+
+    step_times_s: Window  # the run's newest step times, of any rank: its median step time
+    ratios: Ratios  # each rank's last ratios to its peers
+    ranks: dict[int, RankLive] = field(default_factory=dict)
+    rank_nodes: dict[str, int] = field(default_factory=dict)  # node -> ranks of the run on it
+    newest_step: int = -1
+    latest_progress_s: float = -math.inf  # the newest progress (or start) of a rank
+    exited: set[int] = field(default_factory=set)  # ranks whose process ended
+    waiting: set[int] = field(default_factory=set)  # ranks that reported a collective timeout
+    checkpoints: int = 0  # the ranks' checkpoints, summed
+    checkpoint_blocking_s: float = 0.0  # and the seconds they blocked training
+    finished: Samples = field(default_factory=Samples)  # samples of ended slots, not taken yet
+    scored_slot: int | None = None  # samples of the slots up to this one are taken
+
+    def place(self, live: RankLive) -> None:
+        """``live`` is now the record of its rank (a new rank, or one that moved to another node)."""
+        old = self.ranks.get(live.rank)
+        if old is not None:
+            self.count_checkpoints(old, 0, 0.0)
+            self.rank_nodes[old.node] -= 1
+            if not self.rank_nodes[old.node]:
+                del self.rank_nodes[old.node]
+        self.ranks[live.rank] = live
+        self.rank_nodes[live.node] = self.rank_nodes.get(live.node, 0) + 1
+        self.latest_progress_s = max(self.latest_progress_s, live.progress_s)
+        self.exited.discard(live.rank)
+        self.waiting.discard(live.rank)
+
+    def count_checkpoints(self, live: RankLive, checkpoints: int, blocking_s: float) -> None:
+        self.checkpoints += checkpoints - live.checkpoints
+        self.checkpoint_blocking_s += blocking_s - live.checkpoint_blocking_s
+        live.checkpoints, live.checkpoint_blocking_s = checkpoints, blocking_s
+
+    def add_sample(self, live: RankLive, slot: int, compute_s: float, steps: int) -> None:
+        """Add ``steps`` steps of ``compute_s`` seconds in all to the rank's sums of ``slot``."""
+        if live.sample_steps and live.sample_slot != slot:  # a newer slot: the rank's sample of the last is final
+            self.finished.add(live.sample_slot, live.rank, live.stage, live.sample_s / live.sample_steps)
+            live.sample_steps = 0
+        if live.sample_steps:
+            live.sample_s += compute_s
+            live.sample_steps += steps
+        else:
+            live.sample_slot, live.sample_s, live.sample_steps = slot, compute_s, steps
+
+    def slot_ended(self, current_slot: int) -> bool:
+        """Whether a slot ended since the samples were last taken."""
+        return self.scored_slot is None or self.scored_slot < current_slot - 1
+
+    def take_samples(self, ranks: list[RankLive], current_slot: int) -> None:
+        """Move the samples of ``ranks`` in slots before ``current_slot`` to ``finished``."""
+        for r in ranks:
+            if r.sample_steps and r.sample_slot < current_slot:
+                self.finished.add(r.sample_slot, r.rank, r.stage, r.sample_s / r.sample_steps)
+                r.sample_steps = 0
