@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Debian packages the tests need (installed by `make test` when missing).
-DEBIAN_PACKAGES := prometheus postgresql
+DEBIAN_PACKAGES := prometheus postgresql chromium
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test lint typecheck pytest system-deps clean

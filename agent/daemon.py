@@ -23,9 +23,10 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
 from agent.gpu import open_source
 from agent.health import GpuHealth, GpuHealthCollector
-from agent.metrics import AgentCollector, AgentStats, ReporterCollector
+from agent.metrics import AgentCollector, AgentStats, FlightCollector, ReporterCollector
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
 from agent.tracing import Tracing
@@ -56,6 +57,7 @@ class AgentConfig:
     controller_token: str = ""
     heartbeat_interval_s: float = 1.0
     policy_path: str | None = None  # where the controller's policy is written for the ranks
+    flight_dir: str | None = None  # where the ranks write Flight Recorder dumps (sent with controller_url)
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -79,6 +81,8 @@ class AgentConfig:
         WatchWindow(self.xid_window_s, self.xid_threshold)  # validates them
         if self.controller_url is not None:
             self.reporter_config()  # validates the reporter's settings
+            if self.flight_dir:
+                self.flight_config()
 
     def reporter_config(self) -> ReporterConfig:
         if self.controller_url is None:
@@ -91,6 +95,11 @@ class AgentConfig:
             policy_path=self.policy_path,
         )
 
+    def flight_config(self) -> FlightUploaderConfig:
+        if self.controller_url is None or not self.flight_dir:
+            raise ValueError("agent.controller_url and agent.flight_dir must be set")
+        return FlightUploaderConfig(self.flight_dir, controller_base(self.controller_url), self.controller_token)
+
 
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
@@ -101,6 +110,8 @@ class Agent:
         self.registry.register(AgentCollector(self.state, self.stats, config.node))
         self.gpu: GpuHealth | None = None
         self.reporter: Reporter | None = None
+        self.flight: FlightUploader | None = None
+        self.registry.register(FlightCollector(lambda: self.flight, config.node))
         self.tracing: Tracing | None = None
         self._sock: socket.socket | None = None
         self._http: ThreadingHTTPServer | None = None
@@ -170,6 +181,9 @@ class Agent:
             self.reporter = Reporter(cfg.reporter_config(), cfg.node, self.state, self.gpu)
             self.registry.register(ReporterCollector(self.reporter, cfg.node))
             self.reporter.start()
+            if cfg.flight_dir:
+                self.flight = FlightUploader(cfg.flight_config(), cfg.node)
+                self.flight.start()
         path = self.config.socket_path
         if os.path.exists(path):
             os.unlink(path)  # a socket file left by an agent that died
@@ -193,6 +207,8 @@ class Agent:
         self._stopping.set()
         if self.reporter is not None:
             self.reporter.stop()
+        if self.flight is not None:
+            self.flight.stop()
         if self.gpu is not None:
             self.gpu.stop()
         if self.tracing is not None:

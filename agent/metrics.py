@@ -7,11 +7,12 @@ makes forgetting a stale rank remove its series.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.flight import FlightUploader
 from agent.reporter import Reporter
 from agent.state import NodeState, RankSnapshot
 from opsd.wire import REASONS
@@ -25,6 +26,7 @@ _LAST_STEP_GAUGES = {
     "step_s": ("opsd_step_seconds", "Duration of the rank's last step."),
     "compute_s": ("opsd_step_compute_seconds", "Last step's time not blocked in collectives (step - exposed)."),
     "exposed_comm_s": ("opsd_step_exposed_comm_seconds", "Last step's time blocked waiting for collectives."),
+    "overlapped_comm_s": ("opsd_step_overlapped_comm_seconds", "Last step's collective time that did not block."),
     "tokens_per_s": ("opsd_tokens_per_second", "Tokens per second of the rank's data-parallel shard, last step."),
     "job_tokens_per_s": ("opsd_job_tokens_per_second", "Tokens per second of the whole job, seen from the rank."),
     "mfu_ratio": ("opsd_mfu_ratio", "Model FLOPs utilisation of the job seen from the rank, last step (0-1)."),
@@ -79,6 +81,7 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
         labels=[*RANK, "host", *MESH_DIMENSIONS],
     )
     gauges = {f: GaugeMetricFamily(name, text, labels=RANK) for f, (name, text) in _LAST_STEP_GAUGES.items()}
+    loss = GaugeMetricFamily("opsd_loss", "Training loss of the rank's last step (when it reported one).", labels=RANK)
     memory = GaugeMetricFamily("opsd_memory_bytes", "Memory of the rank's last step, by kind.", labels=[*RANK, "kind"])
     seen = GaugeMetricFamily(
         "opsd_rank_last_report_timestamp_seconds", "When the agent last heard from the rank.", labels=RANK
@@ -103,6 +106,8 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
         info.add_metric([*labels, r.host, *(str(r.coords.get(d, 0)) for d in MESH_DIMENSIONS)], 1)
         for f, gauge in gauges.items():
             gauge.add_metric(labels, float(getattr(r.last, f)))
+        if r.last.loss is not None:
+            loss.add_metric(labels, r.last.loss)
         for kind, value in sorted(r.last.memory.items()):
             memory.add_metric([*labels, kind.removesuffix("_bytes")], float(value))
         seen.add_metric(labels, r.last_seen_s)
@@ -123,7 +128,7 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             comm_n.add_metric([*labels, dim, op], totals.count)
     yield info
     yield from gauges.values()
-    yield from (memory, seen, steps, tokens, dropped, errors, comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
+    yield from (loss, memory, seen, steps, tokens, dropped, errors, comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
 
 
 class ReporterCollector(Collector):
@@ -153,3 +158,24 @@ class ReporterCollector(Collector):
         )
         pending.add_metric([self.node], len(r.gpu.pending_events()) if r.gpu else 0)
         yield pending
+
+
+class FlightCollector(Collector):
+    """Flight Recorder dumps sent to the controller, by result (``agent.flight``); zeros while no uploader runs
+    (no ``--flight-dir`` or no ``--controller-url``)."""
+
+    def __init__(self, uploader: Callable[[], FlightUploader | None], node: str) -> None:
+        self.uploader = uploader
+        self.node = node
+
+    def collect(self) -> Iterator[Metric]:
+        u = self.uploader()
+        dumps = CounterMetricFamily(
+            "opsd_agent_flight_dumps",
+            "Flight Recorder dumps of the node's ranks: delivered (ok), failed attempts (error), skipped (too_large).",
+            labels=["node", "result"],
+        )
+        counts = (u.ok, u.errors, u.too_large) if u is not None else (0, 0, 0)
+        for result, n in zip(("ok", "error", "too_large"), counts, strict=True):
+            dumps.add_metric([self.node, result], n)
+        yield dumps

@@ -2,7 +2,8 @@
 
 About every ``interval_s`` the agent POSTs one JSON heartbeat (``docs/protocol.md``, "agent -> controller") with
 the node's identity, the ranks it has heard from and their last step, the GPU health events the controller has
-not acknowledged, and the summaries buffered since the last delivery, with ``Authorization: Bearer <token>``.
+not acknowledged, the summaries buffered since the last delivery, and each run's collective totals on the node
+(cumulative, by phase, dimension and op: the controller's flame graph), with ``Authorization: Bearer <token>``.
 
 - Failures (connection refused, timeout, non-2xx) are retried at the next tick after an exponential backoff with
   jitter (``backoff_s``), capped at ``max_backoff_s``.
@@ -135,6 +136,7 @@ class Reporter:
             "timeouts": timeouts,
             "summaries": list(self.summaries),
             "summaries_dropped_total": self.summaries_dropped,
+            "comms": [[c.run, c.phase, c.dimension, c.op, c.seconds, c.count, c.bytes] for c in self.state.run_comms()],
         }
 
     # -- sending -----------------------------------------------------------------------------------------------

@@ -5,16 +5,24 @@ totals here are sums of those, so they only ever grow (Prometheus counters). Ser
 ``max_comm_series`` (dimension, op) pairs per rank, the last of which is ``("other", "other")`` where the pairs
 past the budget are added up; a rank
 not heard from for ``stale_after_s`` is forgotten.
+
+Per run, the collectives of all its ranks on the node are also summed by (phase, dimension, op), for the
+controller's flame graph: cumulative since the agent started, capped the same way at ``max_comm_series`` times
+the number of phases, the last being ``("other", "other", "other")``; forgotten with the run's last rank. A
+dimension or op that is not a plain label (letters, digits, ``_.-``, at most 64) is counted as ``other``.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field, replace
 
-from opsd.wire import StepReport, TimeoutReport
+from opsd.wire import PHASES, StepReport, TimeoutReport
 
 OVERFLOW = ("other", "other")
+RUN_OVERFLOW = ("other", "other", "other")
+_LABEL = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass
@@ -22,6 +30,19 @@ class CommTotals:
     count: int = 0
     bytes: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunComms:
+    """A run's collectives on this node, summed over its ranks since the agent started."""
+
+    run: str
+    phase: str
+    dimension: str
+    op: str
+    seconds: float
+    count: int
+    bytes: int
 
 
 @dataclass
@@ -68,8 +89,10 @@ class NodeState:
         if stale_after_s <= 0:
             raise ValueError("state.stale_after_s must be > 0")
         self.max_comm_series = max_comm_series
+        self.max_run_comm_series = max_comm_series * len(PHASES)
         self.stale_after_s = stale_after_s
         self._ranks: dict[tuple[str, int], RankState] = {}
+        self._run_comms: dict[str, dict[tuple[str, str, str], CommTotals]] = {}  # run -> (phase, dim, op) -> totals
         self._timeouts: dict[tuple[str, int], TimeoutReport] = {}  # cleared by the rank's next step report
         self._lock = threading.Lock()
 
@@ -105,11 +128,20 @@ class NodeState:
                 c.staging_s += ckpt.staging_s
                 c.total_s += ckpt.total_s
                 c.bytes += ckpt.bytes
-            for dim, op, count, nbytes, seconds in report.comms:
+            run_comms = self._run_comms.setdefault(report.run, {}) if report.comms else {}
+            for entry in report.comms:
+                dim, op, count, nbytes, seconds = entry.dimension, entry.op, entry.count, entry.bytes, entry.seconds
                 pair = (dim, op)
                 if pair not in state.comms and len(state.comms) >= self.max_comm_series - 1:
                     pair = OVERFLOW  # the last of the budget
                 totals = state.comms.setdefault(pair, CommTotals())
+                totals.count += count
+                totals.bytes += nbytes
+                totals.seconds += seconds
+                stack: tuple[str, str, str] = (entry.phase, _label(dim), _label(op))
+                if stack not in run_comms and len(run_comms) >= self.max_run_comm_series - 1:
+                    stack = RUN_OVERFLOW  # the last of the budget
+                totals = run_comms.setdefault(stack, CommTotals())
                 totals.count += count
                 totals.bytes += nbytes
                 totals.seconds += seconds
@@ -121,7 +153,20 @@ class NodeState:
             for k in gone:
                 del self._ranks[k]
                 self._timeouts.pop(k, None)
+            if gone:
+                running = {run for run, _ in self._ranks}
+                for run in [r for r in self._run_comms if r not in running]:
+                    del self._run_comms[run]
         return gone
+
+    def run_comms(self) -> list[RunComms]:
+        """Every run's collective totals on this node by (phase, dimension, op), ordered."""
+        with self._lock:
+            return [
+                RunComms(run, phase, dim, op, t.seconds, t.count, t.bytes)
+                for run, totals in sorted(self._run_comms.items())
+                for (phase, dim, op), t in sorted(totals.items())
+            ]
 
     def snapshot(self) -> list[RankSnapshot]:
         """A consistent copy of every rank's state, ordered by (run, rank)."""
@@ -142,3 +187,7 @@ class NodeState:
                 )
                 for _, s in sorted(self._ranks.items())
             ]
+
+
+def _label(name: str) -> str:
+    return name if _LABEL.fullmatch(name) else "other"

@@ -5,7 +5,8 @@ simulated agents in ``--clients`` processes: one per node, 3,072 nodes x 8 GPUs 
 sending one heartbeat a second on a keep-alive connection of its own, the nodes' phases spread evenly over the
 second. A heartbeat is what ``opsd agent`` sends (``docs/protocol.md``): the node's 8 ranks with their step
 advancing every 0.5 s, ``step_s``, ``compute_s``, the running sums ``steps_total`` and ``compute_total_s``,
-checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest), and one node summary; one rank computes
+checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest), one node summary, and the node's
+collective time by phase, dimension and op (18 rows, for the flame graph); one rank computes
 1.3x slower than its peers. The load generators are cheap (asyncio streams writing HTTP/1.1 requests formatted
 from templates), so that the controller gets most of a core.
 
@@ -53,6 +54,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 RUN = "bench"
+COMMS = [  # (phase, dimension, op, share of the step): 3 phases x 6 pairs
+    (phase, dim, op, 0.01)
+    for phase in ("forward", "backward", "optimizer")
+    for dim, op in (
+        ("dp_shard", "all_gather"),
+        ("dp_shard", "reduce_scatter"),
+        ("tp", "all_reduce"),
+        ("pp", "send"),
+        ("pp", "recv"),
+        ("dp_replicate", "all_reduce"),
+    )
+]
 TOKEN = "bench-token"
 STEP_S = 0.5  # the simulated job's step time
 COMPUTE_S = 0.45  # its compute time per step (the rest: exposed communication)
@@ -148,9 +161,13 @@ class SimulatedAgent:
             f'{{"time_unix_s":{now_s:.3f},"ranks":{len(entries)},"step_s_max":{step_s_max:.4f},'
             f'"step_s_mean":{STEP_S:.4f},"mfu_ratio_mean":0.41}}'
         )
+        comms = ",".join(  # the node's collective time by phase, dimension and op, cumulative (18 rows)
+            f'["{RUN}","{phase}","{dim}","{op}",{step * share * STEP_S * len(self.templates):.4f},{step},{step << 20}]'
+            for phase, dim, op, share in COMMS
+        )
         body = (
             f'{{"v":1,"node":"{self.name}","time_unix_s":{now_s:.3f},"ranks":[{",".join(entries)}],'
-            f'"events":[],"timeouts":[],"summaries":[{summary}],"summaries_dropped_total":0}}'
+            f'"events":[],"timeouts":[],"summaries":[{summary}],"summaries_dropped_total":0,"comms":[{comms}]}}'
         ).encode()
         return (self.head % len(body)).encode() + body
 

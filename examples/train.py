@@ -370,9 +370,12 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             inputs, targets = local_batch(model, *data.next_batch(), device)
             with monitor.step(tokens=model.local_tokens * spec.cp) if monitor else contextlib.nullcontext():
                 local = model.forward_backward(inputs, targets)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
+                if monitor is not None and local is not None:
+                    monitor.record_loss(local)  # this rank's shard of the batch: no collective in the step
+                with monitor.phase("optimizer") if monitor else contextlib.nullcontext():
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
             losses.append(global_loss(local, spec, device))
             if rank0:
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)

@@ -11,22 +11,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
 from opsd.controller import Controller
-from opsd.errors import PermanentError, TransientError
+from opsd.controller_metrics import ApiStats, ControllerCollector
+from opsd.errors import OpsError, PermanentError, TransientError
+from opsd.flamegraph import fold, to_folded
+from opsd.flight_api import flight_router
 from opsd.ingest import OPENAPI_PATH, PATH, SCHEMAS, HeartbeatEndpoint, token_ok
 from opsd.local import LocalBackend
+from opsd.views import cadence_view, checkpoints_view, postmortem_bundle, spares_view
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ class CordonIn(Strict):
     reason: Annotated[str, Field(min_length=1, max_length=1000)]
 
 
+class RestartIn(Strict):
+    reason: Annotated[str, Field(min_length=1, max_length=1000)]
+
+
 class InjectIn(Strict):
     fault: Literal["xid", "kill", "hang", "slow"]
     node: Annotated[str, Field(max_length=200)] = ""
@@ -46,15 +52,6 @@ class InjectIn(Strict):
     xid: Annotated[int, Field(ge=0)] = 79
     rank: Annotated[int, Field(ge=0)] = 0
     factor: Annotated[float, Field(gt=1, le=100)] = 1.3
-
-
-class ApiStats:
-    def __init__(self) -> None:
-        self.rejected: dict[str, int] = {}
-        self.requests = 0
-
-    def reject(self, reason: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
 
 def create_app(controller: Controller, token: str, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -82,6 +79,8 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     async def unavailable(request: Request, exc: TransientError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(int(exc.retry_after_s))})
 
+    app.include_router(flight_router(controller, authorized, stats.reject, clock))
+
     @app.get("/v1/runs")
     def runs() -> list[dict[str, Any]]:
         return controller.store.runs()
@@ -104,6 +103,45 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         if controller.store.run(run) is None:
             raise HTTPException(404, f"no run {run!r}")
         return [a.__dict__ for a in controller.store.actions(run=run)]
+
+    @app.get("/v1/runs/{run}/flamegraph", response_class=PlainTextResponse)
+    def flamegraph(run: str) -> PlainTextResponse:
+        """The run's time in collectives as folded stacks, summed over its nodes (docs/flamegraph.md)."""
+        if controller.store.run(run) is None:
+            raise HTTPException(404, f"no run {run!r}")
+        stacks = fold((*stack, seconds) for stack, seconds in controller.comm_seconds(run).items())
+        return PlainTextResponse(to_folded(stacks))
+
+    @app.get("/v1/incidents")
+    def all_incidents() -> list[dict[str, Any]]:
+        return controller.store.incidents()
+
+    @app.post("/v1/runs/{run}/restart", dependencies=[Depends(authorized)])
+    def restart(run: str, body: RestartIn) -> dict[str, Any]:
+        """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
+        that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
+        if controller.store.run(run) is None:
+            raise HTTPException(404, f"no run {run!r}")
+        try:
+            return controller.request_restart(run, body.reason, clock())
+        except PermanentError as exc:
+            raise HTTPException(409, str(exc)) from None
+
+    @app.get("/v1/runs/{run}/checkpoints")
+    def checkpoints(run: str) -> dict[str, Any]:
+        return _read(lambda: checkpoints_view(controller, run))
+
+    @app.get("/v1/runs/{run}/cadence")
+    def cadence(run: str) -> dict[str, Any]:
+        return _read(lambda: cadence_view(controller, run, clock()))
+
+    @app.get("/v1/runs/{run}/postmortem")
+    def postmortem(run: str) -> dict[str, Any]:
+        return _read(lambda: postmortem_bundle(controller, run, clock()))
+
+    @app.get("/v1/spares")
+    def spares() -> dict[str, Any]:
+        return spares_view(controller, clock())
 
     @app.get("/v1/nodes")
     def nodes() -> list[dict[str, Any]]:
@@ -168,61 +206,11 @@ def _set_role(controller: Controller, node: str, role: str, reason: str, now_s: 
     return found
 
 
-class ControllerCollector(Collector):
-    """Run-level metrics, computed at scrape time from the controller's state (docs/metrics.md)."""
-
-    def __init__(self, controller: Controller, stats: ApiStats, clock: Callable[[], float]) -> None:
-        self.controller = controller
-        self.stats = stats
-        self.clock = clock
-
-    def collect(self) -> Iterable[Metric]:
-        now = self.clock()
-        run_labels = ["run"]
-        gauges = {
-            "mfu_ratio": GaugeMetricFamily(
-                "opsd_run_mfu_ratio", "Job MFU (mean of the ranks' last steps).", labels=run_labels
-            ),
-            "tokens_per_s": GaugeMetricFamily(
-                "opsd_run_tokens_per_second", "Job tokens per second.", labels=run_labels
-            ),
-            "step": GaugeMetricFamily("opsd_run_step", "The run's newest step.", labels=run_labels),
-            "ettr": GaugeMetricFamily(
-                "opsd_run_ettr_ratio", "Effective training time ratio so far.", labels=run_labels
-            ),
-            "spares_available": GaugeMetricFamily(
-                "opsd_run_spares_available", "Healthy spare nodes of the run.", labels=run_labels
-            ),
-        }
-        mtbf = GaugeMetricFamily("opsd_run_mtbf_seconds", "The run's MTBF estimate.", labels=run_labels)
-        every = GaugeMetricFamily(
-            "opsd_run_checkpoint_interval_steps", "Published checkpoint cadence.", labels=run_labels
-        )
-        stragglers = GaugeMetricFamily("opsd_run_stragglers", "Ranks flagged as stragglers now.", labels=run_labels)
-        incidents = CounterMetricFamily("opsd_run_incidents", "Incidents by cause.", labels=["run", "cause"])
-        for run in self.controller.store.runs():
-            status = self.controller.status(run["id"], now)
-            if status is None:
-                continue
-            for key, family in gauges.items():
-                family.add_metric([run["id"]], float(status[key]))
-            if status["mtbf_s"] is not None:
-                mtbf.add_metric([run["id"]], float(status["mtbf_s"]))
-            if status["cadence"] is not None:
-                every.add_metric([run["id"]], float(status["cadence"]["every_steps"]))
-            stragglers.add_metric([run["id"]], float(len(status["stragglers"])))
-            causes: dict[str, int] = {}
-            for i in self.controller.store.incidents(run["id"]):
-                causes[i["kind"]] = causes.get(i["kind"], 0) + 1
-            for cause, n in sorted(causes.items()):
-                incidents.add_metric([run["id"], cause], n)
-        heartbeats = self.controller.heartbeats_total
-        yield from gauges.values()
-        yield from (mtbf, every, stragglers, incidents)
-        yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=heartbeats)
-        rejected = CounterMetricFamily(
-            "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]
-        )
-        for reason in ("auth", "validation"):
-            rejected.add_metric([reason], self.stats.rejected.get(reason, 0))
-        yield rejected
+def _read(view: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A read view's answer: 404 for an unknown run, 503 when a store it reads is unavailable."""
+    try:
+        return view()
+    except PermanentError as exc:
+        raise HTTPException(404 if str(exc).startswith("no run") else 400, str(exc)) from None
+    except OpsError as exc:
+        raise HTTPException(503, str(exc)) from None

@@ -13,11 +13,18 @@ from typing import Any
 import typer
 
 from opsd import __version__
+from opsd.cli_dashboards import dashboards_app
+from opsd.cli_ops import STATE, TOKEN, URL, call, client, register
 from opsd.errors import OpsError
 
 app = typer.Typer(
     name="opsd",
     help="Operations and observability for long distributed PyTorch training runs.",
+    epilog=(
+        "Exit codes: 0 done; 1 the controller refused, failed or could not be reached (reason on stderr);"
+        " 2 a bad command line or config file; 3 restart --wait gave up waiting. `opsd run` exits 1 unless the run"
+        " completed, `opsd plan` 1 when the layout does not fit."
+    ),
     no_args_is_help=True,
     add_completion=False,
 )
@@ -49,6 +56,9 @@ def agent(
     controller_token: str = typer.Option("", envvar="OPSD_CONTROLLER_TOKEN", help="bearer token for the controller"),
     heartbeat_interval_s: float = typer.Option(1.0, help="seconds between heartbeats"),
     policy_file: str = typer.Option("", envvar="OPSD_POLICY_FILE", help="where the ranks read the controller's policy"),
+    flight_dir: str = typer.Option(
+        "", envvar="OPSD_FLIGHT_DIR", help="where the ranks write Flight Recorder dumps (sent to the controller)"
+    ),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run the node agent: rank reports in, Prometheus metrics out."""
@@ -68,6 +78,7 @@ def agent(
             controller_token=controller_token,
             heartbeat_interval_s=heartbeat_interval_s,
             policy_path=policy_file or None,
+            flight_dir=flight_dir or None,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -199,20 +210,11 @@ inject_app = typer.Typer(help="Inject a fault into a run of `opsd run` (local mo
 app.add_typer(inject_app, name="inject")
 
 
-def _inject(run: str, url: str, token: str, state_dir: str, body: dict[str, object]) -> None:
-    from opsd.client import ApiClient
-
-    try:
-        reply = ApiClient(url, token or None, state_dir).post(f"/v1/runs/{run}/inject", body)
-    except OpsError as exc:
-        typer.echo(f"opsd inject: {exc}", err=True)
-        raise typer.Exit(1) from None
+def _inject(run: str, url: str | None, token: str | None, state_dir: str, body: dict[str, object]) -> None:
+    reply = call(client(url, token, state_dir, None), "POST", f"/v1/runs/{run}/inject", body)
     typer.echo(reply["injected"])
 
 
-URL = typer.Option("http://127.0.0.1:8470", "--url", envvar="OPSD_URL", help="the controller")
-TOKEN = typer.Option("", "--token", envvar="OPSD_TOKEN", help="bearer token (default: STATE_DIR/token)")
-STATE = typer.Option(".opsd", "--state-dir", envvar="OPSD_STATE_DIR", help="where the token file is")
 RUN = typer.Option("run", "--run", help="the run")
 
 
@@ -265,80 +267,6 @@ def inject_slow(
 ) -> None:
     """Slow a rank down by a factor (SIGSTOP/SIGCONT duty cycle)."""
     _inject(run, url, token, state_dir, {"fault": "slow", "rank": rank, "factor": factor})
-
-
-@app.command()
-def status(
-    run: str = typer.Argument(..., help="the run"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-    url: str = URL,
-    token: str = TOKEN,
-    state_dir: str = STATE,
-) -> None:
-    """A run's state: step, MFU, tokens/s, ETTR, cadence, nodes, spares, stragglers. Exit 1: no such run or no
-    controller."""
-    from rich.console import Console
-    from rich.table import Table
-
-    body = _get(url, token, state_dir, f"/v1/runs/{run}")
-    if as_json:
-        typer.echo(json.dumps(body))
-        return
-    table = Table(title=f"run {run}", show_header=False)
-    cadence = body["cadence"]
-    rows = [
-        ("state", f"{body['state']} (launch {body['generation']})"),
-        ("step", str(body["step"])),
-        ("ranks", str(body["ranks"])),
-        ("MFU", f"{body['mfu_ratio']:.3f}"),
-        ("tokens/s", f"{body['tokens_per_s']:.0f}"),
-        ("ETTR", f"{body['ettr']:.3f}"),
-        ("checkpoint cadence", f"every {cadence['every_steps']} steps from {cadence['from_step']}" if cadence else "-"),
-        ("nodes", ", ".join(f"{n['name']} ({n['role']})" for n in body["nodes"]) or "-"),
-        ("spares available", str(body["spares_available"])),
-        ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
-        ("open incidents", str(body["open_incidents"])),
-    ]
-    for key, value in rows:
-        table.add_row(key, value)
-    Console().print(table)
-
-
-@app.command()
-def incidents(
-    run: str = typer.Argument(..., help="the run"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-    url: str = URL,
-    token: str = TOKEN,
-    state_dir: str = STATE,
-) -> None:
-    """A run's incidents, oldest first. Exit 1: no such run or no controller."""
-    from rich.console import Console
-    from rich.table import Table
-
-    body = _get(url, token, state_dir, f"/v1/runs/{run}/incidents")
-    if as_json:
-        typer.echo(json.dumps(body))
-        return
-    table = Table(title=f"incidents of {run}")
-    columns = ("id", "kind", "node", "rank", "state", "detected after s", "recovered after s", "lost steps")
-    for column in columns:
-        table.add_column(column, no_wrap=True)
-    table.add_column("detail", overflow="fold")
-    for i in body:
-        recovered = f"{i['resumed_s'] - i['detected_s']:.1f}" if i["resumed_s"] else "-"
-        table.add_row(
-            str(i["id"]),
-            i["kind"],
-            i["node"],
-            "-" if i["rank"] is None else str(i["rank"]),
-            i["state"],
-            f"{i['detected_s'] - i['failed_s']:.1f}",
-            recovered,
-            "-" if i["lost_steps"] is None else str(i["lost_steps"]),
-            i["detail"],
-        )
-    Console().print(table)
 
 
 @app.command()
@@ -495,11 +423,5 @@ def _non_negative_int(text: str, name: str) -> int:
     return value
 
 
-def _get(url: str, token: str, state_dir: str, path: str) -> Any:
-    from opsd.client import ApiClient
-
-    try:
-        return ApiClient(url, token or None, state_dir).get(path)
-    except OpsError as exc:
-        typer.echo(f"opsd: {exc}", err=True)
-        raise typer.Exit(1) from None
+register(app)
+app.add_typer(dashboards_app, name="dashboards")

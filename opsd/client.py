@@ -20,12 +20,16 @@ class ApiClient:
         self.timeout_s = timeout_s
 
     def get(self, path: str) -> Any:
-        return self._call("GET", path, None)
+        return json.loads(self._call("GET", path, None) or b"null")
+
+    def get_text(self, path: str) -> str:
+        """A ``text/plain`` answer (the flame graph's folded stacks)."""
+        return self._call("GET", path, None).decode()
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        return self._call("POST", path, body)
+        return json.loads(self._call("POST", path, body) or b"null")
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> bytes:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -33,7 +37,8 @@ class ApiClient:
         request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read() or b"null")
+                answer: bytes = response.read()
+                return answer
         except urllib.error.HTTPError as exc:
             try:
                 detail = json.loads(exc.read()).get("detail", "")

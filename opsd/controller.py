@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from opsd.live import NodeLive, RankLive, Ratios, RunLive, Samples, Window
+from opsd.errors import PermanentError
+from opsd.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Samples, Window
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
 from opsd.policy.detection import (
     CollectiveTimeout,
@@ -36,6 +37,7 @@ from opsd.store import Store
 log = logging.getLogger(__name__)
 
 ACTIONABLE_EVENTS = ("cordon_and_swap", "restart_job")
+XID_CLOCK_SLACK_S = 60.0  # an XID's failure time is its event time, but no earlier than this before detection
 # a slot's scoring goes by parts of this many ranks (a millisecond or so of work), each followed by a pause that
 # leaves the interpreter to the API's thread (which waits for it after every socket call while another computes)
 PART, PAUSE_S = 1024, 0.004
@@ -49,12 +51,24 @@ class ControllerConfig:
     sample_slot_s: float = 2.0  # compute samples of ranks are compared within slots of this length
     history: int = 64  # heartbeat intervals and step times kept per node / rank
     run_history: int = 4096  # step times kept per run, of any rank: its median step time is theirs
+    restart_lead_s: float = 5.0  # a graceful restart's checkpoint is asked for this far ahead of the newest step
+    restart_min_lead_steps: int = 3
+    restart_checkpoint_wait_s: float = 120.0  # how long a graceful restart waits for its checkpoint to commit
+    spare_window_h: float = 24.0  # how long a failed node stays out (repair): the spare pool covers this window
+    spare_risk: float = 0.01  # accepted chance that more nodes fail within the window than there are spares
+    flight_wait_s: float = 10.0  # how long a hang's recovery waits for the ranks' Flight Recorder dumps
 
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:
             raise ValueError("controller.sample_slot_s must be > 0")
         if self.history < 2 or self.run_history < 2:
             raise ValueError("controller.history and controller.run_history must be >= 2")
+        if self.restart_lead_s < 0 or self.restart_min_lead_steps < 1 or self.restart_checkpoint_wait_s < 0:
+            raise ValueError("controller.restart_lead_s, restart_checkpoint_wait_s must be >= 0, min lead steps >= 1")
+        if self.flight_wait_s < 0:
+            raise ValueError("controller.flight_wait_s must be >= 0")
+        if self.spare_window_h <= 0 or not 0 < self.spare_risk < 1:
+            raise ValueError("controller.spare_window_h must be > 0 and controller.spare_risk between 0 and 1")
 
 
 class Backend(Protocol):
@@ -89,6 +103,11 @@ class Controller:
         self.heartbeats_total = 0
         self.launched_s: dict[str, float] = {}  # run -> when its current launch started
         self.known_runs: set[str] = set()  # runs the store has (recorded once, not at every heartbeat)
+        self.checkpoint_at: dict[str, int] = {}  # run -> a one-off checkpoint step asked for (a graceful restart)
+        self.commands: dict[str, list[dict[str, Any]]] = {}  # run -> commands for its ranks (docs/protocol.md)
+        self.progressed_s: dict[str, float] = {}  # run -> when its newest step last advanced
+        self.checkpointed_s: dict[str, float] = {}  # run -> when every rank had finished one more checkpoint
+        self.comms: dict[str, RunComms] = {}  # run -> its collective seconds per node and stack (the flame graph)
 
     @property
     def ranks(self) -> dict[str, dict[int, RankLive]]:
@@ -131,25 +150,74 @@ class Controller:
                 live.last_heartbeat_s = now_s
             for e in events:
                 if int(e["seq"]) > acked and e["action"] in ACTIONABLE_EVENTS:
-                    live.events.setdefault(int(e["seq"]), GpuEvent(node, e["gpu"], e["xid"], e["action"], e["reason"]))
+                    live.events.setdefault(
+                        int(e["seq"]), GpuEvent(node, e["gpu"], e["xid"], e["action"], e["reason"], e.get("time_s"))
+                    )
             for r in body.get("ranks", []):
                 self._rank(r, node, now_s)
             for t in body.get("timeouts", []):
                 self._timeout(t, node)
+            if body.get("comms"):
+                self._comms(body["comms"], node)
             # events that need no action are acknowledged at once; the others once their incident is recorded
             newest = max((int(e["seq"]) for e in events), default=acked)
             ack = min(live.events) - 1 if live.events else max(acked, newest)
             reply: dict[str, Any] = {"ack_events_up_to": ack}
-            if run_of_node in self.cadences:
-                c = self.cadences[run_of_node]
-                checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
-                if run_of_node in self.previous_cadences:
-                    p = self.previous_cadences[run_of_node]
-                    checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
-                reply["policy"] = {"checkpoint": checkpoint}
+            policy = self._policy(run_of_node) if run_of_node is not None else {}
+            if policy:
+                reply["policy"] = policy
         if ack > acked:
             self.store.ack_events(node, ack, now_s)
         return reply
+
+    def _policy(self, run: str) -> dict[str, Any]:
+        """The policy for the ranks of ``run`` (docs/protocol.md); called with the lock held."""
+        policy: dict[str, Any] = {}
+        if run in self.cadences:
+            c = self.cadences[run]
+            checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
+            if run in self.previous_cadences:
+                p = self.previous_cadences[run]
+                checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
+            policy["checkpoint"] = checkpoint
+        if run in self.checkpoint_at:
+            policy["checkpoint_at_step"] = self.checkpoint_at[run]
+        if run in self.commands:  # once a run had one, an empty list: agents then rewrite a file that held one
+            policy["commands"] = list(self.commands[run])
+        return policy
+
+    def add_command(self, run: str, command: dict[str, Any]) -> None:
+        """Put ``command`` (``{"id", "name"[, "ranks"]}``) in the policy of ``run``'s ranks, once per id."""
+        with self.lock:
+            commands = self.commands.setdefault(run, [])
+            if all(c["id"] != command["id"] for c in commands):
+                commands.append(dict(command))
+
+    def remove_command(self, run: str, command_id: str) -> None:
+        with self.lock:
+            self.commands[run] = [c for c in self.commands.get(run, []) if c["id"] != command_id]
+
+    def _comms(self, rows: list[list[Any]], node: str) -> None:
+        """A node's collective totals per run (cumulative): they replace its last ones; runs the store does not
+        have are ignored (memory holds real runs only)."""
+        runs = {row[0] for row in rows}
+        by_run: dict[str, list[list[Any]]] = {runs.pop(): rows} if len(runs) == 1 else {}
+        if not by_run:
+            for row in rows:
+                by_run.setdefault(row[0], []).append(row)
+        for run, of_run in by_run.items():
+            if run in self.known_runs:
+                held = self.comms.get(run)
+                if held is None:
+                    held = self.comms[run] = RunComms()
+                held.update(node, of_run)
+
+    def comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
+        """The run's collective seconds by (phase, dimension, op), summed over its nodes since their agents
+        started (docs/flamegraph.md)."""
+        with self.lock:
+            held = self.comms.get(run)
+            return held.totals() if held is not None else {}
 
     def heartbeat_writes(self, body: dict[str, Any]) -> bool:
         """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);
@@ -192,7 +260,12 @@ class Controller:
             run_live.latest_progress_s = max(run_live.latest_progress_s, now_s)
         live.mfu_ratio = float(r.get("mfu_ratio", 0.0))
         live.job_tokens_per_s = float(r.get("job_tokens_per_s", 0.0))
-        run_live.count_checkpoints(live, int(r.get("checkpoints", 0)), float(r.get("checkpoint_blocking_s", 0.0)))
+        checkpoints = int(r.get("checkpoints", 0))
+        if checkpoints != live.checkpoints:
+            run_live.count_checkpoints(live, checkpoints, float(r.get("checkpoint_blocking_s", 0.0)))
+            if run_live.checkpoints >= len(run_live.ranks) * (run_live.checkpoints_done + 1):
+                run_live.checkpoints_done = run_live.checkpoints // len(run_live.ranks)
+                self.checkpointed_s[run] = now_s  # the last rank finished its save: the checkpoint is committed
 
     def _timeout(self, t: dict[str, Any], node: str) -> None:
         run, rank = str(t["run"]), int(t["rank"])
@@ -354,12 +427,68 @@ class Controller:
                 )
         if newest > int(run["last_step"]):
             self.store.update_run(run["id"], now_s, last_step=newest)
+            self.progressed_s[run["id"]] = now_s
+
+    def request_restart(self, run_id: str, reason: str, now_s: float) -> dict[str, Any]:
+        """An operator's restart of every rank of a running run: recorded as a ``manual_restart`` incident and
+        carried out by the backend (a checkpoint first, when the ranks are progressing). Raises ``PermanentError``
+        when the run is unknown or not running, or a recovery is under way."""
+        run = self.store.run(run_id)
+        if run is None:
+            raise PermanentError(f"no run {run_id!r}")
+        if self.backend is None:
+            raise PermanentError("this controller has no backend to restart ranks with")
+        if run["state"] != "running":
+            raise PermanentError(f"run {run_id!r} is {run['state']}: only a running run can be restarted")
+        cause = Failure(FailureKind.MANUAL_RESTART, "", None, f"restart asked: {reason}")
+        incident, new = self.store.open_incident(
+            key=f"{run_id}/gen{run['generation']}",
+            run=run_id,
+            kind=cause.kind.value,
+            node="",
+            rank=None,
+            detail=cause.detail,
+            failed_s=now_s,
+            detected_s=now_s,
+        )
+        if not new:
+            raise PermanentError(f"run {run_id!r} is already recovering (incident {incident})")
+        log.warning("run %s: incident %d: %s", run_id, incident, cause.detail)
+        self.store.update_run(run_id, now_s, state="recovering")
+        self.backend.recover(self, run_id, incident, cause, now_s)
+        found = self.store.incident(incident)
+        assert found is not None
+        return found
+
+    def checkpoint_step_ahead(self, run: str) -> int | None:
+        """A step far enough ahead that every rank has read a policy naming it before it gets there (the one-off
+        checkpoint of a graceful restart); None when the run's ranks are not progressing."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            if live is None or not live.step_times_s or live.newest_step < 0:
+                return None
+            step_s = statistics.median(live.step_times_s)
+            newest = live.newest_step
+        lead = max(self.config.restart_min_lead_steps, math.ceil(self.config.restart_lead_s / max(step_s, 1e-6)))
+        return newest + lead
+
+    def ask_checkpoint(self, run: str, step: int | None) -> None:
+        """Publish (or, with None, withdraw) a one-off checkpoint at ``step`` in the policy of ``run``."""
+        with self.lock:
+            if step is None:
+                self.checkpoint_at.pop(run, None)
+            else:
+                self.checkpoint_at[run] = step
 
     def _failed_at(self, run: str, cause: Failure, now_s: float) -> float:
         """When the failure happened, as well as the controller can tell: the last sign of life."""
         with self.lock:
             if cause.kind is FailureKind.HEARTBEAT_LOSS and cause.node in self.nodes:
                 return self.nodes[cause.node].last_heartbeat_s
+            if cause.kind in (FailureKind.FATAL_XID, FailureKind.APPLICATION_XID) and cause.node in self.nodes:
+                seen = [e.time_s for e in self.nodes[cause.node].events.values() if e.time_s is not None]
+                # the agent's time of the event, within reason (a node's clock may be off; an old event resent)
+                return max(min(min(seen, default=now_s), now_s), now_s - XID_CLOCK_SLACK_S)
             if cause.kind is FailureKind.HANG:
                 live = self.runs_live.get(run)
                 return max((r.progress_s for r in live.ranks.values()), default=now_s) if live else now_s
@@ -504,7 +633,13 @@ class Controller:
     def choose_spare(self, run: str, failed_node: str) -> str | None:
         """A healthy spare of ``run``, in the failed node's domain first; None when the pool is empty."""
         domain = (self.store.node(failed_node) or {}).get("domain", "")
-        spares = [Spare(n["name"], True, n["domain"]) for n in self.store.nodes(run) if n["role"] == "spare"]
+        with self.lock:  # a spare whose GPUs reported an event that calls for an action is not healthy
+            faulty = {name for name, live in self.nodes.items() if live.events}
+        spares = [
+            Spare(n["name"], n["name"] not in faulty, n["domain"])
+            for n in self.store.nodes(run)
+            if n["role"] == "spare"
+        ]
         chosen = select_spare(spares, domain)
         return None if chosen is None else chosen.node
 

@@ -73,6 +73,12 @@ class TimeoutIn(Struct, kw_only=True):
     waited_s: NonNegative
 
 
+Label = Annotated[str, Meta(min_length=1, max_length=64)]
+#: a run's collective totals on the node: run, phase, dimension, op, seconds, count, bytes (names are checked
+#: for length alone here, where every microsecond counts: the flame graph escapes what it writes)
+CommIn = tuple[Annotated[str, Meta(min_length=1, max_length=200)], Label, Label, Label, NonNegative, Count, Count]
+
+
 class HeartbeatIn(Struct, kw_only=True):
     """An agent's heartbeat (docs/protocol.md); unknown fields are ignored."""
 
@@ -84,6 +90,7 @@ class HeartbeatIn(Struct, kw_only=True):
     summaries: Annotated[list[dict[str, Any]], Meta(max_length=10_000)] = []
     summaries_dropped_total: Count = 0
     timeouts: Annotated[list[TimeoutIn], Meta(max_length=4096)] = []
+    comms: Annotated[list[CommIn], Meta(max_length=4096)] = []
 
 
 class HeartbeatReply(Struct, kw_only=True):

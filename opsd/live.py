@@ -14,7 +14,7 @@ import math
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, overload
 
 from opsd.policy.detection import GpuEvent
 
@@ -178,6 +178,7 @@ class RunLive:
     waiting: set[int] = field(default_factory=set)  # ranks that reported a collective timeout
     checkpoints: int = 0  # the ranks' checkpoints, summed
     checkpoint_blocking_s: float = 0.0  # and the seconds they blocked training
+    checkpoints_done: int = 0  # checkpoints every rank of the launch has finished
     finished: Samples = field(default_factory=Samples)  # samples of ended slots, not taken yet
     scored_slot: int | None = None  # samples of the slots up to this one are taken
 
@@ -221,3 +222,62 @@ class RunLive:
             if r.sample_steps and r.sample_slot < current_slot:
                 self.finished.add(r.sample_slot, r.rank, r.stage, r.sample_s / r.sample_steps)
                 r.sample_steps = 0
+
+
+class NodeComms:
+    """One node's collective seconds of a run, a value per stack (the run's columns): as its agent last reported
+    them, and what agents before a restart of it had reported."""
+
+    __slots__ = ("earlier", "latest", "seconds")
+
+    def __init__(self) -> None:
+        self.latest = array("d")
+        self.earlier = array("d")
+        self.seconds = 0.0  # ``latest`` summed
+
+
+class RunComms:
+    """A run's collective seconds by (phase, dimension, op) stack, per node, as the agents report them in their
+    heartbeats (cumulative since each agent started: the flame graph). A heartbeat replaces its node's values, in
+    arrays of doubles (nothing for the garbage collector at thousands of nodes). An agent that restarted reports
+    totals from zero again: when a node's seconds summed go down, its previous values are kept as ``earlier`` and
+    added, so the run's totals do not go backwards (what the old agent counted after its last heartbeat is lost).
+    """
+
+    __slots__ = ("nodes", "stacks")
+
+    def __init__(self) -> None:
+        self.stacks: dict[tuple[str, str, str], int] = {}  # stack -> its column
+        self.nodes: dict[str, NodeComms] = {}
+
+    def update(self, node: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Replace ``node``'s values by the heartbeat's ``rows`` of this run: ``[run, phase, dimension, op,
+        seconds, count, bytes]``."""
+        columns = self.stacks
+        values = array("d", bytes(8 * len(columns)))
+        for row in rows:
+            stack = (row[1], row[2], row[3])
+            column = columns.get(stack)
+            if column is None:
+                column = columns[stack] = len(columns)
+                values.append(0.0)
+            values[column] += row[4]
+        seconds = sum(values)
+        held = self.nodes.get(node)
+        if held is None:
+            held = self.nodes[node] = NodeComms()
+        elif seconds < held.seconds:  # a new agent, counting from zero
+            earlier = held.earlier
+            earlier.extend(array("d", bytes(8 * max(0, len(held.latest) - len(earlier)))))
+            for i, value in enumerate(held.latest):
+                earlier[i] += value
+        held.latest, held.seconds = values, seconds
+
+    def totals(self) -> dict[tuple[str, str, str], float]:
+        """Seconds per stack, summed over the nodes (stacks with none left out)."""
+        sums = [0.0] * len(self.stacks)
+        for held in self.nodes.values():
+            for values in (held.latest, held.earlier):
+                for i, value in enumerate(values):
+                    sums[i] += value
+        return {stack: sums[column] for stack, column in self.stacks.items() if sums[column] > 0}

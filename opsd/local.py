@@ -2,12 +2,14 @@
 extra node slots with an agent and no ranks. The embedded default, for laptops, CI and the demo.
 
 Ranks get torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``) plus ``OPSD_RUN``, ``OPSD_NODE``, ``OPSD_AGENT_SOCKET`` and ``OPSD_POLICY_FILE``;
+``MASTER_ADDR``, ``MASTER_PORT``) plus ``OPSD_RUN``, ``OPSD_NODE``, ``OPSD_AGENT_SOCKET``, ``OPSD_POLICY_FILE`` and
+``OPSD_FLIGHT_DIR`` (``<node dir>/flight``, where the node's agent picks their Flight Recorder dumps up);
 each launch (a generation) gets a fresh rendezvous port. The trainer command must resume from its newest
 checkpoint by itself (the reference trainer: ``--ckpt-dir URL --resume``).
 
 A recovery is a list of actions, each recorded in the state store under a request id before it is carried out
-and marked done (with what it did) after: ``stop`` (every rank of the launch, SIGKILL to its process group),
+and marked done (with what it did) after: ``dump`` (a hang's: the ranks' Flight Recorder dumps, asked for through
+the policy and awaited up to ``flight_wait_s``), ``stop`` (every rank of the launch, SIGKILL to its process group),
 ``cordon`` (when the failure asks for a swap), ``take_spare``, ``launch``. Each is idempotent: the spare chosen is
 written to the incident before the node changes role, and ``launch`` starts the generation its record names. With
 no spare left the run waits (``waiting_for_spare``, until a node is uncordoned or added) or, when the spec allows
@@ -45,6 +47,7 @@ from typing import Any
 from agent.gpu import GpuSample, inject_xid, write_samples
 from opsd.controller import Controller, failure_of
 from opsd.errors import OpsError, PermanentError
+from opsd.flight_api import collect_dumps
 from opsd.policy.detection import Failure, FailureKind
 from opsd.storage import inspect_checkpoints, open_store
 
@@ -115,6 +118,7 @@ class LocalBackend:
         self.lock = threading.RLock()
         self.slowdowns: dict[int, threading.Event] = {}
         self.resumed_from: int | None = None
+        self.skipped: list[dict[str, Any]] = []  # checkpoints newer than the one resumed from, and why
         self.recovering: threading.Thread | None = None
         self.lock_fd: int | None = None
 
@@ -135,7 +139,14 @@ class LocalBackend:
         if existing is not None:
             self.take_up(controller, existing, now_s)
             return
-        controller.store.create_run(spec.run, {"backend": "local", "nodes": spec.nodes, "spares": spec.spares}, now_s)
+        recorded = {
+            "backend": "local",
+            "nodes": spec.nodes,
+            "spares": spec.spares,
+            "gpus_per_node": spec.gpus_per_node,
+            "checkpoint_url": spec.checkpoint_url,
+        }
+        controller.store.create_run(spec.run, recorded, now_s)
         for i, node in enumerate(self.node_names()):
             role = "active" if i < spec.nodes else "spare"
             controller.store.upsert_node(node, now_s, run=spec.run, role=role, domain=f"rack{i % 2}")
@@ -228,6 +239,8 @@ class LocalBackend:
             str(self.spec.gpu_interval_s),
             "--policy-file",
             str(directory / "policy.json"),
+            "--flight-dir",
+            str(directory / "flight"),
             "--heartbeat-interval-s",
             str(self.spec.heartbeat_interval_s),
             "--log-level",
@@ -279,6 +292,7 @@ class LocalBackend:
                         "OPSD_NODE": node,
                         "OPSD_AGENT_SOCKET": str(directory / "agent.sock"),
                         "OPSD_POLICY_FILE": str(directory / "policy.json"),
+                        "OPSD_FLIGHT_DIR": str(directory / "flight"),
                     }
                     with (directory / f"rank{rank}.gen{self.generation}.log").open("wb") as out:
                         proc = subprocess.Popen(
@@ -379,7 +393,9 @@ class LocalBackend:
         except OpsError as exc:
             log.warning("run %s: cannot look at its checkpoints: %s", self.spec.run, exc)
             return None
-        return next((c.step for c in found if c.problem is None), 0)
+        newest = next((c.step for c in found if c.problem is None), 0)
+        self.skipped = [{"step": c.step, "problem": c.problem} for c in found if c.step > newest]
+        return newest
 
     def resumed_from_step(self, run: str) -> int | None:
         return self.resumed_from
@@ -406,7 +422,12 @@ class LocalBackend:
         """Stop, cordon and swap (when the failure asks for it), relaunch: each step recorded before it is done,
         the ones a previous attempt did skipped."""
         store = controller.store
-        steps: list[tuple[str, dict[str, Any]]] = [("stop", {"generation": self.generation})]
+        steps: list[tuple[str, dict[str, Any]]] = []
+        if failure.kind is FailureKind.MANUAL_RESTART:  # graceful: a checkpoint first, when the ranks progress
+            steps.append(("checkpoint", {"at_step": controller.checkpoint_step_ahead(run)}))
+        if failure.kind in (FailureKind.HANG, FailureKind.COLLECTIVE_TIMEOUT):  # the post-mortem's evidence first
+            steps.append(("dump", {"trigger": f"incident-{incident_id}"}))
+        steps.append(("stop", {"generation": self.generation}))
         if failure.swap:
             steps += [
                 ("cordon", {"node": failure.node, "reason": failure.detail}),
@@ -446,11 +467,46 @@ class LocalBackend:
             elif kind == "launch":
                 generation = int(action.args["after_generation"]) + 1  # the record's: a repeat launches the same
                 nodes = self.launch(controller, time.time(), generation)
-                result = {"generation": generation, "nodes": nodes, "resumed_from_step": self.resumed_from}
+                result = {
+                    "generation": generation,
+                    "nodes": nodes,
+                    "resumed_from_step": self.resumed_from,
+                    "skipped": self.skipped,  # newer checkpoints that could not be resumed from, and why
+                }
+            elif kind == "checkpoint":
+                result = self._checkpoint_now(controller, run, action.args.get("at_step"))
+            elif kind == "dump":
+                with self.lock:
+                    alive = [r.rank for r in self.ranks if r.proc.poll() is None]
+                wait_s = controller.config.flight_wait_s
+                result = collect_dumps(controller, run, str(action.args["trigger"]), alive, wait_s)
             store.complete_action(action.request_id, time.time(), result)
             if kind == self.spec.crash_after_action:
                 log.critical("run %s: killing this controller after %s (fault injection)", run, action.request_id)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _checkpoint_now(self, controller: Controller, run: str, at_step: int | None) -> dict[str, Any]:
+        """Ask the ranks for a checkpoint at ``at_step`` and wait until it is committed, the ranks stop
+        progressing, or ``restart_checkpoint_wait_s`` passes; what happened, for the action's result."""
+        if at_step is None or not self.spec.checkpoint_url:
+            why = "no checkpoint store" if not self.spec.checkpoint_url else "the ranks were not progressing"
+            return {"checkpoint_step": None, "why": why}
+        controller.ask_checkpoint(run, at_step)
+        start = time.monotonic()
+        deadline = start + controller.config.restart_checkpoint_wait_s
+        try:
+            while time.monotonic() < deadline:
+                newest = self._newest_checkpoint() or 0
+                if newest >= at_step:
+                    return {"checkpoint_step": newest, "asked_step": at_step, "waited_s": time.monotonic() - start}
+                with self.lock:
+                    ended = any(r.proc.poll() is not None for r in self.ranks)
+                if ended:
+                    return {"checkpoint_step": None, "asked_step": at_step, "why": "a rank ended meanwhile"}
+                time.sleep(0.5)
+        finally:
+            controller.ask_checkpoint(run, None)
+        return {"checkpoint_step": None, "asked_step": at_step, "why": "not committed in time"}
 
     def _take_spare(
         self, controller: Controller, run: str, incident_id: int, failure: Failure, now_s: float

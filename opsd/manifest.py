@@ -41,6 +41,8 @@ class Manifest(Struct, frozen=True):
     mesh: dict[str, Annotated[int, Meta(ge=1)]]
     files: Annotated[list[ManifestFile], Meta(min_length=1)]
     versions: dict[str, str]
+    blocking_s: Annotated[float, Meta(ge=0)] | None = None  # the longest any rank's training was stopped by the save
+    save_s: Annotated[float, Meta(ge=0)] | None = None  # rank 0's save, from its start to the commit
 
     @property
     def total_bytes(self) -> int:

@@ -90,6 +90,7 @@ def run_local(
         status = controller.status(spec.run, time.time())
         assert status is not None
         status["incidents"] = controller.store.incidents(spec.run)
+        status["actions"] = [a.__dict__ for a in controller.store.actions(run=spec.run)]
         return status
     finally:
         ticking.set()

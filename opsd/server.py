@@ -32,6 +32,7 @@ class ServeConfig:
     tick_interval_s: float = 0.5
     heartbeat_floor_s: float = 10.0
     hang_floor_s: float = 60.0
+    flight_wait_s: float = 10.0  # how long a hang's recovery waits for the ranks' Flight Recorder dumps
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -39,10 +40,11 @@ class ServeConfig:
         if self.tick_interval_s <= 0:
             raise ValueError("serve.tick_interval_s must be > 0")
         DetectionConfig(heartbeat_floor_s=self.heartbeat_floor_s, hang_floor_s=self.hang_floor_s)
+        self.controller_config()
 
     def controller_config(self) -> ControllerConfig:
         detection = DetectionConfig(heartbeat_floor_s=self.heartbeat_floor_s, hang_floor_s=self.hang_floor_s)
-        return ControllerConfig(detection=detection)
+        return ControllerConfig(detection=detection, flight_wait_s=self.flight_wait_s)
 
 
 def load_token(config: ServeConfig) -> str:

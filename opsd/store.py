@@ -36,6 +36,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
     create_engine,
     event,
     insert,
@@ -108,6 +109,19 @@ actions = Table(
     Column("created_s", Float, nullable=False),
     Column("done_s", Float),
     Column("result", Text),  # JSON: what it did (the spare chosen, the nodes launched on), once done
+)
+
+flight_dumps = Table(
+    "flight_dumps",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run", String(200), nullable=False),
+    Column("trigger", String(200), nullable=False),  # incident-<id>, timeout-<rank>-<step>, or a command's id
+    Column("rank", Integer, nullable=False),
+    Column("incident_id", Integer),
+    Column("received_s", Float, nullable=False),
+    Column("body", Text, nullable=False),  # the dump as the rank wrote it (JSON; docs/flight-recorder.md)
+    UniqueConstraint("run", "trigger", "rank"),
 )
 
 
@@ -365,6 +379,42 @@ class Store:
             query = query.where(actions.c.incident_id == incident_id)
         with self._tx() as c:
             return [_action_row(r) for r in c.execute(query).mappings().all()]
+
+    # -- Flight Recorder dumps ---------------------------------------------------------------------------------
+    def add_flight_dump(
+        self, *, run: str, trigger: str, rank: int, incident_id: int | None, received_s: float, body: str
+    ) -> bool:
+        """Keep a rank's dump; False when one is kept for (run, trigger, rank) already (the first one stays)."""
+        row = {"run": run, "trigger": trigger, "rank": rank, "incident_id": incident_id}
+        try:
+            with self._tx() as c:
+                c.execute(insert(flight_dumps).values(received_s=received_s, body=body, **row))
+        except IntegrityError:
+            return False
+        return True
+
+    def flight_dumps(self, run: str, trigger: str | None = None) -> list[dict[str, Any]]:
+        """The dumps of ``run`` (of one trigger), by trigger and rank: ``run``, ``trigger``, ``rank``,
+        ``incident_id``, ``received_s`` and ``body`` (the JSON text)."""
+        query = select(flight_dumps).where(flight_dumps.c.run == run)
+        if trigger is not None:
+            query = query.where(flight_dumps.c.trigger == trigger)
+        with self._tx() as c:
+            rows = c.execute(query.order_by(flight_dumps.c.trigger, flight_dumps.c.rank)).mappings().all()
+        return [{k: v for k, v in r.items() if k != "id"} for r in rows]
+
+    def flight_dump(self, run: str, trigger: str, rank: int) -> dict[str, Any] | None:
+        c_ = flight_dumps.c
+        query = select(flight_dumps).where(c_.run == run, c_.trigger == trigger, c_.rank == rank)
+        with self._tx() as c:
+            row = c.execute(query).mappings().first()
+        return {k: v for k, v in row.items() if k != "id"} if row else None
+
+    def flight_ranks(self, run: str, trigger: str) -> set[int]:
+        """The ranks with a dump kept for ``trigger`` (their bodies are not read)."""
+        query = select(flight_dumps.c.rank).where(flight_dumps.c.run == run, flight_dumps.c.trigger == trigger)
+        with self._tx() as c:
+            return {int(r) for r in c.execute(query).scalars().all()}
 
 
 def _run_row(row: Any) -> dict[str, Any]:

@@ -21,8 +21,21 @@ MAX_MESSAGE_BYTES = 8192
 
 Count = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]
-#: a comms entry: dimension, op, count, bytes, seconds
-CommEntry = tuple[str, str, Count, Count, Seconds]
+#: the phases of training a collective is counted under
+PHASES = ("forward", "backward", "optimizer", "other")
+Phase = Literal["forward", "backward", "optimizer", "other"]
+
+
+class CommEntry(Struct, frozen=True, array_like=True):
+    """A comms entry, on the wire an array: dimension, op, count, bytes, seconds and, optionally, the phase
+    (``other`` when absent; elements after it are ignored)."""
+
+    dimension: str
+    op: str
+    count: Count
+    bytes: Count
+    seconds: Seconds
+    phase: Phase = "other"
 
 
 class CheckpointReport(Struct, frozen=True):
@@ -64,6 +77,7 @@ class StepReport(Struct, frozen=True):
     internal_errors_total: Count
     truncated: bool = False
     checkpoints: Annotated[list[CheckpointReport], Meta(max_length=MAX_CHECKPOINTS_PER_REPORT)] = []
+    loss: float | None = None  # the step's training loss, when the trainer reported it
 
 
 class TimeoutReport(Struct, frozen=True):
@@ -82,7 +96,7 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints"))
+STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints", "loss"))
 
 #: the values of ``WireError.reason``
 REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")
@@ -101,8 +115,18 @@ class WireError(PermanentError, ValueError):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    """Serialise a step report; drops the comms detail (flagging ``truncated``) rather than exceed the bound."""
+    """Serialise a step report. Rather than exceed the bound it drops the comms' phases (entries merged per
+    dimension and op), then the comms detail, flagging ``truncated``."""
     data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_MESSAGE_BYTES and message.get("comms"):
+        merged: dict[tuple[str, str], list[Any]] = {}
+        for dim, op, count, nbytes, seconds, *_ in message["comms"]:
+            entry = merged.setdefault((dim, op), [dim, op, 0, 0, 0.0])
+            entry[2] += count
+            entry[3] += nbytes
+            entry[4] += seconds
+        merged_message = {**message, "comms": list(merged.values()), "truncated": True}
+        data = json.dumps(merged_message, separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE_BYTES:
         data = json.dumps({**message, "comms": [], "truncated": True}, separators=(",", ":")).encode()
     return data

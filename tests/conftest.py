@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.s3 import CREDENTIALS, make_bucket, moto_server
+
+if TYPE_CHECKING:
+    from trainer_hooks.collectives import CollectiveTracer
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +32,21 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture
+def tracer() -> Iterator[CollectiveTracer]:
+    """A collective tracer installed in a gloo world of one (this process)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
+
+    from trainer_hooks.collectives import CollectiveTracer
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    t = CollectiveTracer()
+    t.install()
+    try:
+        yield t
+    finally:
+        t.uninstall()
+        dist.destroy_process_group()

@@ -1,8 +1,12 @@
 """A real Prometheus server (Debian's ``prometheus``, installed by ``make test``) on loopback, for tests.
 
 with PrometheusServer(tmp_path, targets=["127.0.0.1:9464"]) as prom:
-    prom.wait_for_scrape("opsd_step_seconds")
+    prom.wait_for("opsd_step_seconds", 1)
     prom.query('opsd_mfu_ratio')
+
+Targets that appear later go in a file-based service discovery file (``file_sd``), rewritten with
+``write_targets`` as they appear; that job keeps the targets' own labels (``honor_labels``) and adds the file's
+(an agent's ``node``), as a production scrape config does.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,19 +26,25 @@ from opsd.local import free_port
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, targets: list[str], scrape_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, workdir: Path, targets: list[str], scrape_interval_s: float = 1.0, file_sd: Path | None = None
+    ) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("prometheus is not installed (make test installs the Debian package)")
         self.port = free_port()
         config = workdir / "prometheus.yml"
+        jobs: list[dict[str, Any]] = []
+        if targets:
+            jobs.append({"job_name": "opsd-agent", "static_configs": [{"targets": targets}]})
+        if file_sd is not None:
+            if not file_sd.exists():
+                write_targets(file_sd, [])
+            discovery = {"files": [str(file_sd)], "refresh_interval": "1s"}
+            jobs.append({"job_name": "opsd", "honor_labels": True, "file_sd_configs": [discovery]})
+        interval = f"{round(scrape_interval_s * 1000)}ms"
         config.write_text(
-            json.dumps(
-                {
-                    "global": {"scrape_interval": f"{round(scrape_interval_s * 1000)}ms", "evaluation_interval": "1s"},
-                    "scrape_configs": [{"job_name": "opsd-agent", "static_configs": [{"targets": targets}]}],
-                }
-            )
+            json.dumps({"global": {"scrape_interval": interval, "evaluation_interval": "1s"}, "scrape_configs": jobs})
         )
         self._log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 - closed in __exit__
         self._proc = subprocess.Popen(
@@ -71,13 +82,33 @@ class PrometheusServer:
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """The instant vector of ``promql`` (the ``result`` list of the HTTP API)."""
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(url, timeout=10) as r:
-            body = json.load(r)
-        if body["status"] != "success":
-            raise RuntimeError(f"query {promql!r} failed: {body}")
-        result: list[dict[str, Any]] = body["data"]["result"]
+        result: list[dict[str, Any]] = self._get("query", {"query": promql})["result"]
         return result
+
+    def query_range(self, promql: str, start_s: float, end_s: float, step_s: float = 1.0) -> list[dict[str, Any]]:
+        """The range vector (matrix) of ``promql`` from ``start_s`` to ``end_s`` (Unix times)."""
+        params = {"query": promql, "start": start_s, "end": end_s, "step": step_s}
+        result: list[dict[str, Any]] = self._get("query_range", params)["result"]
+        return result
+
+    def label_values(self, label: str, match: str, start_s: float, end_s: float) -> list[str]:
+        """The values of ``label`` on the series ``match`` selects between ``start_s`` and ``end_s`` (what Grafana's
+        ``label_values(match, label)`` lists)."""
+        params = {"match[]": match, "start": start_s, "end": end_s}
+        values: list[str] = self._get(f"label/{urllib.parse.quote(label)}/values", params)
+        return values
+
+    def _get(self, endpoint: str, params: dict[str, Any]) -> Any:
+        """The ``data`` of a successful answer; RuntimeError with Prometheus' reason otherwise."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/{endpoint}?" + urllib.parse.urlencode(params)
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as exc:  # a bad query: 400 with the reason in the body
+            body = json.loads(exc.read() or b"{}")
+        if body.get("status") != "success":
+            raise RuntimeError(f"{endpoint} {params}: {body.get('error', body)}")
+        return body["data"]
 
     def wait_for(self, promql: str, count: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Poll until ``promql`` returns at least ``count`` series; returns them."""
@@ -89,3 +120,11 @@ class PrometheusServer:
                 return result
             time.sleep(0.25)
         raise AssertionError(f"{promql!r}: {len(result)} series after {timeout_s} s, wanted {count}")
+
+
+def write_targets(path: Path, groups: list[dict[str, Any]]) -> None:
+    """Write a file_sd target file atomically (Prometheus may read it at any moment): a list of
+    ``{"targets": ["host:port", ...], "labels": {...}}``."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups))
+    tmp.replace(path)

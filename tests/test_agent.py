@@ -231,10 +231,10 @@ def test_series_budget_per_rank() -> None:
     memory = {"allocated_peak_bytes": 1, "reserved_peak_bytes": 2}
     a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
     checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
-    a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints)))
+    a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints, loss=2.5)))
     per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]
     per_rank = [s for s in per_rank if s.labels.get("rank") == "3"]
-    assert len(per_rank) == 19 + 3 * 8
+    assert len(per_rank) == 21 + 3 * 8
 
 
 def test_checkpoints_become_counters_and_last_values(agent: Agent) -> None:

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from opsd.api import create_app
 from opsd.controller import Controller
 from opsd.policy.cadence import Cadence
+from opsd.policy.stragglers import StragglerScore
 from opsd.store import Store
 
 TOKEN = "s3cret-token"
@@ -170,9 +171,12 @@ def test_no_body_makes_the_controller_fail(client: TestClient, body: Any) -> Non
 
 def test_every_controller_metric_is_documented_with_its_type(client: TestClient, controller: Controller) -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text().split("\n# Controller\n")[1]
-    documented = dict(re.findall(r"^\| `(opsd_\w+)` \| (gauge|counter) \|", text, flags=re.M))
+    documented = dict(re.findall(r"^\| `(opsd_\w+)` \| (gauge|counter|histogram) \|", text, flags=re.M))
     client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
     controller.cadences["job"] = Cadence(10, 20, 100.0, 3600.0, "test")  # so that the cadence series exist
+    saved = heartbeat(ranks=[{**heartbeat()["ranks"][0], "checkpoints": 1, "checkpoint_blocking_s": 0.5}])
+    client.post("/v1/heartbeat", json=saved, headers=AUTH)  # and those of checkpoints
+    controller.stragglers["job"] = [StragglerScore(0, "n0", 0, 1.3, 30, True)]  # and of a flagged rank
     controller.store.open_incident(
         key="doc", run="job", kind="hang", node="n0", rank=0, detail="d", failed_s=0.0, detected_s=0.0
     )
@@ -202,3 +206,76 @@ def test_fault_injection_needs_the_local_backend(client: TestClient) -> None:
     assert reply.status_code == 409
     assert client.post("/v1/runs/job/inject", json={"fault": "melt"}, headers=AUTH).status_code == 422
     assert client.post("/v1/runs/job/inject", json={"fault": "kill"}).status_code == 401
+
+
+def samples(client: TestClient, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_a_checkpoint_counts_once_every_rank_has_finished_it(tmp_path: Path) -> None:
+    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    with TestClient(create_app(controller, TOKEN, clock=lambda: 1000.0)) as c:
+        ranks = [
+            {"run": "job", "rank": r, "step": 3, "step_s": 0.5, "compute_s": 0.4, "checkpoints": 0} for r in (0, 1)
+        ]
+        c.post("/v1/heartbeat", json=heartbeat(ranks=ranks), headers=AUTH)
+        ranks[0] = {**ranks[0], "checkpoints": 1, "checkpoint_blocking_s": 0.2}
+        c.post("/v1/heartbeat", json=heartbeat(ranks=ranks), headers=AUTH)
+        assert samples(c, "opsd_run_checkpoint_last_commit_timestamp_seconds") == {}  # rank 1 has not finished
+        ranks[1] = {**ranks[1], "checkpoints": 1, "checkpoint_blocking_s": 0.4}
+        c.post("/v1/heartbeat", json=heartbeat(ranks=ranks), headers=AUTH)
+        (committed,) = samples(c, "opsd_run_checkpoint_last_commit_timestamp_seconds").values()
+        assert committed > 0
+        assert samples(c, "opsd_run_checkpoint_cost_seconds") == {(("run", "job"),): pytest.approx(0.3)}
+        states = samples(c, "opsd_run_state")
+        assert states[(("run", "job"), ("state", "running"))] == 1.0
+        assert sum(states.values()) == 1.0
+        assert samples(c, "opsd_run_spares_recommended") == {(("run", "job"),): 0.0}
+
+
+def test_recovery_times_are_a_histogram(tmp_path: Path) -> None:
+    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    with TestClient(create_app(controller, TOKEN)) as c:
+        c.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+        for n, took_s in enumerate((5.0, 45.0, 45.0, 4000.0)):
+            i, _ = controller.store.open_incident(
+                key=f"r{n}", run="job", kind="hang", node="n0", rank=0, detail="d", failed_s=0.0, detected_s=10.0
+            )
+            controller.store.update_incident(i, state="recovered", resumed_s=10.0 + took_s)
+        buckets = {dict(k)["le"]: v for k, v in samples(c, "opsd_run_recovery_seconds_bucket").items()}
+        assert (buckets["10.0"], buckets["30.0"], buckets["60.0"], buckets["3600.0"], buckets["+Inf"]) == (
+            1,
+            1,
+            3,
+            3,
+            4,
+        )
+        assert samples(c, "opsd_run_recovery_seconds_sum") == {(("run", "job"),): 4095.0}
+
+
+def test_the_read_views_answer_for_a_run_and_404_for_others(client: TestClient) -> None:
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    for path in ("/v1/runs/nope/checkpoints", "/v1/runs/nope/cadence", "/v1/runs/nope/postmortem"):
+        assert client.get(path).status_code == 404, path
+    assert client.get("/v1/runs/job/checkpoints").json()["why"] == "the run has no checkpoint store"
+    cadence = client.get("/v1/runs/job/cadence").json()
+    assert cadence["node_mtbf_h"] > 0
+    bundle = client.get("/v1/runs/job/postmortem").json()
+    assert {"run", "status", "incidents", "actions", "checkpoints", "flight_recorder", "xid_table"} <= set(bundle)
+    (pool,) = [r for r in client.get("/v1/spares").json()["runs"] if r["run"] == "job"]
+    assert pool["recommended"] >= 0
+
+
+def test_restart_needs_the_token_a_reason_and_a_backend(client: TestClient) -> None:
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    assert client.post("/v1/runs/job/restart", json={"reason": "x"}).status_code == 401
+    assert client.post("/v1/runs/job/restart", json={}, headers=AUTH).status_code == 422
+    assert client.post("/v1/runs/nope/restart", json={"reason": "x"}, headers=AUTH).status_code == 404
+    refused = client.post("/v1/runs/job/restart", json={"reason": "x"}, headers=AUTH)
+    assert refused.status_code == 409
+    assert "no backend" in refused.json()["detail"]

@@ -6,7 +6,7 @@ themselves still run. ``FakeWorkInfo`` has the attributes of ``torch._C._distrib
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,21 +14,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, OpType  # type: ignore[attr-defined]
+from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
 
 from trainer_hooks.collectives import CollectiveTracer, TimedWork, completion_seconds, op_label
-
-
-@pytest.fixture
-def tracer() -> Iterator[CollectiveTracer]:
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    t = CollectiveTracer()
-    t.install()
-    try:
-        yield t
-    finally:
-        t.uninstall()
-        dist.destroy_process_group()
 
 
 @dataclass

@@ -1,33 +1,189 @@
 """`make demo` as a test: an XID 79 on a node of a running job is detected within 5 s, the node is swapped for the
 spare, the ranks resume from the newest committed checkpoint within 60 s of the injection, the run completes, and
-its final weights equal those of a run that was never interrupted."""
+its final weights equal those of a run that was never interrupted.
+
+A real Prometheus scrapes the demo's controller and agents while it runs (file-based discovery: each target is
+added as its port appears, an agent's with its ``node`` label, ``honor_labels`` on, as docs/dashboards.md asks of
+a production scrape config); afterwards every query of every panel of every dashboard, its variables substituted,
+must return data over the run's time span."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
-from opsd.demo import trainer_command
+from opsd.cli import app
+from opsd.controller import Controller
+from opsd.dashboards import build_all, panel_queries, variable_queries
+from opsd.demo import RUN, trainer_command
+from opsd.local import free_port
+from opsd.postmortem import seconds
+from opsd.runner import start_api
+from opsd.store import Store
 from tests.launch import ROOT, run_module
+from tests.prometheus import PrometheusServer, write_targets
 
 pytestmark = pytest.mark.slow
 
+SCRAPE_INTERVAL_S = 1.0
+RATE_INTERVAL = "5s"  # what Grafana's $__rate_interval is at this scrape interval (at least 4 scrapes)
+FLAGGED_ONLY = "opsd_run_straggler_slowdown_ratio"  # a series the controller exports for flagged ranks only
 
-def test_the_demo_recovers_and_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    work = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "opsd.demo", "--workdir", str(work), "--steps", "80"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+@dataclass
+class PanelResult:
+    dashboard: str
+    title: str
+    expr: str
+    series: int = 0
+    samples: int = 0
+    error: str = ""
+
+
+@dataclass
+class Demo:
+    returncode: int
+    stdout: str
+    stderr: str
+    work: Path
+    panels: list[PanelResult] = field(default_factory=list)
+    variables: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (dashboard, variable) -> values
+    stragglers_flagged: bool = False
+
+    @property
+    def result(self) -> dict[str, Any]:
+        parsed: dict[str, Any] = json.loads(self.stdout.strip().splitlines()[-1])
+        return parsed
+
+
+class ScrapeTargets:
+    """Keeps Prometheus' file_sd targets in step with the demo: the controller (its port from the demo's first line)
+    and each node's agent (its port from the line ``opsd agent`` prints into the node's ``agent.log``), with a
+    ``node`` label."""
+
+    CONTROLLER = re.compile(r"controller on http://([\w.:-]+)")
+    AGENT = re.compile(r"metrics on http://([\w.:-]+)/metrics")
+
+    def __init__(self, stdout: Path, nodes: Path, targets: Path) -> None:
+        self.stdout = stdout
+        self.nodes = nodes
+        self.targets = targets
+        self.groups: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="scrape-targets", daemon=True)
+
+    def poll(self) -> None:
+        groups: list[dict[str, Any]] = []
+        controller = self.CONTROLLER.search(_read(self.stdout))
+        if controller:
+            groups.append({"targets": [controller.group(1)], "labels": {}})
+        for log in sorted(self.nodes.glob("*/agent.log")):
+            found = self.AGENT.findall(_read(log))
+            if found:
+                groups.append({"targets": [found[-1]], "labels": {"node": log.parent.name}})
+        if groups != self.groups:
+            write_targets(self.targets, groups)
+            self.groups = groups
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.1):
+            self.poll()
+
+    def __enter__(self) -> ScrapeTargets:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+LABEL_VALUES = re.compile(r"^label_values\((.+),\s*(\w+)\)$")
+
+
+def run_variable_queries(prom: PrometheusServer, start_s: float, end_s: float) -> dict[tuple[str, str], list[str]]:
+    """The values each query variable offers (Grafana's ``label_values(selector, label)``: Prometheus' label values
+    API over the time range), the run chosen and All for the others."""
+    found = {}
+    for name, board in build_all().items():
+        for variable, query in variable_queries(board, {"run": RUN}):
+            m = LABEL_VALUES.match(query)
+            assert m, f"{name}: variable {variable}: {query!r} is not label_values(selector, label)"
+            found[name, variable] = sorted(prom.label_values(m.group(2), m.group(1), start_s, end_s))
+    return found
+
+
+def run_panel_queries(prom: PrometheusServer, start_s: float, end_s: float) -> list[PanelResult]:
+    results = []
+    for name, board in build_all().items():
+        for title, expr in panel_queries(board, {"run": RUN}, interval=RATE_INTERVAL):
+            r = PanelResult(name, title, expr)
+            try:
+                series = prom.query_range(expr, start_s, end_s, step_s=2.0)
+            except (RuntimeError, OSError) as exc:
+                r.error = str(exc)
+            else:
+                r.series = len(series)
+                r.samples = sum(len(s.get("values", [])) for s in series)
+            results.append(r)
+    return results
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
+    """The demo, run once, scraped by a real Prometheus; the panels' queries are run right after it."""
+    tmp = tmp_path_factory.mktemp("demo")
+    work, prom_dir = tmp / "demo", tmp / "prometheus"
+    prom_dir.mkdir()
+    stdout, stderr = tmp / "demo.out", tmp / "demo.err"
+    targets = prom_dir / "targets.json"
+    with PrometheusServer(prom_dir, targets=[], scrape_interval_s=SCRAPE_INTERVAL_S, file_sd=targets) as prom:
+        started = time.time()
+        with stdout.open("wb") as out, stderr.open("wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "opsd.demo", "--workdir", str(work), "--steps", "80"],
+                cwd=ROOT,
+                stdout=out,
+                stderr=err,
+            )
+        with ScrapeTargets(stdout, work / "runs" / RUN / "nodes", targets):
+            try:
+                returncode = proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                returncode = proc.wait()
+        ended = time.time()
+        run = Demo(returncode, _read(stdout), _read(stderr), work)
+        if returncode == 0:
+            time.sleep(SCRAPE_INTERVAL_S)  # the last scrape in
+            run.panels = run_panel_queries(prom, started, ended)
+            run.variables = run_variable_queries(prom, started, ended)
+            flagged = prom.query_range(f'max(opsd_run_stragglers{{run="{RUN}"}})', started, ended, 2.0)
+            run.stragglers_flagged = any(float(v) > 0 for s in flagged for _, v in s["values"])
+    return run
+
+
+def test_the_demo_recovers_and_ends_with_the_weights_of_an_uninterrupted_run(demo: Demo, tmp_path: Path) -> None:
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    result = demo.result
     assert result["state"] == "completed"
     assert result["incident"] == "fatal_xid"
     assert 0 <= result["detected_s"] <= 5.0
@@ -37,7 +193,7 @@ def test_the_demo_recovers_and_ends_with_the_weights_of_an_uninterrupted_run(tmp
     assert 0 < result["lost_steps"] <= 10  # at most the steps since that checkpoint (one is saved every 10)
     assert result["final_step"] == 80
     assert 0 < result["ettr"] < 1
-    interrupted = json.loads((work / "losses.json").read_text())
+    interrupted = json.loads((demo.work / "losses.json").read_text())
     assert interrupted["resumed_from_step"] == result["resumed_from_step"]
 
     # the same job, never interrupted: torchrun, 4 ranks
@@ -46,3 +202,72 @@ def test_the_demo_recovers_and_ends_with_the_weights_of_an_uninterrupted_run(tmp
     straight = run_module(command[2], command[3:], nproc=4)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert json.loads(out.read_text())["state_hashes"] == interrupted["state_hashes"]
+
+
+def test_every_panel_of_every_dashboard_returns_data_from_the_demo(demo: Demo) -> None:
+    assert demo.returncode == 0, "the demo failed: see the test above"
+    assert len(demo.panels) == sum(len(p["targets"]) for b in build_all().values() for p in b["panels"])
+    failures = []
+    for r in demo.panels:
+        where = f"{r.dashboard} / {r.title}: {r.expr}"
+        if r.error:
+            failures.append(f"{where}: {r.error}")
+        elif FLAGGED_ONLY in r.expr and not demo.stragglers_flagged:
+            if r.samples:  # no rank flagged during the demo: the series must not exist
+                failures.append(f"{where}: {r.series} series although opsd_run_stragglers stayed 0")
+        elif not r.samples:
+            failures.append(f"{where}: no data")
+    assert not failures, f"{len(failures)} of {len(demo.panels)} panel queries failed:\n" + "\n".join(failures)
+
+
+def test_the_dashboards_variables_list_the_demos_run_nodes_and_ranks(demo: Demo) -> None:
+    assert demo.returncode == 0, "the demo failed: see the first test"
+    expected = {"run": [RUN], "node": ["node-0", "node-1", "node-2"], "rank": ["0", "1", "2", "3"]}
+    assert demo.variables, "no variable was queried"
+    for (name, variable), values in demo.variables.items():
+        assert values == expected[variable], (name, variable, values)
+
+
+def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_steps_and_resume(demo: Demo) -> None:
+    """After the demo, its state store served by a controller again, and read through the CLI."""
+    assert demo.returncode == 0, "the demo failed: see the first test"
+    result = demo.result
+    state = demo.work / "state"
+    controller = Controller(Store.open(f"sqlite:///{state / 'opsd.db'}"))
+    port = free_port()
+    server = start_api(controller, "unused", "127.0.0.1", port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        until_up(url)
+        (incident,) = [i for i in controller.store.incidents(RUN) if i["kind"] == "fatal_xid"]
+        runner = CliRunner()
+        md = runner.invoke(app, ["postmortem", RUN, str(incident["id"]), "--url", url])
+        assert md.exit_code == 0, md.output
+        text = md.stdout
+        assert "XID 79 (GPU has fallen off the bus) on GPU 0 of node-1" in text
+        assert "took spare node-2" in text
+        delay_s = incident["detected_s"] - incident["failed_s"]
+        assert 0 < delay_s <= 5.0  # from the agent's time of the XID event to its incident
+        assert f"**detection delay**: {seconds(delay_s)}" in text
+        assert f"**lost steps**: {result['lost_steps']}" in text
+        assert f"step {result['resumed_from_step']}" in text.split("### Resumed from")[1]
+        page = demo.work / "postmortem.html"
+        html = runner.invoke(app, ["postmortem", RUN, "--format", "html", "--out", str(page), "--url", url])
+        assert html.exit_code == 0, html.output
+        assert page.read_text().count("data:image/png;base64,") >= 2
+        listed = runner.invoke(app, ["checkpoints", RUN, "--json", "--url", url])
+        committed = [c for c in json.loads(listed.stdout)["checkpoints"] if c["state"] == "committed"]
+        assert result["resumed_from_step"] in [c["step"] for c in committed]
+    finally:
+        server.should_exit = True
+
+
+def until_up(url: str) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"{url} did not come up")

@@ -49,7 +49,7 @@ def test_readme_monitor_example_runs_under_torchrun(tmp_path: Path) -> None:
 def test_protocol_examples_are_valid() -> None:
     step_report, policy = blocks("docs/protocol.md", "json")
     report = decode(json.dumps(json.loads(step_report)).encode())
-    assert report["comms"][1] == ["tp", "all_reduce", 28, 917504, 0.019]
+    assert report["comms"][1] == ["tp", "all_reduce", 28, 917504, 0.019, "backward"]
     parsed = parse_policy(policy.encode())
     assert parsed.checkpoint_due(12500)
     assert [c.name for c in parsed.commands] == ["dump_flight_recorder"]

@@ -54,7 +54,12 @@ def run(tmp: Path, nproc: int, mesh: str, *extra: str, monitor: bool = True) -> 
 
 
 def comms(report: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int]]:
-    return {(dim, op): (count, nbytes) for dim, op, count, nbytes, _ in report["comms"]}
+    """Counts and bytes per (dimension, op), over the phases."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for dim, op, count, nbytes, *_ in report["comms"]:
+        before = out.get((dim, op), (0, 0))
+        out[(dim, op)] = (before[0] + count, before[1] + nbytes)
+    return out
 
 
 Expected = dict[tuple[str, str], tuple[int, int | None]]  # (dimension, op) -> (count, bytes or None: any > 0)

@@ -95,4 +95,5 @@ def test_inject_without_a_controller_says_so(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     result = CliRunner().invoke(app, ["inject", "kill", "--rank", "1", "--url", url, "--state-dir", str(tmp_path)])
     assert result.exit_code == 1
-    assert "opsd inject:" in result.output
+    assert "opsd: " in result.output
+    assert "Connection refused" in result.output

@@ -25,12 +25,23 @@ CHANGES = {
     "before E: the local cadence": (Policy(10, 25), 4, [4, 8, 12, 16, 20, 24, 25, 35]),
     "before E: the previous published one": (Policy(10, 25, (), 6, 6), 4, [4, 6, 12, 18, 24, 25, 35]),
     "before the previous one: local": (Policy(10, 25, (), 6, 18), 4, [4, 8, 12, 16, 18, 24, 25, 35]),
+    "a one-off step besides the cadence": (
+        Policy(10, 25, checkpoint_at_step=31),
+        4,
+        [4, 8, 12, 16, 20, 24, 25, 31, 35],
+    ),
+    "a one-off step without a cadence": (Policy(checkpoint_at_step=7), 100, [7]),
 }
 
 
 @pytest.mark.parametrize(("policy", "local", "due"), CHANGES.values(), ids=CHANGES.keys())
 def test_a_new_cadence_takes_effect_only_from_its_step(policy: Policy, local: int, due: list[int]) -> None:
     assert [s for s in range(40) if policy.checkpoint_due(s, local=s > 0 and s % local == 0)] == due
+
+
+def test_a_one_off_checkpoint_step_is_parsed() -> None:
+    assert parse_policy(json.dumps({"v": 1, "checkpoint_at_step": 120}).encode()).checkpoint_at_step == 120
+    assert parse_policy(b'{"v": 1}').checkpoint_at_step is None
 
 
 def test_previous_cadence_is_parsed() -> None:
@@ -50,6 +61,8 @@ BAD = {
         json.dumps({"v": 1, "checkpoint": {"every_steps": 5, "from_step": -1}}).encode(),
         "from_step must be",
     ),
+    "one-off step zero": (json.dumps({"v": 1, "checkpoint_at_step": 0}).encode(), "checkpoint_at_step must be"),
+    "one-off step text": (json.dumps({"v": 1, "checkpoint_at_step": "9"}).encode(), "checkpoint_at_step must be"),
     "commands not a list": (json.dumps({"v": 1, "commands": {}}).encode(), "must be a list"),
     "command without id": (json.dumps({"v": 1, "commands": [{"name": "x"}]}).encode(), "string id and name"),
     "ranks not ints": (

@@ -4,7 +4,11 @@
 1. two clean minutes: no rank is flagged as a straggler;
 2. rank 1 slowed down 1.3x (SIGSTOP/SIGCONT duty cycle): flagged, on rank 1 and node-1, within 60 s;
 3. rank 0 hung (SIGSTOP): detected within max(3 x median step, 10 s), the ranks are relaunched and progress again;
-4. rank 1 killed (SIGKILL): detected, relaunched, progress again.
+4. rank 1 killed (SIGKILL): detected, relaunched, progress again;
+5. `opsd restart`: a checkpoint at the step the controller asks for, then every rank relaunched from it.
+
+During the clean minutes the operator's read commands (`opsd runs`, `status`, `incidents`, `spares`,
+`checkpoints`, `cadence`, `cordon`, `uncordon`) run against the live controller.
 
 One rank per node: with 2 cores, 4 CPU ranks would compete for them and the competition alone makes some rank
 look 10-20% slower now and then (a clean run would not stay clean for reasons of this machine, not of the ranks).
@@ -12,6 +16,7 @@ look 10-20% slower now and then (a clean run would not stay clean for reasons of
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import threading
@@ -20,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from opsd.cli import app
 from opsd.controller import Controller
 from opsd.errors import PermanentError
 from opsd.local import LocalBackend, LocalRunSpec, free_port
@@ -46,6 +53,9 @@ class Scenario:
     clean_flags: list[Any] = field(default_factory=list)
     median_step_s: float = 0.0
     problem: str = ""
+    cli: dict[str, Any] = field(default_factory=dict)
+    url: str = ""
+    state_dir: str = ""
 
     def __call__(self, controller: Controller, backend: LocalBackend, now_s: float) -> None:
         status = controller.status(RUN, now_s)
@@ -55,6 +65,8 @@ class Scenario:
             if status["step"] > 0:
                 self.times.setdefault("clean", now_s)
             self.clean_flags += status["stragglers"] + [i for i in incidents if i["kind"] == "straggler"]
+            if not self.cli and status["step"] >= 45:  # past the second checkpoint
+                self.cli = operator_reads(self.url, self.state_dir)
             if now_s - self.times.get("clean", now_s) >= CLEAN_S:
                 self._next("slow", now_s, lambda: backend.inject("slow", rank=1, factor=1.3))
         elif self.phase == "slow":
@@ -65,13 +77,22 @@ class Scenario:
                 self._next("hang", now_s, lambda: backend.inject("hang", rank=0))
         elif self.phase == "hang":
             if _recovered(incidents, "hang"):
+                hang = next(i for i in incidents if i["kind"] == "hang")
+                self.cli["postmortem"] = cli_json(self.url, self.state_dir, "postmortem", RUN)
+                md = CliRunner().invoke(app, ["postmortem", RUN, str(hang["id"]), "--url", self.url])
+                self.cli["postmortem_md"] = md.stdout
                 self._next("kill", now_s, lambda: backend.inject("kill", rank=1))
         elif self.phase == "kill" and _recovered(incidents, "process_exit"):
+            self._next("restart", now_s, lambda: self.cli.update(restart=self.opsd("restart", RUN, "--reason", "test")))
+        elif self.phase == "restart" and _recovered(incidents, "manual_restart"):
             self.phase = "done"
             self.stop.set()
         if self.phase not in ("clean", "done") and now_s - self.times[self.phase] > PHASE_LIMIT_S:
             self.problem = f"phase {self.phase} did not end within {PHASE_LIMIT_S:.0f} s"
             self.stop.set()
+
+    def opsd(self, *args: str) -> Any:
+        return cli_json(self.url, self.state_dir, *args, "--no-wait")
 
     def _next(self, phase: str, now_s: float, inject: Any) -> None:
         try:
@@ -80,6 +101,33 @@ class Scenario:
             return  # the rank is not running (yet): again at the next poll
         self.phase = phase
         self.times[phase] = now_s
+
+
+def cli_json(url: str, state_dir: str, *args: str) -> Any:
+    """``opsd ARGS --json`` against the controller at ``url`` (the token from ``state_dir``)."""
+    result = CliRunner().invoke(app, [*args, "--json", "--url", url, "--state-dir", state_dir])
+    assert result.exit_code == 0, (args, result.output)
+    return json.loads(result.stdout)
+
+
+def operator_reads(url: str, state_dir: str) -> dict[str, Any]:
+    out = {name: cli_json(url, state_dir, *args) for name, args in READS.items()}
+    for verb in ("cordon", "uncordon"):  # the spare out of service and back
+        extra = ["--reason", "maintenance"] if verb == "cordon" else []
+        result = CliRunner().invoke(app, [verb, "node-2", *extra, "--url", url, "--state-dir", state_dir])
+        out[verb] = (result.exit_code, result.output.strip())
+    return out
+
+
+READS = {
+    "runs": ("runs",),
+    "status": ("status", RUN),
+    "all": ("status",),
+    "incidents": ("incidents",),
+    "spares": ("spares",),
+    "checkpoints": ("checkpoints", RUN),
+    "cadence": ("cadence", RUN),
+}
 
 
 def _recovered(incidents: list[dict[str, Any]], kind: str) -> bool:
@@ -109,8 +157,8 @@ def two_nodes(tmp_path: Path, *trainer_options: str, **config: Any) -> tuple[Ser
 
 def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
     # the detection latency (a heartbeat, a pass) fits in the 2 s above the floor
-    config, spec = two_nodes(tmp_path, heartbeat_floor_s=3.0, hang_floor_s=HANG_FLOOR_S - 2.0)
-    scenario = Scenario()
+    config, spec = two_nodes(tmp_path, heartbeat_floor_s=3.0, hang_floor_s=HANG_FLOOR_S - 2.0, flight_wait_s=4.0)
+    scenario = Scenario(url=f"http://127.0.0.1:{config.port}", state_dir=config.state_dir)
     status = run_local(config, spec, on_poll=scenario, stop=scenario.stop, timeout_s=600)
     assert not scenario.problem, (scenario.problem, scenario.times, status)
     assert (scenario.phase, status["state"]) == ("done", "stopped")
@@ -127,7 +175,7 @@ def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
         f" after; kill detected {after['process_exit'][0] - scenario.times['kill']:.1f} s after,"
         f" first step {after['process_exit'][1] - scenario.times['kill']:.1f} s after"
     )
-    assert sorted(incidents) == ["hang", "process_exit", "straggler"]
+    assert sorted(incidents) == ["hang", "manual_restart", "process_exit", "straggler"]
 
     straggler = incidents["straggler"]  # 2. the slowed rank, within 60 s
     assert (straggler["rank"], straggler["node"], straggler["state"]) == (1, "node-1", "warned")
@@ -137,14 +185,58 @@ def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
     limit_s = max(3 * scenario.median_step_s, HANG_FLOOR_S)
     assert 0 < hang["detected_s"] - scenario.times["hang"] <= limit_s, (hang, scenario.times)
     assert hang["resumed_s"] > hang["detected_s"]
+    culprit = scenario.cli["postmortem"]["flight_recorder"][f"incident-{hang['id']}"]  # its Flight Recorder dumps
+    assert (culprit["incident_id"], culprit["ranks_expected"], culprit["ranks_dumped"]) == (hang["id"], [0, 1], [1])
+    assert [c["rank"] for c in culprit["culprits"]] == [0]  # the stopped rank sent none: it never joined
+    assert culprit["culprits"][0]["reason"].startswith("sent no dump: never joined")
+    assert any((g["group"], g["joined"], g["missing"]) == ("dp_shard", [1], [0]) for g in culprit["groups"])
+    assert "culprit rank" in scenario.cli["postmortem_md"]
 
     killed = incidents["process_exit"]  # 4. the killed rank: its exit is the cause; relaunched; progress again
     assert (killed["rank"], killed["node"]) == (1, "node-1")
     assert "exited with -9" in killed["detail"]
     assert killed["resumed_s"] > killed["detected_s"] >= scenario.times["kill"]
 
-    assert status["generation"] == 3  # the first launch and one relaunch per failure, no swap
+    restart = incidents["manual_restart"]  # 5. a checkpoint at the step asked for, then a relaunch from it
+    assert restart["detail"] == "restart asked: test"
+    assert scenario.cli["restart"]["incident"]["id"] == restart["id"]
+    actions = {a["kind"]: a for a in status["actions"] if a["incident_id"] == restart["id"]}
+    assert list(actions) == ["checkpoint", "stop", "launch"]
+    saved = actions["checkpoint"]["result"]
+    assert saved["checkpoint_step"] >= saved["asked_step"] > 0, saved
+    assert restart["resumed_from_step"] == actions["launch"]["result"]["resumed_from_step"] >= saved["checkpoint_step"]
+    assert restart["lost_steps"] < 20  # the newest checkpoint was moments old
+
+    assert status["generation"] == 4  # the first launch and one relaunch per failure or restart, no swap
     assert [n["role"] for n in status["nodes"]] == ["active", "active", "spare"]
+    check_operator_reads(scenario.cli)
+
+
+def check_operator_reads(cli: dict[str, Any]) -> None:
+    """What the read commands answered while the run trained (past its second checkpoint)."""
+    assert [r["id"] for r in cli["runs"]] == [RUN]
+    assert (cli["status"]["run"], cli["status"]["ranks"]) == (RUN, 2)
+    assert [s["run"] for s in cli["all"]] == [RUN]
+    assert cli["incidents"] == []
+    (pool,) = cli["spares"]["runs"]
+    assert (pool["active_nodes"], [s["name"] for s in pool["spares"]], pool["spares"][0]["health"]) == (
+        2,
+        ["node-2"],
+        "healthy",
+    )
+    assert pool["recommended"] >= 0
+    assert "node MTBF" in pool["why"]
+    committed = [c for c in cli["checkpoints"]["checkpoints"] if c["state"] == "committed"]
+    steps = [c["step"] for c in committed]
+    assert len(steps) >= 2
+    assert steps == sorted(steps, reverse=True)
+    assert all(c["bytes"] > 0 and c["time_unix_s"] > 0 and c["blocking_s"] >= 0 for c in committed)
+    cadence = cli["cadence"]
+    assert cadence["mtbf_s"] > 0
+    assert cadence["step_s"] > 0
+    assert cadence["why"]
+    assert cli["cordon"] == (0, "node-2: cordoned")
+    assert cli["uncordon"] == (0, "node-2: spare")
 
 
 def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) -> None:

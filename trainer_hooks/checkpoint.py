@@ -302,10 +302,11 @@ class Checkpointer:
                 ManifestFile(name, (directory / name).stat().st_size, sha256_file(directory / name)) for name in mine
             ]
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(files, gathered, dst=0, group=self.group)
+            dist.gather_object((files, blocking_s), gathered, dst=0, group=self.group)
             self.store.discard_spool(step, mine)
             if gathered is not None:
-                self._commit(step, sorted((f for part in gathered for f in part), key=lambda f: f.path))
+                every = sorted((f for part, _ in gathered for f in part), key=lambda f: f.path)
+                self._commit(step, every, max(b for _, b in gathered), time.perf_counter() - start)
                 self._apply_retention()
             total_s = time.perf_counter() - start
             nbytes = sum(f.bytes for f in files)
@@ -322,7 +323,7 @@ class Checkpointer:
         except (Exception, CheckpointException):
             log.exception("checkpoint of step %d failed; it is not committed", step)
 
-    def _commit(self, step: int, files: list[ManifestFile]) -> None:
+    def _commit(self, step: int, files: list[ManifestFile], blocking_s: float, save_s: float) -> None:
         manifest = Manifest(
             v=1,
             step=step,
@@ -331,6 +332,8 @@ class Checkpointer:
             mesh=self.layout,
             files=files,
             versions={"torch": str(torch.__version__), "opsd": opsd.__version__},
+            blocking_s=blocking_s,
+            save_s=save_s,
         )
         if self.before_commit is not None:
             self.before_commit(step)

@@ -11,6 +11,16 @@ The tracer wraps the two Python entry points through which PyTorch's parallelism
   ``torch.distributed._functional_collectives``, including their autograd backward): issue is timed when the op is
   called, completion and exposure by its ``wait_tensor``.
 
+Phases: each collective is counted, when issued, under the phase of training it serves: the phase the trainer
+marked (``with tracer.phase("optimizer"):``; a mark wins), else ``backward`` while autograd runs a backward pass
+(``torch._C._current_graph_task_id() != -1``: FSDP2's and tensor parallel's backward hooks, activation
+recomputation, on whichever thread the engine runs them), else ``forward`` inside a step and ``other`` outside
+one. A pipeline schedule sends and receives outside autograd; on a ``pp`` group their direction tells: a send to a
+later stage and a receive from an earlier one carry activations (``forward``), the other two gradients
+(``backward``). That is exact for GPipe and 1F1B; an interleaved schedule's wrap-around from the last rank to the
+first counts as backward. A schedule also runs FSDP's gradient reduction itself, outside autograd
+(``perform_reduce_grad``): it is marked ``backward``.
+
 Durations: on a process group whose backend has an on-completion hook (NCCL), the hook gives each collective's
 duration as measured on the GPU by CUDA events (set ``TORCH_NCCL_ENABLE_TIMING=1``; without it the hook's
 host-side issue-to-detection time is used). Elsewhere (gloo) they are measured on the host from issue to
@@ -26,8 +36,10 @@ import contextlib
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +52,21 @@ log = logging.getLogger(__name__)
 
 OTHER = "other"
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", OTHER)
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
+#: (dimension, op, phase): what a collective is counted under
+Key = tuple[str, str, str]
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass running
+# phases of issued works awaiting their completion hook, per (group, op): bounded (a hook may never fire)
+_MAX_GPU_PENDING = 1024
+_MAX_PENDING = 4096  # functional collectives issued and not waited on (through the traced wait) yet
+# the arguments naming the peer of a point-to-point function: a global rank, or a rank in the group
+_PEER_ARGUMENTS = {
+    "send": ("dst", "group_dst"),
+    "recv": ("src", "group_src"),
+    "isend": ("dst", "group_dst"),
+    "irecv": ("src", "group_src"),
+}
 
 # torch.distributed function -> (op label, the argument whose bytes count, always asynchronous)
 _DIST_FUNCTIONS: dict[str, tuple[str, str, bool]] = {
@@ -127,6 +154,15 @@ def _group_name(group: dist.ProcessGroup | str | None) -> str | None:
     return group if isinstance(group, str) else group.group_name
 
 
+def _buffer(tensor: Any) -> int:
+    """What identifies a functional collective's output when it is waited on: its data's address. In forward,
+    autograd hands the wait another tensor object over the same data (``_wrap_tensor_autograd``)."""
+    try:
+        return int(tensor.data_ptr()) or id(tensor)
+    except Exception:
+        return id(tensor)
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -144,14 +180,26 @@ class OpStats:
 
 @dataclass
 class StepComms:
-    """Collectives of one step: per (dimension, op) counts, bytes and issue-to-completion seconds; exposed seconds."""
+    """Collectives of one step: per (dimension, op, phase) counts, bytes and issue-to-completion seconds; exposed
+    seconds."""
 
-    ops: dict[tuple[str, str], OpStats] = field(default_factory=dict)
+    phases: dict[Key, OpStats] = field(default_factory=dict)
     exposed_s: float = 0.0
 
     @property
+    def ops(self) -> dict[tuple[str, str], OpStats]:
+        """Per (dimension, op), over the phases."""
+        out: dict[tuple[str, str], OpStats] = {}
+        for (dim, op, _), s in self.phases.items():
+            acc = out.setdefault((dim, op), OpStats())
+            acc.count += s.count
+            acc.bytes += s.bytes
+            acc.seconds += s.seconds
+        return out
+
+    @property
     def total_s(self) -> float:
-        return sum(s.seconds for s in self.ops.values())
+        return sum(s.seconds for s in self.phases.values())
 
     def by_dimension(self) -> dict[str, OpStats]:
         out: dict[str, OpStats] = {}
@@ -186,7 +234,7 @@ class TimedWork(dist.Work):
         self,
         inner: dist.Work,
         tracer: CollectiveTracer,
-        key: tuple[str, str],
+        key: Key,
         issued: float,
         *,
         host_timed: bool = True,
@@ -257,6 +305,24 @@ class _FunctionalOp:
         return getattr(self._packet, name)
 
 
+class PhaseMark:
+    """``with tracer.phase(name):`` the collectives issued inside are counted under phase ``name`` (nests)."""
+
+    __slots__ = ("_phase", "_previous", "_tracer")
+
+    def __init__(self, tracer: CollectiveTracer, phase: str) -> None:
+        self._tracer = tracer
+        self._phase = phase
+        self._previous: str | None = None
+
+    def __enter__(self) -> None:
+        self._previous = self._tracer.marked_phase
+        self._tracer.marked_phase = self._phase
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracer.marked_phase = self._previous
+
+
 class CollectiveTracer:
     """Process-wide tracer of collectives; ``install()`` once, label groups, read ``take_step()`` per step."""
 
@@ -264,13 +330,56 @@ class CollectiveTracer:
         self._labels: dict[str, str] = {}
         self._lock = threading.Lock()
         self._step = StepComms()
-        self._pending: dict[int, tuple[tuple[str, str], float, bool]] = {}
+        self._pending: dict[int, tuple[Key, float, bool]] = {}  # functional ops issued, by their output's data
         self._originals: dict[tuple[Any, str], Any] = {}
         self._gpu_timed: set[str] = set()  # groups whose completion hook reports durations
         self._inflight: list[TimedWork] = []
-        self._blocked: tuple[tuple[str, str], float] | None = None  # what the training thread waits on, since when
+        self._blocked: tuple[Key, float] | None = None  # what the training thread waits on, since when
+        self._gpu_phases: dict[tuple[str, str], deque[str]] = {}  # (group, op) -> phases awaiting the hook
+        self._peers: dict[str, dict[int, int]] = {}  # pp group -> global rank -> rank in the group
+        self.marked_phase: str | None = None  # set by ``phase()``
+        self.default_phase = OTHER  # the phase of collectives neither marked nor in backward (the monitor's step)
         self.internal_errors = 0
         self._warned = False
+
+    # -- phases ------------------------------------------------------------------------------------------------
+    def phase(self, name: str) -> PhaseMark:
+        """Count the collectives issued inside ``with tracer.phase(name):`` under ``name`` (one of ``PHASES``),
+        whatever autograd is doing. An unknown name is counted as an internal error and marks ``other``."""
+        if name not in PHASES:
+            self._internal_error(ValueError(f"collectives: unknown phase {name!r}; known: {', '.join(PHASES)}"))
+            name = OTHER
+        return PhaseMark(self, name)
+
+    def current_phase(self) -> str:
+        """The phase a collective issued now is counted under."""
+        marked = self.marked_phase
+        if marked is not None:
+            return marked
+        if _graph_task_id() != -1:
+            return BACKWARD
+        return self.default_phase
+
+    def _p2p_phase(self, group: Any, op: str, peer: Any, group_peer: Any) -> str | None:
+        """The phase of a pipeline send or receive from its direction: with a later stage, a send is forward
+        traffic (activations) and a receive backward (gradients); the other way round with an earlier one. None
+        when it cannot tell (or the trainer marked the phase)."""
+        if self.marked_phase is not None or not isinstance(group, dist.ProcessGroup):
+            return None
+        other = group_peer
+        if not isinstance(other, int):
+            if not isinstance(peer, int):
+                return None
+            ranks = self._peers.get(group.group_name)
+            if ranks is None:
+                ranks = self._peers[group.group_name] = {
+                    r: i for i, r in enumerate(dist.get_process_group_ranks(group))
+                }
+            other = ranks.get(peer)
+        me = group.rank()
+        if other is None or other == me or me < 0:
+            return None
+        return FORWARD if (other > me) == (op == "send") else BACKWARD
 
     # -- labelling -------------------------------------------------------------------------------------------
     def label(self, group: dist.ProcessGroup, dimension: str) -> None:
@@ -290,7 +399,7 @@ class CollectiveTracer:
             self._gpu_timed.add(name)
 
     @contextlib.contextmanager
-    def blocking(self, key: tuple[str, str] | None) -> Iterator[None]:
+    def blocking(self, key: Key | None) -> Iterator[None]:
         """The training thread waits on the collective ``key`` inside this block (``blocked()`` tells for how long)."""
         self._blocked = None if key is None else (key, time.perf_counter())
         try:
@@ -303,7 +412,7 @@ class CollectiveTracer:
         current = self._blocked
         if current is None:
             return None
-        (dim, op), since = current
+        (dim, op, _), since = current
         return Blocked(dim, op, since, time.perf_counter() - since)
 
     def host_timed(self, group: dist.ProcessGroup | str | None) -> bool:
@@ -311,10 +420,15 @@ class CollectiveTracer:
         return _group_name(group) not in self._gpu_timed
 
     def _on_completion(self, group_name: str, info: Any) -> None:
-        """The completion hook (on the backend's watchdog thread): adds the work's duration to its dimension."""
+        """The completion hook (on the backend's watchdog thread): adds the work's duration to its dimension, under
+        the phase of the oldest work of the same op issued on the group and not completed yet (works of one op on
+        one group complete in order; ``other`` when the tracer did not see it issued)."""
         try:
-            key = (self._labels.get(group_name, OTHER), op_label(info.op_type))
-            self._add_duration(key, completion_seconds(info))
+            op = op_label(info.op_type)
+            with self._lock:
+                pending = self._gpu_phases.get((group_name, op))
+                phase = pending.popleft() if pending else OTHER
+            self._add_duration((self._labels.get(group_name, OTHER), op, phase), completion_seconds(info))
         except Exception as exc:
             self._internal_error(exc)
 
@@ -324,17 +438,26 @@ class CollectiveTracer:
         return OTHER if name is None else self._labels.get(name, OTHER)
 
     # -- accounting ------------------------------------------------------------------------------------------
-    def _issue(self, dim: str, op: str, nbytes: int) -> tuple[str, str]:
-        key = (dim, op)
+    def _issue(self, group: dist.ProcessGroup | str | None, op: str, nbytes: int, phase: str | None = None) -> Key:
+        name = _group_name(group)
+        dim = OTHER if name is None else self._labels.get(name, OTHER)
+        key = (dim, op, phase or self.current_phase())
         with self._lock:
-            stats = self._step.ops.setdefault(key, OpStats())
+            stats = self._step.phases.get(key)
+            if stats is None:
+                stats = self._step.phases[key] = OpStats()
             stats.count += 1
             stats.bytes += nbytes
+            if name in self._gpu_timed:
+                pending = self._gpu_phases.get((name, op))
+                if pending is None:
+                    pending = self._gpu_phases[(name, op)] = deque(maxlen=_MAX_GPU_PENDING)
+                pending.append(key[2])
         return key
 
-    def _add_duration(self, key: tuple[str, str], seconds: float) -> None:
+    def _add_duration(self, key: Key, seconds: float) -> None:
         with self._lock:
-            self._step.ops.setdefault(key, OpStats()).seconds += seconds
+            self._step.phases.setdefault(key, OpStats()).seconds += seconds
 
     def _add_exposed(self, seconds: float) -> None:
         with self._lock:
@@ -398,6 +521,24 @@ class CollectiveTracer:
         wait_packet = getattr(namespace, "wait_tensor")  # noqa: B009
         self._originals[(namespace, "wait_tensor")] = wait_packet
         setattr(namespace, "wait_tensor", _FunctionalOp(wait_packet, self._wrap_wait(wait_packet)))  # noqa: B010
+        # a pipeline schedule reduces the gradients (FSDP's post-backward) itself, after its last backward and
+        # outside autograd: that is backward traffic (when torch's pipelining is imported before this is called)
+        stage = sys.modules.get("torch.distributed.pipelining.stage")
+        owner = getattr(stage, "_PipelineStageBase", None)
+        method = getattr(owner, "perform_reduce_grad", None)
+        if owner is not None and callable(method):
+            self._originals[(owner, "perform_reduce_grad")] = method
+            setattr(owner, "perform_reduce_grad", self._marked(method, BACKWARD))  # noqa: B010
+
+    def _marked(self, function: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        """``function`` with the collectives it issues counted under ``phase``."""
+
+        @functools.wraps(function)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            with PhaseMark(self, phase):
+                return function(*args, **kwargs)
+
+        return marked
 
     def uninstall(self) -> None:
         for (owner, name), original in self._originals.items():
@@ -406,13 +547,18 @@ class CollectiveTracer:
 
     def _wrap_dist(self, original: Callable[..., Any], op: str, tensor_arg: str, always_async: bool) -> Any:
         get_tensor, get_group, get_async = (_argument(original, name) for name in (tensor_arg, "group", "async_op"))
+        peer_args = _PEER_ARGUMENTS.get(original.__name__)
+        get_peer, get_group_peer = (_argument(original, a) for a in peer_args) if peer_args else (None, None)
 
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
             try:
                 self.poll()
                 group = get_group(args, kwargs)
-                key = self._issue(self.dimension_of(group), op, _nbytes(get_tensor(args, kwargs)))
+                phase = None
+                if get_peer and get_group_peer and _graph_task_id() == -1 and self.dimension_of(group) == "pp":
+                    phase = self._p2p_phase(group, op, get_peer(args, kwargs), get_group_peer(args, kwargs))
+                key = self._issue(group, op, _nbytes(get_tensor(args, kwargs)), phase)
                 host_timed = self.host_timed(group)
                 is_async = always_async or bool(get_async(args, kwargs))
             except Exception as exc:
@@ -444,9 +590,11 @@ class CollectiveTracer:
                 self.poll()
                 group = args[group_index]
                 nbytes = _nbytes(args[tensor_index]) * (int(args[size_index]) if size_index is not None else 1)
-                key = self._issue(self.dimension_of(group), op, nbytes)
+                key = self._issue(group, op, nbytes)
                 with self._lock:
-                    self._pending[id(out)] = (key, time.perf_counter(), self.host_timed(group))
+                    self._pending[_buffer(out)] = (key, time.perf_counter(), self.host_timed(group))
+                    if len(self._pending) > _MAX_PENDING:  # outputs whose wait was never seen
+                        del self._pending[next(iter(self._pending))]
             except Exception as exc:
                 self._internal_error(exc)
             return out
@@ -456,14 +604,15 @@ class CollectiveTracer:
     def _wrap_wait(self, packet: Any) -> Callable[..., Any]:
         def traced(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            pending = self._pending.get(id(tensor))
+            buffer = _buffer(tensor)
+            pending = self._pending.get(buffer)
             with self.blocking(pending[0] if pending is not None else None):
                 out = packet(tensor, *args, **kwargs)
             end = time.perf_counter()
             try:
                 self.poll()
                 with self._lock:
-                    pending = self._pending.pop(id(tensor), None)
+                    pending = self._pending.pop(buffer, None)
                 if pending is not None:
                     self._add_exposed(end - start)
                     if pending[2]:

@@ -7,18 +7,24 @@
 
 ``tokens`` is the number of tokens of this rank's data-parallel shard in the step (whole sequences: ranks that
 differ only in tp, pp or cp report the same number). Loops that do not fit a context manager call
-``begin_step()`` and ``end_step(tokens)``. Nothing here raises into training or blocks it: failures are counted
+``begin_step()`` and ``end_step(tokens)``. Collectives are counted per phase of the step: backward is detected,
+and the trainer marks the rest, e.g. ``with monitor.phase("optimizer"): optimizer.step()`` (see
+``trainer_hooks.collectives``); unmarked collectives of a step outside backward count as ``forward``.
+``monitor.record_loss(loss)`` inside a step reports the step's loss with it (a tensor is read at the end of the
+step, after the device has synchronised). Nothing here raises into training or blocks it: failures are counted
 (``internal_errors``) and logged once; undeliverable reports are dropped and counted.
 
 A watchdog thread reports a rank that has waited on one collective for longer than ``collective_timeout_s``
 (one ``collective_timeout`` message per wait, naming the dimension and the op): its peers are most likely stopped,
-dead or slower, and the controller learns it before the run's hang timeout.
+dead or slower, and the controller learns it before the run's hang timeout. The same thread runs the policy's
+``dump_flight_recorder`` commands and dumps the Flight Recorder after a timeout (``trainer_hooks.flight``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -34,7 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from opsd.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
-from trainer_hooks.collectives import DIMENSIONS, TRACER, CollectiveTracer, StepComms
+from trainer_hooks.collectives import DIMENSIONS, FORWARD, OTHER, TRACER, CollectiveTracer, PhaseMark, StepComms
+from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
 from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
@@ -58,6 +65,7 @@ class MonitorConfig:
     jsonl_path: str | None = None
     trace_collectives: bool = True
     collective_timeout_s: float = 300.0  # a wait on one collective longer than this is reported (0: never)
+    flight_dir: str | None = None  # Flight Recorder dumps go there (default $OPSD_FLIGHT_DIR; neither: none)
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -106,6 +114,7 @@ class Monitor:
         self._checkpoints: list[dict[str, Any]] = []
         self._checkpoints_lock = threading.Lock()
         self._started: float | None = None
+        self._loss: float | torch.Tensor | None = None
         self._warned = False
         if flops_per_token is not None:
             if not flops_per_token > 0:
@@ -124,24 +133,30 @@ class Monitor:
             tracer.install()
         self.timeouts_reported = 0
         self._closing = threading.Event()
-        if config.trace_collectives and config.collective_timeout_s > 0 and self.sinks:
+        self.flight = FlightRecorder(
+            config.run_id, self.rank, self.world_size, directory=config.flight_dir, tracer=tracer, host=self.host
+        )
+        if config.trace_collectives:
             watchdog = threading.Thread(target=self._watch, name="opsd-collective-watchdog", daemon=True)
             watchdog.start()
 
     def _watch(self) -> None:
-        """Report each wait on a collective that outlasts ``collective_timeout_s``, once (never raises)."""
+        """Report each wait on a collective that outlasts ``collective_timeout_s``, once, and dump the Flight
+        Recorder after it; run the policy's Flight Recorder commands (never raises)."""
         limit_s = self.config.collective_timeout_s
         reported = None
-        while not self._closing.wait(min(1.0, limit_s / 4)):
+        while not self._closing.wait(min(1.0, limit_s / 4) if limit_s > 0 else 1.0):
             try:
+                self.flight.poll()
                 blocked = self.tracer.blocked()
-                if blocked is None or blocked.waited_s < limit_s or blocked.since == reported:
+                if limit_s <= 0 or blocked is None or blocked.waited_s < limit_s or blocked.since == reported:
                     continue
                 reported = blocked.since
                 self.timeouts_reported += 1
                 data = encode(self._timeout_report(blocked.dim, blocked.op, blocked.waited_s))
                 for sink in self.sinks:
                     sink.send(data)
+                self.flight.dump(f"timeout-{self.rank}-{self.steps}")
             except Exception as exc:
                 self._error(exc)
 
@@ -188,6 +203,16 @@ class Monitor:
         self.label(model.process_group, dimension)
         model.register_comm_hook(model.process_group, allreduce_hook)
 
+    def phase(self, name: str) -> PhaseMark:
+        """``with monitor.phase("optimizer"):`` the collectives issued inside count under that phase (``forward``,
+        ``backward``, ``optimizer``, ``other``); a few hundred nanoseconds."""
+        return self.tracer.phase(name)
+
+    def record_loss(self, loss: float | torch.Tensor) -> None:
+        """The loss to send with the next report: inside a step, that step's. A tensor is read at the end of the
+        step, after the device has synchronised; a loss that is not a finite number is not sent."""
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+
     @property
     def dropped_reports(self) -> int:
         return sum(sink.dropped for sink in self.sinks)
@@ -216,6 +241,7 @@ class Monitor:
 
     def begin_step(self) -> None:
         self._started = time.perf_counter()
+        self.tracer.default_phase = FORWARD
         try:
             self.tracer.take_step()  # collectives before the step (set-up, evaluation) are not the step's
             if self.device.type == "cuda":
@@ -231,6 +257,7 @@ class Monitor:
                 torch.cuda.synchronize(self.device)
             step_s = time.perf_counter() - self._started
             self._started = None
+            self.tracer.default_phase = OTHER
             self.steps += 1
             report = self._report(step_s, tokens)
             self.last_report = report
@@ -278,10 +305,20 @@ class Monitor:
             "mfu_ratio": mfu,
             "memory": memory,
             "coords": self.coords,
-            "comms": [[dim, op, s.count, s.bytes, s.seconds] for (dim, op), s in sorted(comms.ops.items())],
+            "comms": [
+                [dim, op, s.count, s.bytes, s.seconds, phase] for (dim, op, phase), s in sorted(comms.phases.items())
+            ],
             "dropped_reports_total": self.dropped_reports,
             "internal_errors_total": self.internal_errors + self.tracer.internal_errors,
         }
+        loss, self._loss = self._loss, None
+        if loss is not None:
+            try:
+                value = float(loss)
+                if math.isfinite(value):
+                    report["loss"] = value
+            except Exception as exc:  # the step is still reported, without its loss
+                self._error(exc)
         with self._checkpoints_lock:
             if self._checkpoints:
                 report["checkpoints"], self._checkpoints = self._checkpoints, []

@@ -50,10 +50,13 @@ class Policy:
     commands: tuple[Command, ...] = ()
     previous_every_steps: int | None = None  # the cadence in force before checkpoint_from_step, if any
     previous_from_step: int = 0
+    checkpoint_at_step: int | None = None  # a one-off checkpoint asked for (a graceful restart), besides the cadence
 
     def checkpoint_due(self, step: int, local: bool = False) -> bool:
         """Whether to save after ``step``; ``local``: the rank's own cadence's answer, used before any published
         cadence takes effect."""
+        if step == self.checkpoint_at_step:
+            return True
         every = self.checkpoint_every_steps
         if every is not None and step >= self.checkpoint_from_step:
             return (step - self.checkpoint_from_step) % every == 0
@@ -103,7 +106,9 @@ def parse_policy(data: bytes) -> Policy:
         if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
             raise PolicyError("policy.commands[].ranks must be a list of ranks")
         commands.append(Command(c["id"], c["name"], tuple(ranks) if ranks is not None else None))
-    return Policy(every, start, tuple(commands), before, before_start)
+    at = doc.get("checkpoint_at_step")
+    at_step = _int(at, "checkpoint_at_step", 1) if at is not None else None
+    return Policy(every, start, tuple(commands), before, before_start, at_step)
 
 
 class PolicyReader:

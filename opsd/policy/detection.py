@@ -35,6 +35,7 @@ class FailureKind(StrEnum):
     HANG = "hang"
     COLLECTIVE_TIMEOUT = "collective_timeout"
     CONTROLLER_RESTART = "controller_restart"  # not detected here: a controller taking up a run whose own stopped
+    MANUAL_RESTART = "manual_restart"  # not detected here: an operator asked for a restart (`opsd restart`)
 
 
 SWAP_KINDS = frozenset({FailureKind.HEARTBEAT_LOSS, FailureKind.FATAL_XID})
@@ -103,6 +104,7 @@ class GpuEvent:
     xid: int
     action: str  # the agent's decision: "cordon_and_swap" or "restart_job"
     reason: str = ""
+    time_s: float | None = None  # when the agent saw it (Unix time, the node's clock)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,149 @@
+"""The controller's ``/metrics``: run-level series computed at scrape time from its state (docs/metrics.md). A few
+series per run, none per rank, except the ranks flagged as stragglers now (a handful at most)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from opsd.controller import Controller
+from opsd.policy.spares import spare_pool_size
+from opsd.views import cadence_interval_s, node_mtbf_h
+
+RUN_STATES = ("running", "recovering", "waiting_for_spare", "completed", "failed", "stopped")
+RECOVERY_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+class ApiStats:
+    """Requests the API refused, by reason."""
+
+    def __init__(self) -> None:
+        self.rejected: dict[str, int] = {}
+        self.requests = 0
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+
+class ControllerCollector(Collector):
+    def __init__(self, controller: Controller, stats: ApiStats, clock: Callable[[], float] = time.time) -> None:
+        self.controller = controller
+        self.stats = stats
+        self.clock = clock
+
+    def collect(self) -> Iterable[Metric]:
+        now = self.clock()
+        controller = self.controller
+        run_labels = ["run"]
+        gauges = {
+            "mfu_ratio": GaugeMetricFamily(
+                "opsd_run_mfu_ratio", "Job MFU (mean of the ranks' last steps).", labels=run_labels
+            ),
+            "tokens_per_s": GaugeMetricFamily(
+                "opsd_run_tokens_per_second", "Job tokens per second.", labels=run_labels
+            ),
+            "step": GaugeMetricFamily("opsd_run_step", "The run's newest step.", labels=run_labels),
+            "ettr": GaugeMetricFamily(
+                "opsd_run_ettr_ratio", "Effective training time ratio so far.", labels=run_labels
+            ),
+            "spares_available": GaugeMetricFamily(
+                "opsd_run_spares_available", "Healthy spare nodes of the run.", labels=run_labels
+            ),
+        }
+        state = GaugeMetricFamily("opsd_run_state", "1 for the run's current state.", labels=["run", "state"])
+        mtbf = GaugeMetricFamily("opsd_run_mtbf_seconds", "The run's MTBF estimate.", labels=run_labels)
+        every = GaugeMetricFamily(
+            "opsd_run_checkpoint_interval_steps", "Published checkpoint cadence.", labels=run_labels
+        )
+        every_s = GaugeMetricFamily(
+            "opsd_run_checkpoint_interval_seconds", "Published checkpoint cadence in seconds.", labels=run_labels
+        )
+        cost = GaugeMetricFamily(
+            "opsd_run_checkpoint_cost_seconds", "Mean seconds a checkpoint blocks training.", labels=run_labels
+        )
+        last_commit = GaugeMetricFamily(
+            "opsd_run_checkpoint_last_commit_timestamp_seconds",
+            "When every rank had finished the newest checkpoint (Unix time).",
+            labels=run_labels,
+        )
+        progress = GaugeMetricFamily(
+            "opsd_run_last_progress_timestamp_seconds", "When the run's newest step last advanced.", labels=run_labels
+        )
+        recommended = GaugeMetricFamily(
+            "opsd_run_spares_recommended", "Recommended spare pool size.", labels=run_labels
+        )
+        stragglers = GaugeMetricFamily("opsd_run_stragglers", "Ranks flagged as stragglers now.", labels=run_labels)
+        slowdown = GaugeMetricFamily(
+            "opsd_run_straggler_slowdown_ratio",
+            "Compute time of a flagged rank over its peers' median.",
+            labels=["run", "rank", "node"],
+        )
+        incidents = CounterMetricFamily("opsd_run_incidents", "Incidents by cause.", labels=["run", "cause"])
+        recovery = HistogramMetricFamily(
+            "opsd_run_recovery_seconds",
+            "Detection to first productive step, per recovered incident.",
+            labels=run_labels,
+        )
+        for run in controller.store.runs():
+            run_id = run["id"]
+            status = controller.status(run_id, now)
+            if status is None:
+                continue
+            for key, family in gauges.items():
+                family.add_metric([run_id], float(status[key]))
+            for name in RUN_STATES:
+                state.add_metric([run_id, name], 1.0 if run["state"] == name else 0.0)
+            if status["mtbf_s"] is not None:
+                mtbf.add_metric([run_id], float(status["mtbf_s"]))
+            if status["cadence"] is not None:
+                every.add_metric([run_id], float(status["cadence"]["every_steps"]))
+            seconds = cadence_interval_s(controller, run_id)
+            if seconds is not None:
+                every_s.add_metric([run_id], seconds)
+            with controller.lock:
+                live = controller.runs_live.get(run_id)
+                if live is not None and live.checkpoints:
+                    cost.add_metric([run_id], live.checkpoint_blocking_s / live.checkpoints)
+                committed_s = controller.checkpointed_s.get(run_id)
+                progressed_s = controller.progressed_s.get(run_id)
+            if committed_s is not None:
+                last_commit.add_metric([run_id], committed_s)
+            progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run["created_s"]))
+            active = sum(1 for n in status["nodes"] if n["role"] == "active")
+            node_mtbf, _, _ = node_mtbf_h(controller, run, active, now)
+            config = controller.config
+            recommended.add_metric(
+                [run_id], spare_pool_size(active, config.spare_window_h, node_mtbf, config.spare_risk)
+            )
+            stragglers.add_metric([run_id], float(len(status["stragglers"])))
+            for s in status["stragglers"]:
+                slowdown.add_metric([run_id, str(s["rank"]), s["node"]], float(s["slowdown_ratio"]))
+            causes: dict[str, int] = {}
+            recovered: list[float] = []
+            for i in controller.store.incidents(run_id):
+                causes[i["kind"]] = causes.get(i["kind"], 0) + 1
+                if i["resumed_s"] is not None:
+                    recovered.append(float(i["resumed_s"]) - float(i["detected_s"]))
+            for cause, n in sorted(causes.items()):
+                incidents.add_metric([run_id, cause], n)
+            buckets = [(_le(b), float(sum(1 for r in recovered if r <= b))) for b in RECOVERY_BUCKETS_S]
+            buckets.append(("+Inf", float(len(recovered))))
+            recovery.add_metric([run_id], buckets, math.fsum(recovered))
+        yield from gauges.values()
+        yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
+        yield from (incidents, recovery)
+        yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
+        rejected = CounterMetricFamily(
+            "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]
+        )
+        for reason in ("auth", "validation"):
+            rejected.add_metric([reason], self.stats.rejected.get(reason, 0))
+        yield rejected
+
+
+def _le(bound: float) -> str:
+    return f"{bound:g}" if bound != int(bound) else f"{int(bound)}.0"

@@ -1,0 +1,359 @@
+"""Who hung the run: the Flight Recorder dumps of its ranks, matched per process group by sequence id.
+
+Pure: dumps in (``trainer_hooks.flight`` writes them; docs/flight-recorder.md), one analysis out; no I/O, no clock.
+
+The method is that of PyTorch's Flight Recorder analyzer (``torch/distributed/flight_recorder``, ``fr_trace``):
+every collective of a process group has a sequence id, the same on every member, counted from 1. A rank's dump
+gives, per group, the last sequence id it issued (enqueued) and the last that completed (``pg_status``; on gloo,
+whose entries stay ``scheduled``, that is the only completion there is). Then, per group:
+
+- the collective stuck is the highest sequence id any member issued; the members that issued it ``joined``, the
+  others are ``missing`` (they never called it);
+- a rank that sent no dump is placed from its peers' view: a collective completes only once every member joined
+  it, so it got at least as far as the highest sequence id completed on any peer (its ``last_collective``);
+- the culprits are the missing ranks that do not themselves wait on a collective (they are elsewhere: stopped,
+  dead, stuck in Python or compute); a missing rank that waits in another group is a victim of the chain, unless
+  every missing rank waits (a cycle: ranks issued collectives in different orders), in which case all are named.
+
+Point-to-point operations (pipeline ``send``/``recv``) have no collective sequence id and are not matched; they
+still show as a rank's last operation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DUMP_COMMAND = "dump_flight_recorder"  # the policy command that asks ranks for a dump
+NS_PER_S = 1e9
+
+
+@dataclass
+class GroupSeen:
+    """One process group as one rank's dump shows it."""
+
+    name: str  # the process group's name (``pg_id`` in the analysis: the same on every member)
+    label: str  # what to call it: the mesh dimension, else the description, else "pg <name>"
+    ranks: tuple[int, ...]
+    enqueued: int | None = None  # last sequence id issued, None when the buffer holds none of its collectives
+    completed: int | None = None
+    first_seq: int | None = None  # the oldest sequence id still in the buffer
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq -> entry
+
+
+@dataclass
+class RankSeen:
+    rank: int
+    groups: dict[tuple[str, tuple[int, ...]], GroupSeen]
+    last_entry: dict[str, Any] | None
+    stack: str | None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: Any, default: int | None = None) -> int | None:
+    try:
+        return int(value) if value is not None and not isinstance(value, bool) else default
+    except (TypeError, ValueError):
+        return default
+
+
+def _ranks(value: Any) -> tuple[int, ...] | None:
+    """A group's members: a list, or the text of one (NCCL's ``pg_config`` writes ``"[0, 1]"``)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, list) or not value:
+        return None
+    ranks = [_int(r) for r in value]
+    if any(r is None for r in ranks):
+        return None
+    return tuple(sorted({r for r in ranks if r is not None}))
+
+
+def _label(name: str, info: dict[str, Any]) -> str:
+    dim = info.get("dim")
+    if isinstance(dim, str) and dim and dim != "other":
+        return dim
+    desc = info.get("desc")
+    if isinstance(desc, str) and desc and desc != "undefined":  # torch's description of a group given none
+        return desc.removeprefix("mesh_")
+    return f"pg {name}"
+
+
+def _op(entry: dict[str, Any]) -> str:
+    """``gloo:all_reduce`` / ``nccl:all_gather`` -> ``all_reduce`` / ``all_gather``."""
+    return str(entry.get("profiling_name", "")).rsplit(":", 1)[-1] or "unknown"
+
+
+def format_frames(frames: Any) -> str | None:
+    """A Flight Recorder entry's frames (innermost first) as a traceback (outermost first)."""
+    if not isinstance(frames, list) or not frames:
+        return None
+    lines = []
+    for f in reversed(frames):
+        if isinstance(f, dict):
+            lines.append(f'  File "{f.get("filename", "?")}", line {f.get("line", "?")}, in {f.get("name", "?")}\n')
+    return "".join(lines) or None
+
+
+def read_dump(rank: int, dump: dict[str, Any], world: tuple[int, ...]) -> RankSeen:
+    """What one rank's dump says, per process group (tolerant: what is missing or malformed is left out)."""
+    trace, declared = _dict(dump.get("trace")), _dict(dump.get("groups"))
+    config = _dict(trace.get("pg_config"))
+    raw = trace.get("entries")
+    entries = [e for e in raw if isinstance(e, dict)] if isinstance(raw, list) else []
+    entries.sort(key=lambda e: _int(e.get("record_id"), 0) or 0)
+
+    groups: dict[str, GroupSeen] = {}
+
+    def group(name: str, desc: str = "") -> GroupSeen:
+        if name not in groups:
+            info = _dict(declared.get(name)) or _dict(config.get(name)) or {"desc": desc}
+            ranks = _ranks(info.get("ranks"))
+            if ranks is None:
+                ranks = world if (info.get("desc") or desc) == "default_pg" else (rank,)
+            groups[name] = GroupSeen(name, _label(name, {"desc": desc, **info}), ranks)
+        return groups[name]
+
+    for name in declared:
+        group(str(name))
+    pg_names: dict[str, str] = {}  # pg_id (a per-process counter) -> name
+    last_entry = None
+    for e in entries:
+        pg = e.get("process_group")
+        if not (isinstance(pg, list) and len(pg) == 2):
+            continue
+        g = group(str(pg[0]), str(pg[1]))
+        pg_names[str(e.get("pg_id"))] = g.name
+        last_entry = {**e, "_group": g}
+        if e.get("is_p2p"):
+            continue
+        seq = _int(e.get("collective_seq_id"))
+        if seq is None or seq <= 0:
+            continue
+        g.entries[seq] = e
+        g.enqueued = max(g.enqueued or 0, seq)
+        g.first_seq = seq if g.first_seq is None else min(g.first_seq, seq)
+        if e.get("state") == "completed" or e.get("retired") is True:
+            g.completed = max(g.completed or 0, seq)
+    for pg_id, status in _dict(trace.get("pg_status")).items():
+        named = pg_names.get(str(pg_id))
+        if named is None or not isinstance(status, dict):
+            continue
+        g = groups[named]
+        enqueued = _int(status.get("last_enqueued_collective"))
+        completed = _int(status.get("last_completed_collective"))
+        if enqueued is not None and enqueued > 0:
+            g.enqueued = max(g.enqueued or 0, enqueued)
+        if completed is not None and completed >= 0:
+            g.completed = completed  # the process group's own count wins over the entries' states
+    stack = dump.get("stack") if isinstance(dump.get("stack"), str) else None
+    if stack is None and last_entry is not None:
+        stack = format_frames(last_entry.get("frames"))
+    return RankSeen(rank, {(g.name, g.ranks): g for g in groups.values()}, last_entry, stack)
+
+
+def _collective(g: GroupSeen, seq: int, entry: dict[str, Any], completed: int | None) -> dict[str, Any]:
+    state = "completed" if completed is not None and seq <= completed else str(entry.get("state", "scheduled"))
+    created = _int(entry.get("time_created_ns"))
+    return {
+        "group": g.label,
+        "pg_id": g.name,
+        "seq": seq,
+        "op": _op(entry),
+        "state": state,
+        "time_unix_s": created / NS_PER_S if created else None,
+    }
+
+
+def _waiting(seen: RankSeen, done: dict[tuple[str, tuple[int, ...]], int]) -> list[tuple[GroupSeen, int]]:
+    """The collectives a rank issued that no member of their group has seen complete: (group, seq). One that a
+    peer saw complete is over for this rank too, whether or not it noticed yet."""
+    out = []
+    for key, g in seen.groups.items():
+        if g.enqueued is not None and len(g.ranks) > 1 and g.enqueued > max(done.get(key, 0), g.completed or 0):
+            out.append((g, g.enqueued))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def analyze(
+    dumps: dict[int, dict[str, Any]], ranks_expected: list[int], trigger: str, incident_id: int | None
+) -> dict[str, Any]:
+    """The analysis of one trigger's dumps (docs/flight-recorder.md): the process groups stuck, and the culprits."""
+    world = tuple(sorted(set(ranks_expected) | set(dumps)))
+    seen = {rank: read_dump(rank, dump, world) for rank, dump in sorted(dumps.items())}
+
+    # every group any rank saw, by (name, members): its view from each member that dumped
+    views: dict[tuple[str, tuple[int, ...]], dict[int, GroupSeen]] = {}
+    for rank, s in seen.items():
+        for key, g in s.groups.items():
+            views.setdefault(key, {})[rank] = g
+
+    groups_out: list[dict[str, Any]] = []
+    missing_from: dict[int, list[dict[str, Any]]] = {}  # rank -> the stuck groups it is missing from
+    peer_view: dict[int, list[tuple[GroupSeen, int, dict[str, Any]]]] = {}  # not dumped: (group, seq, entry)
+    for (name, members), by_rank in sorted(views.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if len(members) < 2:
+            continue
+        known = {r: g.enqueued for r, g in by_rank.items() if g.enqueued is not None}
+        # a member whose buffer holds none of the group's collectives, while a peer's holds them from the first
+        from_start = any(g.first_seq == 1 for g in by_rank.values())
+        for r, g in by_rank.items():
+            if g.enqueued is None and from_start:
+                known[r] = 0
+        if not known:
+            continue
+        top = max(known.values())
+        done = max((g.completed for g in by_rank.values() if g.completed is not None), default=0)
+        last_seq = {r: seq for r, seq in known.items() if r in members}
+        for r in members:
+            if r not in seen and done > 0:  # it joined every collective completed on a peer
+                last_seq[r] = done
+                holder = next((g for g in by_rank.values() if done in g.entries), None)
+                if holder is not None:
+                    peer_view.setdefault(r, []).append((holder, done, holder.entries[done]))
+        joined = sorted(r for r, seq in last_seq.items() if seq >= top)
+        # a member that dumped but whose buffer no longer holds this group's collectives is not known to lag
+        missing = sorted(r for r in members if r not in joined and (r not in seen or r in known))
+        if not missing or top <= 0:
+            continue
+        holder = next(g for r, g in by_rank.items() if r in joined)
+        entry = holder.entries.get(top, {})
+        record = {
+            "group": holder.label,
+            "pg_id": name,
+            "ranks": list(members),
+            "stuck_seq": top,
+            "op": _op(entry) if entry else "unknown",
+            "joined": joined,
+            "missing": missing,
+            "last_seq_by_rank": {str(r): last_seq[r] for r in sorted(last_seq)},
+        }
+        groups_out.append(record)
+        for r in missing:
+            missing_from.setdefault(r, []).append(record)
+
+    done_by_group = {
+        key: max((g.completed for g in by_rank.values() if g.completed is not None), default=0)
+        for key, by_rank in views.items()
+    }
+    groups_out.sort(key=lambda g: (g["group"], g["pg_id"]))
+    waiting = {rank: _waiting(s, done_by_group) for rank, s in seen.items()}
+    suspects = sorted(missing_from)
+    culprits_ranks = [r for r in suspects if r not in seen or not waiting[r]]
+    cycle = bool(suspects) and not culprits_ranks
+    if cycle:
+        culprits_ranks = suspects
+    if not groups_out:  # nothing waits: a rank asked for a dump that sent none is the one lead there is
+        culprits_ranks = [r for r in ranks_expected if r not in seen]
+
+    culprits = []
+    for r in culprits_ranks:
+        culprits.append(
+            _culprit(r, seen.get(r), missing_from.get(r, []), peer_view.get(r, []), waiting, r in ranks_expected, cycle)
+        )
+    summary = _summary(culprits_ranks, missing_from, groups_out, seen, ranks_expected, cycle, waiting)
+    return {
+        "trigger": trigger,
+        "incident_id": incident_id,
+        "ranks_expected": sorted(ranks_expected),
+        "ranks_dumped": sorted(seen),
+        "culprits": culprits,
+        "groups": groups_out,
+        "summary": summary,
+    }
+
+
+def _main_group(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the stuck groups a rank is missing from, the one most ranks wait in."""
+    return sorted(records, key=lambda g: (-len(g["joined"]), g["group"], g["pg_id"]))[0]
+
+
+def _culprit(
+    rank: int,
+    s: RankSeen | None,
+    records: list[dict[str, Any]],
+    peers: list[tuple[GroupSeen, int, dict[str, Any]]],
+    waiting: dict[int, list[tuple[GroupSeen, int]]],
+    expected: bool,
+    cycle: bool,
+) -> dict[str, Any]:
+    what = "; ".join(
+        f"never joined {r['op']} #{r['stuck_seq']} of group {r['group']} (pg {r['pg_id']})"
+        for r in sorted(records, key=lambda r: (-len(r["joined"]), r["group"], r["pg_id"]))
+    )
+    last: dict[str, Any] | None = None
+    if s is None:
+        if peers:
+            g, seq, entry = max(peers, key=lambda p: _int(p[2].get("time_created_ns"), 0) or 0)
+            last = _collective(g, seq, entry, seq)
+        if expected:
+            reason = f"sent no dump: {what}" if what else "sent no dump"
+        else:
+            reason = f"{what} (seen from its peers)" if what else "no dump"
+    else:
+        if s.last_entry is not None:
+            g = s.last_entry["_group"]
+            entry = {k: v for k, v in s.last_entry.items() if k != "_group"}
+            if entry.get("is_p2p"):  # no collective sequence: its own id and state
+                done = entry.get("state") == "completed" or entry.get("retired") is True
+                seq = _int(entry.get("p2p_seq_id"), 0) or 0
+                last = _collective(g, seq, entry, seq if done else None)
+            else:
+                last = _collective(g, _int(entry.get("collective_seq_id"), 0) or 0, entry, g.completed)
+        if cycle and waiting.get(rank):
+            g, seq = waiting[rank][0]
+            op = _op(g.entries.get(seq, {}))
+            reason = f"{what}: it waits in {op} #{seq} of group {g.label} (pg {g.name}) itself (a cycle)"
+        else:
+            reason = f"{what}: it waits on no collective" if what else "waits on no collective"
+    return {"rank": rank, "reason": reason, "last_collective": last, "stack": s.stack if s is not None else None}
+
+
+def _summary(
+    culprits: list[int],
+    missing_from: dict[int, list[dict[str, Any]]],
+    groups: list[dict[str, Any]],
+    seen: dict[int, RankSeen],
+    expected: list[int],
+    cycle: bool,
+    waiting: dict[int, list[tuple[GroupSeen, int]]],
+) -> str:
+    if not seen:
+        return "no rank sent a dump"
+    if not groups:
+        silent = [r for r in expected if r not in seen]
+        if silent:
+            return (
+                f"rank(s) {_ranks_text(silent)} sent no dump; the {len(seen)} that did wait on no collective of "
+                "each other"
+            )
+        busy = sorted(r for r, w in waiting.items() if w)
+        tail = f" (ranks {_ranks_text(busy)} have a collective in flight that all members joined)" if busy else ""
+        return f"every rank that dumped joined every collective of its groups: no culprit{tail}"
+    texts = []
+    for r in culprits[:4]:
+        records = missing_from.get(r, [])
+        if not records:
+            texts.append(f"rank {r} sent no dump")
+            continue
+        g = _main_group(records)
+        who = _ranks_text(g["joined"])
+        text = f"rank {r} never joined {g['op']} #{g['stuck_seq']} on {g['group']}: ranks {who} wait for it"
+        if r not in seen:
+            text += " (it sent no dump)"
+        texts.append(text)
+    if len(culprits) > 4:
+        texts.append(f"and {len(culprits) - 4} more ranks")
+    prefix = "a cycle: " if cycle else ""
+    return prefix + "; ".join(texts)

@@ -1,0 +1,255 @@
+"""The controller's side of Flight Recorder dumps: the HTTP endpoints, and the request for dumps of a recovery.
+
+- ``POST /v1/runs/{run}/flight-recorder`` (bearer token): an agent delivers one rank's dump (docs/flight-recorder.md).
+  A body that does not fit ``FlightDumpIn`` gets 422 naming the field (413 above ``MAX_DUMP_BYTES``), counted in
+  ``opsd_controller_rejected_requests_total{reason="validation"}``. The first dump of a (run, trigger, rank) is kept;
+  a repeat is answered 200 with ``"stored": false``.
+- ``GET /v1/runs/{run}/flight-recorder``: ``{trigger: analysis}`` (``opsd.flight.analyze``) for every trigger.
+- ``GET /v1/runs/{run}/flight-recorder/{trigger}/{rank}``: the dump as the rank wrote it.
+
+``collect_dumps`` is the ``dump`` action of a hang's recovery: it puts a ``dump_flight_recorder`` command in the
+policy the agents get with their heartbeats' replies, waits until every rank named has a dump kept (or
+``wait_s`` passes), and takes the command out again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.concurrency import run_in_threadpool
+
+from opsd.controller import Controller
+from opsd.flight import DUMP_COMMAND, analyze
+
+log = logging.getLogger(__name__)
+
+MAX_DUMP_BYTES = 64 << 20
+INCIDENT_TRIGGER = re.compile(r"^incident-(\d+)$")
+TIMEOUT_PREFIX = "timeout-"
+
+Count = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(max_length=1000)]
+
+
+class In(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class FrameIn(In):
+    name: Text = ""
+    filename: Text = ""
+    line: int = 0
+
+
+class EntryIn(In):
+    """A Flight Recorder entry (torch's keys; those not read here are kept as sent)."""
+
+    record_id: Count
+    pg_id: Count = 0
+    process_group: tuple[Annotated[str, Field(max_length=200)], Annotated[str, Field(max_length=200)]]
+    collective_seq_id: Count = 0
+    p2p_seq_id: Count = 0
+    is_p2p: bool = False
+    profiling_name: Annotated[str, Field(max_length=200)] = ""
+    time_created_ns: Count = 0
+    state: Annotated[str, Field(max_length=32)] = "scheduled"
+    retired: bool = False
+    frames: Annotated[list[FrameIn], Field(max_length=1000)] = []
+
+
+class TraceIn(In):
+    version: Annotated[str, Field(max_length=32)] = ""
+    pg_config: dict[str, dict[str, Any]] = {}
+    pg_status: dict[str, dict[str, int | str]] = {}
+    entries: Annotated[list[EntryIn], Field(max_length=1_000_000)] = []
+
+
+class GroupIn(In):
+    desc: Annotated[str, Field(max_length=200)] = ""
+    ranks: Annotated[list[Count], Field(max_length=10_000_000)] = []
+    dim: Annotated[str, Field(max_length=64)] = ""
+
+
+class FlightDumpIn(In):
+    """One rank's Flight Recorder dump (docs/flight-recorder.md); unknown fields are ignored."""
+
+    v: Literal[1]
+    run: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
+    trigger: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+    rank: Annotated[int, Field(ge=0, le=10_000_000)]
+    world_size: Annotated[int, Field(ge=1, le=10_000_001)]
+    host: Annotated[str, Field(max_length=200)] = ""
+    time_unix_s: float
+    groups: dict[Annotated[str, Field(max_length=200)], GroupIn] = {}
+    stack: Annotated[str, Field(max_length=1 << 20)] | None = None
+    trace: TraceIn
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> FlightDumpIn:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        return self
+
+
+def flight_router(
+    controller: Controller,
+    authorized: Callable[..., None],
+    reject: Callable[[str], None],
+    clock: Callable[[], float] = time.time,
+) -> APIRouter:
+    """The endpoints above; ``authorized`` is the app's token check (a dependency), ``reject`` counts a refusal by
+    reason."""
+    router = APIRouter(tags=["flight recorder"])
+    store = controller.store
+
+    def known(run: str) -> None:
+        if store.run(run) is None:
+            raise HTTPException(404, f"no run {run!r}")
+
+    def refuse(status: int, detail: str) -> HTTPException:
+        reject("validation")
+        return HTTPException(status, detail[:2000])
+
+    @router.post(
+        "/v1/runs/{run}/flight-recorder",
+        dependencies=[Depends(authorized)],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _inline(FlightDumpIn.model_json_schema())}},
+            }
+        },
+    )
+    async def add_dump(run: str, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_DUMP_BYTES:
+            raise refuse(413, f"a dump is at most {MAX_DUMP_BYTES} bytes")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_DUMP_BYTES:
+                raise refuse(413, f"a dump is at most {MAX_DUMP_BYTES} bytes")
+        try:
+            dump = FlightDumpIn.model_validate_json(bytes(data))
+        except ValidationError as exc:
+            problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+            raise refuse(422, "; ".join(problems) or str(exc)) from None
+        if dump.run != run:
+            raise refuse(422, f"run: the dump is of run {dump.run!r}, posted to {run!r}")
+        return await run_in_threadpool(_keep, run, dump, bytes(data).decode())
+
+    def _keep(run: str, dump: FlightDumpIn, body: str) -> dict[str, Any]:
+        known(run)
+        incident_id = None
+        match = INCIDENT_TRIGGER.match(dump.trigger)
+        if match:
+            incident = store.incident(int(match.group(1)))
+            incident_id = int(incident["id"]) if incident is not None and incident["run"] == run else None
+        stored = store.add_flight_dump(
+            run=run, trigger=dump.trigger, rank=dump.rank, incident_id=incident_id, received_s=clock(), body=body
+        )
+        log.info(
+            "run %s: flight dump of rank %d for %s %s", run, dump.rank, dump.trigger, "kept" if stored else "(a repeat)"
+        )
+        return {"run": run, "trigger": dump.trigger, "rank": dump.rank, "stored": stored}
+
+    @router.get("/v1/runs/{run}/flight-recorder")
+    def run_analyses(run: str) -> dict[str, Any]:
+        known(run)
+        return analyses(controller, run)
+
+    @router.get("/v1/runs/{run}/flight-recorder/{trigger}/{rank}")
+    def raw_dump(run: str, trigger: str, rank: int) -> Response:
+        row = store.flight_dump(run, trigger, rank)
+        if row is None:
+            raise HTTPException(404, f"no dump of rank {rank} for {trigger!r} in run {run!r}")
+        return Response(row["body"], media_type="application/json")
+
+    return router
+
+
+def _inline(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema with its ``$defs`` put in place of their references (the OpenAPI document has no ``$defs``;
+    these models do not refer to themselves)."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return dict(resolve(schema))
+
+
+def analyses(controller: Controller, run: str) -> dict[str, dict[str, Any]]:
+    """``{trigger: analysis}`` of the dumps kept for ``run`` (what ``GET /v1/runs/{run}/flight-recorder`` answers)."""
+    by_trigger: dict[str, list[dict[str, Any]]] = {}
+    for row in controller.store.flight_dumps(run):
+        by_trigger.setdefault(row["trigger"], []).append(row)
+    return {trigger: _analysis(controller, trigger, rows) for trigger, rows in sorted(by_trigger.items())}
+
+
+def _analysis(controller: Controller, trigger: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The analysis of one trigger's kept dumps. The ranks expected: for a rank's own timeout, that rank; else every
+    rank of the world the dumps name, and those the recovery's ``dump`` action asked."""
+    dumps = {int(r["rank"]): json.loads(r["body"]) for r in rows}
+    incident_id = next((int(r["incident_id"]) for r in rows if r["incident_id"] is not None), None)
+    if trigger.startswith(TIMEOUT_PREFIX):
+        expected = set(dumps)
+    else:
+        world = max((int(d.get("world_size", 0)) for d in dumps.values()), default=0)
+        expected = set(range(world))
+        if incident_id is not None:
+            for action in controller.store.actions(incident_id=incident_id):
+                if action.kind == "dump" and action.result:
+                    expected |= {int(r) for r in action.result.get("ranks_expected", [])}
+    return analyze(dumps, sorted(expected), trigger, incident_id)
+
+
+def collect_dumps(
+    controller: Controller,
+    run: str,
+    trigger: str,
+    ranks: list[int],
+    wait_s: float,
+    *,
+    poll_s: float = 0.2,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Ask every rank of ``run`` for a Flight Recorder dump named ``trigger`` and wait until ``ranks`` have one kept
+    or ``wait_s`` passes; what happened, for the ``dump`` action's result."""
+    controller.add_command(run, {"id": trigger, "name": DUMP_COMMAND})
+    start = clock()
+    try:
+        while True:
+            dumped = controller.store.flight_ranks(run, trigger)
+            if set(ranks) <= dumped or clock() - start >= wait_s:
+                break
+            sleep(poll_s)
+    finally:
+        controller.remove_command(run, trigger)
+    waited_s = clock() - start
+    silent = sorted(set(ranks) - dumped)
+    log.info(
+        "run %s: flight dumps for %s from %d of %d ranks in %.1f s%s",
+        run,
+        trigger,
+        len(set(ranks) & dumped),
+        len(ranks),
+        waited_s,
+        f"; none from ranks {silent}" if silent else "",
+    )
+    return {"trigger": trigger, "ranks_expected": sorted(ranks), "ranks_dumped": sorted(dumped), "waited_s": waited_s}

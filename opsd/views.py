@@ -1,0 +1,231 @@
+"""What the API answers besides the store's rows: the spare pools, a run's checkpoints, its cadence and why, and
+the post-mortem bundle (docs/postmortem.md). Read-only; the decisions stay in ``opsd.policy``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import statistics
+from typing import Any
+
+from opsd.controller import Controller
+from opsd.errors import OpsError, PermanentError
+from opsd.flight_api import analyses
+from opsd.manifest import ManifestError, parse_manifest
+from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
+from opsd.policy.spares import spare_pool_size
+from opsd.storage import inspect_checkpoints, open_store
+from opsd.xid_table import xid_meanings
+
+log = logging.getLogger(__name__)
+
+# a spare's health: usable ones are chosen for a swap
+HEALTHY, UNKNOWN, FAULTY, UNREACHABLE = "healthy", "unknown", "faulty", "unreachable"
+USABLE = (HEALTHY, UNKNOWN)
+
+
+def node_health(controller: Controller, node: str, now_s: float) -> tuple[str, str]:
+    """(health, why) of a node from its agent's heartbeats: GPU events that call for an action make it faulty, a
+    silence longer than the heartbeat floor unreachable, no heartbeat yet unknown."""
+    with controller.lock:
+        live = controller.nodes.get(node)
+        if live is None:
+            return UNKNOWN, "no heartbeat yet"
+        silent_s = now_s - live.last_heartbeat_s
+        pending = [f"XID {e.xid} on GPU {e.gpu} ({e.action})" for e in live.events.values()]
+    if pending:
+        return FAULTY, "; ".join(pending)
+    floor_s = controller.config.detection.heartbeat_floor_s
+    if silent_s > floor_s:
+        return UNREACHABLE, f"no heartbeat for {silent_s:.0f} s"
+    return HEALTHY, f"heartbeat {silent_s:.1f} s ago"
+
+
+def node_mtbf_h(controller: Controller, run: dict[str, Any], nodes: int, now_s: float) -> tuple[float, int, float]:
+    """(node MTBF in hours, failures, node-hours) of ``run``: the cadence's posterior (prior + the run's failures)."""
+    failures = sum(1 for i in controller.store.incidents(run["id"]) if i["kind"] not in NOT_FAILURES)
+    node_hours = max(1, nodes) * max(0.0, now_s - float(run["created_s"])) / 3600.0
+    rate = node_failure_rate_per_h(failures, node_hours, controller.config.cadence)
+    return 1.0 / rate, failures, node_hours
+
+
+NOT_FAILURES = ("straggler", "manual_restart")
+
+
+def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
+    """Per run: its spare pool with each node's health, and the recommended pool size with the reason."""
+    config = controller.config
+    out = []
+    for run in controller.store.runs():
+        nodes = controller.store.nodes(run["id"])
+        active = [n for n in nodes if n["role"] == "active"]
+        pool = []
+        for n in nodes:
+            if n["role"] != "spare":
+                continue
+            health, why = node_health(controller, n["name"], now_s)
+            pool.append({"name": n["name"], "domain": n["domain"], "health": health, "why": why})
+        mtbf_h, failures, node_hours = node_mtbf_h(controller, run, len(active), now_s)
+        recommended = spare_pool_size(len(active), config.spare_window_h, mtbf_h, config.spare_risk)
+        out.append(
+            {
+                "run": run["id"],
+                "state": run["state"],
+                "active_nodes": len(active),
+                "spares": pool,
+                "available": sum(1 for s in pool if s["health"] in USABLE),
+                "recommended": recommended,
+                "why": (
+                    f"P(more than {recommended} of {len(active)} nodes fail within {config.spare_window_h:g} h)"
+                    f" <= {config.spare_risk:g} at a node MTBF of {mtbf_h:,.0f} h"
+                    f" ({failures} failures in {node_hours:,.1f} node-hours, with the prior)"
+                ),
+                "cordoned": [{"name": n["name"], "reason": n["reason"]} for n in nodes if n["role"] == "cordoned"],
+            }
+        )
+    return {"runs": out}
+
+
+def checkpoint_url(controller: Controller, run: dict[str, Any]) -> str:
+    url = run["spec"].get("checkpoint_url") if isinstance(run.get("spec"), dict) else None
+    if not url:
+        spec = getattr(controller.backend, "spec", None)
+        if spec is not None and getattr(spec, "run", None) == run["id"]:
+            url = getattr(spec, "checkpoint_url", "")
+    return str(url or "")
+
+
+def checkpoints_view(controller: Controller, run_id: str) -> dict[str, Any]:
+    """The run's checkpoints, newest first: committed or torn (and why), bytes, commit time, blocking seconds."""
+    run = controller.store.run(run_id)
+    if run is None:
+        raise PermanentError(f"no run {run_id!r}")
+    url = checkpoint_url(controller, run)
+    if not url:
+        return {"run": run_id, "url": None, "checkpoints": [], "why": "the run has no checkpoint store"}
+    store = open_store(url)
+    rows = []
+    for c in inspect_checkpoints(store):
+        row: dict[str, Any] = {
+            "step": c.step,
+            "state": "committed" if c.problem is None else "torn",
+            "problem": c.problem,
+            "bytes": c.total_bytes,
+            "time_unix_s": None,
+            "blocking_s": None,
+            "save_s": None,
+        }
+        if c.problem is None:
+            try:
+                data = store.read_manifest(c.step)
+                manifest = parse_manifest(data) if data is not None else None
+            except (OSError, OpsError, ManifestError) as exc:
+                log.warning("run %s: manifest of step %d unreadable: %s", run_id, c.step, exc)
+                manifest = None
+            if manifest is not None:
+                row.update(time_unix_s=manifest.time_unix_s, blocking_s=manifest.blocking_s, save_s=manifest.save_s)
+        rows.append(row)
+    return {"run": run_id, "url": url, "checkpoints": rows}
+
+
+def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str, Any]:
+    """The checkpoint cadence of a run and its inputs: MTBF estimate, checkpoint cost, step time, the interval by
+    Young's and Daly's rules, and the cadence published (or why there is none yet)."""
+    run = controller.store.run(run_id)
+    if run is None:
+        raise PermanentError(f"no run {run_id!r}")
+    with controller.lock:
+        live = controller.runs_live.get(run_id)
+        cadence = controller.cadences.get(run_id)
+        previous = controller.previous_cadences.get(run_id)
+        step_s = statistics.median(live.step_times_s) if live is not None and live.step_times_s else None
+        saves = live.checkpoints if live is not None else 0
+        cost_s = live.checkpoint_blocking_s / saves if live is not None and saves else None
+        nodes = len(live.rank_nodes) if live is not None else 0
+        newest = live.newest_step if live is not None else None
+    mtbf_h, failures, node_hours = node_mtbf_h(controller, run, nodes, now_s)
+    out: dict[str, Any] = {
+        "run": run_id,
+        "step": newest,
+        "nodes": nodes,
+        "failures": failures,
+        "node_hours": node_hours,
+        "node_mtbf_h": mtbf_h,
+        "mtbf_s": run_mtbf_s(failures, node_hours, nodes, controller.config.cadence) if nodes else None,
+        "checkpoint_cost_s": cost_s,
+        "step_s": step_s,
+        "young_interval_s": None,
+        "daly_interval_s": None,
+        "cadence": None,
+        "previous": None,
+        "why": "",
+    }
+    if out["mtbf_s"] is not None and cost_s is not None:
+        out["young_interval_s"] = young_interval_s(cost_s, out["mtbf_s"])
+        out["daly_interval_s"] = daly_interval_s(cost_s, out["mtbf_s"])
+    if cadence is None:
+        missing = [name for name, v in (("step times", step_s), ("a checkpoint's cost", cost_s)) if v is None]
+        out["why"] = "not planned yet: no " + " and no ".join(missing) if missing else "not planned yet"
+        return out
+    out["cadence"] = {
+        "every_steps": cadence.every_steps,
+        "from_step": cadence.from_step,
+        "interval_s": cadence.interval_s,
+        "every_s": cadence.every_steps * step_s if step_s else None,
+        "mtbf_s": cadence.mtbf_s,
+    }
+    if previous is not None:
+        out["previous"] = {"every_steps": previous.every_steps, "from_step": previous.from_step}
+    out["why"] = cadence.reason
+    return out
+
+
+def cadence_interval_s(controller: Controller, run_id: str) -> float | None:
+    """The published cadence in seconds (its steps times the median step time), for the checkpoint-age alert."""
+    with controller.lock:
+        cadence = controller.cadences.get(run_id)
+        live = controller.runs_live.get(run_id)
+        if cadence is None:
+            return None
+        if live is not None and live.step_times_s:
+            return cadence.every_steps * statistics.median(live.step_times_s)
+        return cadence.interval_s
+
+
+def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict[str, Any]:
+    """Everything a post-mortem of ``run_id`` is made of (docs/postmortem.md); rendered by ``opsd.postmortem``."""
+    run = controller.store.run(run_id)
+    status = controller.status(run_id, now_s)
+    if run is None or status is None:
+        raise PermanentError(f"no run {run_id!r}")
+    incidents = controller.store.incidents(run_id)
+    try:
+        checkpoints = checkpoints_view(controller, run_id)["checkpoints"]
+    except OpsError as exc:
+        log.warning("run %s: checkpoints unavailable for the post-mortem: %s", run_id, exc)
+        checkpoints = []
+    blocking = [c["blocking_s"] for c in checkpoints if c["blocking_s"] is not None]
+    codes = {int(word) for i in incidents for word in _xid_codes(i["detail"])}
+    table = xid_meanings()
+    return {
+        "generated_unix_s": now_s,
+        "run": run,
+        "status": status,
+        "incidents": incidents,
+        "actions": [a.__dict__ for a in controller.store.actions(run=run_id)],
+        "checkpoints": checkpoints,
+        "checkpoint_blocking_s": {
+            "count": len(blocking),
+            "mean_s": math.fsum(blocking) / len(blocking) if blocking else None,
+            "max_s": max(blocking, default=None),
+        },
+        "flight_recorder": analyses(controller, run_id),
+        "xid_table": {str(code): table[code] for code in sorted(codes) if code in table},
+    }
+
+
+def _xid_codes(detail: str) -> list[str]:
+    """The codes of ``XID <n>`` mentions in an incident's detail."""
+    words = detail.replace(":", " ").split()
+    return [b for a, b in itertools.pairwise(words) if a == "XID" and b.isdigit()]

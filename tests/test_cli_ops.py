@@ -1,0 +1,129 @@
+"""The operator's commands against a real controller (its API served by uvicorn on loopback): where the URL and
+the token come from (flag, environment, config file), tables and JSON, exit codes. The commands on a live run
+(restart, checkpoints, spares, cadence) are exercised on a real `opsd run` in tests/test_recoveries.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from opsd.cli import app
+from opsd.cli_ops import config_file
+from opsd.controller import Controller
+from opsd.local import free_port
+from opsd.runner import start_api
+from opsd.store import Store
+
+TOKEN = "cli-token"
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    controller = Controller(Store.open(f"sqlite:///{tmp_path_factory.mktemp('cli') / 'opsd.db'}"))
+    port = free_port()
+    server = start_api(controller, TOKEN, "127.0.0.1", port)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/healthz", timeout=1):
+                break
+        except OSError:
+            time.sleep(0.05)
+    for node, run in (("n0", "alpha"), ("n1", "beta")):
+        body = {
+            "v": 1,
+            "node": node,
+            "time_unix_s": time.time(),
+            "ranks": [{"run": run, "rank": 0, "step": 7, "step_s": 0.5, "compute_s": 0.4}],
+        }
+        request = urllib.request.Request(
+            f"{base}/v1/heartbeat",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            assert reply.status == 200
+    yield base
+    server.should_exit = True
+
+
+def opsd(*args: str, env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **(env or {})})
+
+
+def test_read_commands_print_json_and_tables(url: str) -> None:
+    runs = opsd("runs", "--json", "--url", url)
+    assert runs.exit_code == 0, runs.output
+    assert sorted(r["id"] for r in json.loads(runs.stdout)) == ["alpha", "beta"]
+    every = json.loads(opsd("status", "--json", "--url", url).stdout)
+    assert sorted((s["run"], s["step"]) for s in every) == [("alpha", 7), ("beta", 7)]
+    table = opsd("status", "--url", url).stdout
+    assert "alpha" in table
+    assert "beta" in table
+    assert "ETTR" in table
+    assert json.loads(opsd("incidents", "alpha", "--json", "--url", url).stdout) == []
+    assert "run alpha" in opsd("status", "alpha", "--url", url).stdout
+
+
+def test_the_url_and_token_come_from_the_environment_or_a_config_file(url: str, tmp_path: Path) -> None:
+    denied = opsd("cordon", "n0", "--reason", "bad DIMM", "--url", url, "--state-dir", str(tmp_path))
+    assert denied.exit_code == 1
+    assert "401" in denied.output
+    config = tmp_path / "config.toml"
+    config.write_text(f'url = "{url}"\ntoken = "{TOKEN}"\n')
+    done = opsd("cordon", "n0", "--reason", "bad DIMM", "--config", str(config))
+    assert (done.exit_code, done.stdout.strip()) == (0, "n0: cordoned")
+    missing = opsd("uncordon", "n0", env={"OPSD_URL": url, "OPSD_CONFIG": str(tmp_path / "none")})
+    assert missing.exit_code == 2  # a config file named but missing is a usage error
+    assert "does not exist" in missing.output
+    back = opsd("uncordon", "n0", env={"OPSD_URL": url, "OPSD_TOKEN": TOKEN})
+    assert (back.exit_code, back.stdout.strip()) == (0, "n0: spare")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("url = ", "config file"), ('url = "x"\nport = 3\n', "keys are url and token"), ("url = 3\n", "strings")],
+    ids=["not-toml", "unknown-key", "not-a-string"],
+)
+def test_a_bad_config_file_is_a_usage_error(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    result = opsd("runs", "--config", str(config))
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_refusals_and_unreachable_controllers_exit_1(url: str, tmp_path: Path) -> None:
+    refused = opsd("restart", "alpha", "--reason", "x", "--url", url, "--token", TOKEN)
+    assert refused.exit_code == 1
+    assert "409" in refused.output
+    assert "no backend" in refused.output
+    missing = opsd("checkpoints", "nope", "--url", url)
+    assert (missing.exit_code, "404" in missing.output) == (1, True)
+    gone = opsd("spares", "--url", f"http://127.0.0.1:{free_port()}")
+    assert gone.exit_code == 1
+    assert "opsd: " in gone.output
+    bad_url = opsd("runs", "--url", "ftp://x")
+    assert bad_url.exit_code == 2
+
+
+def test_the_cli_doc_names_real_commands_and_a_valid_config_file(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    (example,) = re.findall(r"^```toml\n(.*?)^```", doc, flags=re.S | re.M)
+    config = tmp_path / "config.toml"
+    config.write_text(example)
+    assert set(config_file(str(config))) == {"url", "token"}
+    commands = re.findall(r"^\| `opsd ([a-z]+(?: push)?)", doc, flags=re.M)
+    assert len(commands) >= 12
+    for command in commands:
+        result = opsd(*command.split(), "--help")
+        assert result.exit_code == 0, (command, result.output)

@@ -1,0 +1,223 @@
+"""Flight Recorder dumps of a rank, for the post-mortem of a hang.
+
+PyTorch's Flight Recorder keeps the last ``TORCH_FR_BUFFER_SIZE`` (2,000) collectives a rank issued, on NCCL and on
+gloo alike, each with its process group, its sequence id in that group and the Python stack that issued it. When a
+run hangs, the controller wants that record from every rank: it puts a ``dump_flight_recorder`` command in the
+policy (``trainer_hooks.policy``), and a rank that waited too long on one collective dumps on its own
+(``timeout-<rank>-<step>``). The monitor's watchdog thread calls :meth:`FlightRecorder.poll` and
+:meth:`FlightRecorder.dump`; the training thread may be blocked in a collective all along.
+
+A dump is one JSON file, ``$OPSD_FLIGHT_DIR/<run>/<trigger>/rank-<rank>.json``, written atomically (a temporary
+file renamed over it), that the node agent uploads to the controller (docs/flight-recorder.md):
+
+- ``trace``: the Flight Recorder's own dump (``torch._C._distributed_c10d._dump_fr_trace``, with stack frames;
+  the JSON variant has none), frames kept on the newest entry of each process group only (the others are the same
+  few call sites over and over, and would make a dump of 2,000 entries several megabytes);
+- ``groups``: this rank's process groups, ``{name: {"desc", "ranks", "dim"}}``. gloo does not record their
+  members in the trace (its ``pg_config`` is empty), and ``dim`` is the mesh dimension the monitor labelled;
+- ``stack``: the training thread's Python stack as this thread sees it (``sys._current_frames()``), so a hang
+  outside any collective shows where it is.
+
+The first dump of a process may import what torch's symbolizer needs (``torch._inductor``, when nothing loaded it
+before: about a second, the training thread competing for the interpreter); later ones take milliseconds to a few
+hundred. Nothing here raises: failures are counted (``errors``) and logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from opsd.flight import DUMP_COMMAND
+from trainer_hooks.collectives import TRACER, CollectiveTracer
+from trainer_hooks.policy import POLICY_ENV, PolicyReader
+
+log = logging.getLogger(__name__)
+
+FLIGHT_DIR_ENV = "OPSD_FLIGHT_DIR"
+DUMP_VERSION = 1
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def path_part(name: str) -> str:
+    """``name`` as one path component: characters other than letters, digits and ``._:-`` become ``_``."""
+    safe = _UNSAFE.sub("_", name)[:200]
+    return safe if safe.strip(".") else "_"
+
+
+def process_groups(tracer: CollectiveTracer = TRACER) -> dict[str, dict[str, Any]]:
+    """This rank's process groups by name: description, global ranks, and the mesh dimension of their label."""
+    if not dist.is_initialized():
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for group, name in list(c10d._world.pg_names.items()):
+        ranks = sorted(c10d._world.pg_group_ranks.get(group, {}))
+        out[str(name)] = {
+            "desc": str(getattr(group, "group_desc", "") or ""),
+            "ranks": ranks,
+            "dim": tracer.dimension_of(str(name)),
+        }
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """The unpickled trace as JSON values (tuples become lists; anything else odd, its text)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def flight_trace() -> dict[str, Any]:
+    """The Flight Recorder's dump of this process, stack frames kept on the newest entry of each group."""
+    raw = torch._C._distributed_c10d._dump_fr_trace(  # type: ignore[attr-defined]
+        includeCollectives=True, includeStackTraces=True, onlyActive=False
+    )
+    trace = _plain(pickle.loads(raw))  # torch's own bytes, made in this process
+    newest: dict[str, int] = {}
+    entries = trace.get("entries", [])
+    for i, entry in enumerate(entries):
+        group = entry.get("process_group") or ["", ""]
+        newest[str(group[0])] = i
+    keep = set(newest.values())
+    for i, entry in enumerate(entries):
+        if i not in keep:
+            entry.pop("frames", None)
+    return dict(trace)
+
+
+def python_stack(thread_id: int | None) -> str | None:
+    """The Python stack of thread ``thread_id`` now, formatted as a traceback (None when it is gone)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    return "".join(traceback.format_stack(frame)) if frame is not None else None
+
+
+def write_atomically(path: Path, data: bytes, attempts: int = 3) -> None:
+    """Write ``path`` through a temporary file renamed over it. The agent removes a directory it emptied: one
+    removed between ``mkdir`` and the write is made again."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    for attempt in range(attempts):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            break
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+    os.replace(tmp, path)
+
+
+class FlightRecorder:
+    """Dumps of one rank's Flight Recorder: on the policy's ``dump_flight_recorder`` commands (``poll``), and when
+    the watchdog asks (``dump``). Built on the training thread (its stack is the one dumped); used from one other.
+
+    ``directory`` defaults to ``$OPSD_FLIGHT_DIR`` and ``policy_path`` to ``$OPSD_POLICY_FILE``; without a
+    directory nothing is dumped. Commands already in the policy when it is first read are older than this process
+    (a relaunched rank finds the command of the incident that stopped its predecessor) and are not run."""
+
+    def __init__(
+        self,
+        run: str,
+        rank: int,
+        world_size: int,
+        *,
+        directory: str | None = None,
+        policy_path: str | None = None,
+        tracer: CollectiveTracer = TRACER,
+        host: str | None = None,
+    ) -> None:
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host or socket.gethostname()
+        self.tracer = tracer
+        found = directory or os.environ.get(FLIGHT_DIR_ENV)
+        self.directory = Path(found) if found else None
+        policy = policy_path or os.environ.get(POLICY_ENV)
+        self.policy = PolicyReader(policy) if policy and self.directory is not None else None
+        self.training_thread = threading.get_ident()
+        self.dumps = 0
+        self.errors = 0
+        self.policy_seen = False  # the policy was read once: commands that appear from now on are run
+        self._warned = False
+
+    def poll(self) -> list[Path]:
+        """Run the dump commands of the policy not run before; the files written."""
+        if self.policy is None:
+            return []
+        try:
+            commands = self.policy.new_commands(self.rank)
+        except Exception as exc:  # the reader does not raise; a broken one must not stop the watchdog either
+            self._error(exc)
+            return []
+        if not self.policy_seen:
+            self.policy_seen = True
+            if commands:
+                log.info("flight recorder: %d command(s) older than this process ignored", len(commands))
+            return []
+        written = []
+        for command in commands:
+            if command.name == DUMP_COMMAND:
+                path = self.dump(command.id)
+                if path is not None:
+                    written.append(path)
+        return written
+
+    def dump(self, trigger: str) -> Path | None:
+        """Write this rank's dump for ``trigger``; its path, or None when there is no directory or it failed."""
+        if self.directory is None:
+            return None
+        try:
+            started = time.perf_counter()
+            trace = flight_trace()
+            body = {
+                "v": DUMP_VERSION,
+                "run": self.run,
+                "trigger": path_part(trigger),
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "host": self.host,
+                "time_unix_s": time.time(),
+                "groups": process_groups(self.tracer),
+                "stack": python_stack(self.training_thread),
+                "trace": trace,
+            }
+            path = self.directory / path_part(self.run) / path_part(trigger) / f"rank-{self.rank}.json"
+            write_atomically(path, json.dumps(body).encode())
+            self.dumps += 1
+            log.warning(
+                "flight recorder of rank %d dumped for %s: %d entries, %s (%.2f s)",
+                self.rank,
+                trigger,
+                len(trace.get("entries", [])),
+                path,
+                time.perf_counter() - started,
+            )
+            return path
+        except Exception as exc:
+            self._error(exc)
+            return None
+
+    def _error(self, exc: BaseException) -> None:
+        self.errors += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("flight recorder dump failed (counted, not raised): %r", exc)
