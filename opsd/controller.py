@@ -106,6 +106,7 @@ class Controller:
         self.checkpoint_at: dict[str, int] = {}  # run -> a one-off checkpoint step asked for (a graceful restart)
         self.commands: dict[str, list[dict[str, Any]]] = {}  # run -> commands for its ranks (docs/protocol.md)
         self.progressed_s: dict[str, float] = {}  # run -> when its newest step last advanced
+        self.ended_step: dict[str, int] = {}  # run -> the newest step of its previous launch (-1: unknown)
         self.checkpointed_s: dict[str, float] = {}  # run -> when every rank had finished one more checkpoint
         self.comms: dict[str, RunComms] = {}  # run -> its collective seconds per node and stack (the flame graph)
 
@@ -297,7 +298,8 @@ class Controller:
         """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch); what
         agents report from before ``now_s`` is ignored."""
         with self.lock:
-            self.runs_live.pop(run, None)
+            ended = self.runs_live.pop(run, None)
+            self.ended_step[run] = ended.newest_step if ended is not None else -1
             self.stragglers.pop(run, None)
             self.launched_s[run] = now_s
 
@@ -409,7 +411,10 @@ class Controller:
                 resumed_from = self.backend.resumed_from_step(run["id"]) if self.backend is not None else None
                 if resumed_from is None:
                     resumed_from = max(0, first - 1)
-                lost = max(0, int(run["last_step"]) - resumed_from)
+                # the steps the failed launch had made past the checkpoint (not the run's best: an earlier
+                # launch may have got further and lost more, which its own incident counted)
+                before = self.ended_step.get(run["id"], -1)
+                lost = max(0, (before if before >= 0 else int(run["last_step"])) - resumed_from)
                 self.store.update_incident(
                     incident["id"],
                     state="recovered",
