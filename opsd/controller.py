@@ -201,11 +201,9 @@ class Controller:
     def _comms(self, rows: list[list[Any]], node: str) -> None:
         """A node's collective totals per run (cumulative): they replace its last ones; runs the store does not
         have are ignored (memory holds real runs only)."""
-        runs = {row[0] for row in rows}
-        by_run: dict[str, list[list[Any]]] = {runs.pop(): rows} if len(runs) == 1 else {}
-        if not by_run:
-            for row in rows:
-                by_run.setdefault(row[0], []).append(row)
+        by_run: dict[str, list[list[Any]]] = {}
+        for row in rows:
+            by_run.setdefault(row[0], []).append(row)
         for run, of_run in by_run.items():
             if run in self.known_runs:
                 held = self.comms.get(run)

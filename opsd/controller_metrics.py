@@ -11,8 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from opsd.controller import Controller
-from opsd.policy.spares import spare_pool_size
-from opsd.views import cadence_interval_s, node_mtbf_h
+from opsd.views import cadence_interval_s, recommended_spares
 
 RUN_STATES = ("running", "recovering", "waiting_for_spare", "completed", "failed", "stopped")
 RECOVERY_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -114,17 +113,14 @@ class ControllerCollector(Collector):
                 last_commit.add_metric([run_id], committed_s)
             progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run["created_s"]))
             active = sum(1 for n in status["nodes"] if n["role"] == "active")
-            node_mtbf, _, _ = node_mtbf_h(controller, run, active, now)
-            config = controller.config
-            recommended.add_metric(
-                [run_id], spare_pool_size(active, config.spare_window_h, node_mtbf, config.spare_risk)
-            )
+            run_incidents = controller.store.incidents(run_id)
+            recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
             stragglers.add_metric([run_id], float(len(status["stragglers"])))
             for s in status["stragglers"]:
                 slowdown.add_metric([run_id, str(s["rank"]), s["node"]], float(s["slowdown_ratio"]))
             causes: dict[str, int] = {}
             recovered: list[float] = []
-            for i in controller.store.incidents(run_id):
+            for i in run_incidents:
                 causes[i["kind"]] = causes.get(i["kind"], 0) + 1
                 if i["resumed_s"] is not None:
                     recovered.append(float(i["resumed_s"]) - float(i["detected_s"]))

@@ -42,9 +42,18 @@ def node_health(controller: Controller, node: str, now_s: float) -> tuple[str, s
     return HEALTHY, f"heartbeat {silent_s:.1f} s ago"
 
 
-def node_mtbf_h(controller: Controller, run: dict[str, Any], nodes: int, now_s: float) -> tuple[float, int, float]:
-    """(node MTBF in hours, failures, node-hours) of ``run``: the cadence's posterior (prior + the run's failures)."""
-    failures = sum(1 for i in controller.store.incidents(run["id"]) if i["kind"] not in NOT_FAILURES)
+def node_mtbf_h(
+    controller: Controller,
+    run: dict[str, Any],
+    nodes: int,
+    now_s: float,
+    incidents: list[dict[str, Any]] | None = None,
+) -> tuple[float, int, float]:
+    """(node MTBF in hours, failures, node-hours) of ``run``: the cadence's posterior (prior + the run's failures);
+    ``incidents``: the run's, when the caller has them already."""
+    if incidents is None:
+        incidents = controller.store.incidents(run["id"])
+    failures = sum(1 for i in incidents if i["kind"] not in NOT_FAILURES)
     node_hours = max(1, nodes) * max(0.0, now_s - float(run["created_s"])) / 3600.0
     rate = node_failure_rate_per_h(failures, node_hours, controller.config.cadence)
     return 1.0 / rate, failures, node_hours
@@ -53,9 +62,27 @@ def node_mtbf_h(controller: Controller, run: dict[str, Any], nodes: int, now_s: 
 NOT_FAILURES = ("straggler", "manual_restart")
 
 
+def recommended_spares(
+    controller: Controller,
+    run: dict[str, Any],
+    active_nodes: int,
+    now_s: float,
+    incidents: list[dict[str, Any]] | None = None,
+) -> tuple[int, str]:
+    """The spare pool size for ``run`` (``opsd.policy.spares``) and why, in one line."""
+    config = controller.config
+    mtbf_h, failures, node_hours = node_mtbf_h(controller, run, active_nodes, now_s, incidents)
+    size = spare_pool_size(active_nodes, config.spare_window_h, mtbf_h, config.spare_risk)
+    why = (
+        f"P(more than {size} of {active_nodes} nodes fail within {config.spare_window_h:g} h)"
+        f" <= {config.spare_risk:g} at a node MTBF of {mtbf_h:,.0f} h"
+        f" ({failures} failures in {node_hours:,.1f} node-hours, with the prior)"
+    )
+    return size, why
+
+
 def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
     """Per run: its spare pool with each node's health, and the recommended pool size with the reason."""
-    config = controller.config
     out = []
     for run in controller.store.runs():
         nodes = controller.store.nodes(run["id"])
@@ -66,8 +93,7 @@ def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
                 continue
             health, why = node_health(controller, n["name"], now_s)
             pool.append({"name": n["name"], "domain": n["domain"], "health": health, "why": why})
-        mtbf_h, failures, node_hours = node_mtbf_h(controller, run, len(active), now_s)
-        recommended = spare_pool_size(len(active), config.spare_window_h, mtbf_h, config.spare_risk)
+        recommended, why = recommended_spares(controller, run, len(active), now_s)
         out.append(
             {
                 "run": run["id"],
@@ -76,11 +102,7 @@ def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
                 "spares": pool,
                 "available": sum(1 for s in pool if s["health"] in USABLE),
                 "recommended": recommended,
-                "why": (
-                    f"P(more than {recommended} of {len(active)} nodes fail within {config.spare_window_h:g} h)"
-                    f" <= {config.spare_risk:g} at a node MTBF of {mtbf_h:,.0f} h"
-                    f" ({failures} failures in {node_hours:,.1f} node-hours, with the prior)"
-                ),
+                "why": why,
                 "cordoned": [{"name": n["name"], "reason": n["reason"]} for n in nodes if n["role"] == "cordoned"],
             }
         )
