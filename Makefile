@@ -25,7 +25,7 @@ system-deps:
 	fi
 
 demo: $(STAMP)
-	$(PY) -m opsd.demo
+	$(PY) -m opsd.cli.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -31,8 +31,8 @@ from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
 from agent.tracing import Tracing
 from opsd.policy.xid import WatchWindow
-from opsd.wire import MAX_MESSAGE_BYTES, TimeoutReport, WireError, decode_report
-from opsd.xid_table import load_xid_table
+from opsd.protocol.wire import MAX_MESSAGE_BYTES, TimeoutReport, WireError, decode_report
+from opsd.protocol.xid_table import load_xid_table
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from agent.flight import FlightUploader
 from agent.reporter import Reporter
 from agent.state import NodeState, RankSnapshot
-from opsd.wire import REASONS
+from opsd.protocol.wire import REASONS
 
 RANK = ["run", "rank"]
 COMM = [*RANK, "dimension", "op"]

@@ -10,7 +10,7 @@ not acknowledged, the summaries buffered since the last delivery, and each run's
 - The buffer is bounded: summaries beyond ``max_summaries`` are dropped oldest first (and counted); health events
   are never dropped, they are resent until the controller acknowledges them (``ack_events_up_to``).
 - The reply may carry a policy (checkpoint cadence, commands): it is written atomically to ``policy_path``, where
-  the ranks' hooks read it (``trainer_hooks.policy``).
+  the ranks' hooks read it (``trainer_hooks.policy_reader``).
 """
 
 from __future__ import annotations

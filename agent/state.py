@@ -18,7 +18,7 @@ import re
 import threading
 from dataclasses import dataclass, field, replace
 
-from opsd.wire import PHASES, StepReport, TimeoutReport
+from opsd.protocol.wire import PHASES, StepReport, TimeoutReport
 
 OVERFLOW = ("other", "other")
 RUN_OVERFLOW = ("other", "other", "other")
@@ -107,7 +107,7 @@ class NodeState:
             return [t for _, t in sorted(self._timeouts.items())]
 
     def ingest(self, report: StepReport, now_s: float) -> None:
-        """Fold one decoded step report (see ``opsd.wire``) into the totals."""
+        """Fold one decoded step report (see ``opsd.protocol.wire``) into the totals."""
         key = (report.run, report.rank)
         with self._lock:
             state = self._ranks.get(key)

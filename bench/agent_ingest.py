@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from opsd.wire import VERSION, encode
+from opsd.protocol.wire import VERSION, encode
 
 SENDERS = 8
 

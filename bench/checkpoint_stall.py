@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from examples.mesh import MeshSpec
 from examples.model import ModelConfig, Transformer
 from examples.parallelize import build_mesh, lm_loss, parallelize
 from examples.train import init_distributed
+from opsd.protocol.mesh import MeshSpec
 from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 
 RANKS = 4

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from opsd.presets import presets
-from opsd.simulation import Costs, Policy, Result, Scenario, log_grid, simulate, sweep
+from opsd.analysis.presets import presets
+from opsd.analysis.simulation import Costs, Policy, Result, Scenario, log_grid, simulate, sweep
 
 COSTS = Costs(checkpoint_blocking_s=1.0, checkpoint_background_s=30.0, restart_s=120.0, repair_h=24.0)
 PRACTICE_COSTS = Costs(checkpoint_blocking_s=10.0, checkpoint_background_s=0.0, restart_s=300.0, repair_h=24.0)

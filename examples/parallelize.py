@@ -20,9 +20,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from examples.mesh import DIM_NAMES, MeshSpec
 from examples.model import FeedForward, Transformer
 from examples.moe import MoE
+from opsd.protocol.mesh import DIM_NAMES, MeshSpec
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from torch._C._distributed_c10d import HashStore
 from torch.distributed.tensor import DTensor
 
 from examples.data import TokenSource, TokenSourceConfig
-from examples.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from examples.model import ModelConfig, Transformer, model_shape
 from examples.parallelize import (
     SCHEDULES,
@@ -37,9 +36,10 @@ from examples.parallelize import (
     lm_loss,
     parallelize,
 )
+from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
-from trainer_hooks.policy import POLICY_ENV, PolicyReader
+from trainer_hooks.policy_reader import POLICY_ENV, PolicyReader
 
 if TYPE_CHECKING:
     from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
@@ -226,7 +226,7 @@ def local_numel(module: torch.nn.Module) -> int:
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
-    from opsd.storage import S3Options
+    from opsd.checkpoints.store import S3Options
     from trainer_hooks.checkpoint import CheckpointConfig
 
     return CheckpointConfig(

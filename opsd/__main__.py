@@ -1,5 +1,5 @@
 """``python -m opsd``: the same as the ``opsd`` command."""
 
-from opsd.cli import app
+from opsd.cli.app import app
 
 app(prog_name="opsd")

@@ -24,8 +24,8 @@ from agent.metrics import ReporterCollector
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import OVERFLOW, NodeState
 from opsd.policy.xid import WatchWindow
-from opsd.wire import REASONS, StepReport, decode_report, encode
-from opsd.xid_table import load_xid_table
+from opsd.protocol.wire import REASONS, StepReport, decode_report, encode
+from opsd.protocol.xid_table import load_xid_table
 from tests.test_wire import report, timeout_report
 
 

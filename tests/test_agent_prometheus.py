@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.daemon import Agent, AgentConfig
-from opsd.wire import decode
+from opsd.protocol.wire import decode
 from tests.launch import run_module
 from tests.prometheus import PrometheusServer
 from tests.test_docs import blocks

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from opsd.api import create_app
-from opsd.controller import Controller
+from opsd.api.app import create_app
+from opsd.controller.controller import Controller
+from opsd.controller.state import Store
 from opsd.policy.cadence import Cadence
 from opsd.policy.stragglers import StragglerScore
-from opsd.store import Store
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
 
 from agent.reporter import write_policy
+from opsd.checkpoints.store import LocalStore, S3Options, inspect_checkpoints
 from opsd.errors import PermanentError
-from opsd.manifest import parse_manifest
-from opsd.storage import LocalStore, S3Options, inspect_checkpoints
+from opsd.protocol.manifest import parse_manifest
 from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
-from trainer_hooks.policy import PolicyReader
+from trainer_hooks.policy_reader import PolicyReader
 
 
 class Counter:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from examples.mesh import MeshSpec
+from opsd.protocol.mesh import MeshSpec
 from tests.launch import run_module
 from tests.s3 import CREDENTIALS
 

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opsd.cli import app
-from opsd.cli_ops import config_file
-from opsd.controller import Controller
-from opsd.local import free_port
-from opsd.runner import start_api
-from opsd.store import Store
+from opsd.backends.local.backend import free_port
+from opsd.backends.local.runner import start_api
+from opsd.cli.app import app
+from opsd.cli.ops import config_file
+from opsd.controller.controller import Controller
+from opsd.controller.state import Store
 
 TOKEN = "cli-token"
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from opsd.controller import Controller, ControllerConfig
+from opsd.controller.controller import Controller, ControllerConfig
+from opsd.controller.state import Store
 from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig
 from opsd.policy.stragglers import StragglerConfig
-from opsd.store import Store
 
 CONFIG = ControllerConfig(
     detection=DetectionConfig(heartbeat_floor_s=3, hang_floor_s=5),

@@ -19,9 +19,9 @@ import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no type information
 from typer.testing import CliRunner
 
-from opsd import dashboards
-from opsd.cli import app
-from opsd.local import free_port
+from opsd.backends.local.backend import free_port
+from opsd.cli.app import app
+from opsd.dashboards import build as dashboards
 from tests.launch import ROOT
 
 DIR = ROOT / "dashboards"

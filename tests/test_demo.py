@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opsd.cli import app
-from opsd.controller import Controller
-from opsd.dashboards import build_all, panel_queries, variable_queries
-from opsd.demo import RUN, trainer_command
-from opsd.local import free_port
-from opsd.postmortem import seconds
-from opsd.runner import start_api
-from opsd.store import Store
+from opsd.backends.local.backend import free_port
+from opsd.backends.local.runner import start_api
+from opsd.cli.app import app
+from opsd.cli.demo import RUN, trainer_command
+from opsd.controller.controller import Controller
+from opsd.controller.state import Store
+from opsd.dashboards.build import build_all, panel_queries, variable_queries
+from opsd.postmortem.report import seconds
 from tests.launch import ROOT, run_module
 from tests.prometheus import PrometheusServer, write_targets
 
@@ -159,7 +159,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
         started = time.time()
         with stdout.open("wb") as out, stderr.open("wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "opsd.demo", "--workdir", str(work), "--steps", "80"],
+                [sys.executable, "-m", "opsd.cli.demo", "--workdir", str(work), "--steps", "80"],
                 cwd=ROOT,
                 stdout=out,
                 stderr=err,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from opsd.wire import decode
+from opsd.protocol.wire import decode
 from tests.launch import ROOT, run_module
-from trainer_hooks.policy import parse_policy
+from trainer_hooks.policy_reader import parse_policy
 
 
 def remove(paths: Iterable[Path]) -> None:

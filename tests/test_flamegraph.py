@@ -23,14 +23,14 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from agent.daemon import Agent, AgentConfig
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import RUN_OVERFLOW, NodeState
-from opsd.controller import Controller
+from opsd.analysis.flamegraph import DIMENSION_COLOURS, MARGIN_PX, fold, parse_folded, render_svg, to_folded
+from opsd.api.heartbeat import BodyError, decode_heartbeat
+from opsd.backends.local.backend import free_port
+from opsd.backends.local.runner import start_api
+from opsd.controller.controller import Controller
+from opsd.controller.state import Store
 from opsd.errors import PermanentError
-from opsd.flamegraph import DIMENSION_COLOURS, MARGIN_PX, fold, parse_folded, render_svg, to_folded
-from opsd.ingest import BodyError, decode_heartbeat
-from opsd.local import free_port
-from opsd.runner import start_api
-from opsd.store import Store
-from opsd.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode, decode_report, encode
+from opsd.protocol.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode, decode_report, encode
 from tests.launch import run_module
 from tests.test_agent import samples, step, value
 from tests.test_collectives import FakeWorkInfo, NcclLikeGroup

@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
 from agent.metrics import FlightCollector
-from opsd.api import create_app
-from opsd.controller import Controller, ControllerConfig
-from opsd.flight import analyze
-from opsd.flight_api import collect_dumps
-from opsd.runner import start_api
-from opsd.store import Store
+from opsd.analysis.flight_recorder import analyze
+from opsd.api.app import create_app
+from opsd.api.flight import collect_dumps
+from opsd.backends.local.runner import start_api
+from opsd.controller.controller import Controller, ControllerConfig
+from opsd.controller.state import Store
 from tests.launch import run_module
 
 RUN = "fr"

@@ -15,7 +15,7 @@ from agent.gpu import FileGpuSource, GpuSample, NvmlSource, inject_xid, open_sou
 from agent.health import GpuHealth
 from opsd.errors import PermanentError
 from opsd.policy.xid import WatchWindow
-from opsd.xid_table import load_xid_table
+from opsd.protocol.xid_table import load_xid_table
 from tests.test_agent import samples
 
 SAMPLE = GpuSample(

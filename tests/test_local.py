@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from opsd.controller import Controller
+from opsd.backends.local.backend import LocalBackend, LocalRunSpec, _start_time
+from opsd.controller.controller import Controller
+from opsd.controller.state import Store
 from opsd.errors import PermanentError
-from opsd.local import LocalBackend, LocalRunSpec, _start_time
-from opsd.store import Store
 
 
 def test_a_run_name_is_not_taken_twice(tmp_path: Path) -> None:

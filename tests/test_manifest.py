@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from opsd.manifest import Manifest, ManifestError, ManifestFile, encode_manifest, parse_manifest, size_problems
 from opsd.policy.retention import Retention, select_deletions
+from opsd.protocol.manifest import Manifest, ManifestError, ManifestFile, encode_manifest, parse_manifest, size_problems
 
 SHA = "ab" * 32
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from examples.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
+from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 
 LIMITS = LayoutLimits(n_heads=4, n_kv_heads=2, n_layers=4, n_experts=0, seq_len=32, batch_size=8, microbatches=2)
 MOE = LayoutLimits(n_heads=4, n_kv_heads=2, n_layers=4, n_experts=4, seq_len=32, batch_size=8, microbatches=2)

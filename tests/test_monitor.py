@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from opsd.wire import decode
+from opsd.protocol.wire import decode
 from trainer_hooks.collectives import Blocked, CollectiveTracer
 from trainer_hooks.flops import ModelShape, flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from examples.mesh import MeshSpec
-from opsd.wire import decode
+from opsd.protocol.mesh import MeshSpec
+from opsd.protocol.wire import decode
 from tests.launch import run_module
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from opsd import __version__
-from opsd.cli import app
-from opsd.local import free_port
+from opsd.backends.local.backend import free_port
+from opsd.cli.app import app
 
 
 def test_version() -> None:

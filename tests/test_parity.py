@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from examples.mesh import MeshSpec
+from opsd.protocol.mesh import MeshSpec
 from tests.launch import run_module
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.table import Table
 
-from opsd.planner import (
+from opsd.analysis.planner import (
     PRESETS,
     BytesPerParam,
     Mesh,
@@ -301,7 +301,7 @@ def test_the_cli_prints_a_plan_and_exits_1_when_it_does_not_fit() -> None:
 
     from typer.testing import CliRunner
 
-    from opsd.cli import app
+    from opsd.cli.app import app
 
     runner = CliRunner()
     fits = runner.invoke(app, ["plan", "llama3-8b", "dp_shard=8", "--json"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent.reporter import write_policy
-from trainer_hooks.policy import Policy, PolicyError, PolicyReader, parse_policy
+from trainer_hooks.policy_reader import Policy, PolicyError, PolicyReader, parse_policy
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 
 from opsd.errors import ConfigError
 from opsd.policy.xid import WatchWindow, XidAction, XidEvent, classify, decide, parse_table
-from opsd.xid_table import load_xid_table
+from opsd.protocol.xid_table import load_xid_table
 
 TABLE = load_xid_table()
 W = WatchWindow(window_s=600, threshold=2)

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from opsd.errors import PermanentError
-from opsd.postmortem import Report, build, signal_name, to_html, to_markdown
+from opsd.postmortem.report import Report, build, signal_name, to_html, to_markdown
 
 FIXTURE = Path(__file__).with_name("postmortem_bundle.json")
 
@@ -330,9 +330,9 @@ def pixel_counts(rgb: Image.Image) -> dict[tuple[int, ...], int]:
 
 def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
     """The bundle as ``GET /v1/runs/{run}/postmortem`` makes it from a real state store, through JSON."""
-    from opsd.controller import Controller
-    from opsd.store import Store
-    from opsd.views import postmortem_bundle
+    from opsd.controller.controller import Controller
+    from opsd.controller.state import Store
+    from opsd.controller.views import postmortem_bundle
 
     t0 = 1_800_000_000.0
     store = Store.open(f"sqlite:///{tmp_path / 'opsd.db'}")

@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opsd.cli import app
-from opsd.controller import Controller
+from opsd.api.server import ServeConfig
+from opsd.backends.local.backend import LocalBackend, LocalRunSpec, free_port
+from opsd.backends.local.runner import run_local
+from opsd.cli.app import app
+from opsd.controller.controller import Controller
 from opsd.errors import PermanentError
-from opsd.local import LocalBackend, LocalRunSpec, free_port
-from opsd.runner import run_local
-from opsd.server import ServeConfig
 
 pytestmark = pytest.mark.slow
 

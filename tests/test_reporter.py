@@ -17,13 +17,13 @@ from agent.gpu import FileGpuSource
 from agent.health import GpuHealth
 from agent.reporter import Reporter, ReporterConfig, backoff_s
 from agent.state import NodeState
-from opsd.local import free_port
+from opsd.backends.local.backend import free_port
 from opsd.policy.xid import WatchWindow
-from opsd.wire import encode
-from opsd.xid_table import load_xid_table
+from opsd.protocol.wire import encode
+from opsd.protocol.xid_table import load_xid_table
 from tests.test_agent import step
 from tests.test_wire import report
-from trainer_hooks.policy import PolicyReader
+from trainer_hooks.policy_reader import PolicyReader
 
 
 class Controller:

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agent.gpu import GpuSample, inject_xid, write_samples
-from opsd.local import free_port
-from opsd.wire import encode
+from opsd.backends.local.backend import free_port
+from opsd.protocol.wire import encode
 from tests.test_wire import report
 
 pytestmark = pytest.mark.slow

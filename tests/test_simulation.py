@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from opsd.cli import app
-from opsd.policy.cadence import CadenceConfig, daly_interval_s
-from opsd.presets import Workload, custom_workload, presets
-from opsd.simulation import (
+from opsd.analysis.presets import Workload, custom_workload, presets
+from opsd.analysis.simulation import (
     BUCKETS,
     Costs,
     Policy,
@@ -24,6 +22,8 @@ from opsd.simulation import (
     simulate,
     sweep,
 )
+from opsd.cli.app import app
+from opsd.policy.cadence import CadenceConfig, daly_interval_s
 
 
 def workload(failures_per_day: float, category: str = "dependency", gpus: int = 64) -> Workload:

@@ -8,9 +8,9 @@ from pathlib import Path
 import boto3
 import pytest
 
+from opsd.checkpoints.store import LocalStore, S3Options, S3Store, Store, inspect_checkpoints, open_store, sha256_file
 from opsd.errors import ConfigError, TransientError
-from opsd.manifest import Manifest, ManifestFile, encode_manifest
-from opsd.storage import LocalStore, S3Options, S3Store, Store, inspect_checkpoints, open_store, sha256_file
+from opsd.protocol.manifest import Manifest, ManifestFile, encode_manifest
 from tests.s3 import FlakyProxy
 
 

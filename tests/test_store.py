@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from opsd.controller.state import Store
 from opsd.errors import ConfigError
-from opsd.store import Store
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from opsd.client import ApiClient
-from opsd.controller import Controller
-from opsd.local import LocalBackend, LocalRunSpec, free_port
-from opsd.runner import run_local
-from opsd.server import ServeConfig
-from opsd.storage import inspect_checkpoints, open_store
-from opsd.store import Store
+from opsd.api.server import ServeConfig
+from opsd.backends.local.backend import LocalBackend, LocalRunSpec, free_port
+from opsd.backends.local.runner import run_local
+from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.cli.client import ApiClient
+from opsd.controller.controller import Controller
+from opsd.controller.state import Store
 from tests.launch import ROOT
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import inject_xid
-from opsd.local import free_port
+from opsd.backends.local.backend import free_port
 from tests.test_gpu_health import start_file_agent, wait_for_xids
 
 

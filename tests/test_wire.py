@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from opsd.wire import (
+from opsd.protocol.wire import (
     MAX_MESSAGE_BYTES,
     STEP_FIELDS,
     VERSION,

@@ -49,11 +49,11 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 import opsd
+from opsd.checkpoints.store import S3Options, Store, inspect_checkpoints, open_store, sha256_file
 from opsd.errors import ConfigError, OpsError, PermanentError
-from opsd.manifest import Manifest, ManifestFile, encode_manifest, parse_manifest
 from opsd.policy.retention import Retention, select_deletions
-from opsd.storage import S3Options, Store, inspect_checkpoints, open_store, sha256_file
-from trainer_hooks.policy import PolicyReader
+from opsd.protocol.manifest import Manifest, ManifestFile, encode_manifest, parse_manifest
+from trainer_hooks.policy_reader import PolicyReader
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 PyTorch's Flight Recorder keeps the last ``TORCH_FR_BUFFER_SIZE`` (2,000) collectives a rank issued, on NCCL and on
 gloo alike, each with its process group, its sequence id in that group and the Python stack that issued it. When a
 run hangs, the controller wants that record from every rank: it puts a ``dump_flight_recorder`` command in the
-policy (``trainer_hooks.policy``), and a rank that waited too long on one collective dumps on its own
+policy (``trainer_hooks.policy_reader``), and a rank that waited too long on one collective dumps on its own
 (``timeout-<rank>-<step>``). The monitor's watchdog thread calls :meth:`FlightRecorder.poll` and
 :meth:`FlightRecorder.dump`; the training thread may be blocked in a collective all along.
 
@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from opsd.flight import DUMP_COMMAND
+from opsd.analysis.flight_recorder import DUMP_COMMAND
 from trainer_hooks.collectives import TRACER, CollectiveTracer
-from trainer_hooks.policy import POLICY_ENV, PolicyReader
+from trainer_hooks.policy_reader import POLICY_ENV, PolicyReader
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from opsd.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
+from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
 from trainer_hooks.collectives import DIMENSIONS, FORWARD, OTHER, TRACER, CollectiveTracer, PhaseMark, StepComms
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from opsd.controller import Controller
-from opsd.views import cadence_interval_s, recommended_spares
+from opsd.controller.controller import Controller
+from opsd.controller.views import cadence_interval_s, recommended_spares
 
 RUN_STATES = ("running", "recovering", "waiting_for_spare", "completed", "failed", "stopped")
 RECOVERY_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)

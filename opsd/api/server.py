@@ -13,11 +13,11 @@ from pathlib import Path
 
 import uvicorn
 
-from opsd.api import create_app
-from opsd.controller import Controller, ControllerConfig
+from opsd.api.app import create_app
+from opsd.controller.controller import Controller, ControllerConfig
+from opsd.controller.state import Store
 from opsd.errors import ConfigError, OpsError
 from opsd.policy.detection import DetectionConfig
-from opsd.store import Store
 
 log = logging.getLogger(__name__)
 

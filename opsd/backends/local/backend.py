@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from agent.gpu import GpuSample, inject_xid, write_samples
-from opsd.controller import Controller, failure_of
+from opsd.api.flight import collect_dumps
+from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.controller.controller import Controller, failure_of
 from opsd.errors import OpsError, PermanentError
-from opsd.flight_api import collect_dumps
 from opsd.policy.detection import Failure, FailureKind
-from opsd.storage import inspect_checkpoints, open_store
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ import math
 import statistics
 from typing import Any
 
-from opsd.controller import Controller
+from opsd.api.flight import analyses
+from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.controller.controller import Controller
 from opsd.errors import OpsError, PermanentError
-from opsd.flight_api import analyses
-from opsd.manifest import ManifestError, parse_manifest
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
 from opsd.policy.spares import spare_pool_size
-from opsd.storage import inspect_checkpoints, open_store
-from opsd.xid_table import xid_meanings
+from opsd.protocol.manifest import ManifestError, parse_manifest
+from opsd.protocol.xid_table import xid_meanings
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Markdown and HTML renderings of a post-mortem ``Report`` (``opsd.postmortem``): one list of sections, two
+"""Markdown and HTML renderings of a post-mortem ``Report`` (``opsd.postmortem.report``): one list of sections, two
 renderings, so both say the same. Every string taken from the bundle is escaped: Markdown's and HTML's special
 characters in Markdown, ``html.escape`` in HTML, whose page also carries a Content-Security-Policy that forbids
 scripts and any fetch."""
@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opsd.postmortem import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Report, clock, seconds
+from opsd.postmortem.report import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Report, clock, seconds
 
 
 def _offset(value: float | None) -> str:
@@ -329,7 +329,7 @@ def _h(text: str) -> str:
 def render_html(report: Report) -> str:
     """The report as one self-contained HTML page: inline CSS, the plots as PNG data URLs, no script, nothing
     fetched (a Content-Security-Policy says so to the browser too)."""
-    from opsd import postmortem_plots as plots
+    from opsd.postmortem import plots
 
     cache: dict[str, bytes | None] = {}
     draw: dict[str, Callable[[], bytes | None]] = {

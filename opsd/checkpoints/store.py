@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from opsd.errors import ConfigError, PermanentError, TransientError
-from opsd.manifest import MANIFEST_NAME, ManifestError, parse_manifest, size_problems
+from opsd.protocol.manifest import MANIFEST_NAME, ManifestError, parse_manifest, size_problems
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from opsd.client import ApiClient
+from opsd.cli.client import ApiClient
 from opsd.errors import OpsError
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -391,7 +391,7 @@ def postmortem(
 ) -> None:
     """The post-mortem of a run or of one incident: timeline, root cause, lost work and badput, ETTR, the checkpoint
     resumed from and why, stragglers, Flight Recorder culprits (docs/postmortem.md)."""
-    from opsd.postmortem import build, to_html, to_markdown
+    from opsd.postmortem.report import build, to_html, to_markdown
 
     if output_format not in ("md", "html"):
         fail(f"--format must be md or html, not {output_format!r}", EXIT_USAGE)
@@ -425,7 +425,7 @@ def flamegraph(
     """Where a run's collective time went, as a flame graph: step;phase;dimension;op stacks weighted by
     microseconds, summed over every rank (docs/flamegraph.md). The folded stacks also suit flamegraph.pl,
     inferno and speedscope."""
-    from opsd.flamegraph import parse_folded, render_svg
+    from opsd.analysis.flamegraph import parse_folded, render_svg
 
     api = client(url, token, state_dir, config)
     try:

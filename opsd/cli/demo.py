@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.controller import Controller
-from opsd.local import LocalBackend, LocalRunSpec, free_port
-from opsd.runner import run_local
-from opsd.server import ServeConfig
-from opsd.storage import inspect_checkpoints, open_store
+from opsd.api.server import ServeConfig
+from opsd.backends.local.backend import LocalBackend, LocalRunSpec, free_port
+from opsd.backends.local.runner import run_local
+from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.controller.controller import Controller
 
 RUN = "demo"
 
@@ -90,13 +90,13 @@ def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opsd.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m opsd.cli.demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=".opsd-demo", help="state, checkpoints and logs (emptied first)")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--timeout-s", type=float, default=280.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "uvicorn", "opsd.store"):
+    for noisy in ("httpx", "uvicorn", "opsd.controller.state"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     workdir = Path(args.workdir).resolve()
     shutil.rmtree(workdir, ignore_errors=True)

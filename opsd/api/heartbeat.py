@@ -23,7 +23,7 @@ from msgspec import Meta, Struct
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from opsd.controller import Controller
+from opsd.controller.controller import Controller
 from opsd.errors import TransientError
 
 log = logging.getLogger(__name__)

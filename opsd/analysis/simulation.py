@@ -1,5 +1,5 @@
 """A discrete-event simulation of a long training run: where its wall-clock time goes under a checkpoint cadence and
-a spare pool, for a failure workload (``opsd.presets``). The model and its assumptions: docs/simulation.md.
+a spare pool, for a failure workload (``opsd.analysis.presets``). The model and its assumptions: docs/simulation.md.
 
 The run alternates compute and checkpoints. A checkpoint stops training for ``checkpoint_blocking_s``, then
 becomes durable ``checkpoint_background_s`` later (the asynchronous upload); a failure before that falls back to
@@ -25,9 +25,9 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from opsd.analysis.presets import CATEGORIES, DETECTION, Workload
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
 from opsd.policy.spares import spare_pool_size
-from opsd.presets import CATEGORIES, DETECTION, Workload
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Stragglers:
 class Policy:
     interval_s: float | None = None  # a fixed checkpoint interval; None: the adaptive cadence
     spares: int | None = None  # a fixed pool; None: sized by the binomial rule
-    detection: str = "opsd"  # a detection model of opsd.presets.DETECTION
+    detection: str = "opsd"  # a detection model of opsd.analysis.presets.DETECTION
     swap_stragglers: bool = True
     spare_risk: float = 0.001  # the binomial rule's P(more failures than spares in one repair window)
     cadence: CadenceConfig = field(default_factory=CadenceConfig)

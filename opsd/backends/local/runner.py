@@ -16,11 +16,11 @@ from typing import Any
 
 import uvicorn
 
-from opsd.api import create_app
-from opsd.controller import Controller
+from opsd.api.app import create_app
+from opsd.api.server import ServeConfig, build, tick_forever
+from opsd.backends.local.backend import LocalBackend, LocalRunSpec
+from opsd.controller.controller import Controller
 from opsd.errors import OpsError
-from opsd.local import LocalBackend, LocalRunSpec
-from opsd.server import ServeConfig, build, tick_forever
 
 log = logging.getLogger(__name__)
 

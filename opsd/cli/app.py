@@ -13,8 +13,8 @@ from typing import Any
 import typer
 
 from opsd import __version__
-from opsd.cli_dashboards import dashboards_app
-from opsd.cli_ops import STATE, TOKEN, URL, call, client, register
+from opsd.cli.dashboards import dashboards_app
+from opsd.cli.ops import STATE, TOKEN, URL, call, client, register
 from opsd.errors import OpsError
 
 app = typer.Typer(
@@ -116,7 +116,7 @@ def serve(
 ) -> None:
     """Run the controller: the HTTP API for agents and the CLI, failure detection, incidents (OpenAPI at
     /openapi.json, metrics at /metrics)."""
-    from opsd.server import ServeConfig, run_server
+    from opsd.api.server import ServeConfig, run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -165,9 +165,9 @@ def run(
     import signal
     import threading
 
-    from opsd.local import LocalRunSpec
-    from opsd.runner import run_local
-    from opsd.server import ServeConfig
+    from opsd.api.server import ServeConfig
+    from opsd.backends.local.backend import LocalRunSpec
+    from opsd.backends.local.runner import run_local
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -302,9 +302,9 @@ def simulate(
     from rich.progress import Progress
     from rich.table import Table
 
-    from opsd import simulation
+    from opsd.analysis import simulation
+    from opsd.analysis.presets import custom_workload, presets
     from opsd.policy.cadence import daly_interval_s
-    from opsd.presets import custom_workload, presets
 
     try:
         if preset == "custom":
@@ -339,7 +339,7 @@ def simulate(
             task = progress.add_task("sweeping fixed intervals", total=len(grid))
             swept = simulation.sweep(scenario, policy, grid, lambda: progress.advance(task))
         best = max(swept, key=lambda r: r.ettr)
-        from opsd.plots import plot_ettr_sweep
+        from opsd.analysis.plots import plot_ettr_sweep
 
         title = f"{workload.name} on {workload.gpus} GPUs, {scenario.days:g} days"
         try:
@@ -389,7 +389,7 @@ def plan(
     model on a parallel mesh (docs/planner.md). Exit 0: it fits; 1: it does not; 2: bad arguments."""
     from rich.console import Console
 
-    from opsd import planner
+    from opsd.analysis import planner
 
     try:
         spec = planner.parse_model(model)

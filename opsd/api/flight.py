@@ -4,7 +4,8 @@
   A body that does not fit ``FlightDumpIn`` gets 422 naming the field (413 above ``MAX_DUMP_BYTES``), counted in
   ``opsd_controller_rejected_requests_total{reason="validation"}``. The first dump of a (run, trigger, rank) is kept;
   a repeat is answered 200 with ``"stored": false``.
-- ``GET /v1/runs/{run}/flight-recorder``: ``{trigger: analysis}`` (``opsd.flight.analyze``) for every trigger.
+- ``GET /v1/runs/{run}/flight-recorder``: ``{trigger: analysis}`` (``opsd.analysis.flight_recorder.analyze``) for each
+  trigger.
 - ``GET /v1/runs/{run}/flight-recorder/{trigger}/{rank}``: the dump as the rank wrote it.
 
 ``collect_dumps`` is the ``dump`` action of a hang's recovery: it puts a ``dump_flight_recorder`` command in the
@@ -25,8 +26,8 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from opsd.controller import Controller
-from opsd.flight import DUMP_COMMAND, analyze
+from opsd.analysis.flight_recorder import DUMP_COMMAND, analyze
+from opsd.controller.controller import Controller
 
 log = logging.getLogger(__name__)
 

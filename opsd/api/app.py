@@ -4,7 +4,7 @@ Agents POST heartbeats; the CLI reads runs, incidents and the action timeline, a
 endpoint needs ``Authorization: Bearer <token>``; reads, ``/metrics`` and ``/healthz`` do not. Bad bodies get a
 4xx with a message naming the field, and are counted (``opsd_controller_rejected_requests_total``).
 
-Heartbeats, which come at the nodes' rate, are taken by ``opsd.ingest`` in front of FastAPI's routing.
+Heartbeats, which come at the nodes' rate, are taken by ``opsd.api.heartbeat`` in front of FastAPI's routing.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
-from opsd.controller import Controller
-from opsd.controller_metrics import ApiStats, ControllerCollector
+from opsd.analysis.flamegraph import fold, to_folded
+from opsd.api.flight import flight_router
+from opsd.api.heartbeat import OPENAPI_PATH, PATH, SCHEMAS, HeartbeatEndpoint, token_ok
+from opsd.backends.local.backend import LocalBackend
+from opsd.controller.controller import Controller
+from opsd.controller.metrics import ApiStats, ControllerCollector
+from opsd.controller.views import cadence_view, checkpoints_view, postmortem_bundle, spares_view
 from opsd.errors import OpsError, PermanentError, TransientError
-from opsd.flamegraph import fold, to_folded
-from opsd.flight_api import flight_router
-from opsd.ingest import OPENAPI_PATH, PATH, SCHEMAS, HeartbeatEndpoint, token_ok
-from opsd.local import LocalBackend
-from opsd.views import cadence_view, checkpoints_view, postmortem_bundle, spares_view
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from rich.table import Table
 
-from examples.mesh import MeshSpec
+from opsd.protocol.mesh import MeshSpec
 
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 SHARDING_MODES: tuple[str, ...] = ("none", "zero1", "zero2", "zero3", "fsdp")

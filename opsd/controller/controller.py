@@ -18,8 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opsd.controller.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Samples, Window
+from opsd.controller.state import Store
 from opsd.errors import PermanentError
-from opsd.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Samples, Window
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
 from opsd.policy.detection import (
     CollectiveTimeout,
@@ -32,7 +33,6 @@ from opsd.policy.detection import (
 from opsd.policy.goodput import Goodput, Interruption, account
 from opsd.policy.spares import Spare, select_spare
 from opsd.policy.stragglers import StragglerConfig, StragglerScore, is_straggler, peer_ratios, score_rank
-from opsd.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The post-mortem of a run, or of one of its incidents, from the controller's bundle (docs/postmortem.md).
 
 ``build`` reads the bundle (``GET /v1/runs/{run}/postmortem``) into a ``Report``: pure, no I/O and no clock (the
-bundle's ``generated_unix_s`` is "now"). ``to_markdown`` and ``to_html`` render it (``opsd.postmortem_render``);
-the HTML is one self-contained file with the plots of ``opsd.postmortem_plots`` inlined as PNG data URLs. Every
+bundle's ``generated_unix_s`` is "now"). ``to_markdown`` and ``to_html`` render it (``opsd.postmortem.render``);
+the HTML is one self-contained file with the plots of ``opsd.postmortem.plots`` inlined as PNG data URLs. Every
 string taken from the bundle is escaped on the way out.
 
 How the figures are made:
@@ -747,7 +747,7 @@ def seconds(value: float | None) -> str:
 
 def to_markdown(report: Report) -> str:
     """The report as GitHub-flavoured Markdown (the plots are in the HTML only)."""
-    from opsd.postmortem_render import render_markdown
+    from opsd.postmortem.render import render_markdown
 
     return render_markdown(report)
 
@@ -755,6 +755,6 @@ def to_markdown(report: Report) -> str:
 def to_html(report: Report) -> str:
     """The report as one self-contained HTML page: inline CSS, the plots as PNG data URLs, no script, nothing
     fetched."""
-    from opsd.postmortem_render import render_html
+    from opsd.postmortem.render import render_html
 
     return render_html(report)

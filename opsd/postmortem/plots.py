@@ -1,6 +1,6 @@
 """The post-mortem's plots as PNG bytes (matplotlib's Agg canvas, no display, no pyplot state).
 
-Each function takes parts of an ``opsd.postmortem.Report`` and returns the PNG, or None when there is nothing to
+Each function takes parts of an ``opsd.postmortem.report.Report`` and returns the PNG, or None when there is nothing to
 draw. Labels taken from the bundle are drawn as plain text (mathtext off), never interpreted.
 """
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from opsd.postmortem import Goodput, IncidentReport, Report, StragglerWarning
+    from opsd.postmortem.report import Goodput, IncidentReport, Report, StragglerWarning
 
 PHASE_COLOURS = {
     "detection": "#e67e22",

@@ -6,7 +6,7 @@ JSON files in ``dashboards/`` are written by ``python -m opsd.dashboards write d
 whether the files there are what this module builds. ``validate`` finds what Grafana would silently show wrong
 (a query on another data source, a ``$var`` that no variable defines, a variable nothing uses, duplicate ids);
 ``panel_queries`` gives every panel's PromQL with the variables substituted as Grafana's Prometheus data source
-does, to run against a real Prometheus. The panels themselves are in ``opsd.dashboard_panels``; docs/dashboards.md
+does, to run against a real Prometheus. The panels themselves are in ``opsd.dashboards.panels``; docs/dashboards.md
 describes every one.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.dashboard_panels import BUILDERS, DATASOURCE
+from opsd.dashboards.panels import BUILDERS, DATASOURCE
 
 PANEL_TYPES = ("timeseries", "stat", "heatmap", "table")
 # Grafana's own variables (https://grafana.com/docs/grafana/latest/dashboards/variables/add-template-variables/)
