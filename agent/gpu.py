@@ -14,35 +14,15 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Protocol
 
 from opsd.errors import PermanentError
+from opsd.protocol.gpu_files import SAMPLES_FILE, XIDS_FILE, GpuSample
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GpuSample:
-    index: int
-    uuid: str
-    temperature_c: float = 0.0
-    sm_clock_hz: float = 0.0
-    power_w: float = 0.0
-    clock_event_reasons: int = 0  # NVML's bitmask of why clocks are held down (thermal, power, ...)
-    ecc_volatile_corrected: int = 0
-    ecc_volatile_uncorrected: int = 0
-    ecc_aggregate_corrected: int = 0
-    ecc_aggregate_uncorrected: int = 0
-    retired_pages_sbe: int = 0
-    retired_pages_dbe: int = 0
-    remapped_rows_correctable: int = 0
-    remapped_rows_uncorrectable: int = 0
-    row_remap_pending: bool = False
-    nvlink_errors: int = 0  # CRC, replay and recovery errors summed over the links
 
 
 class GpuSource(Protocol):
@@ -75,12 +55,12 @@ class FileGpuSource:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._xids = self.directory / "xids.jsonl"
+        self._xids = self.directory / XIDS_FILE
         self._offset = self._xids.stat().st_size if self._xids.exists() else 0  # only events from now on
         self.bad_lines = 0
 
     def sample(self) -> list[GpuSample]:
-        path = self.directory / "gpus.json"
+        path = self.directory / SAMPLES_FILE
         if not path.exists():
             return []
         known = {f.name for f in fields(GpuSample)}
@@ -118,20 +98,6 @@ class FileGpuSource:
 
     def close(self) -> None:
         pass
-
-
-def write_samples(directory: str | Path, samples: list[GpuSample]) -> None:
-    """Replace the fake's ``gpus.json`` atomically."""
-    path = Path(directory) / "gpus.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([asdict(s) for s in samples]))
-    os.replace(tmp, path)
-
-
-def inject_xid(directory: str | Path, gpu: int, xid: int) -> None:
-    """Append an XID event for the fake source (what the local mode's fault injection does)."""
-    with (Path(directory) / "xids.jsonl").open("a") as f:
-        f.write(json.dumps({"gpu": gpu, "xid": xid}) + "\n")
 
 
 class NvmlSource:

@@ -20,9 +20,10 @@ from opentelemetry.trace import Tracer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.gpu import GpuSample, GpuSource
+from agent.gpu import GpuSource
 from opsd.errors import OpsError
 from opsd.policy.xid import WatchWindow, XidAction, XidDecision, XidEvent, decide
+from opsd.protocol.gpu_files import GpuSample
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,9 @@ from typing import Any
 
 from agent.health import GpuHealth
 from agent.state import NodeState
+from opsd.protocol.heartbeat import VERSION, Heartbeat, HeartbeatEvent, HeartbeatRank, HeartbeatTimeout, encode
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -102,52 +101,54 @@ class Reporter:
             self.summaries.popleft()
             self.summaries_dropped += 1
 
-    def heartbeat(self, now_s: float) -> dict[str, Any]:
+    def heartbeat(self, now_s: float) -> Heartbeat:
         ranks = [
-            {
-                "run": r.run,
-                "rank": r.rank,
-                "host": r.host,
-                "step": r.last.step,
-                "step_s": r.last.step_s,
-                "compute_s": r.last.compute_s,
-                "steps_total": r.steps_total,
-                "compute_total_s": r.compute_total_s,
-                "mfu_ratio": r.last.mfu_ratio,
-                "job_tokens_per_s": r.last.job_tokens_per_s,
-                "checkpoints": r.checkpoints.count,
-                "checkpoint_blocking_s": r.checkpoints.blocking_s,
-                "last_report_unix_s": r.last_seen_s,
-                "coords": r.coords,
-            }
+            HeartbeatRank(
+                run=r.run,
+                rank=r.rank,
+                host=r.host,
+                step=r.last.step,
+                step_s=r.last.step_s,
+                compute_s=r.last.compute_s,
+                steps_total=r.steps_total,
+                compute_total_s=r.compute_total_s,
+                mfu_ratio=r.last.mfu_ratio,
+                job_tokens_per_s=r.last.job_tokens_per_s,
+                checkpoints=r.checkpoints.count,
+                checkpoint_blocking_s=r.checkpoints.blocking_s,
+                last_report_unix_s=r.last_seen_s,
+                coords=r.coords,
+            )
             for r in self.state.snapshot()
         ]
-        events = [asdict(e) for e in self.gpu.pending_events()] if self.gpu else []
+        events = [HeartbeatEvent(**asdict(e)) for e in self.gpu.pending_events()] if self.gpu else []
         timeouts = [
-            {f: getattr(t, f) for f in ("run", "rank", "step", "time_unix_s", "dim", "op", "waited_s")}
+            HeartbeatTimeout(
+                run=t.run, rank=t.rank, step=t.step, time_unix_s=t.time_unix_s, dim=t.dim, op=t.op, waited_s=t.waited_s
+            )
             for t in self.state.timeouts()
         ]
-        return {
-            "v": HEARTBEAT_VERSION,
-            "node": self.node,
-            "time_unix_s": now_s,
-            "ranks": ranks,
-            "events": events,
-            "timeouts": timeouts,
-            "summaries": list(self.summaries),
-            "summaries_dropped_total": self.summaries_dropped,
-            "comms": [[c.run, c.phase, c.dimension, c.op, c.seconds, c.count, c.bytes] for c in self.state.run_comms()],
-        }
+        return Heartbeat(
+            v=VERSION,
+            node=self.node,
+            time_unix_s=now_s,
+            ranks=ranks,
+            events=events,
+            timeouts=timeouts,
+            summaries=list(self.summaries),
+            summaries_dropped_total=self.summaries_dropped,
+            comms=[(c.run, c.phase, c.dimension, c.op, c.seconds, c.count, c.bytes) for c in self.state.run_comms()],
+        )
 
     # -- sending -----------------------------------------------------------------------------------------------
     def send_once(self, now_s: float) -> bool:
         """Summarise, send one heartbeat, apply the reply; whether it was delivered."""
         self.summarise(now_s)
         body = self.heartbeat(now_s)
-        sent_summaries = len(body["summaries"])
+        sent_summaries = len(body.summaries)
         request = urllib.request.Request(
             self.config.url,
-            data=json.dumps(body).encode(),
+            data=encode(body),
             method="POST",
             headers={"Content-Type": "application/json"}
             | ({"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}),

@@ -36,10 +36,11 @@ from examples.parallelize import (
     lm_loss,
     parallelize,
 )
+from opsd.protocol.env import POLICY_FILE_ENV
 from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
-from trainer_hooks.policy_reader import POLICY_ENV, PolicyReader
+from trainer_hooks.policy_reader import PolicyReader
 
 if TYPE_CHECKING:
     from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
@@ -226,7 +227,7 @@ def local_numel(module: torch.nn.Module) -> int:
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
-    from opsd.checkpoints.store import S3Options
+    from opsd.checkpoints.s3 import S3Options
     from trainer_hooks.checkpoint import CheckpointConfig
 
     return CheckpointConfig(
@@ -258,7 +259,7 @@ def make_checkpointer(
         return None, None
     from trainer_hooks.checkpoint import Checkpointer, TrainState
 
-    policy = PolicyReader(os.environ.get(POLICY_ENV)) if os.environ.get(POLICY_ENV) else None
+    policy = PolicyReader(os.environ.get(POLICY_FILE_ENV)) if os.environ.get(POLICY_FILE_ENV) else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
     kill_step = args.kill_before_commit_step
     checkpointer = Checkpointer(

@@ -1,4 +1,14 @@
-"""The one error hierarchy of opsd: adapters turn SDK and I/O exceptions into these."""
+"""The one error hierarchy of opsd: adapters turn SDK and I/O exceptions into these.
+
+    OpsError
+    ├── TransientError          worth retrying after ``retry_after_s`` (a timeout, a 503, a lost connection)
+    └── PermanentError          retrying will not help
+        ├── ConfigError         a configuration value, file or command-line argument that cannot be used
+        ├── NotFoundError       the run, node, incident or object asked for does not exist
+        └── BodyError           a message body that does not fit its schema (the text names the field)
+
+Modules add narrower kinds under these (``WireError``, ``ManifestError``, ``PolicyError``), never beside them.
+"""
 
 from __future__ import annotations
 
@@ -23,3 +33,11 @@ class PermanentError(OpsError):
 
 class ConfigError(PermanentError, ValueError):
     """A configuration value, file or command-line argument that cannot be used."""
+
+
+class NotFoundError(PermanentError, LookupError):
+    """What was asked for (a run, a node, an incident, a Kubernetes object) does not exist."""
+
+
+class BodyError(PermanentError, ValueError):
+    """A message body (an HTTP request, a heartbeat) that does not fit its schema; the text names the field."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 
 
 def bindir() -> Path | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 
 
 class PrometheusServer:

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import boto3
 from moto.server import ThreadedMotoServer
 
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",

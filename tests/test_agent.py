@@ -18,15 +18,24 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent, AgentConfig
-from agent.gpu import FileGpuSource, GpuSample
+from agent.gpu import FileGpuSource
 from agent.health import GpuHealth, GpuHealthCollector
 from agent.metrics import ReporterCollector
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import OVERFLOW, NodeState
 from opsd.policy.xid import WatchWindow
+from opsd.protocol.gpu_files import GpuSample
+from opsd.protocol.heartbeat import Heartbeat
+from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import REASONS, StepReport, decode_report, encode
 from opsd.protocol.xid_table import load_xid_table
 from tests.test_wire import report, timeout_report
+
+
+def sent(heartbeat: Heartbeat) -> dict[str, Any]:
+    """A heartbeat as it goes on the wire (JSON)."""
+    body: dict[str, Any] = json.loads(encode_heartbeat(heartbeat))
+    return body
 
 
 def step(**changes: Any) -> StepReport:
@@ -257,8 +266,8 @@ def test_a_collective_timeout_goes_to_the_controller_until_the_rank_steps_on(age
     agent.handle(encode(report(step=7, rank=1)), now_s=100.0)
     assert agent.handle(encode(timeout_report(step=7, rank=1)), now_s=101.0) is None
     reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n1", agent.state, None)
-    assert reporter.heartbeat(102.0)["timeouts"] == [
+    assert sent(reporter.heartbeat(102.0))["timeouts"] == [
         {"run": "r", "rank": 1, "step": 7, "time_unix_s": 1.5e9, "dim": "tp", "op": "all_reduce", "waited_s": 301.5}
     ]
     agent.handle(encode(report(step=8, rank=1)), now_s=103.0)  # it stepped on: the wait is over
-    assert reporter.heartbeat(104.0)["timeouts"] == []
+    assert sent(reporter.heartbeat(104.0))["timeouts"] == []

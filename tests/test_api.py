@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from opsd.api.app import create_app
 from opsd.controller.controller import Controller
-from opsd.controller.state import Store
+from opsd.controller.state import StateStore
 from opsd.policy.cadence import Cadence
 from opsd.policy.stragglers import StragglerScore
 
@@ -28,7 +28,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory) -> Controller:
-    return Controller(Store.open(f"sqlite:///{tmp_path_factory.mktemp('api') / 'opsd.db'}"))
+    return Controller(StateStore.open(f"sqlite:///{tmp_path_factory.mktemp('api') / 'opsd.db'}"))
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_every_controller_metric_is_documented_with_its_type(client: TestClient,
 def test_an_unreachable_state_store_answers_503_with_retry_after(tmp_path: Path) -> None:
     directory = tmp_path / "state"
     directory.mkdir()
-    store = Store.open(f"sqlite:///{directory / 'opsd.db'}")
+    store = StateStore.open(f"sqlite:///{directory / 'opsd.db'}")
     with TestClient(create_app(Controller(store), TOKEN)) as c:
         shutil.rmtree(directory)
         store.engine.dispose()  # no pooled connection to the old file: the next one must open it
@@ -218,7 +218,7 @@ def samples(client: TestClient, name: str) -> dict[tuple[tuple[str, str], ...], 
 
 
 def test_a_checkpoint_counts_once_every_rank_has_finished_it(tmp_path: Path) -> None:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
     with TestClient(create_app(controller, TOKEN, clock=lambda: 1000.0)) as c:
         ranks = [
             {"run": "job", "rank": r, "step": 3, "step_s": 0.5, "compute_s": 0.4, "checkpoints": 0} for r in (0, 1)
@@ -239,7 +239,7 @@ def test_a_checkpoint_counts_once_every_rank_has_finished_it(tmp_path: Path) -> 
 
 
 def test_recovery_times_are_a_histogram(tmp_path: Path) -> None:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
     with TestClient(create_app(controller, TOKEN)) as c:
         c.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
         for n, took_s in enumerate((5.0, 45.0, 45.0, 4000.0)):

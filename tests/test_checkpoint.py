@@ -14,7 +14,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
 
 from agent.reporter import write_policy
-from opsd.checkpoints.store import LocalStore, S3Options, inspect_checkpoints
+from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.local import LocalStore
+from opsd.checkpoints.s3 import S3Options
 from opsd.errors import PermanentError
 from opsd.protocol.manifest import parse_manifest
 from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState

@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
 from opsd.cli.ops import config_file
 from opsd.controller.controller import Controller
-from opsd.controller.state import Store
+from opsd.controller.state import StateStore
 
 TOKEN = "cli-token"
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path_factory.mktemp('cli') / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path_factory.mktemp('cli') / 'opsd.db'}"))
     port = free_port()
     server = start_api(controller, TOKEN, "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"

@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from opsd.controller.controller import Controller, ControllerConfig
-from opsd.controller.state import Store
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.state import StateStore
 from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig
 from opsd.policy.stragglers import StragglerConfig
+from opsd.protocol.heartbeat import Heartbeat
 
 CONFIG = ControllerConfig(
     detection=DetectionConfig(heartbeat_floor_s=3, hang_floor_s=5),
@@ -23,11 +26,25 @@ CONFIG = ControllerConfig(
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Controller:
-    return Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG)
+    return Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG)
 
 
-def beat(node: str, ranks: list[dict[str, Any]], events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"v": 1, "node": node, "time_unix_s": 0.0, "ranks": ranks, "events": events or []}
+def beat(
+    node: str,
+    ranks: list[dict[str, Any]],
+    events: list[dict[str, Any]] | None = None,
+    timeouts: list[dict[str, Any]] | None = None,
+) -> Heartbeat:
+    """A heartbeat as the API hands it to the controller: decoded and validated."""
+    body = {
+        "v": 1,
+        "node": node,
+        "time_unix_s": 0.0,
+        "ranks": ranks,
+        "events": events or [],
+        "timeouts": timeouts or [],
+    }
+    return msgspec.convert(body, Heartbeat)
 
 
 def rank(r: int, step: int, compute_s: float = 0.5, **extra: Any) -> dict[str, Any]:
@@ -57,11 +74,11 @@ def test_a_fatal_xid_opens_one_incident_and_is_acknowledged_after(controller: Co
     healthy(controller, 5)
     event = {"seq": 1, "gpu": 1, "xid": 79, "time_s": 5.0, "action": "cordon_and_swap", "reason": "fallen off the bus"}
     reply = controller.heartbeat(beat("n1", [rank(2, 6), rank(3, 6)], [event]), 5.2)
-    assert reply["ack_events_up_to"] == 0  # not handled yet
+    assert reply.ack_events_up_to == 0  # not handled yet
     failures = controller.tick(5.3)
     assert [(f.kind.value, f.node) for f in failures] == [("fatal_xid", "n1")]
     reply = controller.heartbeat(beat("n1", [rank(2, 6), rank(3, 6)], [event]), 5.5)  # the agent resends it
-    assert reply["ack_events_up_to"] == 1
+    assert reply.ack_events_up_to == 1
     controller.tick(5.6)
     (incident,) = controller.store.incidents("job")
     assert (incident["kind"], incident["node"], incident["state"]) == ("fatal_xid", "n1", "open")
@@ -70,7 +87,7 @@ def test_a_fatal_xid_opens_one_incident_and_is_acknowledged_after(controller: Co
 
 def test_events_needing_no_action_are_acknowledged_at_once(controller: Controller) -> None:
     event = {"seq": 4, "gpu": 0, "xid": 92, "time_s": 1.0, "action": "count", "reason": ""}
-    assert controller.heartbeat(beat("n0", [rank(0, 1)], [event]), 1.0)["ack_events_up_to"] == 4
+    assert controller.heartbeat(beat("n0", [rank(0, 1)], [event]), 1.0).ack_events_up_to == 4
 
 
 def test_a_silent_node_is_lost_after_5_intervals_or_the_floor(controller: Controller) -> None:
@@ -116,8 +133,8 @@ def test_collective_timeouts_name_the_rank_that_does_not_wait(controller: Contro
         {"run": "job", "rank": r, "step": 5, "time_unix_s": 5.5, "dim": "dp_shard", "op": "all_reduce", "waited_s": 30}
         for r in (0, 1, 2)
     ]
-    controller.heartbeat({**beat("n0", [rank(0, 5), rank(1, 5)]), "timeouts": waits[:2]}, 5.5)
-    controller.heartbeat({**beat("n1", [rank(2, 5), rank(3, 5)]), "timeouts": waits[2:]}, 5.5)
+    controller.heartbeat(beat("n0", [rank(0, 5), rank(1, 5)], timeouts=waits[:2]), 5.5)
+    controller.heartbeat(beat("n1", [rank(2, 5), rank(3, 5)], timeouts=waits[2:]), 5.5)
     controller.tick(5.6)
     (incident,) = controller.store.incidents("job")
     assert (incident["kind"], incident["node"], incident["rank"]) == ("collective_timeout", "n1", 3)
@@ -127,7 +144,7 @@ def test_collective_timeouts_name_the_rank_that_does_not_wait(controller: Contro
 def test_a_timeout_of_a_rank_that_stepped_on_is_no_failure(controller: Controller) -> None:
     healthy(controller, 5)
     late = {"run": "job", "rank": 0, "step": 4, "time_unix_s": 5.5, "dim": "tp", "op": "all_reduce", "waited_s": 30}
-    controller.heartbeat({**beat("n0", [rank(0, 5), rank(1, 5)]), "timeouts": [late]}, 5.5)
+    controller.heartbeat(beat("n0", [rank(0, 5), rank(1, 5)], timeouts=[late]), 5.5)
     controller.tick(5.6)
     assert controller.store.incidents("job") == []
 
@@ -154,13 +171,14 @@ def test_stragglers_are_scored_on_the_mean_compute_between_heartbeats(controller
 
 def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Controller) -> None:
     healthy(controller, 3)
-    assert "policy" not in controller.heartbeat(beat("n0", [rank(0, 4), rank(1, 4)]), 3.0)
+    assert controller.heartbeat(beat("n0", [rank(0, 4), rank(1, 4)]), 3.0).policy is None
     for t in (4.0, 5.0):
         for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
             ckpt = {"checkpoints": 1, "checkpoint_blocking_s": 2.0}
             controller.heartbeat(beat(n, [rank(r, int(t) + 1, **ckpt) for r in ranks]), t)
         controller.tick(t)
-    policy = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0)["policy"]
+    policy = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0).policy
+    assert policy is not None
     every, start = policy["checkpoint"]["every_steps"], policy["checkpoint"]["from_step"]
     assert every > 1
     assert start >= 6 + 2  # ahead of the current step by the lead

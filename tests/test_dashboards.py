@@ -19,7 +19,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML ships no type information
 from typer.testing import CliRunner
 
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.dashboards import build as dashboards
 from tests.launch import ROOT

@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
 from opsd.cli.demo import RUN, trainer_command
 from opsd.controller.controller import Controller
-from opsd.controller.state import Store
+from opsd.controller.state import StateStore
 from opsd.dashboards.build import build_all, panel_queries, variable_queries
 from opsd.postmortem.report import seconds
 from tests.launch import ROOT, run_module
@@ -233,7 +233,7 @@ def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_step
     assert demo.returncode == 0, "the demo failed: see the first test"
     result = demo.result
     state = demo.work / "state"
-    controller = Controller(Store.open(f"sqlite:///{state / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{state / 'opsd.db'}"))
     port = free_port()
     server = start_api(controller, "unused", "127.0.0.1", port)
     try:

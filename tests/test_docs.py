@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from opsd.protocol.policy_file import parse_policy
 from opsd.protocol.wire import decode
 from tests.launch import ROOT, run_module
-from trainer_hooks.policy_reader import parse_policy
 
 
 def remove(paths: Iterable[Path]) -> None:

@@ -24,12 +24,13 @@ from agent.daemon import Agent, AgentConfig
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import RUN_OVERFLOW, NodeState
 from opsd.analysis.flamegraph import DIMENSION_COLOURS, MARGIN_PX, fold, parse_folded, render_svg, to_folded
-from opsd.api.heartbeat import BodyError, decode_heartbeat
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
-from opsd.controller.state import Store
-from opsd.errors import PermanentError
+from opsd.controller.state import StateStore
+from opsd.errors import BodyError, PermanentError
+from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
+from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode, decode_report, encode
 from tests.launch import run_module
 from tests.test_agent import samples, step, value
@@ -43,6 +44,12 @@ SVG = "{http://www.w3.org/2000/svg}"
 TOKEN = "flame-token"
 
 # -- folded stacks -------------------------------------------------------------------------------------------------
+
+
+def sent(heartbeat: Heartbeat) -> dict[str, Any]:
+    """A heartbeat as it goes on the wire (JSON)."""
+    body: dict[str, Any] = json.loads(encode_heartbeat(heartbeat))
+    return body
 
 
 def test_fold_sums_entries_into_microseconds_and_round_trips() -> None:
@@ -351,7 +358,7 @@ def test_agent_heartbeat_carries_each_runs_totals_by_phase() -> None:
     state.ingest(step(rank=1, comms=[["tp", "all_reduce", 2, 8, 0.125]]), now_s=2.0)  # no phase: other
     state.ingest(step(run="s", rank=0, comms=[["pp", "send", 1, 4, 1.0, "backward"]]), now_s=2.0)
     reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n1", state, None)
-    body = reporter.heartbeat(3.0)
+    body = sent(reporter.heartbeat(3.0))
     assert body["comms"] == [
         ["r", "forward", "dp_shard", "all_gather", 0.75, 10, 200],
         ["r", "other", "tp", "all_reduce", 0.125, 2, 8],
@@ -361,7 +368,7 @@ def test_agent_heartbeat_carries_each_runs_totals_by_phase() -> None:
     (r0,) = [r for r in state.snapshot() if (r.run, r.rank) == ("r", 0)]
     assert set(r0.comms) == {("dp_shard", "all_gather")}  # per rank, by (dimension, op) only
     state.expire(now_s=1000.0)
-    assert reporter.heartbeat(1001.0)["comms"] == []  # forgotten with the run's last rank
+    assert sent(reporter.heartbeat(1001.0))["comms"] == []  # forgotten with the run's last rank
 
 
 def test_agent_run_totals_are_capped_and_labels_checked() -> None:
@@ -401,10 +408,10 @@ def test_heartbeat_schema_refuses_bad_comms_rows() -> None:
 
 
 def test_controller_groups_rows_by_run_and_ignores_unknown_runs(tmp_path: Path) -> None:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
     controller.known_runs = {"a", "b"}
-    rows = [["a", "forward", "tp", "all_reduce", 1.0, 1, 1], ["b", "backward", "pp", "send", 2.0, 1, 1]]
-    rows += [["a", "backward", "tp", "all_reduce", 3.0, 1, 1], ["c", "forward", "tp", "all_reduce", 4.0, 1, 1]]
+    rows = [("a", "forward", "tp", "all_reduce", 1.0, 1, 1), ("b", "backward", "pp", "send", 2.0, 1, 1)]
+    rows += [("a", "backward", "tp", "all_reduce", 3.0, 1, 1), ("c", "forward", "tp", "all_reduce", 4.0, 1, 1)]
     controller._comms(rows, "n1")
     assert controller.comm_seconds("a") == {("forward", "tp", "all_reduce"): 1.0, ("backward", "tp", "all_reduce"): 3.0}
     assert controller.comm_seconds("b") == {("backward", "pp", "send"): 2.0}
@@ -423,7 +430,7 @@ def get(url: str) -> tuple[str, str]:
 
 
 def test_controller_flamegraph_sums_the_nodes_over_real_http(tmp_path: Path) -> None:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
     port = free_port()
     server = start_api(controller, TOKEN, "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
@@ -489,7 +496,8 @@ def test_fsdp_collectives_land_in_their_phases(tmp_path: Path) -> None:
         for r in reports:
             assert isinstance(r, StepReport)
             state.ingest(r, now_s=1.0)
-    rows = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n", state, None).heartbeat(2.0)["comms"]
+    reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n", state, None)
+    rows = sent(reporter.heartbeat(2.0))["comms"]
     stacks = fold(row[1:] for row in rows)
     assert {s[1:] for s in stacks} == {
         ("forward", "dp_shard", "all_gather"),

@@ -28,10 +28,12 @@ from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
 from agent.metrics import FlightCollector
 from opsd.analysis.flight_recorder import analyze
 from opsd.api.app import create_app
-from opsd.api.flight import collect_dumps
 from opsd.backends.local.runner import start_api
-from opsd.controller.controller import Controller, ControllerConfig
-from opsd.controller.state import Store
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.flight import collect_dumps
+from opsd.controller.state import StateStore
+from opsd.protocol.heartbeat import Heartbeat
 from tests.launch import run_module
 
 RUN = "fr"
@@ -116,7 +118,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Dumps:
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Controller:
-    store = Store.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+    store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
     store.create_run(RUN, {"backend": "test"}, time.time())
     return Controller(store, ControllerConfig())
 
@@ -293,9 +295,9 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
     )
     collecting.start()
     try:
-        heartbeat = {"v": 1, "node": "node-0", "time_unix_s": time.time()}
-        wait_for(lambda: "commands" in controller.heartbeat(heartbeat, time.time()).get("policy", {}), 5)
-        assert controller.heartbeat(heartbeat, time.time())["policy"]["commands"] == [
+        heartbeat = Heartbeat(v=1, node="node-0", time_unix_s=time.time())
+        wait_for(lambda: "commands" in (controller.heartbeat(heartbeat, time.time()).policy or {}), 5)
+        assert (controller.heartbeat(heartbeat, time.time()).policy or {})["commands"] == [
             {"id": trigger, "name": "dump_flight_recorder"}
         ]
         for rank in (0, 1):  # what the ranks do on that command
@@ -305,7 +307,7 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
         uploader.stop()
     assert (result["ranks_expected"], result["ranks_dumped"]) == ([0, 1, 2], [0, 1])
     assert 2.0 <= result["waited_s"] < 4.0  # rank 2 never dumps: the whole wait
-    assert controller.heartbeat(heartbeat, time.time())["policy"]["commands"] == []  # withdrawn: agents rewrite
+    assert (controller.heartbeat(heartbeat, time.time()).policy or {})["commands"] == []  # withdrawn: agents rewrite
     assert (uploader.ok, list((tmp_path / "flight").iterdir())) == (2, [])  # delivered: files and directories gone
 
     with TestClient(create_app(controller, TOKEN)) as client:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from agent.daemon import Agent, AgentConfig
-from agent.gpu import FileGpuSource, GpuSample, NvmlSource, inject_xid, open_source, write_samples
+from agent.gpu import FileGpuSource, NvmlSource, open_source
 from agent.health import GpuHealth
 from opsd.errors import PermanentError
 from opsd.policy.xid import WatchWindow
+from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.xid_table import load_xid_table
 from tests.test_agent import samples
 

@@ -9,19 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from opsd.backends.local.backend import LocalBackend, LocalRunSpec, _start_time
+from opsd.backends.local.backend import LocalBackend
+from opsd.backends.local.processes import kill_orphans, start_time
+from opsd.backends.local.runner import start_run
+from opsd.backends.local.spec import LocalRunSpec
 from opsd.controller.controller import Controller
-from opsd.controller.state import Store
+from opsd.controller.state import StateStore
 from opsd.errors import PermanentError
 
 
 def test_a_run_name_is_not_taken_twice(tmp_path: Path) -> None:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
     controller.store.create_run("job", {}, now_s=1.0)
     controller.store.update_run("job", 2.0, state="completed")
     backend = LocalBackend(LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs")))
     with pytest.raises(PermanentError, match=r"run 'job' is completed in this state store"):
-        backend.start(controller, now_s=3.0)
+        start_run(controller, backend, now_s=3.0)
     assert backend.agents == {}  # nothing was started
 
 
@@ -40,34 +43,34 @@ def test_spec_validates_itself(kwargs: dict[str, object], message: str) -> None:
 
 
 def test_a_second_controller_of_a_run_is_refused(tmp_path: Path) -> None:
-    controller = Controller(Store.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
     controller.store.create_run("job", {"nodes": 2, "spares": 1}, now_s=1.0)  # running: a candidate to take up
     spec = LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs"))
     first = LocalBackend(spec)
-    first._lock()
+    first.lock_run()
     try:
         with pytest.raises(PermanentError, match="another opsd run supervising it"):
-            LocalBackend(spec).start(controller, now_s=2.0)
+            start_run(controller, LocalBackend(spec), now_s=2.0)
     finally:
         first.close()
     again = LocalBackend(spec)
-    again._lock()  # released with the first
+    again.lock_run()  # released with the first
     again.close()
 
 
-def test_what_a_dead_controller_left_is_killed_by_pid_and_start_time(tmp_path: Path) -> None:
+def test_what_a_dead_controller_left_is_killed_by_pid_andstart_time(tmp_path: Path) -> None:
     """A recorded process runs with the recorded start time: killed. A pid whose start time differs (reused by
     another process since): left alone."""
     spec = LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs"))
     left = subprocess.Popen(["sleep", "60"], start_new_session=True)
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        start = _start_time(left.pid)
+        start = start_time(left.pid)
         assert start is not None
         spec.root.mkdir(parents=True)
         record = {"agents": {"node-0": [left.pid, start]}, "ranks": {"0": [other.pid, start - 1]}}
         (spec.root / "processes.json").write_text(json.dumps(record))
-        assert LocalBackend(spec)._kill_orphans() == 1
+        assert kill_orphans(spec) == 1
         assert left.wait(timeout=10) == -signal.SIGKILL
         assert other.poll() is None
     finally:

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from opsd import __version__
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from agent.reporter import write_policy
-from trainer_hooks.policy_reader import Policy, PolicyError, PolicyReader, parse_policy
+from opsd.protocol.policy_file import Policy, PolicyError, parse_policy
+from trainer_hooks.policy_reader import PolicyReader
 
 
 @pytest.mark.parametrize(

@@ -331,11 +331,11 @@ def pixel_counts(rgb: Image.Image) -> dict[tuple[int, ...], int]:
 def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
     """The bundle as ``GET /v1/runs/{run}/postmortem`` makes it from a real state store, through JSON."""
     from opsd.controller.controller import Controller
-    from opsd.controller.state import Store
+    from opsd.controller.state import StateStore
     from opsd.controller.views import postmortem_bundle
 
     t0 = 1_800_000_000.0
-    store = Store.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+    store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
     store.create_run("job", {"nodes": 2}, t0)
     store.upsert_node("n1", t0 + 40, run="job", role="cordoned", reason="XID 48 on GPU 3: double-bit ECC error")
     ident, _ = store.open_incident(

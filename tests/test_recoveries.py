@@ -28,11 +28,15 @@ import pytest
 from typer.testing import CliRunner
 
 from opsd.api.server import ServeConfig
-from opsd.backends.local.backend import LocalBackend, LocalRunSpec, free_port
+from opsd.backends.local.backend import LocalBackend
+from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import run_local
+from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.app import app
 from opsd.controller.controller import Controller
+from opsd.controller.port import FaultKind
 from opsd.errors import PermanentError
+from tests.faults import inject
 
 pytestmark = pytest.mark.slow
 
@@ -68,20 +72,20 @@ class Scenario:
             if not self.cli and status["step"] >= 45:  # past the second checkpoint
                 self.cli = operator_reads(self.url, self.state_dir)
             if now_s - self.times.get("clean", now_s) >= CLEAN_S:
-                self._next("slow", now_s, lambda: backend.inject("slow", rank=1, factor=1.3))
+                self._next("slow", now_s, lambda: inject(backend, FaultKind.SLOW, rank=1, factor=1.3))
         elif self.phase == "slow":
             if any(i["kind"] == "straggler" for i in incidents):
                 self.times["flagged"] = now_s
                 steps = [t for r in controller.ranks[RUN].values() for t in r.step_times_s]
                 self.median_step_s = statistics.median(steps)
-                self._next("hang", now_s, lambda: backend.inject("hang", rank=0))
+                self._next("hang", now_s, lambda: inject(backend, FaultKind.HANG, rank=0))
         elif self.phase == "hang":
             if _recovered(incidents, "hang"):
                 hang = next(i for i in incidents if i["kind"] == "hang")
                 self.cli["postmortem"] = cli_json(self.url, self.state_dir, "postmortem", RUN)
                 md = CliRunner().invoke(app, ["postmortem", RUN, str(hang["id"]), "--url", self.url])
                 self.cli["postmortem_md"] = md.stdout
-                self._next("kill", now_s, lambda: backend.inject("kill", rank=1))
+                self._next("kill", now_s, lambda: inject(backend, FaultKind.KILL, rank=1))
         elif self.phase == "kill" and _recovered(incidents, "process_exit"):
             if controller.checkpoint_step_ahead(RUN) is None:
                 return  # the relaunched ranks have no step times yet: a restart now would skip its checkpoint
@@ -252,7 +256,7 @@ def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) 
         status = controller.status(RUN, now_s)
         assert status is not None
         if "hang" not in stopped_at and status["step"] >= 20:
-            backend.inject("hang", rank=0)
+            inject(backend, FaultKind.HANG, rank=0)
             stopped_at["hang"] = now_s
         if (
             any(i["state"] == "recovered" for i in controller.store.incidents(RUN))

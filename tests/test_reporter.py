@@ -17,7 +17,7 @@ from agent.gpu import FileGpuSource
 from agent.health import GpuHealth
 from agent.reporter import Reporter, ReporterConfig, backoff_s
 from agent.state import NodeState
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.wire import encode
 from opsd.protocol.xid_table import load_xid_table

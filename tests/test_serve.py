@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from agent.gpu import GpuSample, inject_xid, write_samples
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
+from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.wire import encode
 from tests.test_wire import report
 

@@ -8,21 +8,24 @@ from pathlib import Path
 import boto3
 import pytest
 
-from opsd.checkpoints.store import LocalStore, S3Options, S3Store, Store, inspect_checkpoints, open_store, sha256_file
+from opsd.checkpoints.layout import CheckpointStore, inspect_checkpoints, sha256_file
+from opsd.checkpoints.local import LocalStore
+from opsd.checkpoints.s3 import S3Options, S3Store
+from opsd.checkpoints.store import open_store
 from opsd.errors import ConfigError, TransientError
 from opsd.protocol.manifest import Manifest, ManifestFile, encode_manifest
 from tests.s3 import FlakyProxy
 
 
 @pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
     if request.param == "file":
         return LocalStore(tmp_path / "root")
     url = request.getfixturevalue("s3_endpoint")
     return S3Store("ckpt", f"runs/{tmp_path.name}", S3Options(endpoint_url=url, spool_dir=str(tmp_path / "spool")))
 
 
-def write_step(store: Store, step: int, files: dict[str, bytes], *, commit: bool = True) -> Manifest:
+def write_step(store: CheckpointStore, step: int, files: dict[str, bytes], *, commit: bool = True) -> Manifest:
     """What a save does: DCP's files into ``write_dir``, upload, manifest last."""
     directory = store.write_dir(step)
     directory.mkdir(parents=True, exist_ok=True)
@@ -37,7 +40,7 @@ def write_step(store: Store, step: int, files: dict[str, bytes], *, commit: bool
     return manifest
 
 
-def test_committed_torn_and_short_steps_are_told_apart(store: Store) -> None:
+def test_committed_torn_and_short_steps_are_told_apart(store: CheckpointStore) -> None:
     files = {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 1000}
     write_step(store, 5, files)
     write_step(store, 10, files)
@@ -57,18 +60,18 @@ def test_committed_torn_and_short_steps_are_told_apart(store: Store) -> None:
     assert sorted(store.steps()) == [5, 15]
 
 
-def rewrite_manifest(store: Store, step: int, files: list[ManifestFile]) -> None:
+def rewrite_manifest(store: CheckpointStore, step: int, files: list[ManifestFile]) -> None:
     store.write_manifest(step, encode_manifest(Manifest(1, step, 0.0, 1, {}, files, {})))
 
 
-def test_a_file_shorter_than_its_manifest_says_is_reported(store: Store) -> None:
+def test_a_file_shorter_than_its_manifest_says_is_reported(store: CheckpointStore) -> None:
     manifest = write_step(store, 3, {"__0_0.distcp": b"abc"})
     rewrite_manifest(store, 3, [ManifestFile("__0_0.distcp", 4, manifest.files[0].sha256)])
     (candidate,) = inspect_checkpoints(store)
     assert candidate.problem == "__0_0.distcp: 3 bytes, manifest says 4"
 
 
-def test_verify_checksums_reads_every_file(store: Store) -> None:
+def test_verify_checksums_reads_every_file(store: CheckpointStore) -> None:
     write_step(store, 1, {"__0_0.distcp": b"abc"})
     rewrite_manifest(store, 1, [ManifestFile("__0_0.distcp", 3, "0" * 64)])
     assert inspect_checkpoints(store)[0].problem is None  # sizes agree

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from opsd.controller.state import Store
+from opsd.controller.state import StateStore
 from opsd.errors import ConfigError
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
     if request.param == "sqlite":
-        s = Store.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+        s = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
         yield s
         s.engine.dispose()
         return
@@ -25,7 +25,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(sa.text(f"CREATE DATABASE {name}"))
-    s = Store.open(server.rsplit("/", 1)[0] + f"/{name}")
+    s = StateStore.open(server.rsplit("/", 1)[0] + f"/{name}")
     yield s
     s.engine.dispose()
     with admin.connect() as c:
@@ -33,7 +33,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     admin.dispose()
 
 
-def test_runs(store: Store) -> None:
+def test_runs(store: StateStore) -> None:
     assert store.create_run("r1", {"nodes": 2}, now_s=10.0)
     assert not store.create_run("r1", {"nodes": 3}, now_s=11.0)  # exists: unchanged
     store.update_run("r1", 12.0, state="recovering", generation=2, last_step=40)
@@ -46,7 +46,7 @@ def test_runs(store: Store) -> None:
         store.update_run("r1", 13.0, spec="x")
 
 
-def test_nodes(store: Store) -> None:
+def test_nodes(store: StateStore) -> None:
     store.upsert_node("n0", 1.0, run="r1", role="active", domain="rack1")
     store.upsert_node("n2", 1.0, run="r1", role="spare")
     store.upsert_node("n0", 2.0, role="cordoned", reason="XID 79")
@@ -58,13 +58,13 @@ def test_nodes(store: Store) -> None:
     assert store.node_names("r1", "spare") == {"n2"}
 
 
-def test_node_rows_kept_in_memory_are_those_of_the_database(store: Store) -> None:
+def test_node_rows_kept_in_memory_are_those_of_the_database(store: StateStore) -> None:
     """Node rows are read once and written through: a store opened afresh on the same database reads the same."""
     store.upsert_node("n0", 1.0, run="r1", role="active")
     store.ack_events("n0", 5, 2.0)
     store.ack_events("n0", 3, 3.0)  # never back
     store.ack_events("n9", 2, 4.0)  # a node not seen yet
-    again = Store(store.engine)
+    again = StateStore(store.engine)
     assert again.nodes() == store.nodes()
     assert [(n["name"], n["events_acked"], n["role"]) for n in again.nodes()] == [
         ("n0", 5, "active"),
@@ -72,7 +72,7 @@ def test_node_rows_kept_in_memory_are_those_of_the_database(store: Store) -> Non
     ]
 
 
-def test_the_same_failure_opens_one_incident(store: Store) -> None:
+def test_the_same_failure_opens_one_incident(store: StateStore) -> None:
     args = {"run": "r1", "kind": "fatal_xid", "node": "n1", "rank": None, "detail": "XID 79", "failed_s": 5.0}
     first, new = store.open_incident(key="r1/1/n1/xid-3", detected_s=6.0, **args)  # type: ignore[arg-type]
     again, new_again = store.open_incident(key="r1/1/n1/xid-3", detected_s=7.0, **args)  # type: ignore[arg-type]
@@ -90,7 +90,7 @@ def test_the_same_failure_opens_one_incident(store: Store) -> None:
     assert store.incidents("r1", state="open") == []
 
 
-def test_actions_are_recorded_once_and_completed_once(store: Store) -> None:
+def test_actions_are_recorded_once_and_completed_once(store: StateStore) -> None:
     incident, _ = store.open_incident(
         key="k", run="r1", kind="hang", node="n0", rank=1, detail="d", failed_s=1.0, detected_s=2.0
     )
@@ -112,14 +112,14 @@ def test_actions_are_recorded_once_and_completed_once(store: Store) -> None:
 
 def test_state_survives_a_new_store_on_the_same_database(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'opsd.db'}"
-    Store.open(url).create_run("r1", {}, now_s=1.0)
-    assert [r["id"] for r in Store.open(url).runs()] == ["r1"]
+    StateStore.open(url).create_run("r1", {}, now_s=1.0)
+    assert [r["id"] for r in StateStore.open(url).runs()] == ["r1"]
     with sa.create_engine(url).connect() as c:
         assert c.execute(sa.text("PRAGMA journal_mode")).scalar() == "wal"
 
 
 def test_bad_urls_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="expected sqlite"):
-        Store.open("mysql://x/y")
+        StateStore.open("mysql://x/y")
     with pytest.raises(ConfigError, match="state URL"):
-        Store.open(f"sqlite:///{tmp_path}/missing/dir/opsd.db")
+        StateStore.open(f"sqlite:///{tmp_path}/missing/dir/opsd.db")

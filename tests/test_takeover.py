@@ -21,12 +21,17 @@ from typing import Any
 import pytest
 
 from opsd.api.server import ServeConfig
-from opsd.backends.local.backend import LocalBackend, LocalRunSpec, free_port
+from opsd.backends.local.backend import LocalBackend
+from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import run_local
-from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.backends.local.spec import LocalRunSpec
+from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.store import open_store
 from opsd.cli.client import ApiClient
 from opsd.controller.controller import Controller
-from opsd.controller.state import Store
+from opsd.controller.port import FaultKind
+from opsd.controller.state import StateStore
+from tests.faults import inject
 from tests.launch import ROOT
 
 pytestmark = pytest.mark.slow
@@ -136,7 +141,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
         if first.poll() is None:
             first.kill()
 
-    store = Store.open(f"sqlite:///{state / 'opsd.db'}")
+    store = StateStore.open(f"sqlite:///{state / 'opsd.db'}")
     (incident,) = store.incidents("job")
     assert (incident["kind"], incident["state"], incident["node"]) == ("fatal_xid", "open", "node-1")
     assert [(a.kind, a.state) for a in store.actions(incident_id=incident["id"])] == [
@@ -201,7 +206,7 @@ class XidOnce:
     def __call__(self, controller: Controller, backend: LocalBackend, now_s: float) -> None:
         status = controller.status("job", now_s)
         if not self.injected and status is not None and past_a_checkpoint(self.ckpt, status["step"]):
-            backend.inject("xid", node="node-1", gpu=0, xid=79)
+            inject(backend, FaultKind.XID, node="node-1", gpu=0, xid=79)
             self.injected = True
 
 

@@ -12,8 +12,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from agent.daemon import Agent, AgentConfig
-from agent.gpu import inject_xid
-from opsd.backends.local.backend import free_port
+from opsd.backends.local.processes import free_port
+from opsd.protocol.gpu_files import inject_xid
 from tests.test_gpu_health import start_file_agent, wait_for_xids
 
 

@@ -49,7 +49,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 import opsd
-from opsd.checkpoints.store import S3Options, Store, inspect_checkpoints, open_store, sha256_file
+from opsd.checkpoints.layout import CheckpointStore, inspect_checkpoints, sha256_file
+from opsd.checkpoints.s3 import S3Options
+from opsd.checkpoints.store import open_store
 from opsd.errors import ConfigError, OpsError, PermanentError
 from opsd.policy.retention import Retention, select_deletions
 from opsd.protocol.manifest import Manifest, ManifestFile, encode_manifest, parse_manifest
@@ -146,7 +148,7 @@ class _StoreWriter(FileSystemWriter):
     after every rank's writes returned, so when the save completes every file is in the store. Picklable (the
     process-based async save sends it to a helper process)."""
 
-    def __init__(self, store: Store, step: int) -> None:
+    def __init__(self, store: CheckpointStore, step: int) -> None:
         super().__init__(str(store.write_dir(step)))
         self.store = store
         self.step = step
@@ -165,7 +167,7 @@ class _VerifyingReader(FileSystemReader):
     """DCP's file reader that checks each file it reads against the manifest's SHA-256 first (fetching it from a
     remote store into this process's cache). A mismatch fails the load on every rank (DCP gathers the errors)."""
 
-    def __init__(self, store: Store, manifest: Manifest, reader: str) -> None:
+    def __init__(self, store: CheckpointStore, manifest: Manifest, reader: str) -> None:
         super().__init__(str(store.read_dir(manifest.step, reader)))
         self.store = store
         self.step = manifest.step
@@ -214,7 +216,7 @@ class Checkpointer:
         manifest is written (fault injection). Collective: every rank constructs it (it creates a process group)."""
         self.config = config
         try:
-            self.store: Store = open_store(config.url, config.s3)
+            self.store: CheckpointStore = open_store(config.url, config.s3)
         except OpsError as exc:
             raise ConfigError(str(exc)) from None
         self.layout = dict(world_layout or {})

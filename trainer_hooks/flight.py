@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from opsd.analysis.flight_recorder import DUMP_COMMAND
+from opsd.protocol.env import FLIGHT_DIR_ENV, POLICY_FILE_ENV
+from opsd.protocol.policy_file import DUMP_COMMAND
 from trainer_hooks.collectives import TRACER, CollectiveTracer
-from trainer_hooks.policy_reader import POLICY_ENV, PolicyReader
+from trainer_hooks.policy_reader import PolicyReader
 
 log = logging.getLogger(__name__)
 
-FLIGHT_DIR_ENV = "OPSD_FLIGHT_DIR"
 DUMP_VERSION = 1
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
@@ -151,7 +151,7 @@ class FlightRecorder:
         self.tracer = tracer
         found = directory or os.environ.get(FLIGHT_DIR_ENV)
         self.directory = Path(found) if found else None
-        policy = policy_path or os.environ.get(POLICY_ENV)
+        policy = policy_path or os.environ.get(POLICY_FILE_ENV)
         self.policy = PolicyReader(policy) if policy and self.directory is not None else None
         self.training_thread = threading.get_ident()
         self.dumps = 0

@@ -39,6 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from opsd.protocol.env import AGENT_SOCKET_ENV, RUN_ENV
 from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
 from trainer_hooks.collectives import DIMENSIONS, FORWARD, OTHER, TRACER, CollectiveTracer, PhaseMark, StepComms
 from trainer_hooks.flight import FlightRecorder
@@ -48,8 +49,6 @@ from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
 
 log = logging.getLogger(__name__)
 
-SOCKET_ENV = "OPSD_AGENT_SOCKET"
-RUN_ENV = "OPSD_RUN"
 BATCH_DIMENSIONS = ("dp_replicate", "dp_shard", "ep")
 
 
@@ -124,7 +123,7 @@ class Monitor:
             self.flops_per_token = formula_flops_per_token(shape) if shape is not None else 0.0
         self.peak_flops_per_s = self._peak()
         self.sinks: list[Sink] = []
-        socket_path = config.socket_path or os.environ.get(SOCKET_ENV)
+        socket_path = config.socket_path or os.environ.get(AGENT_SOCKET_ENV)
         if socket_path:
             self.sinks.append(DatagramSink(socket_path))
         if config.jsonl_path:

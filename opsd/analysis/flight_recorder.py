@@ -25,7 +25,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-DUMP_COMMAND = "dump_flight_recorder"  # the policy command that asks ranks for a dump
 NS_PER_S = 1e9
 
 

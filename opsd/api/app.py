@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field
 import opsd
 from opsd.analysis.flamegraph import fold, to_folded
 from opsd.api.flight import flight_router
-from opsd.api.heartbeat import OPENAPI_PATH, PATH, SCHEMAS, HeartbeatEndpoint, token_ok
-from opsd.backends.local.backend import LocalBackend
+from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint, token_ok
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
+from opsd.controller.port import Fault, FaultKind
 from opsd.controller.views import cadence_view, checkpoints_view, postmortem_bundle, spares_view
-from opsd.errors import OpsError, PermanentError, TransientError
+from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
+from opsd.protocol.heartbeat import PATH
+from opsd.protocol.states import NodeRole
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class RestartIn(Strict):
 
 
 class InjectIn(Strict):
-    fault: Literal["xid", "kill", "hang", "slow"]
+    fault: FaultKind
     node: Annotated[str, Field(max_length=200)] = ""
     gpu: Annotated[int, Field(ge=0)] = 0
     xid: Annotated[int, Field(ge=0)] = 79
@@ -120,12 +122,7 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     def restart(run: str, body: RestartIn) -> dict[str, Any]:
         """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
         that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
-        if controller.store.run(run) is None:
-            raise HTTPException(404, f"no run {run!r}")
-        try:
-            return controller.request_restart(run, body.reason, clock())
-        except PermanentError as exc:
-            raise HTTPException(409, str(exc)) from None
+        return _act(lambda: controller.request_restart(run, body.reason, clock()))
 
     @app.get("/v1/runs/{run}/checkpoints")
     def checkpoints(run: str) -> dict[str, Any]:
@@ -149,29 +146,16 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
 
     @app.post("/v1/nodes/{node}/cordon", dependencies=[Depends(authorized)])
     def cordon(node: str, body: CordonIn) -> dict[str, Any]:
-        return _set_role(controller, node, "cordoned", body.reason, clock())
+        return _act(lambda: controller.set_node_role(node, NodeRole.CORDONED, body.reason, clock()))
 
     @app.post("/v1/nodes/{node}/uncordon", dependencies=[Depends(authorized)])
     def uncordon(node: str) -> dict[str, Any]:
-        return _set_role(controller, node, "spare", "", clock())
+        return _act(lambda: controller.set_node_role(node, NodeRole.SPARE, "", clock()))
 
     @app.post("/v1/runs/{run}/inject", dependencies=[Depends(authorized)])
     def inject(run: str, body: InjectIn) -> dict[str, str]:
-        backend = controller.backend
-        if controller.store.run(run) is None:
-            raise HTTPException(404, f"no run {run!r}")
-        if not isinstance(backend, LocalBackend):
-            raise HTTPException(409, "fault injection needs the local backend (opsd run)")
-        if backend.spec.run != run:
-            raise HTTPException(404, f"run {run!r} is not run by this controller")
-        try:
-            done = backend.inject(
-                body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor
-            )
-        except PermanentError as exc:
-            raise HTTPException(400, str(exc)) from None
-        log.warning("fault injected into run %s: %s", run, done)
-        return {"injected": done}
+        fault = Fault(body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor)
+        return {"injected": _act(lambda: controller.inject(run, fault))}
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -196,21 +180,33 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     return app
 
 
-def _set_role(controller: Controller, node: str, role: str, reason: str, now_s: float) -> dict[str, Any]:
-    if controller.store.node(node) is None:
-        raise HTTPException(404, f"no node {node!r}")
-    controller.store.upsert_node(node, now_s, role=role, reason=reason)
-    log.info("node %s is now %s%s", node, role, f" ({reason})" if reason else "")
-    found = controller.store.node(node)
-    assert found is not None
-    return found
+T = TypeVar("T")
+
+
+def _act(action: Callable[[], T]) -> T:
+    """What an endpoint answers, its errors as HTTP statuses: 404 for what does not exist, 400 for a request that
+    asks the impossible, 409 for one refused in the current state, 503 (with ``Retry-After``) for one worth
+    retrying."""
+    try:
+        return action()
+    except NotFoundError as exc:
+        raise HTTPException(404, str(exc)) from None
+    except BodyError as exc:
+        raise HTTPException(400, str(exc)) from None
+    except PermanentError as exc:
+        raise HTTPException(409, str(exc)) from None
+    except TransientError as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": str(int(exc.retry_after_s))}) from None
 
 
 def _read(view: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A read view's answer: 404 for an unknown run, 503 when a store it reads is unavailable."""
+    """A read view's answer: 404 for an unknown run, 400 for a request it cannot answer, 503 when a store it reads
+    is unavailable."""
     try:
         return view()
+    except NotFoundError as exc:
+        raise HTTPException(404, str(exc)) from None
     except PermanentError as exc:
-        raise HTTPException(404 if str(exc).startswith("no run") else 400, str(exc)) from None
+        raise HTTPException(400, str(exc)) from None
     except OpsError as exc:
         raise HTTPException(503, str(exc)) from None

@@ -16,92 +16,19 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
-from msgspec import Meta, Struct
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from opsd.controller.controller import Controller
-from opsd.errors import TransientError
+from opsd.errors import BodyError, TransientError
+from opsd.protocol.heartbeat import PATH, decode_heartbeat, json_schemas
 
 log = logging.getLogger(__name__)
 
-PATH = "/v1/heartbeat"
-
-# ``$`` alone would let a trailing newline through (Python's re.search)
-Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$(?!\n)")]
-Count = Annotated[int, Meta(ge=0)]
-RankId = Annotated[int, Meta(ge=0, le=10_000_000)]
-NonNegative = Annotated[float, Meta(ge=0)]  # JSON has no NaN or infinity; a number out of range is refused
-
-
-class RankIn(Struct, kw_only=True):
-    run: Name
-    rank: RankId
-    host: str = ""
-    step: Count
-    step_s: NonNegative
-    compute_s: NonNegative = 0.0
-    steps_total: Count = 0
-    compute_total_s: NonNegative = 0.0
-    mfu_ratio: NonNegative = 0.0
-    job_tokens_per_s: NonNegative = 0.0
-    checkpoints: Count = 0
-    checkpoint_blocking_s: NonNegative = 0.0
-    last_report_unix_s: float = 0.0
-    coords: dict[str, Count] = {}
-
-
-class EventIn(Struct, kw_only=True):
-    seq: Count
-    gpu: Count
-    xid: int
-    time_s: float
-    action: Annotated[str, Meta(max_length=64)]
-    reason: Annotated[str, Meta(max_length=1000)] = ""
-
-
-class TimeoutIn(Struct, kw_only=True):
-    run: Name
-    rank: RankId
-    step: Count
-    time_unix_s: float
-    dim: Annotated[str, Meta(max_length=64)]
-    op: Annotated[str, Meta(max_length=64)]
-    waited_s: NonNegative
-
-
-Label = Annotated[str, Meta(min_length=1, max_length=64)]
-#: a run's collective totals on the node: run, phase, dimension, op, seconds, count, bytes (names are checked
-#: for length alone here, where every microsecond counts: the flame graph escapes what it writes)
-CommIn = tuple[Annotated[str, Meta(min_length=1, max_length=200)], Label, Label, Label, NonNegative, Count, Count]
-
-
-class HeartbeatIn(Struct, kw_only=True):
-    """An agent's heartbeat (docs/protocol.md); unknown fields are ignored."""
-
-    v: Literal[1]
-    node: Name
-    time_unix_s: float
-    ranks: Annotated[list[RankIn], Meta(max_length=4096)] = []
-    events: Annotated[list[EventIn], Meta(max_length=10_000)] = []
-    summaries: Annotated[list[dict[str, Any]], Meta(max_length=10_000)] = []
-    summaries_dropped_total: Count = 0
-    timeouts: Annotated[list[TimeoutIn], Meta(max_length=4096)] = []
-    comms: Annotated[list[CommIn], Meta(max_length=4096)] = []
-
-
-class HeartbeatReply(Struct, kw_only=True):
-    ack_events_up_to: int
-    policy: dict[str, Any] | None = None
-
-
-_DECODER = msgspec.json.Decoder(HeartbeatIn)
-(_REQUEST_SCHEMA, _REPLY_SCHEMA), SCHEMAS = msgspec.json.schema_components(
-    [HeartbeatIn, HeartbeatReply], ref_template="#/components/schemas/{name}"
-)
+_REQUEST_SCHEMA, _REPLY_SCHEMA, SCHEMAS = json_schemas("#/components/schemas/{name}")
 
 #: the endpoint in the OpenAPI document (FastAPI does not route it, so does not describe it)
 OPENAPI_PATH = {
@@ -118,21 +45,6 @@ OPENAPI_PATH = {
         },
     }
 }
-
-
-class BodyError(ValueError):
-    """A body that does not fit its schema; the text names the field."""
-
-
-def decode_heartbeat(data: bytes) -> dict[str, Any]:
-    """Parse and validate a heartbeat body; the heartbeat with every field (defaults filled in)."""
-    try:
-        body: dict[str, Any] = msgspec.to_builtins(_DECODER.decode(data))
-    except msgspec.ValidationError as exc:
-        raise BodyError(str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise BodyError(f"not JSON: {exc}") from None
-    return body
 
 
 def token_ok(authorization: str | None, token: str) -> bool:
@@ -195,7 +107,7 @@ class HeartbeatEndpoint:
         except TransientError as exc:
             await _answer(send, 503, {"detail": str(exc)}, [(b"retry-after", str(int(exc.retry_after_s)).encode())])
             return
-        await _answer(send, 200, HeartbeatReply(**reply))
+        await _answer(send, 200, reply)
 
 
 async def _answer(send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:

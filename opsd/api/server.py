@@ -14,8 +14,9 @@ from pathlib import Path
 import uvicorn
 
 from opsd.api.app import create_app
-from opsd.controller.controller import Controller, ControllerConfig
-from opsd.controller.state import Store
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.state import StateStore
 from opsd.errors import ConfigError, OpsError
 from opsd.policy.detection import DetectionConfig
 
@@ -69,7 +70,7 @@ def load_token(config: ServeConfig) -> str:
 def build(config: ServeConfig) -> tuple[Controller, str]:
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     url = config.state_url or f"sqlite:///{Path(config.state_dir) / 'opsd.db'}"
-    return Controller(Store.open(url), config.controller_config()), load_token(config)
+    return Controller(StateStore.open(url), config.controller_config()), load_token(config)
 
 
 def tick_forever(controller: Controller, interval_s: float, stop: threading.Event) -> None:

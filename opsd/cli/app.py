@@ -8,7 +8,7 @@ import math
 import signal
 import socket
 import threading
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -16,6 +16,7 @@ from opsd import __version__
 from opsd.cli.dashboards import dashboards_app
 from opsd.cli.ops import STATE, TOKEN, URL, call, client, register
 from opsd.errors import OpsError
+from opsd.policy.recovery import OnNoSpare
 
 app = typer.Typer(
     name="opsd",
@@ -153,7 +154,9 @@ def run(
     token: str = typer.Option("", envvar="OPSD_TOKEN", help="bearer token (default: STATE_DIR/token)"),
     heartbeat_floor_s: float = typer.Option(3.0, help="a node is lost after at least this long without heartbeat"),
     hang_floor_s: float = typer.Option(6.0, help="a run hangs after at least this long without a step"),
-    on_no_spare: str = typer.Option("wait", help="no spare left: wait for one, or shrink (relaunch on fewer nodes)"),
+    on_no_spare: Annotated[
+        OnNoSpare, typer.Option(help="no spare left: wait for one, or shrink (relaunch on fewer nodes)")
+    ] = OnNoSpare.WAIT,
     min_nodes: int = typer.Option(1, help="shrink no further than this many nodes"),
     crash_after_action: str = typer.Option("", hidden=True),  # fault injection (tests): SIGKILL itself after it
     log_level: str = typer.Option("INFO"),
@@ -166,8 +169,8 @@ def run(
     import threading
 
     from opsd.api.server import ServeConfig
-    from opsd.backends.local.backend import LocalRunSpec
     from opsd.backends.local.runner import run_local
+    from opsd.backends.local.spec import LocalRunSpec
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -20,10 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from opsd.api.server import ServeConfig
-from opsd.backends.local.backend import LocalBackend, LocalRunSpec, free_port
+from opsd.backends.local.backend import LocalBackend
+from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import run_local
-from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.backends.local.spec import LocalRunSpec
+from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.store import open_store
 from opsd.controller.controller import Controller
+from opsd.controller.port import Fault, FaultKind
 
 RUN = "demo"
 
@@ -65,7 +69,9 @@ class Injector:
         committed = [c.step for c in inspect_checkpoints(self.store) if c.problem is None]
         if status and committed and max(committed) >= self.after_checkpoint and status["step"] >= max(committed) + 3:
             print(f"injecting XID 79 on {self.node} GPU 0 at step {status['step']}", flush=True)
-            backend.inject("xid", node=self.node, gpu=0, xid=79)
+            outcome = backend.inject(RUN, Fault(FaultKind.XID, node=self.node, gpu=0, xid=79), "demo-xid")
+            if not outcome.ok:
+                return  # the node is not there yet: again at the next poll
             self.injected_s = time.time()
             self.step_at_injection = int(status["step"])
 

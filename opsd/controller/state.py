@@ -46,6 +46,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from opsd.errors import ConfigError, TransientError
+from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,9 @@ class Action:
     incident_id: int | None
     run: str
     seq: int
-    kind: str
+    kind: ActionKind
     args: dict[str, Any]
-    state: str
+    state: ActionState
     created_s: float
     done_s: float | None
     result: dict[str, Any] | None = None
@@ -163,14 +164,14 @@ def open_engine(url: str) -> Engine:
     return engine
 
 
-class Store:
+class StateStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._nodes: dict[str, dict[str, Any]] | None = None  # name -> row, once loaded
         self._nodes_lock = threading.Lock()
 
     @classmethod
-    def open(cls, url: str) -> Store:
+    def open(cls, url: str) -> StateStore:
         return cls(open_engine(url))
 
     @contextmanager
@@ -184,7 +185,7 @@ class Store:
     # -- runs --------------------------------------------------------------------------------------------------
     def create_run(self, run: str, spec: dict[str, Any], now_s: float) -> bool:
         """Record a run (running, generation 0); False when it exists already (nothing changed)."""
-        row = {"id": run, "state": "running", "spec": json.dumps(spec), "created_s": now_s, "updated_s": now_s}
+        row = {"id": run, "state": RunState.RUNNING, "spec": json.dumps(spec), "created_s": now_s, "updated_s": now_s}
         try:
             with self._tx() as c:
                 c.execute(insert(runs).values(generation=0, last_step=0, **row))
@@ -214,6 +215,8 @@ class Store:
         allowed = {"run", "role", "domain", "reason", "events_acked"}
         if not set(fields) <= allowed:
             raise ValueError(f"upsert_node: unknown fields {sorted(set(fields) - allowed)}")
+        if "role" in fields:
+            fields["role"] = NodeRole(fields["role"])
         with self._nodes_lock:
             cached = self._node_rows()
             row = cached.get(name)
@@ -224,7 +227,7 @@ class Store:
                     c.execute(update(nodes).where(nodes.c.name == name).values(updated_s=now_s, **fields))
                     row = {**row, **fields, "updated_s": now_s}
                 else:
-                    defaults = {"run": None, "role": "spare", "domain": "", "reason": "", "events_acked": 0}
+                    defaults = {"run": None, "role": NodeRole.SPARE, "domain": "", "reason": "", "events_acked": 0}
                     row = {"name": name, **defaults, **fields, "updated_s": now_s}
                     c.execute(insert(nodes).values(**row))
             cached[name] = row  # committed: the copy in memory follows
@@ -265,7 +268,7 @@ class Store:
         """The node rows, read from the database the first time (the caller holds ``_nodes_lock``)."""
         if self._nodes is None:
             with self._tx() as c:
-                self._nodes = {r["name"]: dict(r) for r in c.execute(select(nodes)).mappings().all()}
+                self._nodes = {r["name"]: _node_row(r) for r in c.execute(select(nodes)).mappings().all()}
         return self._nodes
 
     # -- incidents ---------------------------------------------------------------------------------------------
@@ -289,7 +292,7 @@ class Store:
             "node": node,
             "rank": rank,
             "detail": detail,
-            "state": "open",
+            "state": IncidentState.OPEN,
             "failed_s": failed_s,
             "detected_s": detected_s,
         }
@@ -314,7 +317,7 @@ class Store:
     def incident(self, incident_id: int) -> dict[str, Any] | None:
         with self._tx() as c:
             row = c.execute(select(incidents).where(incidents.c.id == incident_id)).mappings().first()
-        return dict(row) if row else None
+        return _incident_row(row) if row else None
 
     def incidents(self, run: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         query = select(incidents).order_by(incidents.c.id)
@@ -323,7 +326,7 @@ class Store:
         if state is not None:
             query = query.where(incidents.c.state == state)
         with self._tx() as c:
-            return [dict(r) for r in c.execute(query).mappings().all()]
+            return [_incident_row(r) for r in c.execute(query).mappings().all()]
 
     # -- the action timeline -----------------------------------------------------------------------------------
     def record_action(
@@ -345,7 +348,7 @@ class Store:
             "seq": seq,
             "kind": kind,
             "args": json.dumps(args, sort_keys=True),
-            "state": "pending",
+            "state": ActionState.PENDING,
             "created_s": now_s,
         }
         try:
@@ -362,8 +365,8 @@ class Store:
         with self._tx() as c:
             c.execute(
                 update(actions)
-                .where(actions.c.request_id == request_id, actions.c.state == "pending")
-                .values(state="done", done_s=now_s, result=None if result is None else json.dumps(result))
+                .where(actions.c.request_id == request_id, actions.c.state == ActionState.PENDING)
+                .values(state=ActionState.DONE, done_s=now_s, result=None if result is None else json.dumps(result))
             )
 
     def action(self, request_id: str) -> Action | None:
@@ -420,6 +423,19 @@ class Store:
 def _run_row(row: Any) -> dict[str, Any]:
     out = dict(row)
     out["spec"] = json.loads(out["spec"])
+    out["state"] = RunState(out["state"])
+    return out
+
+
+def _node_row(row: Any) -> dict[str, Any]:
+    out = dict(row)
+    out["role"] = NodeRole(out["role"])
+    return out
+
+
+def _incident_row(row: Any) -> dict[str, Any]:
+    out = dict(row)
+    out["kind"], out["state"] = IncidentKind(out["kind"]), IncidentState(out["state"])
     return out
 
 
@@ -430,9 +446,9 @@ def _action_row(row: Any) -> Action:
         r["incident_id"],
         r["run"],
         r["seq"],
-        r["kind"],
+        ActionKind(r["kind"]),
         json.loads(r["args"]),
-        r["state"],
+        ActionState(r["state"]),
         r["created_s"],
         r["done_s"],
         json.loads(r["result"]) if r.get("result") else None,

@@ -9,13 +9,16 @@ import math
 import statistics
 from typing import Any
 
-from opsd.api.flight import analyses
-from opsd.checkpoints.store import inspect_checkpoints, open_store
+from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.store import open_store
 from opsd.controller.controller import Controller
-from opsd.errors import OpsError, PermanentError
+from opsd.controller.flight import analyses
+from opsd.controller.incidents import NOT_FAILURES
+from opsd.errors import NotFoundError, OpsError
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
 from opsd.policy.spares import spare_pool_size
 from opsd.protocol.manifest import ManifestError, parse_manifest
+from opsd.protocol.states import NodeRole
 from opsd.protocol.xid_table import xid_meanings
 
 log = logging.getLogger(__name__)
@@ -59,9 +62,6 @@ def node_mtbf_h(
     return 1.0 / rate, failures, node_hours
 
 
-NOT_FAILURES = ("straggler", "manual_restart")
-
-
 def recommended_spares(
     controller: Controller,
     run: dict[str, Any],
@@ -86,10 +86,10 @@ def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
     out = []
     for run in controller.store.runs():
         nodes = controller.store.nodes(run["id"])
-        active = [n for n in nodes if n["role"] == "active"]
+        active = [n for n in nodes if n["role"] == NodeRole.ACTIVE]
         pool = []
         for n in nodes:
-            if n["role"] != "spare":
+            if n["role"] != NodeRole.SPARE:
                 continue
             health, why = node_health(controller, n["name"], now_s)
             pool.append({"name": n["name"], "domain": n["domain"], "health": health, "why": why})
@@ -103,18 +103,17 @@ def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
                 "available": sum(1 for s in pool if s["health"] in USABLE),
                 "recommended": recommended,
                 "why": why,
-                "cordoned": [{"name": n["name"], "reason": n["reason"]} for n in nodes if n["role"] == "cordoned"],
+                "cordoned": [
+                    {"name": n["name"], "reason": n["reason"]} for n in nodes if n["role"] == NodeRole.CORDONED
+                ],
             }
         )
     return {"runs": out}
 
 
-def checkpoint_url(controller: Controller, run: dict[str, Any]) -> str:
+def checkpoint_url(run: dict[str, Any]) -> str:
+    """Where the run's ranks checkpoint, as its spec records it ("" when it does not say)."""
     url = run["spec"].get("checkpoint_url") if isinstance(run.get("spec"), dict) else None
-    if not url:
-        spec = getattr(controller.backend, "spec", None)
-        if spec is not None and getattr(spec, "run", None) == run["id"]:
-            url = getattr(spec, "checkpoint_url", "")
     return str(url or "")
 
 
@@ -122,8 +121,8 @@ def checkpoints_view(controller: Controller, run_id: str) -> dict[str, Any]:
     """The run's checkpoints, newest first: committed or torn (and why), bytes, commit time, blocking seconds."""
     run = controller.store.run(run_id)
     if run is None:
-        raise PermanentError(f"no run {run_id!r}")
-    url = checkpoint_url(controller, run)
+        raise NotFoundError(f"no run {run_id!r}")
+    url = checkpoint_url(run)
     if not url:
         return {"run": run_id, "url": None, "checkpoints": [], "why": "the run has no checkpoint store"}
     store = open_store(url)
@@ -156,7 +155,7 @@ def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str,
     Young's and Daly's rules, and the cadence published (or why there is none yet)."""
     run = controller.store.run(run_id)
     if run is None:
-        raise PermanentError(f"no run {run_id!r}")
+        raise NotFoundError(f"no run {run_id!r}")
     with controller.lock:
         live = controller.runs_live.get(run_id)
         cadence = controller.cadences.get(run_id)
@@ -220,7 +219,7 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
     run = controller.store.run(run_id)
     status = controller.status(run_id, now_s)
     if run is None or status is None:
-        raise PermanentError(f"no run {run_id!r}")
+        raise NotFoundError(f"no run {run_id!r}")
     incidents = controller.store.incidents(run_id)
     try:
         checkpoints = checkpoints_view(controller, run_id)["checkpoints"]

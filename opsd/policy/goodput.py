@@ -11,6 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class BadputBucket(StrEnum):
+    """Where the wall time of a run went: ``productive``, or one of the badput buckets."""
+
+    PRODUCTIVE = "productive"
+    CHECKPOINT = "checkpoint"  # saves stopped training
+    DETECTION = "detection"  # failure to detection
+    SPARE_WAIT = "spare_wait"  # waiting for a spare
+    RESTART = "restart"  # detection to the first productive step, restore included, spare wait excluded
+    RECOMPUTE = "recompute"  # steps done again after the resume
+    STRAGGLER = "straggler"  # (the simulator's) a straggler left to slow the job down
+
+
+#: the badput buckets of a run, in the order reports show them
+BADPUT = (
+    BadputBucket.CHECKPOINT,
+    BadputBucket.DETECTION,
+    BadputBucket.SPARE_WAIT,
+    BadputBucket.RESTART,
+    BadputBucket.RECOMPUTE,
+)
 
 
 @dataclass(frozen=True)
@@ -43,14 +66,14 @@ class Goodput:
     def ettr(self) -> float:
         return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
-    def buckets(self) -> dict[str, float]:
+    def buckets(self) -> dict[BadputBucket, float]:
         return {
-            "productive": self.productive_s,
-            "checkpoint": self.checkpoint_s,
-            "detection": self.detection_s,
-            "spare_wait": self.spare_wait_s,
-            "restart": self.restart_s,
-            "recompute": self.recompute_s,
+            BadputBucket.PRODUCTIVE: self.productive_s,
+            BadputBucket.CHECKPOINT: self.checkpoint_s,
+            BadputBucket.DETECTION: self.detection_s,
+            BadputBucket.SPARE_WAIT: self.spare_wait_s,
+            BadputBucket.RESTART: self.restart_s,
+            BadputBucket.RECOMPUTE: self.recompute_s,
         }
 
 

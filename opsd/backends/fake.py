@@ -1,0 +1,146 @@
+"""An in-memory backend that records every call: the machines of a cluster as data, for tests.
+
+It keeps what the Backend port (``opsd.controller.port``) promises and nothing more: every step is idempotent for
+its request id (a repeat answers the first outcome and changes nothing), and its machines outlive the controller
+that calls it (a new controller may be handed the same ``FakeBackend``, as a real cluster outlives its controller).
+``calls`` lists every call, ``effects`` every change a call made; ``fail_next`` makes the next calls of a step
+answer an error, to test how the controller handles one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome
+
+
+@dataclass(frozen=True)
+class Call:
+    step: str
+    request_id: str
+    args: dict[str, Any]
+
+
+@dataclass
+class FakeRun:
+    generation: int = 0
+    ranks: dict[int, str] = field(default_factory=dict)  # rank -> node, of the current launch
+    resumed_from_step: int | None = None
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(
+        self, nodes: Sequence[str] = (), *, gpus_per_node: int = 1, checkpoint_step: int | None = None
+    ) -> None:
+        self.gpus_per_node = gpus_per_node
+        self.checkpoint_step = checkpoint_step  # what a launch resumes from
+        self.nodes: dict[str, str] = dict.fromkeys(nodes, "ready")  # node -> ready | quarantined
+        self.runs: dict[str, FakeRun] = {}
+        self.calls: list[Call] = []
+        self.effects: list[Call] = []
+        self.faults: list[tuple[str, Fault]] = []
+        self.fail_next: dict[str, list[Failed]] = {}  # step -> the errors its next calls answer
+        self._done: dict[str, Outcome] = {}
+        self._lock = threading.Lock()
+
+    # -- the port ----------------------------------------------------------------------------------------------
+    def stop_ranks(self, run: str, request_id: str) -> Outcome:
+        def stop() -> Outcome:
+            state = self.runs.setdefault(run, FakeRun())
+            killed = len(state.ranks)
+            if killed:
+                state.ranks.clear()
+                self._effect("stop_ranks", request_id, run=run)
+            return Done({"killed": killed})
+
+        return self._once("stop_ranks", request_id, {"run": run}, stop)
+
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+        def quarantine() -> Outcome:
+            if node not in self.nodes:
+                return Failed(ErrorKind.NOT_FOUND, f"no node {node!r}")
+            if self.nodes[node] != "quarantined":
+                self.nodes[node] = "quarantined"
+                self._effect("quarantine_node", request_id, node=node)
+            return Done({})
+
+        return self._once("quarantine_node", request_id, {"run": run, "node": node, "reason": reason}, quarantine)
+
+    def release_node(self, node: str, request_id: str) -> Outcome:
+        def release() -> Outcome:
+            if node not in self.nodes:
+                return Failed(ErrorKind.NOT_FOUND, f"no node {node!r}")
+            if self.nodes[node] != "ready":
+                self.nodes[node] = "ready"
+                self._effect("release_node", request_id, node=node)
+            return Done({})
+
+        return self._once("release_node", request_id, {"node": node}, release)
+
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
+        def promote() -> Outcome:
+            if self.nodes.get(spare) != "ready":
+                return Failed(ErrorKind.PERMANENT, f"node {spare!r} is not a ready spare")
+            self._effect("promote_spare", request_id, node=spare, replaces=replaces)
+            return Done({})
+
+        return self._once("promote_spare", request_id, {"run": run, "spare": spare, "replaces": replaces}, promote)
+
+    def relaunch(self, run: str, generation: int, nodes: Sequence[str], request_id: str) -> Outcome:
+        def launch() -> Outcome:
+            bad = [n for n in nodes if self.nodes.get(n) != "ready"]
+            if bad or not nodes:
+                return Failed(ErrorKind.PERMANENT, f"cannot launch on {list(nodes)}: not ready {bad}")
+            state = self.runs.setdefault(run, FakeRun())
+            gpn = self.gpus_per_node
+            state.generation = generation
+            state.ranks = {i * gpn + g: node for i, node in enumerate(nodes) for g in range(gpn)}
+            state.resumed_from_step = self.checkpoint_step
+            self._effect("relaunch", request_id, run=run, generation=generation, nodes=list(nodes))
+            return Done({"resumed_from_step": self.checkpoint_step, "skipped": []})
+
+        args = {"run": run, "generation": generation, "nodes": list(nodes)}
+        return self._once("relaunch", request_id, args, launch)
+
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
+        def ready() -> Outcome:
+            return Done({"ranks": sorted(self.runs.get(run, FakeRun()).ranks)})
+
+        return self._once("request_dump", request_id, {"run": run, "trigger": trigger}, ready)
+
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
+        def inject() -> Outcome:
+            if fault.kind is FaultKind.XID and fault.node not in self.nodes:
+                return Failed(ErrorKind.PERMANENT, f"no node {fault.node!r}")
+            self.faults.append((run, fault))
+            self._effect("inject", request_id, run=run, fault=fault.kind.value)
+            return Done({"injected": f"{fault.kind.value} (fake)"})
+
+        return self._once("inject", request_id, {"run": run, "fault": fault.kind.value}, inject)
+
+    def resumed_from(self, run: str) -> int | None:
+        state = self.runs.get(run)
+        return state.resumed_from_step if state is not None else None
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Any) -> Outcome:
+        with self._lock:
+            self.calls.append(Call(step, request_id, args))
+            done = self._done.get(request_id)
+            if done is not None:
+                return done
+            failures = self.fail_next.get(step)
+            if failures:
+                return failures.pop(0)
+            outcome: Outcome = carry_out()
+            if isinstance(outcome, Done):
+                self._done[request_id] = outcome
+            return outcome
+
+    def _effect(self, step: str, request_id: str, **args: Any) -> None:
+        self.effects.append(Call(step, request_id, args))

@@ -1,0 +1,202 @@
+"""The local backend's machines: each "node" is a node agent process plus the rank processes of the current launch,
+all on this machine, each in a process group of its own.
+
+Ranks get torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) plus opsd's (``opsd.protocol.env``): the run, the node, its agent's socket, its
+policy file and ``<node dir>/flight``, where the node's agent picks their Flight Recorder dumps up. Each launch (a
+generation) gets a fresh rendezvous port. A node's fake GPUs are files (``opsd.protocol.gpu_files``) its agent
+reads.
+
+A controller that stops (killed, machine rebooted) leaves its agents and ranks running; their process ids and start
+times are in ``<run>/processes.json``, so that the next controller of the run kills them (``kill_orphans``) and not
+a process that reused a pid. A lock file (``flock``) keeps two controllers off one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from opsd.backends.local.spec import LocalRunSpec
+from opsd.errors import PermanentError
+from opsd.protocol.env import (
+    AGENT_SOCKET_ENV,
+    CONTROLLER_TOKEN_ENV,
+    FLIGHT_DIR_ENV,
+    NODE_ENV,
+    POLICY_FILE_ENV,
+    RUN_ENV,
+)
+from opsd.protocol.gpu_files import SAMPLES_FILE, GpuSample, write_samples
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    node: str
+    proc: subprocess.Popen[bytes]
+    reported_exit: bool = False
+
+
+def lock_run(spec: LocalRunSpec) -> int:
+    """One controller per run: an exclusive ``flock`` on ``<run>/controller.lock``, held until its descriptor is
+    closed (or the process exits); the descriptor."""
+    path = spec.root / "controller.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise PermanentError(f"run {spec.run!r} has another opsd run supervising it ({path} is locked)") from None
+    return fd
+
+
+def start_agent(spec: LocalRunSpec, node: str) -> subprocess.Popen[bytes]:
+    """Start the agent of ``node`` (its fake GPUs written first, when missing)."""
+    directory = spec.node_dir(node)
+    gpus = directory / "gpus"
+    gpus.mkdir(parents=True, exist_ok=True)
+    if not (gpus / SAMPLES_FILE).exists():
+        write_samples(gpus, [GpuSample(g, f"GPU-{node}-{g}", temperature_c=40.0) for g in range(spec.gpus_per_node)])
+    cmd = [
+        *(sys.executable, "-m", "opsd", "agent", "--socket", str(directory / "agent.sock"), "--metrics-port", "0"),
+        *("--node", node, "--gpu-source", f"file:{gpus}", "--gpu-interval-s", str(spec.gpu_interval_s)),
+        *("--policy-file", str(directory / "policy.json"), "--flight-dir", str(directory / "flight")),
+        *("--heartbeat-interval-s", str(spec.heartbeat_interval_s), "--log-level", "WARNING"),
+    ]
+    if spec.controller_url:
+        cmd += ["--controller-url", spec.controller_url]
+    env = {**os.environ, CONTROLLER_TOKEN_ENV: spec.token}
+    with (directory / "agent.log").open("ab") as log_file:
+        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_ranks(spec: LocalRunSpec, nodes: list[str], generation: int) -> list[RankProcess]:
+    """Start ``generation`` of the run's ranks: ``gpus_per_node`` on each of ``nodes``, in torchrun's order."""
+    gpn = spec.gpus_per_node
+    world = len(nodes) * gpn
+    port = free_port()
+    ranks = []
+    for i, node in enumerate(nodes):
+        directory = spec.node_dir(node)
+        directory.mkdir(parents=True, exist_ok=True)
+        for local in range(gpn):
+            rank = i * gpn + local
+            env = {
+                **os.environ,
+                **spec.extra_env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(gpn),
+                "GROUP_RANK": str(i),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                RUN_ENV: spec.run,
+                NODE_ENV: node,
+                AGENT_SOCKET_ENV: str(directory / "agent.sock"),
+                POLICY_FILE_ENV: str(directory / "policy.json"),
+                FLIGHT_DIR_ENV: str(directory / "flight"),
+            }
+            with (directory / f"rank{rank}.gen{generation}.log").open("wb") as out:
+                proc = subprocess.Popen(
+                    list(spec.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            ranks.append(RankProcess(rank, node, proc))
+    return ranks
+
+
+def stop_ranks(ranks: list[RankProcess]) -> int:
+    """SIGKILL every rank (and anything it started), and reap them; how many were still running. Idempotent."""
+    running = [r for r in ranks if r.proc.poll() is None]
+    for r in running:
+        kill_group(r.proc.pid)
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("rank %d (pid %d) did not die", r.rank, r.proc.pid)
+        r.reported_exit = True
+    return len(running)
+
+
+def write_processes(
+    spec: LocalRunSpec, generation: int, agents: dict[str, subprocess.Popen[bytes]], ranks: list[RankProcess]
+) -> None:
+    """Record every agent and rank (pid and start time) in ``<run>/processes.json``, atomically."""
+    record = {
+        "generation": generation,
+        "agents": {n: [p.pid, start_time(p.pid)] for n, p in agents.items()},
+        "ranks": {str(r.rank): [r.proc.pid, start_time(r.proc.pid)] for r in ranks},
+    }
+    path = spec.root / "processes.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def kill_orphans(spec: LocalRunSpec, timeout_s: float = 10.0) -> int:
+    """SIGKILL the process groups a previous controller of this run recorded and that still run (the same pid *and*
+    start time); returns how many."""
+    path = spec.root / "processes.json"
+    try:
+        record = json.loads(path.read_text())
+        pids = [
+            int(p)
+            for group in ("agents", "ranks")
+            for p, start in record.get(group, {}).values()
+            if start is not None and start_time(int(p)) == start
+        ]
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("run %s: %s is unreadable (%s): nothing killed", spec.run, path, exc)
+        return 0
+    for pid in pids:
+        kill_group(pid)
+    deadline = time.monotonic() + timeout_s
+    while any(start_time(p) is not None for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(pids)
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (SIGCONT first, so that a stopped, hung, process dies too)."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+
+
+def start_time(pid: int) -> int | None:
+    """When a live process started (clock ticks since boot, from ``/proc/PID/stat``); None when it is gone or a
+    zombie. With the pid, it names one process: pids are reused, start times with them are not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])

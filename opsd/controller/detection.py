@@ -1,0 +1,192 @@
+"""The controller's detection pass and its incidents: failures of running runs (``opsd.policy.detection``) opened as
+incidents and handed to the recovery executor, recovered incidents closed once the relaunch progresses, runs
+waiting for a spare taken up again once one is there. Straggler scoring and cadence planning run in the same pass
+(``opsd.controller.scoring``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from opsd.controller.incidents import failure_key, failure_of, generation_of, unfinished_incident
+from opsd.controller.live import RankLive
+from opsd.controller.scoring import Scoring
+from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, detect_failures
+from opsd.protocol.states import IncidentState, NodeRole, RunState
+
+log = logging.getLogger(__name__)
+
+XID_CLOCK_SLACK_S = 60.0  # an XID's failure time is its event time, but no earlier than this before detection
+
+
+class Detection(Scoring):
+    def tick(self, now_s: float) -> list[Failure]:
+        """Detect failures of running runs and start their recovery; score stragglers; plan cadences."""
+        found: list[Failure] = []
+        with self.ticking:
+            for run in self.store.runs():
+                if run["state"] == RunState.WAITING_FOR_SPARE:
+                    self._retry_waiting(run, now_s)
+                if run["state"] != RunState.RUNNING:
+                    continue
+                self._progress(run, now_s)
+                failures = self._detect(run["id"], now_s)
+                if failures:
+                    found.extend(failures)
+                    self.open_failure(run, failures, now_s)
+                    continue
+                self._score(run["id"], now_s)
+                self._plan(run, now_s)
+        return found
+
+    def _detect(self, run: str, now_s: float) -> list[Failure]:
+        active = self.store.node_names(run, NodeRole.ACTIVE)
+        with self.lock:
+            live = self.runs_live.get(run)
+            names = active | live.rank_nodes.keys() if live is not None else active
+            nodes = [self.nodes[n] for n in names if n in self.nodes]
+            events = [e for n in nodes for e in n.events.values()]
+            if (live is None or not live.ranks) and not events:
+                return []
+            ranks: Iterable[RankLive] = ()
+            timeouts = []
+            if live is not None:
+                # every rank only when one may have failed: it exited, waits on a collective, or no rank stepped
+                # within the hang floor (a hang is never detected sooner); else none of them can be a failure
+                quiet = now_s - live.latest_progress_s <= self.config.detection.hang_floor_s
+                if live.exited or live.waiting or not quiet:
+                    ranks = live.ranks.values()
+                for rank in sorted(live.waiting):
+                    r = live.ranks[rank]
+                    timeouts.append(CollectiveTimeout(rank, r.node, r.timeout))
+            return detect_failures(
+                now_s=now_s,
+                nodes=nodes,
+                ranks=ranks,
+                events=events,
+                timeouts=timeouts,
+                step_times_s=live.step_times_s if live is not None else (),
+                config=self.config.detection,
+            )
+
+    def open_failure(self, run: dict[str, Any], failures: list[Failure], now_s: float) -> int:
+        """One incident per launch: the first failure (a swap first) is the cause; the rest are its consequences.
+        The incident is recorded (once: the same failure seen again finds it) and, with a backend, recovered from;
+        returns its id."""
+        cause = failures[0]
+        failed_s = self._failed_at(run["id"], cause, now_s)
+        incident, new = self.store.open_incident(
+            key=failure_key(run["id"], int(run["generation"])),
+            run=run["id"],
+            kind=cause.kind.value,
+            node=cause.node,
+            rank=cause.rank,
+            detail=cause.detail,
+            failed_s=failed_s,
+            detected_s=now_s,
+        )
+        if new:
+            others = "; ".join(f"{f.kind.value} on {f.node}" for f in failures[1:]) or "none"
+            log.warning(
+                "run %s: incident %d: %s on %s (rank %s): %s; also seen: %s",
+                run["id"],
+                incident,
+                cause.kind.value,
+                cause.node,
+                cause.rank,
+                cause.detail,
+                others,
+            )
+        self._handled_events(cause, now_s)
+        if self.backend is not None:
+            self.store.update_run(run["id"], now_s, state=RunState.RECOVERING)
+            self.recovery.start(run["id"], incident, cause, now_s)
+        return incident
+
+    def _progress(self, run: dict[str, Any], now_s: float) -> None:
+        """Keep the run's newest step, and close the incidents a relaunch has recovered from: the first progress of
+        the new launch is the first productive step (lost steps: from the checkpoint resumed from to the newest
+        step before the failure)."""
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            newest = live.newest_step if live is not None else -1
+        if newest < 0:
+            return
+        earlier = [
+            i
+            for i in self.store.incidents(run["id"], state=IncidentState.OPEN)
+            if generation_of(i["key"]) < int(run["generation"])
+        ]
+        if earlier:
+            with self.lock:
+                ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+                first = min((r.step for r in ranks), default=-1)
+                resumed_s = min((r.progress_s for r in ranks), default=now_s)
+            if first < 0:
+                return
+            for incident in earlier:
+                resumed_from = self.backend.resumed_from(run["id"]) if self.backend is not None else None
+                if resumed_from is None:
+                    resumed_from = max(0, first - 1)
+                # the steps the failed launch had made past the checkpoint (not the run's best: an earlier
+                # launch may have got further and lost more, which its own incident counted)
+                before = self.ended_step.get(run["id"], -1)
+                lost = max(0, (before if before >= 0 else int(run["last_step"])) - resumed_from)
+                self.store.update_incident(
+                    incident["id"],
+                    state=IncidentState.RECOVERED,
+                    resumed_s=resumed_s,
+                    resumed_from_step=resumed_from,
+                    lost_steps=lost,
+                )
+                log.info(
+                    "run %s: incident %d recovered: resumed from step %d, %d steps lost, %.1f s after detection",
+                    run["id"],
+                    incident["id"],
+                    resumed_from,
+                    lost,
+                    resumed_s - incident["detected_s"],
+                )
+        if newest > int(run["last_step"]):
+            self.store.update_run(run["id"], now_s, last_step=newest)
+            self.progressed_s[run["id"]] = now_s
+
+    def _failed_at(self, run: str, cause: Failure, now_s: float) -> float:
+        """When the failure happened, as well as the controller can tell: the last sign of life."""
+        with self.lock:
+            if cause.kind is FailureKind.HEARTBEAT_LOSS and cause.node in self.nodes:
+                return self.nodes[cause.node].last_heartbeat_s
+            if cause.kind in (FailureKind.FATAL_XID, FailureKind.APPLICATION_XID) and cause.node in self.nodes:
+                seen = [e.time_s for e in self.nodes[cause.node].events.values() if e.time_s is not None]
+                # the agent's time of the event, within reason (a node's clock may be off; an old event resent)
+                return max(min(min(seen, default=now_s), now_s), now_s - XID_CLOCK_SLACK_S)
+            if cause.kind is FailureKind.HANG:
+                live = self.runs_live.get(run)
+                return max((r.progress_s for r in live.ranks.values()), default=now_s) if live else now_s
+            return now_s
+
+    def _handled_events(self, cause: Failure, now_s: float) -> None:
+        if cause.kind not in (FailureKind.FATAL_XID, FailureKind.APPLICATION_XID):
+            return
+        with self.lock:
+            live = self.nodes.get(cause.node)
+            if live is None or not live.events:
+                return
+            newest = max(live.events)
+        self.store.ack_events(cause.node, newest, now_s)  # first: a heartbeat now does not add them again
+        with self.lock:
+            for seq in [seq for seq in live.events if seq <= newest]:
+                del live.events[seq]
+
+    def _retry_waiting(self, run: dict[str, Any], now_s: float) -> None:
+        """A run waits for a spare: once one is there (a node uncordoned or added), go on with its recovery."""
+        if self.backend is None or self.choose_spare(run["id"], "") is None:
+            return
+        incident = unfinished_incident(self.store, run["id"])
+        if incident is None:
+            return
+        log.info("run %s: a spare is available; incident %d's recovery goes on", run["id"], incident["id"])
+        self.store.update_run(run["id"], now_s, state=RunState.RECOVERING)
+        self.recovery.start(run["id"], int(incident["id"]), failure_of(incident), now_s)

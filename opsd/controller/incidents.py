@@ -1,0 +1,59 @@
+"""Incident keys and rows: how an incident is named in the state store, and the failure a row records.
+
+An incident's ``key`` is unique: the same failure reported again (an agent resends an unacknowledged XID, a
+second detection pass sees it too) finds the incident it opened. A failure incident is one per launch
+(``run/genN``: the first failure of a launch is the cause, the rest its consequences); a straggler warning one per
+rank and launch (``run/genN/straggler/R``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opsd.controller.state import StateStore
+from opsd.policy.detection import Failure, FailureKind
+from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState
+
+FAILURE_KINDS = frozenset(k.value for k in FailureKind)
+#: incident kinds that are no failure of the machines (the MTBF estimate leaves them out)
+NOT_FAILURES = frozenset({IncidentKind.STRAGGLER, IncidentKind.MANUAL_RESTART})
+
+
+def failure_key(run: str, generation: int) -> str:
+    return f"{run}/gen{generation}"
+
+
+def straggler_key(run: str, generation: int, rank: int) -> str:
+    return f"{run}/gen{generation}/straggler/{rank}"
+
+
+def generation_of(key: str) -> int:
+    """The launch an incident key (``run/genN[/...]``) belongs to (-1: none)."""
+    for part in key.split("/"):
+        if part.startswith("gen") and part[3:].isdigit():
+            return int(part[3:])
+    return -1
+
+
+def failure_of(incident: dict[str, Any]) -> Failure:
+    """The failure an incident row records (to go on with its recovery)."""
+    return Failure(FailureKind(incident["kind"]), incident["node"], incident["rank"], incident["detail"])
+
+
+def is_failure(incident: dict[str, Any]) -> bool:
+    """Whether an incident records a failure (a straggler is a warning)."""
+    return incident["kind"] in FAILURE_KINDS
+
+
+def unfinished_incident(store: StateStore, run: str) -> dict[str, Any] | None:
+    """The open failure incident of ``run`` whose recovery has not relaunched the ranks yet, if any."""
+    for incident in reversed(store.incidents(run, state=IncidentState.OPEN)):
+        if not is_failure(incident):
+            continue
+        launched = any(
+            a.kind == ActionKind.LAUNCH and a.state == ActionState.DONE
+            for a in store.actions(incident_id=incident["id"])
+        )
+        if not launched:
+            return dict(incident)
+    return None

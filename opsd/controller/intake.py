@@ -1,0 +1,162 @@
+"""The controller's intake: the agents' heartbeats (``opsd.protocol.heartbeat``), taken into memory.
+
+A heartbeat writes to the state store only when it brings something new (a run, a node, GPU events); nearly all of
+them are taken in memory alone, at the nodes' rate (3,072 a second for 24,576 GPUs). The reply acknowledges the
+GPU events handled and carries the policy for the node's ranks (the checkpoint cadence, a one-off checkpoint,
+commands: docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from opsd.controller.core import ControllerCore
+from opsd.controller.live import NodeLive, RankLive, RunComms, Window
+from opsd.policy.detection import GpuEvent
+from opsd.policy.xid import XidAction
+from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply, HeartbeatTimeout
+from opsd.protocol.states import NodeRole
+
+log = logging.getLogger(__name__)
+
+#: the XID actions that open an incident (the others are acknowledged at once)
+ACTIONABLE_EVENTS = frozenset({XidAction.CORDON_AND_SWAP.value, XidAction.RESTART_JOB.value})
+
+
+class Intake(ControllerCore):
+    def heartbeat(self, body: Heartbeat, now_s: float) -> HeartbeatReply:
+        """Take one validated heartbeat; the reply: events acknowledged, and the policy."""
+        node = body.node
+        events = body.events
+        runs = sorted({r.run for r in body.ranks})
+        # the store first, without the lock (written only when something is new: a run, a node, events)
+        for run in runs:
+            if run not in self.known_runs:
+                if self.store.create_run(run, {"observed": True}, now_s):
+                    log.info("run %s first seen in a heartbeat from node %s", run, node)
+                self.known_runs.add(run)
+        known = self.store.node(node)
+        if runs and (known is None or known["run"] is None):
+            self.store.upsert_node(node, now_s, run=runs[0], role=NodeRole.ACTIVE)
+            known = self.store.node(node)
+        acked = int(known["events_acked"]) if known else 0
+        run_of_node = known["run"] if known else None
+        with self.lock:
+            self.heartbeats_total += 1
+            live = self.nodes.get(node)
+            if live is None:
+                live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+            else:
+                live.intervals_s.append(now_s - live.last_heartbeat_s)
+                live.last_heartbeat_s = now_s
+            for e in events:
+                if e.seq > acked and e.action in ACTIONABLE_EVENTS:
+                    live.events.setdefault(e.seq, GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s))
+            for r in body.ranks:
+                self._rank(r, node, now_s)
+            for t in body.timeouts:
+                self._timeout(t, node)
+            if body.comms:
+                self._comms(body.comms, node)
+            # events that need no action are acknowledged at once; the others once their incident is recorded
+            newest = max((e.seq for e in events), default=acked)
+            ack = min(live.events) - 1 if live.events else max(acked, newest)
+            policy = self._policy(run_of_node) if run_of_node is not None else {}
+        if ack > acked:
+            self.store.ack_events(node, ack, now_s)
+        return HeartbeatReply(ack_events_up_to=ack, policy=policy or None)
+
+    def heartbeat_writes(self, body: Heartbeat) -> bool:
+        """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);
+        the others are taken in memory alone."""
+        known = self.store.node(body.node)
+        if known is None or known["run"] is None or body.events:
+            return True
+        return any(r.run not in self.known_runs for r in body.ranks)
+
+    def _policy(self, run: str) -> dict[str, Any]:
+        """The policy for the ranks of ``run`` (docs/protocol.md); called with the lock held."""
+        policy: dict[str, Any] = {}
+        if run in self.cadences:
+            c = self.cadences[run]
+            checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
+            if run in self.previous_cadences:
+                p = self.previous_cadences[run]
+                checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
+            policy["checkpoint"] = checkpoint
+        if run in self.checkpoint_at:
+            policy["checkpoint_at_step"] = self.checkpoint_at[run]
+        if run in self.commands:  # once a run had one, an empty list: agents then rewrite a file that held one
+            policy["commands"] = list(self.commands[run])
+        return policy
+
+    def _comms(self, rows: list[CommRow], node: str) -> None:
+        """A node's collective totals per run (cumulative): they replace its last ones; runs the store does not
+        have are ignored (memory holds real runs only)."""
+        by_run: dict[str, list[CommRow]] = {}
+        for row in rows:
+            by_run.setdefault(row[0], []).append(row)
+        for run, of_run in by_run.items():
+            if run in self.known_runs:
+                held = self.comms.get(run)
+                if held is None:
+                    held = self.comms[run] = RunComms()
+                held.update(node, of_run)
+
+    def comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
+        """The run's collective seconds by (phase, dimension, op), summed over its nodes since their agents
+        started (docs/flamegraph.md)."""
+        with self.lock:
+            held = self.comms.get(run)
+            return held.totals() if held is not None else {}
+
+    def _rank(self, r: HeartbeatRank, node: str, now_s: float) -> None:
+        run, rank = r.run, r.rank
+        if r.last_report_unix_s < self.launched_s.get(run, 0.0):
+            return  # the agent still remembers a rank of an earlier launch
+        run_live = self._run_live(run)
+        live = run_live.ranks.get(rank)
+        if live is None or live.node != node:
+            live = RankLive(rank, node, -1, now_s, Window(self.config.history))
+            run_live.place(live)
+        live.stage = r.coords.get("pp", 0)
+        step = r.step
+        slot = int(now_s // self.config.sample_slot_s)
+        steps_total, compute_total_s = r.steps_total, r.compute_total_s
+        if steps_total:  # the agent's running sums: the mean compute of the steps since the last heartbeat
+            steps_before, compute_before_s = live.steps_total, live.compute_total_s
+            live.steps_total, live.compute_total_s = steps_total, compute_total_s
+            if 0 <= steps_before < steps_total and compute_total_s >= compute_before_s:
+                run_live.add_sample(live, slot, compute_total_s - compute_before_s, steps_total - steps_before)
+        if step != live.step:
+            if step > live.step >= 0:
+                step_s = r.step_s
+                live.step_times_s.append(step_s)
+                run_live.step_times_s.append(step_s)
+                if not steps_total:  # an agent without running sums: the last step's compute
+                    run_live.add_sample(live, slot, r.compute_s, 1)
+            live.step = step
+            live.progress_s = now_s
+            live.timeout = ""  # it stepped on: whatever it waited on is over
+            run_live.waiting.discard(rank)
+            run_live.newest_step = max(run_live.newest_step, step)
+            run_live.latest_progress_s = max(run_live.latest_progress_s, now_s)
+        live.mfu_ratio = r.mfu_ratio
+        live.job_tokens_per_s = r.job_tokens_per_s
+        checkpoints = r.checkpoints
+        if checkpoints != live.checkpoints:
+            run_live.count_checkpoints(live, checkpoints, r.checkpoint_blocking_s)
+            if run_live.checkpoints >= len(run_live.ranks) * (run_live.checkpoints_done + 1):
+                run_live.checkpoints_done = run_live.checkpoints // len(run_live.ranks)
+                self.checkpointed_s[run] = now_s  # the last rank finished its save: the checkpoint is committed
+
+    def _timeout(self, t: HeartbeatTimeout, node: str) -> None:
+        run, rank = t.run, t.rank
+        run_live = self.runs_live.get(run)
+        live = run_live.ranks.get(rank) if run_live is not None else None
+        if run_live is None or live is None or live.node != node or t.time_unix_s < self.launched_s.get(run, 0.0):
+            return  # a rank of an earlier launch, or one not heard from yet
+        if t.step >= live.step:  # still waiting in the step after its last report
+            live.timeout = f"rank {rank} waited {t.waited_s:.0f} s in {t.op} on {t.dim}"
+            run_live.waiting.add(rank)

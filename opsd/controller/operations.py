@@ -1,0 +1,101 @@
+"""What an operator asks of the controller (through the API and the CLI): a graceful restart of a run, a node taken
+out of service or put back, a fault injected. Each is recorded or carried out through the backend port."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from opsd.controller.core import ControllerCore
+from opsd.controller.incidents import failure_key
+from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
+from opsd.errors import BodyError, NotFoundError, PermanentError, TransientError
+from opsd.policy.detection import Failure, FailureKind
+from opsd.protocol.states import NodeRole, RunState
+
+log = logging.getLogger(__name__)
+
+
+def raise_failed(outcome: Failed, what: str) -> None:
+    """Turn a backend's error (data) into opsd's exception of the same kind: a step refused for what it asked
+    (``PERMANENT``) is a ``BodyError``, one the backend cannot do (``UNSUPPORTED``) a ``PermanentError``."""
+    message = f"{what}: {outcome.message}"
+    if outcome.kind is ErrorKind.TRANSIENT:
+        raise TransientError(message, outcome.retry_after_s)
+    if outcome.kind is ErrorKind.NOT_FOUND:
+        raise NotFoundError(message)
+    if outcome.kind is ErrorKind.PERMANENT:
+        raise BodyError(message)
+    raise PermanentError(message)
+
+
+class Operations(ControllerCore):
+    def request_restart(self, run_id: str, reason: str, now_s: float) -> dict[str, Any]:
+        """An operator's restart of every rank of a running run: recorded as a ``manual_restart`` incident and
+        carried out by the recovery executor (a checkpoint first, when the ranks are progressing). Raises
+        ``NotFoundError`` for an unknown run, ``PermanentError`` when it is not running, a recovery is under way, or
+        there is no backend."""
+        run = self.store.run(run_id)
+        if run is None:
+            raise NotFoundError(f"no run {run_id!r}")
+        if self.backend is None:
+            raise PermanentError("this controller has no backend to restart ranks with")
+        if run["state"] != RunState.RUNNING:
+            raise PermanentError(f"run {run_id!r} is {run['state']}: only a running run can be restarted")
+        cause = Failure(FailureKind.MANUAL_RESTART, "", None, f"restart asked: {reason}")
+        incident, new = self.store.open_incident(
+            key=failure_key(run_id, int(run["generation"])),
+            run=run_id,
+            kind=cause.kind.value,
+            node="",
+            rank=None,
+            detail=cause.detail,
+            failed_s=now_s,
+            detected_s=now_s,
+        )
+        if not new:
+            raise PermanentError(f"run {run_id!r} is already recovering (incident {incident})")
+        log.warning("run %s: incident %d: %s", run_id, incident, cause.detail)
+        self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
+        self.recovery.start(run_id, incident, cause, now_s)
+        found = self.store.incident(incident)
+        assert found is not None
+        return found
+
+    def set_node_role(self, node: str, role: NodeRole, reason: str, now_s: float) -> dict[str, Any]:
+        """An operator takes a node out of service (``cordoned``) or puts it back in its run's spare pool
+        (``spare``): the backend acts on the machine first, then the state store follows. Raises ``NotFoundError``
+        for an unknown node, and the backend's error when it refuses."""
+        if self.store.node(node) is None:
+            raise NotFoundError(f"no node {node!r}")
+        if self.backend is not None:
+            request_id = f"operator-{uuid.uuid4().hex}"
+            known = self.store.node(node) or {}
+            outcome: Outcome
+            if role is NodeRole.CORDONED:
+                outcome = self.backend.quarantine_node(str(known.get("run") or ""), node, reason, request_id)
+            else:
+                outcome = self.backend.release_node(node, request_id)
+            if isinstance(outcome, Failed):
+                raise_failed(outcome, f"node {node}")
+        self.store.upsert_node(node, now_s, role=role, reason=reason)
+        log.info("node %s is now %s%s", node, role, f" ({reason})" if reason else "")
+        found = self.store.node(node)
+        assert found is not None
+        return found
+
+    def inject(self, run: str, fault: Fault) -> str:
+        """Inject a fault into ``run`` through the backend; what was done, in words. Raises ``NotFoundError`` for an
+        unknown run, and the backend's error (as opsd's) when it cannot."""
+        if self.store.run(run) is None:
+            raise NotFoundError(f"no run {run!r}")
+        if self.backend is None:
+            raise PermanentError("this controller has no backend to inject faults with")
+        outcome = self.backend.inject(run, fault, f"operator-{uuid.uuid4().hex}")
+        if isinstance(outcome, Failed):
+            raise_failed(outcome, f"inject {fault.kind}")
+        assert isinstance(outcome, Done)
+        done = str(outcome.data.get("injected", ""))
+        log.warning("fault injected into run %s: %s", run, done)
+        return done

@@ -1,0 +1,126 @@
+"""The Backend port: the machine-level steps the controller asks of the machines a run is on.
+
+The recovery plan and its execution (record a step, skip it when done, take it up after a restart) belong to the
+controller (``opsd.controller.recovery``); a backend only carries out one step at a time. Two backends implement
+this port: ``opsd.backends.local`` (rank processes on this machine) and ``opsd.backends.kubernetes`` (nodes and
+pods of a cluster, the job a JobSet); ``opsd.backends.fake`` is an in-memory one for tests. One contract test suite
+(``tests/backend_contract.py``) runs against each.
+
+What every method may assume, and must honour:
+
+- **Idempotent for its request id.** A step called again with the same ``request_id`` does what it does at most
+  once and answers the same outcome: the controller records a step before calling it and marks it done after, so
+  a controller that dies in between calls it again after its restart (or another replica does).
+- **Eventually consistent.** A step's effect may show later than its answer (a cluster's scheduler, a watch that
+  lags); the controller never reads a backend's effect back to decide the next step of the same recovery.
+- **May be called again after a crash**, of the controller or of the backend's own process: what a backend must
+  remember to stay idempotent it keeps where a crash does not lose it (the cluster's objects), or it rebuilds
+  it from what it finds (a local backend takes up what a dead controller left).
+- **Errors are data.** A step answers ``Done`` with what it did (JSON values: recorded as the action's result) or
+  ``Failed`` with the kind of error and a message; it raises only for a bug. ``TRANSIENT`` is retried after
+  ``retry_after_s``; the others fail the recovery.
+- **Short.** A step returns within seconds; waiting (for dumps, for a checkpoint, for pods to come back) is the
+  controller's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+
+class ErrorKind(StrEnum):
+    TRANSIENT = "transient"  # worth retrying after retry_after_s (a 429, a 503, a conflict, a lost connection)
+    PERMANENT = "permanent"  # bad input, or a refused permission: retrying will not help
+    NOT_FOUND = "not_found"  # the run, node or rank named does not exist here
+    UNSUPPORTED = "unsupported"  # this backend cannot do this (fault injection on a real cluster)
+
+
+@dataclass(frozen=True)
+class Done:
+    """A step carried out (or found done already); ``data`` is what it did, in JSON values."""
+
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    ok = True
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A step that could not be carried out."""
+
+    kind: ErrorKind
+    message: str
+    retry_after_s: float = 1.0
+
+    ok = False
+
+    def __post_init__(self) -> None:
+        if self.retry_after_s < 0:
+            raise ValueError("Failed.retry_after_s must be >= 0")
+
+
+Outcome = Done | Failed
+
+
+class FaultKind(StrEnum):
+    XID = "xid"  # an XID event on a node's GPU
+    KILL = "kill"  # SIGKILL a rank
+    HANG = "hang"  # SIGSTOP a rank
+    SLOW = "slow"  # a rank slowed down by a factor
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    node: str = ""
+    gpu: int = 0
+    xid: int = 79
+    rank: int = -1
+    factor: float = 1.3
+
+
+class Backend(Protocol):
+    """The machine-level steps of a recovery (see the module's docstring for what each may assume)."""
+
+    @property
+    def name(self) -> str:
+        """``local``, ``kubernetes``, ``fake``: recorded with the runs it starts."""
+        ...
+
+    def stop_ranks(self, run: str, request_id: str) -> Outcome:
+        """Stop every rank of the run's current launch. Done: ``{"killed": n}``, the ranks still running."""
+        ...
+
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+        """Take a failed node out of service: nothing of the run is scheduled there again until it is released."""
+        ...
+
+    def release_node(self, node: str, request_id: str) -> Outcome:
+        """Put a quarantined node back in service (an operator's uncordon): it may be a spare again."""
+        ...
+
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
+        """Make a spare node one of the run's: the next launch may place ranks there."""
+        ...
+
+    def relaunch(self, run: str, generation: int, nodes: Sequence[str], request_id: str) -> Outcome:
+        """Launch ``generation`` of the run's ranks on ``nodes`` (what still runs of an earlier one is stopped
+        first); the ranks resume from their newest committed checkpoint. Done: ``{"generation", "nodes",
+        "resumed_from_step", "skipped"}`` (newer checkpoints that could not be resumed from, and why)."""
+        ...
+
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
+        """Get the ranks ready to write Flight Recorder dumps named ``trigger`` (the controller asks them through
+        its policy and waits for the dumps). Done: ``{"ranks": [...]}``, the ranks still running, who can dump."""
+        ...
+
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
+        """Inject a fault (tests, demos, game days). Done: ``{"injected": "what was done, in words"}``."""
+        ...
+
+    def resumed_from(self, run: str) -> int | None:
+        """The checkpoint step the run's current launch resumed from, when the backend knows it."""
+        ...

@@ -1,0 +1,75 @@
+"""The controller's read models of a run: where its time went (goodput) and its status, as the API and the CLI
+show them. Read-only; the larger views (spare pools, checkpoints, cadence, the post-mortem bundle) are in
+``opsd.controller.views``."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from opsd.controller.core import ControllerCore
+from opsd.policy.goodput import BadputBucket, Goodput, Interruption, account
+from opsd.protocol.states import IncidentKind, IncidentState, NodeRole, RunState
+
+
+class Reads(ControllerCore):
+    def goodput(self, run: dict[str, Any], now_s: float, incidents: list[dict[str, Any]] | None = None) -> Goodput:
+        """Where the run's wall time went; ``incidents``: its incidents, when the caller has them already."""
+        if incidents is None:
+            incidents = self.store.incidents(run["id"])
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            ranks = live.ranks.values() if live is not None else ()
+            blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
+            step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
+        interruptions = [
+            Interruption(i["failed_s"], i["detected_s"], i["resumed_s"], int(i["lost_steps"] or 0), step)
+            for i in incidents
+            if i["kind"] != IncidentKind.STRAGGLER and i["resumed_s"] is not None
+        ]
+        end = float(run["updated_s"]) if run["state"] in (RunState.COMPLETED, RunState.FAILED) else now_s
+        return account(max(0.0, end - float(run["created_s"])), blocking, interruptions)
+
+    def status(self, run_id: str, now_s: float) -> dict[str, Any] | None:
+        """The run's state, step, MFU, tokens/s, ETTR and badput, cadence, nodes, spares and stragglers; None when
+        there is no such run."""
+        run = self.store.run(run_id)
+        if run is None:
+            return None
+        nodes = self.store.nodes(run_id)
+        incidents = self.store.incidents(run_id)
+        goodput = self.goodput(run, now_s, incidents)
+        with self.lock:
+            live = self.runs_live.get(run_id)
+            ranks = list(live.ranks.values()) if live is not None else []
+            cadence = self.cadences.get(run_id)
+            stragglers = list(self.stragglers.get(run_id, []))
+            step = max((r.step for r in ranks), default=run["last_step"])
+            mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
+            tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
+        return {
+            "run": run_id,
+            "state": run["state"],
+            "generation": run["generation"],
+            "step": step,
+            "ranks": len(ranks),
+            "mfu_ratio": mfu_ratio,
+            "tokens_per_s": tokens_per_s,
+            "ettr": goodput.ettr,
+            "badput_s": {k: v for k, v in goodput.buckets().items() if k != BadputBucket.PRODUCTIVE},
+            "mtbf_s": cadence.mtbf_s if cadence else None,
+            "cadence": {
+                "every_steps": cadence.every_steps,
+                "from_step": cadence.from_step,
+                "reason": cadence.reason,
+            }
+            if cadence
+            else None,
+            "nodes": [{"name": n["name"], "role": n["role"], "reason": n["reason"]} for n in nodes],
+            "spares_available": sum(1 for n in nodes if n["role"] == NodeRole.SPARE),
+            "stragglers": [
+                {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
+            ],
+            "open_incidents": sum(1 for i in incidents if i["state"] == IncidentState.OPEN),
+        }

@@ -1,0 +1,280 @@
+"""The recovery executor: carries out an incident's plan (``opsd.policy.recovery``) through the backend port.
+
+Each step is recorded in the state store under its request id before it is carried out and marked done (with what
+it did) after; a step found done is skipped. So a recovery can be started again at any moment — by the detection
+pass once a spare is there, by an operator, or by a controller that takes a run up after its predecessor died
+(``take_up``) — and it goes on from where it was, each step done once. What the controller itself does around a
+step (choosing the spare and writing it to the incident before the node changes role, the node roles, the run's
+generation and state) is written so that a repeat finds it done.
+
+Recoveries run on a thread per run (``start``); one at a time per run. A step the backend answers ``Failed`` with
+a transient error is tried again after ``retry_after_s`` (at most ``step_attempts`` in all, each wait at most
+``step_retry_max_s``); any other failure fails the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.store import open_store
+from opsd.controller.core import ControllerCore
+from opsd.controller.flight import collect_dumps
+from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
+from opsd.controller.port import Done, ErrorKind, Failed, Outcome
+from opsd.controller.state import Action
+from opsd.errors import OpsError
+from opsd.policy.detection import Failure, FailureKind
+from opsd.policy.recovery import OnNoSpare, plan_recovery, request_id, shrinks_without_spare
+from opsd.protocol.states import ActionKind, ActionState, NodeRole, RunState
+
+log = logging.getLogger(__name__)
+
+#: where a step can be interrupted, for ``Recovery.on_step`` (tests, fault injection): after it is recorded, after
+#: the backend carried it out, after it is recorded done
+RECORDED, CARRIED_OUT, COMPLETED = "recorded", "carried_out", "completed"
+OnStep = Callable[[str, Action], None]
+
+
+class StepFailedError(OpsError):
+    """A recovery step the backend could not carry out."""
+
+
+class WaitForSpare(Exception):  # noqa: N818 (a signal within the executor, not an error)
+    """No spare is left and the run may not shrink: the recovery waits (the detection pass takes it up)."""
+
+
+class Recovery:
+    """The recovery executor of a controller (``core``): its store, configuration, backend and policy state."""
+
+    def __init__(self, core: ControllerCore, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.core = core
+        self.sleep = sleep
+        self.on_step: OnStep | None = None  # called at each point a step passes (see RECORDED, ...)
+        self.threaded = True  # False: ``start`` carries the recovery out before it returns (tests)
+        self._lock = threading.Lock()
+        self._threads: dict[str, threading.Thread] = {}
+
+    # -- starting ----------------------------------------------------------------------------------------------
+    def start(self, run: str, incident_id: int, failure: Failure, now_s: float) -> None:
+        """Carry out (or go on with) the recovery on a thread of its own; nothing when one of ``run`` is under way."""
+        if not self.threaded:
+            self._run_guarded(run, incident_id, failure, now_s)
+            return
+        with self._lock:
+            running = self._threads.get(run)
+            if running is not None and running.is_alive():
+                return
+            thread = threading.Thread(
+                target=self._run_guarded, args=(run, incident_id, failure, now_s), name=f"opsd-recovery-{run}"
+            )
+            self._threads[run] = thread
+            thread.start()
+
+    def join(self, run: str, timeout_s: float | None = None) -> None:
+        """Wait for the recovery of ``run`` under way, if any."""
+        with self._lock:
+            thread = self._threads.get(run)
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return any(t.is_alive() for t in self._threads.values())
+
+    def _run_guarded(self, run: str, incident_id: int, failure: Failure, now_s: float) -> None:
+        try:
+            self.run_now(run, incident_id, failure, now_s)
+        except Exception:
+            log.exception("run %s: recovery from incident %d failed", run, incident_id)
+            self.core.store.update_run(run, time.time(), state=RunState.FAILED)
+
+    def take_up(self, run: dict[str, Any], now_s: float, why: str) -> int:
+        """A controller takes up a run its predecessor left unfinished: the recovery under way goes on, or, when
+        none was, one is recorded as a ``controller_restart`` incident (``why``) and carried out. Returns the
+        incident; the recovery runs on its thread."""
+        store = self.core.store
+        store.update_run(run["id"], now_s, state=RunState.RECOVERING)
+        incident = unfinished_incident(store, run["id"])
+        if incident is None:
+            failure = Failure(FailureKind.CONTROLLER_RESTART, "", None, why)
+            incident_id, _ = store.open_incident(
+                key=failure_key(run["id"], int(run["generation"])),
+                run=run["id"],
+                kind=failure.kind.value,
+                node="",
+                rank=None,
+                detail=failure.detail,
+                failed_s=float(run["updated_s"]),  # the last thing the old controller wrote
+                detected_s=now_s,
+            )
+        else:
+            incident_id, failure = int(incident["id"]), failure_of(incident)
+        log.warning(
+            "run %s: taken up (was %s, generation %d); recovery of incident %d (%s) goes on",
+            run["id"],
+            run["state"],
+            run["generation"],
+            incident_id,
+            failure.kind.value,
+        )
+        self.start(run["id"], incident_id, failure, now_s)
+        return incident_id
+
+    def launch_first(self, run: str, now_s: float) -> dict[str, Any]:
+        """The run's first launch (generation 1) on its active nodes: not part of any incident."""
+        return self._launch(run, 1, f"{run}-launch-1", now_s)
+
+    # -- carrying out ------------------------------------------------------------------------------------------
+    def run_now(self, run: str, incident_id: int, failure: Failure, now_s: float) -> None:
+        """Carry out the recovery of ``run`` from ``failure`` (incident ``incident_id``) here: each step recorded
+        before it is done, the ones done before skipped."""
+        store = self.core.store
+        row = store.run(run)
+        if row is None:
+            raise StepFailedError(f"run {run!r} is not in the state store")
+        at_step = self.core.checkpoint_step_ahead(run) if failure.kind is FailureKind.MANUAL_RESTART else None
+        steps = plan_recovery(
+            failure, incident_id=incident_id, generation=int(row["generation"]), checkpoint_at_step=at_step
+        )
+        for seq, step in enumerate(steps):
+            action = store.record_action(
+                request_id(incident_id, seq, step.kind),
+                run=run,
+                incident_id=incident_id,
+                seq=seq,
+                kind=step.kind,
+                args=dict(step.args),
+                now_s=now_s,
+            )
+            self._passed(RECORDED, action)
+            if action.state == ActionState.DONE:
+                continue
+            try:
+                result = self._carry_out(run, incident_id, failure, action)
+            except WaitForSpare:
+                store.update_run(run, time.time(), state=RunState.WAITING_FOR_SPARE)
+                log.warning("run %s: no spare left; waiting for one", run)
+                return  # the detection pass goes on once a node is uncordoned or added
+            self._passed(CARRIED_OUT, action)
+            store.complete_action(action.request_id, time.time(), result)
+            self._passed(COMPLETED, action)
+
+    def _passed(self, point: str, action: Action) -> None:
+        if self.on_step is not None:
+            self.on_step(point, action)
+
+    def _carry_out(self, run: str, incident_id: int, failure: Failure, action: Action) -> dict[str, Any]:
+        kind, args, rid = ActionKind(action.kind), action.args, action.request_id
+        backend = self._backend()
+        store = self.core.store
+        if kind is ActionKind.CHECKPOINT:
+            return self._checkpoint_now(run, args.get("at_step"))
+        if kind is ActionKind.DUMP:
+            ready = self._call(lambda: backend.request_dump(run, str(args["trigger"]), rid), action)
+            ranks = [int(r) for r in ready.get("ranks", [])]
+            wait_s = self.core.config.flight_wait_s
+            return collect_dumps(self.core, run, str(args["trigger"]), ranks, wait_s)
+        if kind is ActionKind.STOP:
+            return self._call(lambda: backend.stop_ranks(run, rid), action)
+        if kind is ActionKind.CORDON:
+            node, reason = str(args["node"]), str(args["reason"])
+            done = self._call(lambda: backend.quarantine_node(run, node, reason, rid), action)
+            store.upsert_node(node, time.time(), role=NodeRole.CORDONED, reason=reason)
+            return {"node": node, **done}
+        if kind is ActionKind.TAKE_SPARE:
+            return self._take_spare(run, incident_id, str(args["for"]), action)
+        if kind is ActionKind.LAUNCH:
+            generation = int(args["after_generation"]) + 1  # the record's: a repeat launches the same
+            return self._launch(run, generation, rid, time.time())
+        raise StepFailedError(f"run {run}: unknown recovery step {kind!r}")
+
+    def _take_spare(self, run: str, incident_id: int, failed: str, action: Action) -> dict[str, Any]:
+        """The incident's spare: the one chosen before (a repeat) or a new one, written to the incident before the
+        node becomes active, so that a repeat never takes a second."""
+        store = self.core.store
+        chosen = (store.incident(incident_id) or {}).get("spare") or self.core.choose_spare(run, failed)
+        if chosen is None:
+            spec = (store.run(run) or {}).get("spec") or {}
+            left = len(store.node_names(run, NodeRole.ACTIVE))
+            on_no_spare = OnNoSpare(spec.get("on_no_spare", OnNoSpare.WAIT))
+            if shrinks_without_spare(on_no_spare, left, int(spec.get("min_nodes", 1))):
+                log.warning("run %s: no spare left; going on with %d nodes", run, left)
+                return {"spare": None, "shrunk_to_nodes": left}
+            raise WaitForSpare
+        store.update_incident(incident_id, spare=chosen)
+        self._call(lambda: self._backend().promote_spare(run, str(chosen), failed, action.request_id), action)
+        store.upsert_node(chosen, time.time(), role=NodeRole.ACTIVE)
+        log.info("run %s: %s replaces %s", run, chosen, failed)
+        return {"spare": chosen}
+
+    def _launch(self, run: str, generation: int, rid: str, now_s: float) -> dict[str, Any]:
+        """Launch ``generation`` on the run's active nodes: the controller forgets the old launch's ranks, the
+        backend starts the new one, the run is running again."""
+        store = self.core.store
+        nodes = sorted(store.node_names(run, NodeRole.ACTIVE))
+        self.core.forget_ranks(run, now_s)
+        backend = self._backend()
+        store.update_run(run, now_s, state=RunState.RUNNING, generation=generation)
+        done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
+        log.info("run %s: generation %d launched on %s", run, generation, ", ".join(nodes))
+        return {"generation": generation, "nodes": nodes, **done}
+
+    def _checkpoint_now(self, run: str, at_step: int | None) -> dict[str, Any]:
+        """Ask the ranks for a checkpoint at ``at_step`` and wait until it is committed, a rank ends, or
+        ``restart_checkpoint_wait_s`` passes; what happened, for the action's result."""
+        spec = (self.core.store.run(run) or {}).get("spec") or {}
+        url = str(spec.get("checkpoint_url") or "")
+        if at_step is None or not url:
+            why = "no checkpoint store" if not url else "the ranks were not progressing"
+            return {"checkpoint_step": None, "why": why}
+        self.core.ask_checkpoint(run, at_step)
+        start = time.monotonic()
+        deadline = start + self.core.config.restart_checkpoint_wait_s
+        try:
+            while time.monotonic() < deadline:
+                newest = newest_checkpoint(url) or 0
+                if newest >= at_step:
+                    return {"checkpoint_step": newest, "asked_step": at_step, "waited_s": time.monotonic() - start}
+                if self.core.ranks_ended(run):
+                    return {"checkpoint_step": None, "asked_step": at_step, "why": "a rank ended meanwhile"}
+                self.sleep(0.5)
+        finally:
+            self.core.ask_checkpoint(run, None)
+        return {"checkpoint_step": None, "asked_step": at_step, "why": "not committed in time"}
+
+    def _backend(self) -> Any:
+        backend = self.core.backend
+        if backend is None:
+            raise StepFailedError("this controller has no backend to recover with")
+        return backend
+
+    def _call(self, step: Callable[[], Outcome], action: Action | None) -> dict[str, Any]:
+        """Call a backend step, trying a transient failure again; its data, or ``StepFailedError``."""
+        config = self.core.config
+        for attempt in range(1, config.step_attempts + 1):
+            outcome = step()
+            if isinstance(outcome, Done):
+                return dict(outcome.data)
+            assert isinstance(outcome, Failed)
+            what = action.request_id if action is not None else "launch"
+            if outcome.kind is not ErrorKind.TRANSIENT or attempt == config.step_attempts:
+                raise StepFailedError(f"{what}: {outcome.kind}: {outcome.message}")
+            wait_s = min(outcome.retry_after_s, config.step_retry_max_s)
+            log.warning("%s: %s (attempt %d); again in %.1f s", what, outcome.message, attempt, wait_s)
+            self.sleep(wait_s)
+        raise AssertionError("unreachable")
+
+
+def newest_checkpoint(url: str) -> int | None:
+    """The newest committed checkpoint step at ``url`` (None: none, or the store cannot be read)."""
+    try:
+        found = inspect_checkpoints(open_store(url))
+    except OpsError as exc:
+        log.warning("cannot look at the checkpoints at %s: %s", url, exc)
+        return None
+    return next((c.step for c in found if c.problem is None), None)

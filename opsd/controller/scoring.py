@@ -1,0 +1,126 @@
+"""Straggler scoring and checkpoint cadence planning, in the detection pass: the compute samples of the slots that
+ended are compared among peers (``opsd.policy.stragglers``), and the run's cadence is planned from its measured
+checkpoint cost, step time and failures (``opsd.policy.cadence``).
+
+At 24,576 ranks a slot's scoring goes by parts of ``PART`` ranks (a millisecond or so of work), each followed by a
+pause that leaves the interpreter to the API's thread, which waits for it after every socket call while another
+computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+from opsd.controller.core import ControllerCore
+from opsd.controller.incidents import NOT_FAILURES, straggler_key
+from opsd.controller.live import Samples
+from opsd.policy.cadence import plan_cadence
+from opsd.policy.stragglers import is_straggler, peer_ratios, score_rank
+from opsd.protocol.states import IncidentKind, IncidentState
+
+log = logging.getLogger(__name__)
+
+PART, PAUSE_S = 1024, 0.004
+
+
+class Scoring(ControllerCore):
+    def _score(self, run: str, now_s: float) -> None:
+        """Score the compute samples of the slots that ended since the last pass (each slot once, when all its
+        samples are in), and flag the ranks persistently slower than their peers."""
+        current = int(now_s // self.config.sample_slot_s)
+        with self.lock:
+            live = self.runs_live.get(run)
+            if live is None or not live.slot_ended(current):
+                return
+            ranks = list(live.ranks.values())
+        # in parts, with pauses: heartbeats are taken in between (the API's thread needs the interpreter lock)
+        for i in range(0, len(ranks), PART):
+            with self.lock:
+                live.take_samples(ranks[i : i + PART], current)
+            time.sleep(PAUSE_S)
+        with self.lock:
+            taken, live.finished = live.finished, Samples()
+        after, live.scored_slot = live.scored_slot, current - 1
+        # the ratios belong to this pass alone (passes take turns): computed without the lock, a stage at a time
+        for slot, stages in sorted(taken.by_slot.items()):
+            if after is not None and slot <= after:
+                continue
+            for ranks_of_stage, compute_s in stages.values():
+                ratios = peer_ratios(compute_s)
+                for i in range(0, len(ratios), PART):
+                    live.ratios.add(ranks_of_stage[i : i + PART], ratios[i : i + PART])
+                    time.sleep(PAUSE_S)
+        config = self.config.stragglers
+        flagged = []
+        for rank in live.ratios.with_slow(config.persistence_ratio * config.min_samples):  # a flagged rank has these
+            series, r = live.ratios.series(rank), live.ranks.get(rank)
+            if r is not None and is_straggler(series, config):
+                flagged.append(score_rank(rank, r.node, r.stage, series, config))
+        flagged.sort(key=lambda x: (-x.slowdown_ratio, x.rank))
+        with self.lock:
+            if self.runs_live.get(run) is not live:
+                return  # relaunched meanwhile: these ranks are gone
+            before = {s.rank for s in self.stragglers.get(run, [])}
+            self.stragglers[run] = flagged
+        for s in flagged:
+            if s.rank in before:
+                continue
+            log.warning(
+                "run %s: straggler rank %d on %s (stage %d): %.2fx its peers over %d samples",
+                run,
+                s.rank,
+                s.node,
+                s.stage,
+                s.slowdown_ratio,
+                s.samples,
+            )
+            generation = int((self.store.run(run) or {}).get("generation", 0))
+            incident, _ = self.store.open_incident(
+                key=straggler_key(run, generation, s.rank),
+                run=run,
+                kind=IncidentKind.STRAGGLER,
+                node=s.node,
+                rank=s.rank,
+                detail=f"compute {s.slowdown_ratio:.2f}x the median of its peers over {s.samples} samples",
+                failed_s=now_s,
+                detected_s=now_s,
+            )
+            self.store.update_incident(incident, state=IncidentState.WARNED)  # a warning: nothing to recover
+
+    def _plan(self, run: dict[str, Any], now_s: float) -> None:
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            if live is None or not live.step_times_s or not live.checkpoints:
+                return  # nothing measured yet: the ranks keep their local cadence
+            cost_s = live.checkpoint_blocking_s / live.checkpoints
+            nodes = max(1, len(live.rank_nodes))
+            step_time_s = statistics.median(live.step_times_s)
+            current_step = live.newest_step
+            previous = self.cadences.get(run["id"])
+        failures = [i for i in self.store.incidents(run["id"]) if i["kind"] not in NOT_FAILURES]
+        node_hours = nodes * max(0.0, now_s - float(run["created_s"])) / 3600.0
+        cadence = plan_cadence(
+            checkpoint_cost_s=cost_s,
+            step_time_s=step_time_s,
+            current_step=current_step,
+            failures=len(failures),
+            node_hours=node_hours,
+            nodes=nodes,
+            config=self.config.cadence,
+            previous=previous,
+        )
+        if cadence is not previous:
+            log.info(
+                "run %s: checkpoint every %d steps from step %d: %s",
+                run["id"],
+                cadence.every_steps,
+                cadence.from_step,
+                cadence.reason,
+            )
+            with self.lock:
+                self.cadences[run["id"]] = cadence
+                if previous is not None:
+                    self.previous_cadences[run["id"]] = previous

@@ -1,0 +1,78 @@
+"""The recovery plan: which steps a failure needs, in which order, and what to do when no spare is left.
+
+Pure: a failure in, a list of steps out. The controller's executor (``opsd.controller.recovery``) records each
+step under its request id before carrying it out, and skips the ones already done, so the plan of an incident must
+come out the same every time it is made (after a controller restart too): the steps, their order, and so their
+request ids depend on the failure's kind alone. Their arguments are recorded with the first attempt and the
+recorded ones are what a repeat uses.
+
+- a graceful restart (an operator's ``opsd restart``) first asks the ranks for a checkpoint, at a step far enough
+  ahead that every rank has heard of it (``checkpoint``);
+- a hang or a collective timeout first asks the ranks for their Flight Recorder dumps, the post-mortem's evidence
+  (``dump``);
+- every recovery stops the ranks of the failed launch (``stop``);
+- a failure that calls for a swap (a node lost, a fatal XID: ``Failure.swap``) quarantines the node
+  (``cordon``) and promotes a spare in its place (``take_spare``);
+- every recovery ends by relaunching the ranks, who resume from the newest committed checkpoint (``launch``).
+
+With no spare left, the run waits for one (a node uncordoned or added) or, when its spec allows it, shrinks: it
+relaunches on the nodes it has left, down to ``min_nodes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from opsd.policy.detection import Failure, FailureKind
+from opsd.protocol.states import ActionKind
+
+#: failures whose evidence is the ranks' Flight Recorder dumps
+DUMP_KINDS = frozenset({FailureKind.HANG, FailureKind.COLLECTIVE_TIMEOUT})
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    kind: ActionKind
+    args: Mapping[str, Any] = field(default_factory=dict)  # JSON values: recorded with the action
+
+
+def plan_recovery(
+    failure: Failure, *, incident_id: int, generation: int, checkpoint_at_step: int | None
+) -> list[PlannedStep]:
+    """The steps that recover from ``failure`` (incident ``incident_id``), the ranks being at launch ``generation``;
+    ``checkpoint_at_step``: the step a graceful restart's checkpoint is asked for (None: the ranks do not progress,
+    the checkpoint is skipped)."""
+    steps: list[PlannedStep] = []
+    if failure.kind is FailureKind.MANUAL_RESTART:
+        steps.append(PlannedStep(ActionKind.CHECKPOINT, {"at_step": checkpoint_at_step}))
+    if failure.kind in DUMP_KINDS:
+        steps.append(PlannedStep(ActionKind.DUMP, {"trigger": dump_trigger(incident_id)}))
+    steps.append(PlannedStep(ActionKind.STOP, {"generation": generation}))
+    if failure.swap:
+        steps.append(PlannedStep(ActionKind.CORDON, {"node": failure.node, "reason": failure.detail}))
+        steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": failure.node}))
+    steps.append(PlannedStep(ActionKind.LAUNCH, {"after_generation": generation}))
+    return steps
+
+
+def request_id(incident_id: int, seq: int, kind: ActionKind) -> str:
+    """The request id of step ``seq`` of an incident's plan: the same at every attempt."""
+    return f"incident-{incident_id}-{seq}-{kind.value}"
+
+
+def dump_trigger(incident_id: int) -> str:
+    """The name under which the ranks' Flight Recorder dumps of an incident are kept."""
+    return f"incident-{incident_id}"
+
+
+class OnNoSpare(StrEnum):
+    WAIT = "wait"  # until a node is uncordoned or added
+    SHRINK = "shrink"  # relaunch on the nodes left, down to min_nodes
+
+
+def shrinks_without_spare(on_no_spare: OnNoSpare, nodes_left: int, min_nodes: int) -> bool:
+    """A swap found no spare: whether the run shrinks (it allows it and has ``min_nodes`` left) rather than waits."""
+    return on_no_spare is OnNoSpare.SHRINK and nodes_left >= min_nodes

@@ -1,0 +1,21 @@
+"""The environment variables that carry opsd's settings across a process boundary: from a backend (``opsd run``'s
+local nodes, a Kubernetes pod template) to the ranks' hooks and the node agent.
+
+| variable | set by | read by | what |
+|---|---|---|---|
+| ``OPSD_RUN`` | the backend | the ranks' ``Monitor`` | the run the ranks belong to |
+| ``OPSD_NODE`` | the backend | (the ranks' logs) | the node the ranks run on |
+| ``OPSD_AGENT_SOCKET`` | the backend | the ranks, ``opsd agent`` | the node agent's datagram socket |
+| ``OPSD_POLICY_FILE`` | the backend | the ranks, ``opsd agent`` | where the agent writes the controller's policy |
+| ``OPSD_FLIGHT_DIR`` | the backend | the ranks, ``opsd agent`` | where ranks write Flight Recorder dumps |
+| ``OPSD_CONTROLLER_TOKEN`` | the backend | ``opsd agent`` | the bearer token of its heartbeats |
+"""
+
+from __future__ import annotations
+
+RUN_ENV = "OPSD_RUN"
+NODE_ENV = "OPSD_NODE"
+AGENT_SOCKET_ENV = "OPSD_AGENT_SOCKET"
+POLICY_FILE_ENV = "OPSD_POLICY_FILE"
+FLIGHT_DIR_ENV = "OPSD_FLIGHT_DIR"
+CONTROLLER_TOKEN_ENV = "OPSD_CONTROLLER_TOKEN"

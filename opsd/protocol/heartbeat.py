@@ -1,0 +1,123 @@
+"""The heartbeat: what a node agent sends the controller about every second, and the controller's reply
+(docs/protocol.md, "Heartbeat"). One schema, used by the agent to build it, by the controller to decode and handle
+it, and by the scale benchmark to simulate thousands of agents.
+
+Decoding parses and validates in one pass (msgspec): a body that does not fit raises ``BodyError`` whose text
+names the field (``$.ranks[3].step``). Constraints (``Meta``) are checked on decoding only: a sender builds the
+structs without them, the receiver refuses what breaks them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from opsd.errors import BodyError
+
+VERSION: Literal[1] = 1
+PATH = "/v1/heartbeat"
+
+# ``$`` alone would let a trailing newline through (Python's re.search)
+Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$(?!\n)")]
+Count = Annotated[int, Meta(ge=0)]
+RankId = Annotated[int, Meta(ge=0, le=10_000_000)]
+NonNegative = Annotated[float, Meta(ge=0)]  # JSON has no NaN or infinity; a number out of range is refused
+Label = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class HeartbeatRank(Struct, kw_only=True):
+    """A rank the agent heard from: its last step and the agent's running sums of its reports."""
+
+    run: Name
+    rank: RankId
+    host: str = ""
+    step: Count
+    step_s: NonNegative
+    compute_s: NonNegative = 0.0
+    steps_total: Count = 0  # steps reported so far
+    compute_total_s: NonNegative = 0.0  # and their compute seconds, summed
+    mfu_ratio: NonNegative = 0.0
+    job_tokens_per_s: NonNegative = 0.0
+    checkpoints: Count = 0  # saves so far
+    checkpoint_blocking_s: NonNegative = 0.0  # and the seconds they blocked training, summed
+    last_report_unix_s: float = 0.0
+    coords: dict[str, Count] = {}
+
+
+class HeartbeatEvent(Struct, kw_only=True):
+    """A GPU health event the controller has not acknowledged yet (resent until it is)."""
+
+    seq: Count
+    gpu: Count
+    xid: int
+    time_s: float
+    action: Annotated[str, Meta(max_length=64)]  # an XID action, or "count"
+    reason: Annotated[str, Meta(max_length=1000)] = ""
+
+
+class HeartbeatTimeout(Struct, kw_only=True):
+    """A rank that waits on one collective for longer than its timeout (sent until the rank steps on)."""
+
+    run: Name
+    rank: RankId
+    step: Count
+    time_unix_s: float
+    dim: Annotated[str, Meta(max_length=64)]
+    op: Annotated[str, Meta(max_length=64)]
+    waited_s: NonNegative
+
+
+#: a run's collective totals on the node, cumulative: run, phase, dimension, op, seconds, count, bytes (names are
+#: checked for length alone here, where every microsecond counts: the flame graph escapes what it writes)
+CommRow = tuple[Annotated[str, Meta(min_length=1, max_length=200)], Label, Label, Label, NonNegative, Count, Count]
+
+
+class Heartbeat(Struct, kw_only=True):
+    """An agent's heartbeat (docs/protocol.md); unknown fields are ignored."""
+
+    v: Literal[1]
+    node: Name
+    time_unix_s: float
+    ranks: Annotated[list[HeartbeatRank], Meta(max_length=4096)] = []
+    events: Annotated[list[HeartbeatEvent], Meta(max_length=10_000)] = []
+    summaries: Annotated[list[dict[str, Any]], Meta(max_length=10_000)] = []
+    summaries_dropped_total: Count = 0
+    timeouts: Annotated[list[HeartbeatTimeout], Meta(max_length=4096)] = []
+    comms: Annotated[list[CommRow], Meta(max_length=4096)] = []
+
+
+class HeartbeatReply(Struct, kw_only=True):
+    """The controller's answer: GPU events handled up to ``ack_events_up_to``, and the policy for the node's ranks
+    (docs/protocol.md, "Policy"), when it has one."""
+
+    ack_events_up_to: int
+    policy: dict[str, Any] | None = None
+
+
+_DECODER = msgspec.json.Decoder(Heartbeat)
+_ENCODER = msgspec.json.Encoder()
+
+
+def decode_heartbeat(data: bytes) -> Heartbeat:
+    """Parse and validate a heartbeat body (defaults filled in); ``BodyError`` names what does not fit."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise BodyError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise BodyError(f"not JSON: {exc}") from None
+
+
+def encode(message: Heartbeat | HeartbeatReply) -> bytes:
+    """The JSON bytes of a heartbeat or a reply."""
+    return _ENCODER.encode(message)
+
+
+def json_schemas(ref_template: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(request schema, reply schema, their components) for an API document."""
+    (request, reply), components = msgspec.json.schema_components(
+        [Heartbeat, HeartbeatReply], ref_template=ref_template
+    )
+    return request, reply, components

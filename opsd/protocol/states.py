@@ -1,0 +1,67 @@
+"""The states and kinds the controller records and its API answers: of runs, nodes, incidents and recovery actions.
+
+They cross process boundaries (the state store, the API, the CLI and the post-mortem read them), so they are
+string enums: a member is equal to its value, is stored and sent as that string, and an unknown string from
+outside is refused where it is turned into a member.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class RunState(StrEnum):
+    RUNNING = "running"
+    RECOVERING = "recovering"  # a recovery is under way: detection leaves the run alone
+    WAITING_FOR_SPARE = "waiting_for_spare"  # a swap found no spare: the recovery goes on once one is there
+    COMPLETED = "completed"  # every rank of its launch exited 0
+    FAILED = "failed"  # a recovery failed, or the run outlived its time limit
+    STOPPED = "stopped"  # an operator stopped it
+
+    @property
+    def finished(self) -> bool:
+        return self in (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+
+
+class NodeRole(StrEnum):
+    ACTIVE = "active"  # runs ranks of its run
+    SPARE = "spare"  # in its run's hot-spare pool
+    CORDONED = "cordoned"  # out of service (quarantined by a recovery, or by an operator) until uncordoned
+
+
+class IncidentState(StrEnum):
+    OPEN = "open"  # being recovered from
+    RECOVERED = "recovered"  # the relaunch made its first productive step
+    ABANDONED = "abandoned"
+    WARNED = "warned"  # a warning (a straggler): nothing to recover
+
+
+class IncidentKind(StrEnum):
+    """What an incident records: a failure (``opsd.policy.detection.FailureKind`` has the same values), or a
+    straggler warning."""
+
+    HEARTBEAT_LOSS = "heartbeat_loss"
+    FATAL_XID = "fatal_xid"
+    APPLICATION_XID = "application_xid"
+    PROCESS_EXIT = "process_exit"
+    HANG = "hang"
+    COLLECTIVE_TIMEOUT = "collective_timeout"
+    CONTROLLER_RESTART = "controller_restart"
+    MANUAL_RESTART = "manual_restart"
+    STRAGGLER = "straggler"
+
+
+class ActionState(StrEnum):
+    PENDING = "pending"  # recorded, not known to be done (carried out again after a controller restart)
+    DONE = "done"
+
+
+class ActionKind(StrEnum):
+    """The steps of a recovery, in the order a plan puts them (``opsd.policy.recovery``)."""
+
+    CHECKPOINT = "checkpoint"  # a graceful restart's: a checkpoint at a step every rank agrees on, awaited
+    DUMP = "dump"  # a hang's: the ranks' Flight Recorder dumps, asked for and awaited
+    STOP = "stop"  # every rank of the launch
+    CORDON = "cordon"  # quarantine the failed node
+    TAKE_SPARE = "take_spare"  # promote a spare in its place
+    LAUNCH = "launch"  # relaunch the ranks (the next generation), resuming from the newest checkpoint
