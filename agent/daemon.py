@@ -1,6 +1,6 @@
 """The agent process: receives the ranks' datagrams, keeps the node's state, serves ``/metrics`` and ``/healthz``.
 
-    agent = Agent(AgentConfig(socket_path="/run/opsd/agent.sock", metrics_port=9464))
+    agent = Agent(AgentConfig(socket="/run/opsd/agent.sock", metrics_port=9464))
     agent.start()      # threads: datagram receiver, HTTP server, expiry
     ...
     agent.stop()
@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socket import gethostname
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -41,29 +42,29 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 
 @dataclass(frozen=True)
 class AgentConfig:
-    socket_path: str
+    socket: str = "/tmp/opsd-agent.sock"
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # 0: any free port
-    node: str = field(default_factory=socket.gethostname)
+    node: str = field(default_factory=gethostname)
     receive_buffer_bytes: int = 4 << 20
     stale_after_s: float = 600.0
     max_comm_series: int = 8
     gpu_source: str = "none"  # nvml | none | file:DIRECTORY (the fake)
     gpu_interval_s: float = 5.0
-    xid_table_path: str | None = None  # default: the table shipped with opsd
+    xid_table: str | None = None  # default: the table shipped with opsd
     xid_window_s: float = 3600.0
     xid_threshold: int = 3
     controller_url: str | None = None  # heartbeats go there when set
     controller_token: str = ""
     heartbeat_interval_s: float = 1.0
-    policy_path: str | None = None  # where the controller's policy is written for the ranks
+    policy_file: str | None = None  # where the controller's policy is written for the ranks
     flight_dir: str | None = None  # where the ranks write Flight Recorder dumps (sent with controller_url)
 
     def __post_init__(self) -> None:
-        if not self.socket_path:
-            raise ValueError("agent.socket_path must not be empty")
-        if len(os.fsencode(self.socket_path)) > UNIX_PATH_MAX:
-            raise ValueError(f"agent.socket_path must be at most {UNIX_PATH_MAX} bytes (a Unix socket path)")
+        if not self.socket:
+            raise ValueError("agent.socket must not be empty")
+        if len(os.fsencode(self.socket)) > UNIX_PATH_MAX:
+            raise ValueError(f"agent.socket must be at most {UNIX_PATH_MAX} bytes (a Unix socket path)")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("agent.metrics_port must be in 0-65535")
         if not self.node:
@@ -92,7 +93,7 @@ class AgentConfig:
             token=self.controller_token,
             interval_s=self.heartbeat_interval_s,
             max_backoff_s=max(30.0, self.heartbeat_interval_s),
-            policy_path=self.policy_path,
+            policy_path=self.policy_file,
         )
 
     def flight_config(self) -> FlightUploaderConfig:
@@ -170,7 +171,7 @@ class Agent:
     def start(self) -> None:
         """Open the GPU source (errors raise OpsError), bind the socket and the HTTP port (errors raise OSError)."""
         cfg = self.config
-        table = load_xid_table(cfg.xid_table_path)
+        table = load_xid_table(cfg.xid_table)
         window = WatchWindow(cfg.xid_window_s, cfg.xid_threshold)
         self.tracing = Tracing(cfg.node)
         source = open_source(cfg.gpu_source)
@@ -184,7 +185,7 @@ class Agent:
             if cfg.flight_dir:
                 self.flight = FlightUploader(cfg.flight_config(), cfg.node)
                 self.flight.start()
-        path = self.config.socket_path
+        path = self.config.socket
         if os.path.exists(path):
             os.unlink(path)  # a socket file left by an agent that died
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -219,7 +220,7 @@ class Agent:
         if self._sock is not None:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.socket_path)
+                os.unlink(self.config.socket)
         for thread in self._threads:
             thread.join(timeout=5)
 

@@ -58,7 +58,7 @@ def value(agent: Agent, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    return Agent(AgentConfig(socket_path=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
+    return Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
 
 
 def test_reports_become_per_rank_metrics(agent: Agent) -> None:
@@ -104,7 +104,7 @@ def test_bad_datagrams_are_counted_by_reason_and_dropped(agent: Agent, data: byt
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=10_000))
 def test_no_bytes_crash_the_agent(data: bytes) -> None:
-    a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
+    a = Agent(AgentConfig(socket="/tmp/unused-by-this-test.sock", node="n"))
     reason = a.handle(data)
     assert reason is None or reason in REASONS
     assert a.stats.received == 1
@@ -120,7 +120,7 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(sorted(report())), json_values)
 def test_any_field_value_is_ingested_or_counted(field: str, new: Any) -> None:
-    a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
+    a = Agent(AgentConfig(socket="/tmp/unused-by-this-test.sock", node="n"))
     data = json.dumps(report(**{field: new})).encode()
     reason = a.handle(data)
     assert reason is None or reason in REASONS
@@ -147,8 +147,8 @@ def test_stale_ranks_are_forgotten() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"socket_path": ""}, "socket_path must not be empty"),
-        ({"socket_path": "/x" * 60}, "at most 107 bytes"),
+        ({"socket": ""}, "socket must not be empty"),
+        ({"socket": "/x" * 60}, "at most 107 bytes"),
         ({"metrics_port": 70000}, "metrics_port must be in 0-65535"),
         ({"node": ""}, "node must not be empty"),
         ({"receive_buffer_bytes": 100}, "receive_buffer_bytes must be >= 8192"),
@@ -159,7 +159,7 @@ def test_stale_ranks_are_forgotten() -> None:
 )
 def test_config_validates_itself(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        AgentConfig(**{"socket_path": "/tmp/a.sock", **changes})
+        AgentConfig(**{"socket": "/tmp/a.sock", **changes})
 
 
 @pytest.fixture
@@ -182,8 +182,8 @@ def get(agent: Agent, path: str) -> tuple[int, str, bytes]:
 
 def test_datagrams_over_the_socket_reach_metrics_over_http(running: Agent, tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rank:
-        rank.sendto(encode(report(rank=5)), running.config.socket_path)
-        rank.sendto(b"garbage", running.config.socket_path)
+        rank.sendto(encode(report(rank=5)), running.config.socket)
+        rank.sendto(b"garbage", running.config.socket)
     deadline = time.monotonic() + 5
     while running.stats.received < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -200,7 +200,7 @@ def test_datagrams_over_the_socket_reach_metrics_over_http(running: Agent, tmp_p
 def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / "a.sock"
     path.write_text("left behind")
-    a = Agent(AgentConfig(socket_path=str(path), metrics_port=0, node="n"))
+    a = Agent(AgentConfig(socket=str(path), metrics_port=0, node="n"))
     a.start()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rank:
@@ -238,7 +238,7 @@ def test_every_exposed_metric_is_documented_with_its_type(agent: Agent, tmp_path
 def test_series_budget_per_rank() -> None:
     pairs = [[f"d{i}", "op", 1, 1, 0.1] for i in range(30)]  # far more pairs than any rank uses
     memory = {"allocated_peak_bytes": 1, "reserved_peak_bytes": 2}
-    a = Agent(AgentConfig(socket_path="/tmp/unused-by-this-test.sock", node="n"))
+    a = Agent(AgentConfig(socket="/tmp/unused-by-this-test.sock", node="n"))
     checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
     a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints, loss=2.5)))
     per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]

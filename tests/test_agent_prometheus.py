@@ -25,7 +25,7 @@ STEPS = 12
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(AgentConfig(socket_path=str(tmp_path / "agent.sock"), metrics_port=0, node="local"))
+    a = Agent(AgentConfig(socket=str(tmp_path / "agent.sock"), metrics_port=0, node="local"))
     a.start()
     try:
         yield a
@@ -41,7 +41,7 @@ def test_prometheus_sees_every_rank_and_dimension(tmp_path: Path, agent: Agent) 
     with PrometheusServer(tmp_path, targets=[f"127.0.0.1:{agent.metrics_port}"]) as prom:
         jsonl_path = str(tmp_path / "r{rank}.jsonl")
         args = ["--mesh", MESH, "--steps", str(STEPS), "--opsd-monitor", "--opsd-jsonl", jsonl_path]
-        env = {"OPSD_AGENT_SOCKET": agent.config.socket_path}
+        env = {"OPSD_AGENT_SOCKET": agent.config.socket}
         # not launched again after a gloo abort: the agent already counted the first launch's reports
         proc = run_module("examples.train", args, nproc=RANKS, env=env, retry_gloo_abort=False)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
-from opsd.cli.ops import config_file
+from opsd.cli.connection import config_file
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml  # type: ignore[import-untyped]  # PyYAML ships no type information
+import yaml
 from typer.testing import CliRunner
 
 from opsd.backends.local.processes import free_port

@@ -30,7 +30,7 @@ from opsd.cli.demo import RUN, trainer_command
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 from opsd.dashboards.build import build_all, panel_queries, variable_queries
-from opsd.postmortem.report import seconds
+from opsd.postmortem.model import seconds
 from tests.launch import ROOT, run_module
 from tests.prometheus import PrometheusServer, write_targets
 

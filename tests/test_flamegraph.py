@@ -384,7 +384,7 @@ def test_agent_run_totals_are_capped_and_labels_checked() -> None:
 
 
 def test_agent_exposes_the_loss_and_the_overlapped_time(tmp_path: Path) -> None:
-    agent = Agent(AgentConfig(socket_path=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
+    agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
     agent.handle(encode(report(loss=2.75, overlapped_comm_s=0.125)))
     labels = {"run": "r", "rank": "3"}
     assert value(agent, "opsd_loss", **labels) == 2.75

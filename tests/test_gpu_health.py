@@ -86,7 +86,7 @@ def start_file_agent(tmp_path: Path, node: str = "n") -> tuple[Agent, Path]:
     """A started agent on the fake GPU source in ``tmp_path/gpus``, sampling every 50 ms."""
     gpus = tmp_path / "gpus"
     config = AgentConfig(
-        socket_path=str(tmp_path / "a.sock"), metrics_port=0, node=node, gpu_source=f"file:{gpus}", gpu_interval_s=0.05
+        socket=str(tmp_path / "a.sock"), metrics_port=0, node=node, gpu_source=f"file:{gpus}", gpu_interval_s=0.05
     )
     agent = Agent(config)
     agent.start()

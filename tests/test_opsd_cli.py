@@ -80,7 +80,7 @@ def test_agent_runs_until_sigterm(tmp_path: Path) -> None:
     [
         (["run"], "a trainer command is needed (after --)"),
         (["run", "--nodes", "0", "--", "true"], "--nodes and --gpus-per-node must be >= 1"),
-        (["serve", "--port", "99999"], "serve.port must be in 0..65535"),
+        (["serve", "--port", "99999"], "controller.port must be in 0..65535"),
         (["serve", "--tick-interval-s", "0"], "tick_interval_s must be > 0"),
     ],
     ids=["run-no-command", "run-no-nodes", "serve-port", "serve-tick"],

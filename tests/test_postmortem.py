@@ -20,7 +20,9 @@ import pytest
 from PIL import Image
 
 from opsd.errors import PermanentError
-from opsd.postmortem.report import Report, build, signal_name, to_html, to_markdown
+from opsd.postmortem.build import build, signal_name
+from opsd.postmortem.model import Report
+from opsd.postmortem.render import to_html, to_markdown
 
 FIXTURE = Path(__file__).with_name("postmortem_bundle.json")
 

@@ -33,9 +33,11 @@ from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import run_local
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.app import app
+from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
 from opsd.errors import PermanentError
+from opsd.policy.detection import DetectionConfig
 from tests.faults import inject
 
 pytestmark = pytest.mark.slow
@@ -140,14 +142,17 @@ def _recovered(incidents: list[dict[str, Any]], kind: str) -> bool:
     return any(i["kind"] == kind and i["state"] == "recovered" for i in incidents)
 
 
-def two_nodes(tmp_path: Path, *trainer_options: str, **config: Any) -> tuple[ServeConfig, LocalRunSpec]:
+def two_nodes(
+    tmp_path: Path, *trainer_options: str, flight_wait_s: float = 10.0, **detection: float
+) -> tuple[ServeConfig, LocalRunSpec]:
     """2 nodes x 1 rank and a spare running the reference trainer until stopped (checkpoints every 20 steps)."""
     ckpt, port = f"file://{tmp_path / 'ckpt'}", free_port()
     command = (
         *(sys.executable, "-m", "examples.train", "--mesh", "dp_shard=2", "--steps", "1000000", "--opsd-monitor"),
         *(*trainer_options, "--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume"),
     )
-    serve = ServeConfig(port=port, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, **config)
+    controller = ControllerConfig(detection=DetectionConfig(**detection), flight_wait_s=flight_wait_s)
+    serve = ServeConfig(port=port, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller)
     spec = LocalRunSpec(
         run=RUN,
         command=command,

@@ -189,7 +189,7 @@ def test_reporter_config_validates_itself(config: dict[str, Any], message: str) 
 
 def test_agent_sends_heartbeats_with_what_ranks_report(tmp_path: Path, controller: Controller) -> None:
     config = AgentConfig(
-        socket_path=str(tmp_path / "a.sock"),
+        socket=str(tmp_path / "a.sock"),
         metrics_port=0,
         node="n1",
         controller_url=controller.url,

@@ -28,9 +28,11 @@ from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.cli.client import ApiClient
+from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
 from opsd.controller.state import StateStore
+from opsd.policy.detection import DetectionConfig
 from tests.faults import inject
 from tests.launch import ROOT
 
@@ -181,7 +183,8 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
 
 def local_run(tmp_path: Path, on_poll: Any, **spec: Any) -> dict[str, Any]:
     ckpt, port = f"file://{tmp_path / 'ckpt'}", free_port()
-    config = ServeConfig(port=port, state_dir=str(tmp_path / "state"), heartbeat_floor_s=3.0, tick_interval_s=0.25)
+    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0))
+    config = ServeConfig(port=port, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller)
     run_spec = LocalRunSpec(
         run="job",
         command=tuple(trainer(ckpt, spec.pop("mesh", "dp_shard=2"))),

@@ -72,7 +72,7 @@ def test_xid_events_become_spans_over_otlp_http(
 def test_without_an_endpoint_spans_are_noops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(variable, raising=False)
-    agent = Agent(AgentConfig(socket_path=str(tmp_path / "a.sock"), metrics_port=0, node="n"))
+    agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n"))
     agent.start()
     try:
         assert agent.tracing is not None

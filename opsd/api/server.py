@@ -8,7 +8,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -18,34 +18,29 @@ from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 from opsd.errors import ConfigError, OpsError
-from opsd.policy.detection import DetectionConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServeConfig:
+    """``opsd serve``'s settings: where the API listens, where the state is, and the controller's configuration (its
+    fields are set at the same level of the settings file: ``controller.hang_floor_s`` is
+    ``controller.detection.hang_floor_s``'s neighbour; docs/configuration.md)."""
+
     host: str = "127.0.0.1"
     port: int = 8470
     state_dir: str = ".opsd"
     state_url: str = ""  # default: sqlite:///<state_dir>/opsd.db
     token: str = ""  # default: <state_dir>/token, created once
-    tick_interval_s: float = 0.5
-    heartbeat_floor_s: float = 10.0
-    hang_floor_s: float = 60.0
-    flight_wait_s: float = 10.0  # how long a hang's recovery waits for the ranks' Flight Recorder dumps
+    tick_interval_s: float = 0.5  # between two detection passes
+    controller: ControllerConfig = field(default_factory=ControllerConfig, metadata={"inline": True})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError("serve.port must be in 0..65535")
+            raise ValueError("controller.port must be in 0..65535")
         if self.tick_interval_s <= 0:
-            raise ValueError("serve.tick_interval_s must be > 0")
-        DetectionConfig(heartbeat_floor_s=self.heartbeat_floor_s, hang_floor_s=self.hang_floor_s)
-        self.controller_config()
-
-    def controller_config(self) -> ControllerConfig:
-        detection = DetectionConfig(heartbeat_floor_s=self.heartbeat_floor_s, hang_floor_s=self.hang_floor_s)
-        return ControllerConfig(detection=detection, flight_wait_s=self.flight_wait_s)
+            raise ValueError("controller.tick_interval_s must be > 0")
 
 
 def load_token(config: ServeConfig) -> str:
@@ -70,7 +65,7 @@ def load_token(config: ServeConfig) -> str:
 def build(config: ServeConfig) -> tuple[Controller, str]:
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     url = config.state_url or f"sqlite:///{Path(config.state_dir) / 'opsd.db'}"
-    return Controller(StateStore.open(url), config.controller_config()), load_token(config)
+    return Controller(StateStore.open(url), config.controller), load_token(config)
 
 
 def tick_forever(controller: Controller, interval_s: float, stop: threading.Event) -> None:

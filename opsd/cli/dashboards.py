@@ -13,7 +13,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -155,11 +155,15 @@ def push_dashboard(client: Any, url: str, board: dict[str, Any], folder: tuple[s
 
 @dashboards_app.command()
 def push(
-    grafana_url: str = typer.Option(..., help="Grafana's base URL, e.g. http://grafana:3000 or https://host/grafana"),
-    token: str = typer.Option(..., envvar="OPSD_GRAFANA_TOKEN", help="Grafana service-account token (Editor)"),
-    folder: str = typer.Option("opsd", help="folder title, created when missing (empty: the General folder)"),
-    directory: str = typer.Option("dashboards", "--dir", help="directory of the dashboard *.json files"),
-    timeout_s: float = typer.Option(10.0, help="seconds per Grafana request"),
+    grafana_url: Annotated[
+        str, typer.Option(help="Grafana's base URL, e.g. http://grafana:3000 or https://host/grafana")
+    ],
+    token: Annotated[str, typer.Option(envvar="OPSD_GRAFANA_TOKEN", help="Grafana service-account token (Editor)")],
+    folder: Annotated[
+        str, typer.Option(help="folder title, created when missing (empty: the General folder)")
+    ] = "opsd",
+    directory: Annotated[str, typer.Option("--dir", help="directory of the dashboard *.json files")] = "dashboards",
+    timeout_s: Annotated[float, typer.Option(help="seconds per Grafana request")] = 10.0,
 ) -> None:
     """Push the dashboards of --dir into a Grafana folder (each replaces the dashboard with its uid).
 

@@ -26,8 +26,10 @@ from opsd.backends.local.runner import run_local
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
+from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
+from opsd.policy.detection import DetectionConfig
 
 RUN = "demo"
 
@@ -109,9 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir.mkdir(parents=True)
     ckpt_url = f"file://{workdir / 'ckpt'}"
     port = free_port()
-    config = ServeConfig(
-        port=port, state_dir=str(workdir / "state"), heartbeat_floor_s=3.0, hang_floor_s=10.0, tick_interval_s=0.25
-    )
+    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0, hang_floor_s=10.0))
+    config = ServeConfig(port=port, state_dir=str(workdir / "state"), tick_interval_s=0.25, controller=controller)
     spec = LocalRunSpec(
         run=RUN,
         command=trainer_command(ckpt_url, args.steps, workdir / "losses.json"),

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from opsd.postmortem.report import Goodput, IncidentReport, Report, StragglerWarning
+    from opsd.postmortem.model import Goodput, IncidentReport, Report, StragglerWarning
 
 PHASE_COLOURS = {
     "detection": "#e67e22",

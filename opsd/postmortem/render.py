@@ -1,4 +1,4 @@
-"""Markdown and HTML renderings of a post-mortem ``Report`` (``opsd.postmortem.report``): one list of sections, two
+"""Markdown and HTML renderings of a post-mortem ``Report`` (``opsd.postmortem.model``): one list of sections, two
 renderings, so both say the same. Every string taken from the bundle is escaped: Markdown's and HTML's special
 characters in Markdown, ``html.escape`` in HTML, whose page also carries a Content-Security-Policy that forbids
 scripts and any fetch."""
@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opsd.postmortem.report import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Report, clock, seconds
+from opsd.postmortem.model import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Report, clock, seconds
 
 
 def _offset(value: float | None) -> str:
@@ -279,7 +279,7 @@ def _md(text: str) -> str:
     return _MD_SPECIAL.sub(r"\\\1", " ".join(text.split()))
 
 
-def render_markdown(report: Report) -> str:
+def to_markdown(report: Report) -> str:
     """The report as GitHub-flavoured Markdown (the plots are in the HTML only)."""
     lines: list[str] = []
     for s in _sections(report):
@@ -326,7 +326,7 @@ def _h(text: str) -> str:
     return html.escape(text, quote=True)
 
 
-def render_html(report: Report) -> str:
+def to_html(report: Report) -> str:
     """The report as one self-contained HTML page: inline CSS, the plots as PNG data URLs, no script, nothing
     fetched (a Content-Security-Policy says so to the browser too)."""
     from opsd.postmortem import plots

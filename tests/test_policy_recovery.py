@@ -1,0 +1,72 @@
+"""The recovery plan: which steps each failure needs, in order, as tables of named cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from opsd.policy.detection import Failure, FailureKind
+from opsd.policy.recovery import OnNoSpare, plan_recovery, request_id, shrinks_without_spare
+from opsd.protocol.states import ActionKind
+
+Steps = list[tuple[str, dict[str, Any]]]
+SWAP: Steps = [("stop", {"generation": 3}), ("cordon", {"node": "n1", "reason": "why"}), ("take_spare", {"for": "n1"})]
+RELAUNCH: Steps = [("stop", {"generation": 3}), ("launch", {"after_generation": 3})]
+
+PLANS: dict[str, tuple[FailureKind, int | None, Steps]] = {
+    # name: (failure, checkpoint step asked, steps)
+    "a lost node is swapped": (FailureKind.HEARTBEAT_LOSS, None, [*SWAP, ("launch", {"after_generation": 3})]),
+    "a fatal XID is swapped": (FailureKind.FATAL_XID, None, [*SWAP, ("launch", {"after_generation": 3})]),
+    "an application XID relaunches in place": (FailureKind.APPLICATION_XID, None, RELAUNCH),
+    "a rank that exited relaunches in place": (FailureKind.PROCESS_EXIT, None, RELAUNCH),
+    "a hang dumps first": (FailureKind.HANG, None, [("dump", {"trigger": "incident-7"}), *RELAUNCH]),
+    "a collective timeout dumps first": (
+        FailureKind.COLLECTIVE_TIMEOUT,
+        None,
+        [("dump", {"trigger": "incident-7"}), *RELAUNCH],
+    ),
+    "a controller restart relaunches": (FailureKind.CONTROLLER_RESTART, None, RELAUNCH),
+    "a graceful restart checkpoints first": (
+        FailureKind.MANUAL_RESTART,
+        120,
+        [("checkpoint", {"at_step": 120}), *RELAUNCH],
+    ),
+    "a graceful restart of ranks that do not progress": (
+        FailureKind.MANUAL_RESTART,
+        None,
+        [("checkpoint", {"at_step": None}), *RELAUNCH],
+    ),
+}
+
+
+@pytest.mark.parametrize(("kind", "at_step", "steps"), PLANS.values(), ids=PLANS.keys())
+def test_plan(kind: FailureKind, at_step: int | None, steps: list[tuple[str, dict[str, Any]]]) -> None:
+    failure = Failure(kind, "n1", None, "why")
+    plan = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=at_step)
+    assert [(s.kind, dict(s.args)) for s in plan] == steps
+    assert all(isinstance(s.kind, ActionKind) for s in plan)
+
+
+def test_a_plan_is_the_same_every_time_it_is_made() -> None:
+    """After a controller restart the plan is made again: the same steps, so the same request ids."""
+    failure = Failure(FailureKind.FATAL_XID, "n1", None, "why")
+    first = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=None)
+    again = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=None)
+    ids = [request_id(7, seq, s.kind) for seq, s in enumerate(first)]
+    assert ids == [request_id(7, seq, s.kind) for seq, s in enumerate(again)]
+    assert ids == ["incident-7-0-stop", "incident-7-1-cordon", "incident-7-2-take_spare", "incident-7-3-launch"]
+
+
+NO_SPARE = {
+    # name: (on no spare, nodes left, min nodes, shrinks)
+    "wait is the default": (OnNoSpare.WAIT, 3, 1, False),
+    "shrink with nodes to spare": (OnNoSpare.SHRINK, 3, 2, True),
+    "shrink down to the minimum": (OnNoSpare.SHRINK, 2, 2, True),
+    "below the minimum: wait": (OnNoSpare.SHRINK, 1, 2, False),
+}
+
+
+@pytest.mark.parametrize(("on_no_spare", "left", "minimum", "shrinks"), NO_SPARE.values(), ids=NO_SPARE.keys())
+def test_without_a_spare(on_no_spare: OnNoSpare, left: int, minimum: int, shrinks: bool) -> None:
+    assert shrinks_without_spare(on_no_spare, left, minimum) is shrinks
