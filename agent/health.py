@@ -22,8 +22,9 @@ from prometheus_client.registry import Collector
 
 from agent.gpu import GpuSource
 from opsd.errors import OpsError
-from opsd.policy.xid import WatchWindow, XidAction, XidDecision, XidEvent, decide
+from opsd.policy.xid import WatchWindow, XidDecision, XidEvent, decide
 from opsd.protocol.gpu_files import GpuSample
+from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from examples.model import ModelConfig, Transformer
+from examples.config import ModelConfig
+from examples.model import Transformer
 from examples.parallelize import build_mesh, lm_loss, parallelize
 from examples.train import init_distributed
 from opsd.protocol.mesh import MeshSpec

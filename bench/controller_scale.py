@@ -1,14 +1,11 @@
 """The controller at Llama 3 scale: ``python -m bench.controller_scale``.
 
 Starts ``opsd serve`` as its own process (the real API on uvicorn, with its detection pass every 0.5 s), then
-simulated agents in ``--clients`` processes: one per node, 3,072 nodes x 8 GPUs (24,576 ranks) by default, each
-sending one heartbeat a second on a keep-alive connection of its own, the nodes' phases spread evenly over the
-second. A heartbeat is what ``opsd agent`` sends (``docs/protocol.md``): the node's 8 ranks with their step
-advancing every 0.5 s, ``step_s``, ``compute_s``, the running sums ``steps_total`` and ``compute_total_s``,
-checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest), one node summary, and the node's
-collective time by phase, dimension and op (18 rows, for the flame graph); one rank computes
-1.3x slower than its peers. The load generators are cheap (asyncio streams writing HTTP/1.1 requests formatted
-from templates), so that the controller gets most of a core.
+simulated agents in ``--clients`` processes (``bench.simulated_agents``): one per node, 3,072 nodes x 8 GPUs
+(24,576 ranks) by default, each sending one heartbeat a second on a keep-alive connection of its own, the nodes'
+phases spread evenly over the second. A heartbeat is what ``opsd agent`` sends, built from the same structs
+(``opsd.protocol.heartbeat``). The load generators are cheap (asyncio streams writing HTTP/1.1 requests), so
+that the controller gets most of a core.
 
 After ``--warmup-s`` (first contact: every node and run recorded), for ``--duration-s``:
 
@@ -32,216 +29,23 @@ from __future__ import annotations
 
 import argparse
 import array
-import asyncio
 import http.client
 import json
 import logging
 import multiprocessing
 import os
-import random
-import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
+from bench.simulated_agents import POLL_S, RUN, SILENT_BEFORE_END_S, TOKEN, Plan, generate, node_name
+from opsd.backends.local.processes import free_port
+
 log = logging.getLogger(__name__)
-
-RUN = "bench"
-COMMS = [  # (phase, dimension, op, share of the step): 3 phases x 6 pairs
-    (phase, dim, op, 0.01)
-    for phase in ("forward", "backward", "optimizer")
-    for dim, op in (
-        ("dp_shard", "all_gather"),
-        ("dp_shard", "reduce_scatter"),
-        ("tp", "all_reduce"),
-        ("pp", "send"),
-        ("pp", "recv"),
-        ("dp_replicate", "all_reduce"),
-    )
-]
-TOKEN = "bench-token"
-STEP_S = 0.5  # the simulated job's step time
-COMPUTE_S = 0.45  # its compute time per step (the rest: exposed communication)
-SLOW_RANK = 1  # computes 1.3x slower than its peers
-CHECKPOINT_EVERY = 100  # steps
-CHECKPOINT_BLOCKING_S = 2.5
-FIRST_STEP = 1000  # the run has been going on for a while
-TP, PP = 8, 16
-POLL_S = 0.25
-SILENT_BEFORE_END_S = 10.0  # the silent node stops this long before the window ends (at its start if shorter)
-_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.I)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What every load generator needs to know; times are wall-clock (``time.time()``), shared by the processes."""
-
-    host: str
-    port: int
-    nodes: int
-    gpus_per_node: int
-    start_s: float  # heartbeats begin
-    window_s: tuple[float, float]  # latencies are kept for heartbeats sent in [begin, end)
-    silent_node: int
-    silent_s: float  # the silent node sends nothing from then on
-
-    def __post_init__(self) -> None:
-        if self.nodes < 2 or self.gpus_per_node < 1:
-            raise ValueError("controller_scale needs at least 2 nodes and 1 GPU per node")
-
-
-def node_name(index: int) -> str:
-    return f"node-{index:05d}"
-
-
-class SimulatedAgent:
-    """One node's agent: its ranks' running sums, and the bytes of its next heartbeat."""
-
-    def __init__(self, index: int, plan: Plan, run_start_s: float) -> None:
-        self.name = node_name(index)
-        self.run_start_s = run_start_s
-        self.rng = random.Random(index)
-        gpus = plan.gpus_per_node
-        self.ranks = list(range(index * gpus, (index + 1) * gpus))
-        self.factors = [1.3 if r == SLOW_RANK else 1.0 for r in self.ranks]
-        self.steps = [0] * gpus
-        self.compute_totals_s = [0.0] * gpus
-        self.templates = [
-            (
-                f'{{"run":"{RUN}","rank":{r},"host":"{self.name}","step":%d,"step_s":%.4f,"compute_s":%.4f,'
-                f'"steps_total":%d,"compute_total_s":%.4f,"mfu_ratio":0.41,"job_tokens_per_s":%.1f,'
-                f'"checkpoints":%d,"checkpoint_blocking_s":%.1f,"last_report_unix_s":%.3f,'
-                f'"coords":{{"dp_replicate":0,"dp_shard":{r // (TP * PP)},"cp":0,"pp":{(r // TP) % PP},'
-                f'"tp":{r % TP}}}}}'
-            )
-            for r in self.ranks
-        ]
-        self.head = (
-            f"POST /v1/heartbeat HTTP/1.1\r\nhost: {plan.host}:{plan.port}\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {TOKEN}\r\ncontent-length: %d\r\n\r\n"
-        )
-        self.tokens_per_s = 4096 * plan.nodes * plan.gpus_per_node / STEP_S
-
-    def request(self, now_s: float) -> bytes:
-        elapsed = now_s - self.run_start_s
-        step = FIRST_STEP + int(elapsed / STEP_S)
-        last_report_s = self.run_start_s + (step - FIRST_STEP) * STEP_S
-        checkpoints = step // CHECKPOINT_EVERY
-        entries = []
-        step_s_max = 0.0
-        for i, template in enumerate(self.templates):
-            new = step - self.steps[i] if self.steps[i] else step
-            compute_s = COMPUTE_S * self.factors[i] * (1.0 + self.rng.uniform(-0.02, 0.02))
-            self.steps[i] = step
-            self.compute_totals_s[i] += new * compute_s
-            step_s = max(STEP_S, compute_s + 0.02)
-            step_s_max = max(step_s_max, step_s)
-            entries.append(
-                template
-                % (
-                    step,
-                    step_s,
-                    compute_s,
-                    step,
-                    self.compute_totals_s[i],
-                    self.tokens_per_s,
-                    checkpoints,
-                    checkpoints * CHECKPOINT_BLOCKING_S,
-                    last_report_s,
-                )
-            )
-        summary = (
-            f'{{"time_unix_s":{now_s:.3f},"ranks":{len(entries)},"step_s_max":{step_s_max:.4f},'
-            f'"step_s_mean":{STEP_S:.4f},"mfu_ratio_mean":0.41}}'
-        )
-        comms = ",".join(  # the node's collective time by phase, dimension and op, cumulative (18 rows)
-            f'["{RUN}","{phase}","{dim}","{op}",{step * share * STEP_S * len(self.templates):.4f},{step},{step << 20}]'
-            for phase, dim, op, share in COMMS
-        )
-        body = (
-            f'{{"v":1,"node":"{self.name}","time_unix_s":{now_s:.3f},"ranks":[{",".join(entries)}],'
-            f'"events":[],"timeouts":[],"summaries":[{summary}],"summaries_dropped_total":0,"comms":[{comms}]}}'
-        ).encode()
-        return (self.head % len(body)).encode() + body
-
-
-@dataclass
-class Tally:
-    latencies_ms: array.array[float]
-    ok: int = 0  # answered 200 within the window
-    errors: int = 0
-    late: int = 0  # heartbeats sent more than 0.5 s after their time (the previous one took that long)
-    silent_last_s: float = 0.0  # when the silent node sent its last heartbeat
-
-
-async def drive(index: int, plan: Plan, stop: Event, tally: Tally) -> None:
-    """One agent: a heartbeat a second at its phase, on a keep-alive connection (opened again after an error),
-    until ``stop``."""
-    agent = SimulatedAgent(index, plan, plan.start_s - 3600.0)
-    begin, end = plan.window_s
-    due = plan.start_s + index / plan.nodes
-    streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-    try:
-        while not stop.is_set():
-            now = time.time()
-            if due > now:
-                await asyncio.sleep(due - now)
-                now = time.time()
-            if index == plan.silent_node and now >= plan.silent_s:
-                return
-            if now - due > 0.5:
-                tally.late += begin <= now < end
-                due = now  # no burst to catch up: the next one a second after this one
-            due += 1.0
-            try:
-                if streams is None:
-                    streams = await asyncio.open_connection(plan.host, plan.port)
-                reader, writer = streams
-                data = agent.request(now)
-                sent = time.perf_counter()
-                writer.write(data)
-                head = await reader.readuntil(b"\r\n\r\n")
-                found = _LENGTH.search(head)
-                if found:
-                    await reader.readexactly(int(found.group(1)))
-                took_ms = (time.perf_counter() - sent) * 1000.0
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                tally.errors += begin <= now < end
-                log.debug("%s: %s", node_name(index), exc)
-                if streams is not None:
-                    streams[1].close()
-                streams = None
-                continue
-            if index == plan.silent_node:
-                tally.silent_last_s = now
-            if begin <= now < end:
-                if head.startswith(b"HTTP/1.1 200"):
-                    tally.ok += 1
-                    tally.latencies_ms.append(took_ms)
-                else:
-                    tally.errors += 1
-    finally:
-        if streams is not None:
-            streams[1].close()
-
-
-async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tally:
-    tally = Tally(array.array("d"))
-    await asyncio.gather(*(drive(i, plan, stop, tally) for i in indices))
-    return tally
-
-
-def generate(plan: Plan, part: int, parts: int, stop: Event, results: Any) -> None:
-    """A load generator process: the nodes ``part::parts``."""
-    tally = asyncio.run(generate_async(plan, range(part, plan.nodes, parts), stop))
-    results.put((part, tally.latencies_ms.tobytes(), tally.ok, tally.errors, tally.late, tally.silent_last_s))
 
 
 def cpu_s(pid: int) -> float:
@@ -255,12 +59,6 @@ def machine_busy_s() -> tuple[float, float, float]:
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
     idle, steal, tick = values[3] + values[4], values[7], os.sysconf("SC_CLK_TCK")
     return (sum(values) - idle - steal) / tick, steal / tick, sum(values) / tick
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(conn: http.client.HTTPConnection, path: str) -> Any:

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from examples.model import ModelConfig, Transformer, model_shape
+from examples.config import ModelConfig
+from examples.model import Transformer, model_shape
 from examples.parallelize import lm_loss
 from trainer_hooks.flops import attention_flops_per_token, flops_per_token, measure_flops_per_token
 

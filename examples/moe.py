@@ -17,7 +17,7 @@ expert are sent to the expert's rank with ``all_to_all_single`` (differentiable)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
-if TYPE_CHECKING:
-    from examples.model import ModelConfig
+from examples.config import ModelConfig
+from examples.feed_forward import FeedForward
 
 
 class _InjectAuxGrad(torch.autograd.Function):
@@ -77,8 +77,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.ffn_hidden)
         self.shared: nn.Module | None = None
         if cfg.n_shared_experts:
-            from examples.model import FeedForward
-
             self.shared = FeedForward(cfg.dim, cfg.ffn_hidden * cfg.n_shared_experts)
         self.ep_group: dist.ProcessGroup | None = None
         self.cp_group: dist.ProcessGroup | None = None

@@ -20,7 +20,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from examples.model import FeedForward, Transformer
+from examples.feed_forward import FeedForward
+from examples.model import Transformer
 from examples.moe import MoE
 from opsd.protocol.mesh import DIM_NAMES, MeshSpec
 

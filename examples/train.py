@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 from torch.distributed.tensor import DTensor
 
+from examples.config import ModelConfig
 from examples.data import TokenSource, TokenSourceConfig
-from examples.model import ModelConfig, Transformer, model_shape
+from examples.model import Transformer, model_shape
 from examples.parallelize import (
     SCHEDULES,
     Meshes,

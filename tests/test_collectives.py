@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
 
-from trainer_hooks.collectives import CollectiveTracer, TimedWork, completion_seconds, op_label
+from trainer_hooks.collectives import CollectiveTracer
+from trainer_hooks.comm_tables import op_label
+from trainer_hooks.works import TimedWork, completion_seconds
 
 
 @dataclass

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from examples.model import ModelConfig, Transformer, model_shape
+from examples.config import ModelConfig
+from examples.model import Transformer, model_shape
 from examples.parallelize import lm_loss
 from trainer_hooks.flops import (
     PEAK_FLOPS_BF16,

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples.model import ModelConfig, Transformer
+from examples.config import ModelConfig
+from examples.model import Transformer
 from examples.moe import MoE
 
 MOE_CFG = ModelConfig(dim=16, n_heads=2, n_kv_heads=1, ffn_hidden=24, n_experts=4, top_k=2, seq_len=8)

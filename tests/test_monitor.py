@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from opsd.protocol.wire import decode
-from trainer_hooks.collectives import Blocked, CollectiveTracer
+from trainer_hooks.collectives import CollectiveTracer
+from trainer_hooks.comm_tables import Blocked
 from trainer_hooks.flops import ModelShape, flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
 

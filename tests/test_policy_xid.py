@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from opsd.errors import ConfigError
-from opsd.policy.xid import WatchWindow, XidAction, XidEvent, classify, decide, parse_table
-from opsd.protocol.xid_table import load_xid_table
+from opsd.policy.xid import WatchWindow, XidEvent, classify, decide
+from opsd.protocol.xid_table import XidAction, load_xid_table, parse_table
 
 TABLE = load_xid_table()
 W = WatchWindow(window_s=600, threshold=2)

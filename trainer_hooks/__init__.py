@@ -9,7 +9,8 @@ The public API::
 alternative), ``TRACER`` (the process-wide collective tracer, for labelling hand-made process groups).
 """
 
-from trainer_hooks.collectives import DIMENSIONS, TRACER
+from trainer_hooks.collectives import TRACER
+from trainer_hooks.comm_tables import DIMENSIONS
 from trainer_hooks.flops import ModelShape, flops_per_token, measure_flops_per_token, shape_from_module
 from trainer_hooks.monitor import Monitor, MonitorConfig
 

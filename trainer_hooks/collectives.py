@@ -34,275 +34,51 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from trainer_hooks.comm_tables import (
+    BACKWARD,
+    DIMENSIONS,
+    DIST_FUNCTIONS,
+    FORWARD,
+    FUNCTIONAL_GROUP_SIZE_INDEX,
+    FUNCTIONAL_OPS,
+    IDENTITY_CHECKED,
+    OTHER,
+    PEER_ARGUMENTS,
+    PHASES,
+    Blocked,
+    Key,
+    OpStats,
+    StepComms,
+    op_label,
+)
+from trainer_hooks.works import (
+    FunctionalOp,
+    TimedWork,
+    argument_getter,
+    buffer_bytes,
+    completion_seconds,
+    group_name,
+    size_of,
+)
+
 log = logging.getLogger(__name__)
 
-OTHER = "other"
-DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", OTHER)
-FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
-PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
-#: (dimension, op, phase): what a collective is counted under
-Key = tuple[str, str, str]
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass running
 # phases of issued works awaiting their completion hook, per (group, op): bounded (a hook may never fire)
 _MAX_GPU_PENDING = 1024
 _MAX_PENDING = 4096  # functional collectives issued and not waited on (through the traced wait) yet
-# the arguments naming the peer of a point-to-point function: a global rank, or a rank in the group
-_PEER_ARGUMENTS = {
-    "send": ("dst", "group_dst"),
-    "recv": ("src", "group_src"),
-    "isend": ("dst", "group_dst"),
-    "irecv": ("src", "group_src"),
-}
-
-# torch.distributed function -> (op label, the argument whose bytes count, always asynchronous)
-_DIST_FUNCTIONS: dict[str, tuple[str, str, bool]] = {
-    "all_reduce": ("all_reduce", "tensor", False),
-    "all_gather_single": ("all_gather", "output_tensor", False),
-    "all_gather_into_tensor": ("all_gather", "output_tensor", False),
-    "all_gather": ("all_gather", "tensor_list", False),
-    "reduce_scatter_single": ("reduce_scatter", "input", False),
-    "reduce_scatter_tensor": ("reduce_scatter", "input", False),
-    "all_to_all_single": ("all_to_all", "input", False),
-    "broadcast": ("broadcast", "tensor", False),
-    "send": ("send", "tensor", False),
-    "recv": ("recv", "tensor", False),
-    "isend": ("send", "tensor", True),
-    "irecv": ("recv", "tensor", True),
-}
-# ``P2POp`` and ``batch_isend_irecv`` compare ``op`` with these by identity, against the names in
-# ``distributed_c10d``: they are replaced there as well as in ``torch.distributed``.
-_IDENTITY_CHECKED = ("isend", "irecv")
-# functional op -> (op label, index of the tensor argument, index of the group-name argument)
-# Bytes are those of the full buffer, as in nccl-tests: all-gather output, reduce-scatter input, the tensor of
-# all-reduce / broadcast / send / recv, all-to-all input. A functional all-gather names its input and the group
-# size: its output is input x group size.
-_FUNCTIONAL_OPS: dict[str, tuple[str, int, int]] = {
-    "all_reduce": ("all_reduce", 0, 2),
-    "all_gather_into_tensor": ("all_gather", 0, 2),
-    "reduce_scatter_tensor": ("reduce_scatter", 0, 3),
-    "all_to_all_single": ("all_to_all", 0, 3),
-    "broadcast": ("broadcast", 0, 2),
-}
-_FUNCTIONAL_GROUP_SIZE_INDEX = {"all_gather_into_tensor": 1}
-
-
-# c10d OpType name (as the on-completion hook reports it) -> op label
-_OP_TYPES: dict[str, str] = {
-    "ALLREDUCE": "all_reduce",
-    "ALLREDUCE_COALESCED": "all_reduce",
-    "ALLGATHER": "all_gather",
-    "_ALLGATHER_BASE": "all_gather",
-    "ALLGATHER_COALESCED": "all_gather",
-    "REDUCE_SCATTER": "reduce_scatter",
-    "_REDUCE_SCATTER_BASE": "reduce_scatter",
-    "REDUCE_SCATTER_TENSOR_COALESCED": "reduce_scatter",
-    "ALLTOALL": "all_to_all",
-    "ALLTOALL_BASE": "all_to_all",
-    "BROADCAST": "broadcast",
-    "SEND": "send",
-    "RECV": "recv",
-    "RECVANYSOURCE": "recv",
-}
-
-
-def op_label(op_type: Any) -> str:
-    """The op label of a c10d ``OpType`` (``OpType.ALLREDUCE`` -> ``all_reduce``); unknown types -> ``other``."""
-    name = getattr(op_type, "name", str(op_type)).rsplit(".", 1)[-1]
-    return _OP_TYPES.get(name, OTHER)
-
-
-def completion_seconds(info: Any) -> float:
-    """Duration of a completed work from the on-completion hook's ``WorkInfo``: the GPU-side ``active_duration``
-    when timing is enabled, else the host's issue-to-detection time."""
-    active = float(info.active_duration.total_seconds())
-    if active > 0:
-        return active
-    return max(float((info.time_finished - info.time_started).total_seconds()), 0.0)
-
-
-def _argument(function: Callable[..., Any], name: str) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
-    """A fast reader of argument ``name`` of calls to ``function`` (binding the signature per call is slow)."""
-    parameter = inspect.signature(function).parameters.get(name)
-    if parameter is None:
-        return lambda args, kwargs: None
-    default = None if parameter.default is inspect.Parameter.empty else parameter.default
-    positional = list(inspect.signature(function).parameters).index(name)
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY:
-        return lambda args, kwargs: kwargs.get(name, default)
-    return lambda args, kwargs: args[positional] if len(args) > positional else kwargs.get(name, default)
-
-
-def _group_name(group: dist.ProcessGroup | str | None) -> str | None:
-    if group is None:
-        group = dist.group.WORLD if dist.is_initialized() else None
-        if group is None:
-            return None
-    return group if isinstance(group, str) else group.group_name
-
-
-def _buffer(tensor: Any) -> int:
-    """What identifies a functional collective's output when it is waited on: its data's address. In forward,
-    autograd hands the wait another tensor object over the same data (``_wrap_tensor_autograd``)."""
-    try:
-        return int(tensor.data_ptr()) or id(tensor)
-    except Exception:
-        return id(tensor)
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
-@dataclass
-class OpStats:
-    count: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class StepComms:
-    """Collectives of one step: per (dimension, op, phase) counts, bytes and issue-to-completion seconds; exposed
-    seconds."""
-
-    phases: dict[Key, OpStats] = field(default_factory=dict)
-    exposed_s: float = 0.0
-
-    @property
-    def ops(self) -> dict[tuple[str, str], OpStats]:
-        """Per (dimension, op), over the phases."""
-        out: dict[tuple[str, str], OpStats] = {}
-        for (dim, op, _), s in self.phases.items():
-            acc = out.setdefault((dim, op), OpStats())
-            acc.count += s.count
-            acc.bytes += s.bytes
-            acc.seconds += s.seconds
-        return out
-
-    @property
-    def total_s(self) -> float:
-        return sum(s.seconds for s in self.phases.values())
-
-    def by_dimension(self) -> dict[str, OpStats]:
-        out: dict[str, OpStats] = {}
-        for (dim, _), s in self.ops.items():
-            acc = out.setdefault(dim, OpStats())
-            acc.count += s.count
-            acc.bytes += s.bytes
-            acc.seconds += s.seconds
-        return out
-
-
-@dataclass(frozen=True)
-class Blocked:
-    """The training thread is waiting on a collective: its dimension and op, since (``perf_counter``), how long."""
-
-    dim: str
-    op: str
-    since: float
-    waited_s: float
-
-
-class TimedWork(dist.Work):
-    """A ``dist.Work`` that reports when it is waited on and when it is first seen complete.
-
-    Completion is observed on the training thread, never by a callback: a Python callback on the backend's thread
-    must take the GIL from the training thread, which held up the backend's next collective (a few percent of
-    step time on CPU). The tracer polls the works in flight at every collective call and wait, and at the end of
-    each step; a work's duration ends when it is first seen complete, or when its ``wait()`` returns.
-    """
-
-    def __init__(
-        self,
-        inner: dist.Work,
-        tracer: CollectiveTracer,
-        key: Key,
-        issued: float,
-        *,
-        host_timed: bool = True,
-    ) -> None:
-        super().__init__()
-        self._inner = inner
-        self._tracer = tracer
-        self._key = key
-        self._issued = issued
-        self.done = not host_timed  # the group's completion hook reports the duration
-        if not self.done:
-            tracer._track(self)
-
-    def finish(self, now: float) -> None:
-        if not self.done:
-            self.done = True
-            self._tracer._add_duration(self._key, now - self._issued)
-
-    def poll(self, now: float) -> bool:
-        """Finish if the work has completed; whether it is done."""
-        if not self.done and self._inner.is_completed():
-            self.finish(now)
-        return self.done
-
-    def wait(self, timeout: Any = None) -> bool:
-        start = time.perf_counter()
-        self.poll(start)
-        with self._tracer.blocking(None if self.done else self._key):
-            result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        end = time.perf_counter()
-        self._tracer._add_exposed(end - start)
-        self.finish(end)
-        return bool(result)
-
-    def is_completed(self) -> bool:
-        return bool(self._inner.is_completed())
-
-    def is_success(self) -> bool:
-        return bool(self._inner.is_success())
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def source_rank(self) -> int:
-        return int(self._inner.source_rank())
-
-    def result(self) -> list[torch.Tensor]:
-        return list(self._inner.result())
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._inner.get_future()
-
-
-class _FunctionalOp:
-    """Stands in for a ``torch.ops._c10d_functional`` packet: times the call, delegates everything else."""
-
-    def __init__(self, packet: Any, call: Callable[..., Any]) -> None:
-        self._packet = packet
-        self._call = call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._packet, name)
 
 
 class PhaseMark:
@@ -417,7 +193,7 @@ class CollectiveTracer:
 
     def host_timed(self, group: dist.ProcessGroup | str | None) -> bool:
         """Whether this tracer times ``group``'s collectives on the host (no completion hook)."""
-        return _group_name(group) not in self._gpu_timed
+        return group_name(group) not in self._gpu_timed
 
     def _on_completion(self, group_name: str, info: Any) -> None:
         """The completion hook (on the backend's watchdog thread): adds the work's duration to its dimension, under
@@ -428,18 +204,18 @@ class CollectiveTracer:
             with self._lock:
                 pending = self._gpu_phases.get((group_name, op))
                 phase = pending.popleft() if pending else OTHER
-            self._add_duration((self._labels.get(group_name, OTHER), op, phase), completion_seconds(info))
+            self.add_duration((self._labels.get(group_name, OTHER), op, phase), completion_seconds(info))
         except Exception as exc:
             self._internal_error(exc)
 
     def dimension_of(self, group: dist.ProcessGroup | str | None) -> str:
         """The label of ``group`` (None: the default group), ``other`` when it has none."""
-        name = _group_name(group)
+        name = group_name(group)
         return OTHER if name is None else self._labels.get(name, OTHER)
 
     # -- accounting ------------------------------------------------------------------------------------------
     def _issue(self, group: dist.ProcessGroup | str | None, op: str, nbytes: int, phase: str | None = None) -> Key:
-        name = _group_name(group)
+        name = group_name(group)
         dim = OTHER if name is None else self._labels.get(name, OTHER)
         key = (dim, op, phase or self.current_phase())
         with self._lock:
@@ -455,15 +231,15 @@ class CollectiveTracer:
                 pending.append(key[2])
         return key
 
-    def _add_duration(self, key: Key, seconds: float) -> None:
+    def add_duration(self, key: Key, seconds: float) -> None:
         with self._lock:
             self._step.phases.setdefault(key, OpStats()).seconds += seconds
 
-    def _add_exposed(self, seconds: float) -> None:
+    def add_exposed(self, seconds: float) -> None:
         with self._lock:
             self._step.exposed_s += seconds
 
-    def _track(self, work: TimedWork) -> None:
+    def track(self, work: TimedWork) -> None:
         with self._lock:
             self._inflight.append(work)
 
@@ -500,27 +276,25 @@ class CollectiveTracer:
     def install(self) -> None:
         if self.installed:
             return
-        for name, (op, tensor_arg, always_async) in _DIST_FUNCTIONS.items():
+        for name, (op, tensor_arg, always_async) in DIST_FUNCTIONS.items():
             original = getattr(dist, name, None)
             if original is None:
                 continue
             traced = self._wrap_dist(original, op, tensor_arg, always_async)
             self._originals[(dist, name)] = original
             setattr(dist, name, traced)
-            if name in _IDENTITY_CHECKED and getattr(c10d, name, None) is original:
+            if name in IDENTITY_CHECKED and getattr(c10d, name, None) is original:
                 self._originals[(c10d, name)] = original
                 setattr(c10d, name, traced)
         namespace = torch.ops._c10d_functional
-        for name, (op, tensor_index, group_index) in _FUNCTIONAL_OPS.items():
+        for name, (op, tensor_index, group_index) in FUNCTIONAL_OPS.items():
             packet = getattr(namespace, name)
             self._originals[(namespace, name)] = packet
-            traced = self._wrap_functional(
-                packet, op, tensor_index, group_index, _FUNCTIONAL_GROUP_SIZE_INDEX.get(name)
-            )
-            setattr(namespace, name, _FunctionalOp(packet, traced))
+            traced = self._wrap_functional(packet, op, tensor_index, group_index, FUNCTIONAL_GROUP_SIZE_INDEX.get(name))
+            setattr(namespace, name, FunctionalOp(packet, traced))
         wait_packet = getattr(namespace, "wait_tensor")  # noqa: B009
         self._originals[(namespace, "wait_tensor")] = wait_packet
-        setattr(namespace, "wait_tensor", _FunctionalOp(wait_packet, self._wrap_wait(wait_packet)))  # noqa: B010
+        setattr(namespace, "wait_tensor", FunctionalOp(wait_packet, self._wrap_wait(wait_packet)))  # noqa: B010
         # a pipeline schedule reduces the gradients (FSDP's post-backward) itself, after its last backward and
         # outside autograd: that is backward traffic (when torch's pipelining is imported before this is called)
         stage = sys.modules.get("torch.distributed.pipelining.stage")
@@ -546,9 +320,11 @@ class CollectiveTracer:
         self._originals.clear()
 
     def _wrap_dist(self, original: Callable[..., Any], op: str, tensor_arg: str, always_async: bool) -> Any:
-        get_tensor, get_group, get_async = (_argument(original, name) for name in (tensor_arg, "group", "async_op"))
-        peer_args = _PEER_ARGUMENTS.get(original.__name__)
-        get_peer, get_group_peer = (_argument(original, a) for a in peer_args) if peer_args else (None, None)
+        get_tensor, get_group, get_async = (
+            argument_getter(original, name) for name in (tensor_arg, "group", "async_op")
+        )
+        peer_args = PEER_ARGUMENTS.get(original.__name__)
+        get_peer, get_group_peer = (argument_getter(original, a) for a in peer_args) if peer_args else (None, None)
 
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
@@ -558,7 +334,7 @@ class CollectiveTracer:
                 phase = None
                 if get_peer and get_group_peer and _graph_task_id() == -1 and self.dimension_of(group) == "pp":
                     phase = self._p2p_phase(group, op, get_peer(args, kwargs), get_group_peer(args, kwargs))
-                key = self._issue(group, op, _nbytes(get_tensor(args, kwargs)), phase)
+                key = self._issue(group, op, size_of(get_tensor(args, kwargs)), phase)
                 host_timed = self.host_timed(group)
                 is_async = always_async or bool(get_async(args, kwargs))
             except Exception as exc:
@@ -570,8 +346,8 @@ class CollectiveTracer:
             if work is None or not is_async:
                 elapsed = time.perf_counter() - start
                 if host_timed:
-                    self._add_duration(key, elapsed)
-                self._add_exposed(elapsed)
+                    self.add_duration(key, elapsed)
+                self.add_exposed(elapsed)
                 return work
             try:
                 return TimedWork(work, self, key, start, host_timed=host_timed)
@@ -589,10 +365,10 @@ class CollectiveTracer:
             try:
                 self.poll()
                 group = args[group_index]
-                nbytes = _nbytes(args[tensor_index]) * (int(args[size_index]) if size_index is not None else 1)
+                nbytes = size_of(args[tensor_index]) * (int(args[size_index]) if size_index is not None else 1)
                 key = self._issue(group, op, nbytes)
                 with self._lock:
-                    self._pending[_buffer(out)] = (key, time.perf_counter(), self.host_timed(group))
+                    self._pending[buffer_bytes(out)] = (key, time.perf_counter(), self.host_timed(group))
                     if len(self._pending) > _MAX_PENDING:  # outputs whose wait was never seen
                         del self._pending[next(iter(self._pending))]
             except Exception as exc:
@@ -604,7 +380,7 @@ class CollectiveTracer:
     def _wrap_wait(self, packet: Any) -> Callable[..., Any]:
         def traced(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            buffer = _buffer(tensor)
+            buffer = buffer_bytes(tensor)
             pending = self._pending.get(buffer)
             with self.blocking(pending[0] if pending is not None else None):
                 out = packet(tensor, *args, **kwargs)
@@ -614,9 +390,9 @@ class CollectiveTracer:
                 with self._lock:
                     pending = self._pending.pop(buffer, None)
                 if pending is not None:
-                    self._add_exposed(end - start)
+                    self.add_exposed(end - start)
                     if pending[2]:
-                        self._add_duration(pending[0], end - pending[1])
+                        self.add_duration(pending[0], end - pending[1])
             except Exception as exc:
                 self._internal_error(exc)
             return out

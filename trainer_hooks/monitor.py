@@ -41,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opsd.protocol.env import AGENT_SOCKET_ENV, RUN_ENV
 from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
-from trainer_hooks.collectives import DIMENSIONS, FORWARD, OTHER, TRACER, CollectiveTracer, PhaseMark, StepComms
+from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
+from trainer_hooks.comm_tables import DIMENSIONS, FORWARD, OTHER, StepComms
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token

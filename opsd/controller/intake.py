@@ -14,9 +14,9 @@ from typing import Any
 from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window
 from opsd.policy.detection import GpuEvent
-from opsd.policy.xid import XidAction
 from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply, HeartbeatTimeout
 from opsd.protocol.states import NodeRole
+from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
 

@@ -26,104 +26,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
-    Column,
     Connection,
     Engine,
-    Float,
-    ForeignKey,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    Text,
-    UniqueConstraint,
-    create_engine,
-    event,
     insert,
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
-from opsd.errors import ConfigError, TransientError
+from opsd.controller.schema import actions, flight_dumps, incidents, nodes, open_engine, runs
+from opsd.errors import TransientError
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 
 log = logging.getLogger(__name__)
-
-metadata = MetaData()
-
-runs = Table(
-    "runs",
-    metadata,
-    Column("id", String(200), primary_key=True),
-    # running | recovering | waiting_for_spare | completed | failed | stopped
-    Column("state", String(32), nullable=False),
-    Column("spec", Text, nullable=False),  # JSON: what the run was started with
-    Column("created_s", Float, nullable=False),
-    Column("updated_s", Float, nullable=False),
-    Column("generation", Integer, nullable=False, default=0),  # launches so far (0: not launched)
-    Column("last_step", Integer, nullable=False, default=0),
-    Column("final_step", Integer),
-)
-
-nodes = Table(
-    "nodes",
-    metadata,
-    Column("name", String(200), primary_key=True),
-    Column("run", String(200)),  # the run it serves (active or spare), or None
-    Column("role", String(32), nullable=False),  # active | spare | cordoned
-    Column("domain", String(200), nullable=False, default=""),
-    Column("reason", Text, nullable=False, default=""),  # why it was cordoned
-    Column("events_acked", Integer, nullable=False, default=0),  # GPU events handled, up to this seq
-    Column("updated_s", Float, nullable=False),
-)
-
-incidents = Table(
-    "incidents",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("key", String(400), nullable=False, unique=True),
-    Column("run", String(200), nullable=False),
-    Column("kind", String(64), nullable=False),
-    Column("node", String(200), nullable=False),
-    Column("rank", Integer),
-    Column("detail", Text, nullable=False),
-    Column("state", String(32), nullable=False),  # open | recovered | abandoned
-    Column("failed_s", Float, nullable=False),
-    Column("detected_s", Float, nullable=False),
-    Column("resumed_s", Float),
-    Column("resumed_from_step", Integer),
-    Column("lost_steps", Integer),
-    Column("spare", String(200)),
-)
-
-actions = Table(
-    "actions",
-    metadata,
-    Column("request_id", String(200), primary_key=True),
-    Column("incident_id", Integer, ForeignKey("incidents.id")),
-    Column("run", String(200), nullable=False),
-    Column("seq", Integer, nullable=False),  # order within the incident
-    Column("kind", String(64), nullable=False),
-    Column("args", Text, nullable=False),  # JSON
-    Column("state", String(16), nullable=False),  # pending | done
-    Column("created_s", Float, nullable=False),
-    Column("done_s", Float),
-    Column("result", Text),  # JSON: what it did (the spare chosen, the nodes launched on), once done
-)
-
-flight_dumps = Table(
-    "flight_dumps",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("run", String(200), nullable=False),
-    Column("trigger", String(200), nullable=False),  # incident-<id>, timeout-<rank>-<step>, or a command's id
-    Column("rank", Integer, nullable=False),
-    Column("incident_id", Integer),
-    Column("received_s", Float, nullable=False),
-    Column("body", Text, nullable=False),  # the dump as the rank wrote it (JSON; docs/flight-recorder.md)
-    UniqueConstraint("run", "trigger", "rank"),
-)
 
 
 @dataclass(frozen=True)
@@ -138,30 +53,6 @@ class Action:
     created_s: float
     done_s: float | None
     result: dict[str, Any] | None = None
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()
-
-
-def open_engine(url: str) -> Engine:
-    """An engine for ``sqlite:///path`` (WAL) or ``postgresql+psycopg://...``; the tables are created if missing."""
-    if not url.startswith(("sqlite:", "postgresql")):
-        raise ConfigError(f"state URL {url!r}: expected sqlite:///path or postgresql+psycopg://...")
-    try:
-        # a connection to a server may have been dropped while pooled; a file's may not
-        engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite:"))
-        if engine.dialect.name == "sqlite":
-            event.listen(engine, "connect", _sqlite_pragmas)
-        metadata.create_all(engine)
-    except SQLAlchemyError as exc:
-        raise ConfigError(f"state URL {url!r}: {exc}") from exc
-    return engine
 
 
 class StateStore:

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.dashboards.panels import BUILDERS, DATASOURCE
+from opsd.dashboards.panels import BUILDERS
+from opsd.dashboards.widgets import DATASOURCE
 
 PANEL_TYPES = ("timeseries", "stat", "heatmap", "table")
 # Grafana's own variables (https://grafana.com/docs/grafana/latest/dashboards/variables/add-template-variables/)

@@ -13,17 +13,10 @@ An XID missing from the table is treated as ``watch_window``: counted and escala
 
 from __future__ import annotations
 
-import csv
-import io
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class XidAction(StrEnum):
-    CORDON_AND_SWAP = "cordon_and_swap"
-    RESTART_JOB = "restart_job"
-    WATCH_WINDOW = "watch_window"
+from opsd.protocol.xid_table import XidAction
 
 
 @dataclass(frozen=True)
@@ -51,20 +44,6 @@ class XidDecision:
     xid: int
     action: XidAction
     reason: str
-
-
-def parse_table(text: str) -> dict[int, XidAction]:
-    """The ``xid,meaning,default_action`` CSV as a mapping; raises ValueError naming the bad line."""
-    table: dict[int, XidAction] = {}
-    reader = csv.DictReader(io.StringIO(text))
-    if reader.fieldnames is None or not {"xid", "default_action"} <= set(reader.fieldnames):
-        raise ValueError("xid table: the header must name the columns xid and default_action")
-    for line, row in enumerate(reader, start=2):
-        try:
-            table[int(row["xid"])] = XidAction(row["default_action"].strip())
-        except (ValueError, TypeError, AttributeError):
-            raise ValueError(f"xid table line {line}: bad xid or action {row!r}") from None
-    return table
 
 
 def classify(xid: int, table: Mapping[int, XidAction]) -> XidAction:

@@ -1,14 +1,35 @@
-"""The XID table shipped with opsd (``opsd/data/xid_actions.csv``), or one of the operator's."""
+"""The XID table: what each NVIDIA XID calls for (``xid,meaning,default_action`` CSV), the one shipped with opsd
+(``opsd/data/xid_actions.csv``) or one of the operator's. ``opsd.policy.xid`` decides with it."""
 
 from __future__ import annotations
 
 import csv
 import io
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
 from opsd.errors import ConfigError
-from opsd.policy.xid import XidAction, parse_table
+
+
+class XidAction(StrEnum):
+    CORDON_AND_SWAP = "cordon_and_swap"
+    RESTART_JOB = "restart_job"
+    WATCH_WINDOW = "watch_window"
+
+
+def parse_table(text: str) -> dict[int, XidAction]:
+    """The ``xid,meaning,default_action`` CSV as a mapping; raises ValueError naming the bad line."""
+    table: dict[int, XidAction] = {}
+    reader = csv.DictReader(io.StringIO(text))
+    if reader.fieldnames is None or not {"xid", "default_action"} <= set(reader.fieldnames):
+        raise ValueError("xid table: the header must name the columns xid and default_action")
+    for line, row in enumerate(reader, start=2):
+        try:
+            table[int(row["xid"])] = XidAction(row["default_action"].strip())
+        except (ValueError, TypeError, AttributeError):
+            raise ValueError(f"xid table line {line}: bad xid or action {row!r}") from None
+    return table
 
 
 def load_xid_table(path: str | Path | None = None) -> dict[int, XidAction]:
