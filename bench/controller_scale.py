@@ -44,6 +44,7 @@ from typing import Any
 
 from bench.simulated_agents import POLL_S, RUN, SILENT_BEFORE_END_S, TOKEN, Plan, generate, node_name
 from opsd.backends.local.processes import free_port
+from opsd.protocol.states import IncidentKind
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def watch_for_loss(port: int, since_s: float, until_s: float) -> tuple[float, di
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=max(1.0, until_s - time.time()))
         try:
             for incident in get_json(conn, f"/v1/runs/{RUN}/incidents") or []:
-                if incident["kind"] != "straggler":
+                if incident["kind"] != IncidentKind.STRAGGLER:
                     return time.time(), incident
         except OSError as exc:  # a controller too busy to answer in time
             log.warning("polling the incidents: %s", exc)

@@ -34,6 +34,7 @@ from examples.data import TokenSource, TokenSourceConfig
 from examples.model import Transformer
 from examples.parallelize import build_mesh, parallelize
 from examples.train import check_layout, init_distributed, local_batch, make_monitor, parse_args
+from opsd.protocol.env import AGENT_SOCKET_ENV
 from trainer_hooks.collectives import TRACER
 
 MESH = "dp_shard=2,tp=2"
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         received = [0]
         reader = threading.Thread(target=drain, args=(sock, received), daemon=True)
         reader.start()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPSD_AGENT_SOCKET": path}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", AGENT_SOCKET_ENV: path}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
         cmd += ["-m", "bench.hook_overhead", "--worker", "--pairs", str(args.pairs), "--warmup", str(args.warmup)]
         cmd += ["--profile"] if args.profile else []

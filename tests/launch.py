@@ -5,14 +5,18 @@ hung run fails its test quickly and leaves nothing behind to slow down the next 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TIMEOUT_S = 240.0
@@ -91,3 +95,32 @@ def _run_once(
         message = f"{' '.join(cmd)} ran past {timeout_s} s\n{stdout[-2000:]}\n{stderr[-4000:]}"
         raise LaunchTimeoutError(message) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def agent_until_sigterm(
+    args: Sequence[str], port: int, while_running: Callable[[], None] | None = None
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """``opsd agent ARGS`` (its metrics on ``port``) until its ``/healthz`` answers, then ``while_running()``, then
+    SIGTERM: what ``/healthz`` answered, and how the process ended."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opsd", "agent", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    health: dict[str, Any] = json.load(r)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the agent's /healthz never answered"
+                time.sleep(0.1)
+        if while_running is not None:
+            while_running()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return health, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

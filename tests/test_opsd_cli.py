@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,6 +10,7 @@ from typer.testing import CliRunner
 from opsd import __version__
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
+from tests.launch import agent_until_sigterm
 
 
 def test_version() -> None:
@@ -47,31 +42,14 @@ def test_agent_bad_arguments_are_usage_errors(args: list[str], message: str) -> 
 def test_agent_runs_until_sigterm(tmp_path: Path) -> None:
     sock = tmp_path / "agent.sock"
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "opsd", "agent", "--socket", str(sock), "--metrics-port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                    assert json.load(r)["status"] == "ok"
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+
+    def socket_is_bound() -> None:
         assert sock.exists()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0
-    assert f"metrics on http://127.0.0.1:{port}/metrics" in out
+
+    health, ended = agent_until_sigterm(["--socket", str(sock), "--metrics-port", str(port)], port, socket_is_bound)
+    assert health["status"] == "ok"
+    assert ended.returncode == 0
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in ended.stdout
     assert not sock.exists()
 
 

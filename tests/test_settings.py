@@ -7,11 +7,6 @@ import dataclasses
 import enum
 import json
 import re
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +19,7 @@ from opsd.backends.local.processes import free_port
 from opsd.cli import settings
 from opsd.cli.app import app
 from opsd.errors import ConfigError
-from tests.launch import ROOT
+from tests.launch import ROOT, agent_until_sigterm
 
 #: every key of the settings file; a change here is a change users see (docs/configuration.md, the Helm chart)
 FROZEN_KEYS = [
@@ -361,30 +356,11 @@ def test_the_agent_runs_on_a_settings_file_and_its_flags_win(tmp_path: Path) -> 
     sock, port = tmp_path / "agent.sock", free_port()
     config = tmp_path / "opsd.yaml"
     config.write_text(f"agent:\n  socket: {sock}\n  metrics_port: {port}\n  node: from-file\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "opsd", "agent", "--config", str(config), "--node", "from-flag"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                    assert json.load(r)["node"] == "from-flag"
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        assert sock.exists()
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0
+    args = ["--config", str(config), "--node", "from-flag"]
+    health, ended = agent_until_sigterm(args, port, lambda: None if sock.exists() else pytest.fail("no socket"))
+    assert health["node"] == "from-flag"
+    assert ended.returncode == 0, ended.stderr
+    assert f"datagrams on {sock}" in ended.stdout
 
 
 def test_serve_refuses_a_bad_settings_file_with_exit_2(tmp_path: Path) -> None:

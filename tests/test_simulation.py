@@ -24,6 +24,7 @@ from opsd.analysis.simulation import (
 )
 from opsd.cli.app import app
 from opsd.policy.cadence import CadenceConfig, daly_interval_s
+from opsd.policy.goodput import BadputBucket
 
 
 def workload(failures_per_day: float, category: str = "dependency", gpus: int = 64) -> Workload:
@@ -38,7 +39,7 @@ def test_lost_work_per_failure_is_half_the_interval_plus_the_restore() -> None:
     result = simulate(Scenario(workload(1.0), 3000, QUIET), Policy(interval_s=600.0))
     assert result.failures > 2500
     assert result.lost_work_per_failure_s == pytest.approx(300.0, rel=0.05)
-    downtime = (result.badput_s["detection"] + result.badput_s["restart"]) / result.failures
+    downtime = (result.badput_s[BadputBucket.DETECTION] + result.badput_s[BadputBucket.RESTART]) / result.failures
     assert downtime == pytest.approx(2.0 + 300.0, rel=0.01)  # the process-exit detection of opsd, then the restore
 
 
@@ -88,7 +89,7 @@ def test_wall_time_is_productive_time_plus_every_bucket() -> None:
     assert set(result.badput_s) == set(BUCKETS)
     assert all(v >= 0 for v in result.badput_s.values())
     assert result.productive_s + sum(result.badput_s.values()) == pytest.approx(result.wall_s)
-    assert result.badput_s["straggler"] > 0
+    assert result.badput_s[BadputBucket.STRAGGLER] > 0
 
 
 def test_without_failures_only_checkpoints_cost() -> None:
@@ -122,8 +123,8 @@ def test_the_binomial_pool_saves_the_wait_of_a_pool_too_small() -> None:
     small = simulate(scenario, Policy(spares=0))
     sized = simulate(scenario, Policy())
     assert sized.spares > 0
-    assert small.badput_s["spare_wait"] > 10 * 3600
-    assert sized.badput_s["spare_wait"] < small.badput_s["spare_wait"] / 20
+    assert small.badput_s[BadputBucket.SPARE_WAIT] > 10 * 3600
+    assert sized.badput_s[BadputBucket.SPARE_WAIT] < small.badput_s[BadputBucket.SPARE_WAIT] / 20
     assert sized.ettr > small.ettr
 
 
@@ -131,7 +132,7 @@ def test_swapping_a_straggler_costs_less_than_leaving_it() -> None:
     scenario = Scenario(workload(0.0), 100, stragglers=Stragglers(episodes_per_day=2.0, duration_h=2.0))
     swapped = simulate(scenario, Policy(interval_s=600.0))
     left = simulate(scenario, Policy(interval_s=600.0, swap_stragglers=False))
-    assert 0 < swapped.badput_s["straggler"] < left.badput_s["straggler"] / 5
+    assert 0 < swapped.badput_s[BadputBucket.STRAGGLER] < left.badput_s[BadputBucket.STRAGGLER] / 5
 
 
 def test_watchdog_detection_costs_more_than_opsd_detection() -> None:
@@ -139,7 +140,7 @@ def test_watchdog_detection_costs_more_than_opsd_detection() -> None:
     opsd = simulate(scenario, Policy(interval_s=900.0))
     watchdog = simulate(scenario, Policy(interval_s=900.0, detection="watchdog"))
     assert opsd.failures == watchdog.failures  # the same failures: the same seed
-    assert watchdog.badput_s["detection"] > 20 * opsd.badput_s["detection"]
+    assert watchdog.badput_s[BadputBucket.DETECTION] > 20 * opsd.badput_s[BadputBucket.DETECTION]
 
 
 @pytest.mark.parametrize(

@@ -27,11 +27,20 @@ from dataclasses import dataclass, field
 
 from opsd.analysis.presets import CATEGORIES, DETECTION, Workload
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
+from opsd.policy.goodput import BadputBucket
 from opsd.policy.spares import spare_pool_size
 
 log = logging.getLogger(__name__)
 
-BUCKETS = ("checkpoint", "recompute", "detection", "spare_wait", "restart", "straggler")
+#: the simulator's badput buckets, in the order reports show them
+BUCKETS = (
+    BadputBucket.CHECKPOINT,
+    BadputBucket.RECOMPUTE,
+    BadputBucket.DETECTION,
+    BadputBucket.SPARE_WAIT,
+    BadputBucket.RESTART,
+    BadputBucket.STRAGGLER,
+)
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ class Scenario:
 class Result:
     policy: str
     wall_s: float
-    badput_s: dict[str, float]  # BUCKETS
+    badput_s: dict[BadputBucket, float]  # BUCKETS
     failures: int
     swaps: int
     spares: int
@@ -123,7 +132,7 @@ class Result:
     @property
     def lost_work_per_failure_s(self) -> float:
         """Work done again per failure (the time since the durable checkpoint)."""
-        return self.badput_s["recompute"] / self.failures if self.failures else 0.0
+        return self.badput_s[BadputBucket.RECOMPUTE] / self.failures if self.failures else 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -162,7 +171,7 @@ def simulate(scenario: Scenario, policy: Policy) -> Result:
         one.run()
         for bucket in BUCKETS:
             totals[bucket] += one.badput[bucket]
-        totals["straggler"] += _straggler_badput(scenario, policy, scenario.seed + replica)
+        totals[BadputBucket.STRAGGLER] += _straggler_badput(scenario, policy, scenario.seed + replica)
         failures += one.failures
         swaps += one.swaps
         checkpoints += one.checkpoints
@@ -286,7 +295,7 @@ class _Run:
                 # a save waits for the upload of the one before it (as an async save does)
                 behind = max(0.0, pending[1] - t) if pending is not None else 0.0
                 end = min(t + behind + self.c.checkpoint_blocking_s, fail_t, self.horizon_s)
-                self.badput["checkpoint"] += end - t
+                self.badput[BadputBucket.CHECKPOINT] += end - t
                 t = end
                 if t < fail_t and t < self.horizon_s:
                     if pending is not None and pending[1] <= t:
@@ -302,7 +311,7 @@ class _Run:
             if pending is not None and pending[1] <= t:
                 durable = pending[0]
             pending = None
-            self.badput["recompute"] += work - durable
+            self.badput[BadputBucket.RECOMPUTE] += work - durable
             work = durable
             t, fail_t = self._recover(t)
             interval = self._interval(t, work)
@@ -322,7 +331,12 @@ class _Run:
             end = t + detection + wait + self.c.restart_s
             cut = min(next_fail, end, self.horizon_s)
             start = t
-            for bucket, length in (("detection", detection), ("spare_wait", wait), ("restart", self.c.restart_s)):
+            waits = (
+                (BadputBucket.DETECTION, detection),
+                (BadputBucket.SPARE_WAIT, wait),
+                (BadputBucket.RESTART, self.c.restart_s),
+            )
+            for bucket, length in waits:
                 self.badput[bucket] += min(length, max(0.0, cut - start))
                 start += length
             if next_fail < end and next_fail < self.horizon_s:

@@ -122,19 +122,19 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     def restart(run: str, body: RestartIn) -> dict[str, Any]:
         """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
         that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
-        return _act(lambda: controller.request_restart(run, body.reason, clock()))
+        return _answer(lambda: controller.request_restart(run, body.reason, clock()))
 
     @app.get("/v1/runs/{run}/checkpoints")
     def checkpoints(run: str) -> dict[str, Any]:
-        return _read(lambda: checkpoints_view(controller, run))
+        return _answer(lambda: checkpoints_view(controller, run), refused=400)
 
     @app.get("/v1/runs/{run}/cadence")
     def cadence(run: str) -> dict[str, Any]:
-        return _read(lambda: cadence_view(controller, run, clock()))
+        return _answer(lambda: cadence_view(controller, run, clock()), refused=400)
 
     @app.get("/v1/runs/{run}/postmortem")
     def postmortem(run: str) -> dict[str, Any]:
-        return _read(lambda: postmortem_bundle(controller, run, clock()))
+        return _answer(lambda: postmortem_bundle(controller, run, clock()), refused=400)
 
     @app.get("/v1/spares")
     def spares() -> dict[str, Any]:
@@ -146,16 +146,16 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
 
     @app.post("/v1/nodes/{node}/cordon", dependencies=[Depends(authorized)])
     def cordon(node: str, body: CordonIn) -> dict[str, Any]:
-        return _act(lambda: controller.set_node_role(node, NodeRole.CORDONED, body.reason, clock()))
+        return _answer(lambda: controller.set_node_role(node, NodeRole.CORDONED, body.reason, clock()))
 
     @app.post("/v1/nodes/{node}/uncordon", dependencies=[Depends(authorized)])
     def uncordon(node: str) -> dict[str, Any]:
-        return _act(lambda: controller.set_node_role(node, NodeRole.SPARE, "", clock()))
+        return _answer(lambda: controller.set_node_role(node, NodeRole.SPARE, "", clock()))
 
     @app.post("/v1/runs/{run}/inject", dependencies=[Depends(authorized)])
     def inject(run: str, body: InjectIn) -> dict[str, str]:
         fault = Fault(body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor)
-        return {"injected": _act(lambda: controller.inject(run, fault))}
+        return {"injected": _answer(lambda: controller.inject(run, fault))}
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -183,10 +183,10 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
 T = TypeVar("T")
 
 
-def _act(action: Callable[[], T]) -> T:
-    """What an endpoint answers, its errors as HTTP statuses: 404 for what does not exist, 400 for a request that
-    asks the impossible, 409 for one refused in the current state, 503 (with ``Retry-After``) for one worth
-    retrying."""
+def _answer(action: Callable[[], T], refused: int = 409) -> T:
+    """What an endpoint answers, opsd's errors as HTTP statuses: 404 for what does not exist, 400 for a request that
+    asks the impossible, ``refused`` (409: refused in the current state; a read: 400) for the other permanent
+    errors, 503 (with ``Retry-After``) for one worth retrying."""
     try:
         return action()
     except NotFoundError as exc:
@@ -194,19 +194,8 @@ def _act(action: Callable[[], T]) -> T:
     except BodyError as exc:
         raise HTTPException(400, str(exc)) from None
     except PermanentError as exc:
-        raise HTTPException(409, str(exc)) from None
+        raise HTTPException(refused, str(exc)) from None
     except TransientError as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": str(int(exc.retry_after_s))}) from None
-
-
-def _read(view: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A read view's answer: 404 for an unknown run, 400 for a request it cannot answer, 503 when a store it reads
-    is unavailable."""
-    try:
-        return view()
-    except NotFoundError as exc:
-        raise HTTPException(404, str(exc)) from None
-    except PermanentError as exc:
-        raise HTTPException(400, str(exc)) from None
     except OpsError as exc:
         raise HTTPException(503, str(exc)) from None

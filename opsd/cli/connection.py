@@ -28,20 +28,21 @@ from rich.table import Table
 
 from opsd.cli.client import ApiClient
 from opsd.errors import OpsError
+from opsd.protocol.env import CLIENT_CONFIG_ENV, STATE_DIR_ENV, TOKEN_ENV, URL_ENV
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 EXIT_ERROR, EXIT_USAGE, EXIT_TIMEOUT = 1, 2, 3
 
 Url = Annotated[
-    str | None, typer.Option("--url", envvar="OPSD_URL", help="the controller (default: config file, then localhost)")
+    str | None, typer.Option("--url", envvar=URL_ENV, help="the controller (default: config file, then localhost)")
 ]
 Token = Annotated[
     str | None,
-    typer.Option("--token", envvar="OPSD_TOKEN", help="bearer token (default: config file, STATE_DIR/token)"),
+    typer.Option("--token", envvar=TOKEN_ENV, help="bearer token (default: config file, STATE_DIR/token)"),
 ]
-StateDir = Annotated[str, typer.Option("--state-dir", envvar="OPSD_STATE_DIR", help="where the token file is")]
+StateDir = Annotated[str, typer.Option("--state-dir", envvar=STATE_DIR_ENV, help="where the token file is")]
 ClientConfig = Annotated[
-    str | None, typer.Option("--config", envvar="OPSD_CONFIG", help="TOML with url and token (the client's)")
+    str | None, typer.Option("--config", envvar=CLIENT_CONFIG_ENV, help="TOML with url and token (the client's)")
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 RunName = Annotated[str, typer.Option("--run", help="the run")]

@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from opsd.errors import ConfigError, OpsError, PermanentError, TransientError
+from opsd.protocol.env import GRAFANA_TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def push(
     grafana_url: Annotated[
         str, typer.Option(help="Grafana's base URL, e.g. http://grafana:3000 or https://host/grafana")
     ],
-    token: Annotated[str, typer.Option(envvar="OPSD_GRAFANA_TOKEN", help="Grafana service-account token (Editor)")],
+    token: Annotated[str, typer.Option(envvar=GRAFANA_TOKEN_ENV, help="Grafana service-account token (Editor)")],
     folder: Annotated[
         str, typer.Option(help="folder title, created when missing (empty: the General folder)")
     ] = "opsd",

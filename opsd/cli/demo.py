@@ -30,6 +30,7 @@ from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
 from opsd.policy.detection import DetectionConfig
+from opsd.protocol.states import IncidentKind, NodeRole, RunState
 
 RUN = "demo"
 
@@ -79,7 +80,7 @@ class Injector:
 
 
 def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:
-    failures = [i for i in status["incidents"] if i["kind"] != "straggler"]
+    failures = [i for i in status["incidents"] if i["kind"] != IncidentKind.STRAGGLER]
     first = failures[0] if failures else None
     injected = injector.injected_s or 0.0
     return {
@@ -89,7 +90,7 @@ def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:
         "detected_s": round(first["detected_s"] - injected, 3) if first else None,
         "recovered_s": round(first["resumed_s"] - injected, 3) if first and first["resumed_s"] else None,
         "lost_steps": first["lost_steps"] if first else 0,
-        "nodes_swapped": sum(1 for n in status["nodes"] if n["role"] == "cordoned"),
+        "nodes_swapped": sum(1 for n in status["nodes"] if n["role"] == NodeRole.CORDONED),
         "spare": first["spare"] if first else None,
         "resumed_from_step": first["resumed_from_step"] if first else None,
         "final_step": status["step"],
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(f"  ETTR {result['ettr']:.3f}; state, checkpoints and logs in {workdir}")
     print(json.dumps(result), flush=True)
-    return 0 if result["state"] == "completed" else 1
+    return 0 if result["state"] == RunState.COMPLETED else 1
 
 
 if __name__ == "__main__":

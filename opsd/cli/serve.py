@@ -16,6 +16,7 @@ import typer
 from opsd.cli import settings
 from opsd.errors import ConfigError, OpsError
 from opsd.policy.recovery import OnNoSpare
+from opsd.protocol.states import RunState
 
 
 def setting(help_text: str, *names: str) -> Any:
@@ -222,7 +223,7 @@ def run(
         typer.echo(f"opsd run: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps({k: status[k] for k in ("run", "state", "step", "ettr")}))
-    raise typer.Exit(0 if status["state"] == "completed" else 1)
+    raise typer.Exit(0 if status["state"] == RunState.COMPLETED else 1)
 
 
 def register(app: typer.Typer) -> None:

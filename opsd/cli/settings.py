@@ -36,15 +36,23 @@ import yaml
 from agent.daemon import AgentConfig
 from opsd.api.server import ServeConfig
 from opsd.errors import ConfigError
-from opsd.protocol.env import AGENT_SOCKET_ENV, CONTROLLER_TOKEN_ENV, FLIGHT_DIR_ENV, POLICY_FILE_ENV
+from opsd.protocol.env import (
+    AGENT_SOCKET_ENV,
+    CONTROLLER_TOKEN_ENV,
+    FLIGHT_DIR_ENV,
+    POLICY_FILE_ENV,
+    STATE_DIR_ENV,
+    STATE_URL_ENV,
+    TOKEN_ENV,
+)
 
 #: the file's sections and the dataclass each one is
 SECTIONS: dict[str, type[Any]] = {"controller": ServeConfig, "agent": AgentConfig}
 #: keys whose environment variable is not the generated one
 ENV_ALIASES = {
-    "controller.state_dir": "OPSD_STATE_DIR",
-    "controller.state_url": "OPSD_STATE_URL",
-    "controller.token": "OPSD_TOKEN",
+    "controller.state_dir": STATE_DIR_ENV,
+    "controller.state_url": STATE_URL_ENV,
+    "controller.token": TOKEN_ENV,
     "agent.socket": AGENT_SOCKET_ENV,
     "agent.controller_token": CONTROLLER_TOKEN_ENV,
     "agent.policy_file": POLICY_FILE_ENV,

@@ -12,8 +12,8 @@ from prometheus_client.registry import Collector
 
 from opsd.controller.controller import Controller
 from opsd.controller.views import cadence_interval_s, recommended_spares
+from opsd.protocol.states import NodeRole, RunState
 
-RUN_STATES = ("running", "recovering", "waiting_for_spare", "completed", "failed", "stopped")
 RECOVERY_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
@@ -94,7 +94,7 @@ class ControllerCollector(Collector):
                 continue
             for key, family in gauges.items():
                 family.add_metric([run_id], float(status[key]))
-            for name in RUN_STATES:
+            for name in RunState:
                 state.add_metric([run_id, name], 1.0 if run["state"] == name else 0.0)
             if status["mtbf_s"] is not None:
                 mtbf.add_metric([run_id], float(status["mtbf_s"]))
@@ -112,7 +112,7 @@ class ControllerCollector(Collector):
             if committed_s is not None:
                 last_commit.add_metric([run_id], committed_s)
             progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run["created_s"]))
-            active = sum(1 for n in status["nodes"] if n["role"] == "active")
+            active = sum(1 for n in status["nodes"] if n["role"] == NodeRole.ACTIVE)
             run_incidents = controller.store.incidents(run_id)
             recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
             stragglers.add_metric([run_id], float(len(status["stragglers"])))

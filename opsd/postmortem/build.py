@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opsd.errors import PermanentError
+from opsd.policy.goodput import BadputBucket
 from opsd.postmortem.model import (
     BADPUT_BUCKETS,
     KIND_WORDS,
@@ -231,7 +232,7 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
         raise PermanentError(f"run {run_id!r} has no incident {incident_id} (its incidents: {known})")
 
     goodput = _goodput(status, bundle.get("checkpoint_blocking_s"))
-    recompute_total = dict(goodput.badput_s).get("recompute")
+    recompute_total = dict(goodput.badput_s).get(BadputBucket.RECOMPUTE)
     lost_total = sum(r["lost_steps"] or 0 for r in rows if r["kind"] != IncidentKind.STRAGGLER)
 
     def analysis_of(ident: int) -> FlightRecorder | None:

@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
+from opsd.policy.goodput import BadputBucket
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -28,12 +30,12 @@ PHASE_COLOURS = {
     "first step": "#27ae60",
 }
 OTHER_PHASE_COLOUR = "#95a5a6"
-BADPUT_COLOURS = {
-    "checkpoint": "#2980b9",
-    "detection": "#e67e22",
-    "spare_wait": "#8e44ad",
-    "restart": "#c0392b",
-    "recompute": "#f1c40f",
+BADPUT_COLOURS: dict[str, str] = {
+    BadputBucket.CHECKPOINT: "#2980b9",
+    BadputBucket.DETECTION: "#e67e22",
+    BadputBucket.SPARE_WAIT: "#8e44ad",
+    BadputBucket.RESTART: "#c0392b",
+    BadputBucket.RECOMPUTE: "#f1c40f",
 }
 DPI = 100
 _P = ParamSpec("_P")

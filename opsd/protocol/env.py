@@ -9,6 +9,10 @@ local nodes, a Kubernetes pod template) to the ranks' hooks and the node agent.
 | ``OPSD_POLICY_FILE`` | the backend | the ranks, ``opsd agent`` | where the agent writes the controller's policy |
 | ``OPSD_FLIGHT_DIR`` | the backend | the ranks, ``opsd agent`` | where ranks write Flight Recorder dumps |
 | ``OPSD_CONTROLLER_TOKEN`` | the backend | ``opsd agent`` | the bearer token of its heartbeats |
+
+And the operator's side (the CLI, and the controller's settings, docs/configuration.md): ``OPSD_URL``,
+``OPSD_TOKEN``, ``OPSD_STATE_DIR``, ``OPSD_STATE_URL``, ``OPSD_CONFIG`` (the client's config file) and
+``OPSD_GRAFANA_TOKEN``.
 """
 
 from __future__ import annotations
@@ -19,3 +23,9 @@ AGENT_SOCKET_ENV = "OPSD_AGENT_SOCKET"
 POLICY_FILE_ENV = "OPSD_POLICY_FILE"
 FLIGHT_DIR_ENV = "OPSD_FLIGHT_DIR"
 CONTROLLER_TOKEN_ENV = "OPSD_CONTROLLER_TOKEN"
+URL_ENV = "OPSD_URL"
+TOKEN_ENV = "OPSD_TOKEN"
+STATE_DIR_ENV = "OPSD_STATE_DIR"
+STATE_URL_ENV = "OPSD_STATE_URL"
+CLIENT_CONFIG_ENV = "OPSD_CONFIG"
+GRAFANA_TOKEN_ENV = "OPSD_GRAFANA_TOKEN"
