@@ -10,6 +10,7 @@ import pytest
 from tests.s3 import CREDENTIALS, make_bucket, moto_server
 
 if TYPE_CHECKING:
+    from tests.kube.emulator import KubeEmulator
     from trainer_hooks.collectives import CollectiveTracer
 
 
@@ -32,6 +33,15 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture
+def kube() -> Iterator[KubeEmulator]:
+    """An emulated Kubernetes API server on loopback (``tests.kube.emulator``), fresh for each test."""
+    from tests.kube.emulator import kube_emulator
+
+    with kube_emulator() as emulator:
+        yield emulator
 
 
 @pytest.fixture

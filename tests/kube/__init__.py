@@ -1,0 +1,1 @@
+"""An emulated Kubernetes API server for tests (see ``tests.kube.emulator``)."""
