@@ -707,7 +707,7 @@ def test_schema_refuses_bad_values(helm: Helm, args: list[str], message: str) ->
 def test_kube_version_below_the_floor_is_refused(helm: Helm) -> None:
     proc = helm.template(kube="1.28.9")
     assert proc.returncode != 0
-    assert "kubeVersion" in proc.stderr or ">=1.29.0-0" in proc.stderr
+    assert "chart requires kubeVersion: >=1.29.0-0" in proc.stderr
 
 
 # -- names -------------------------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
 {{- define "opsd.imagePullSecrets" -}}
-{{- with .Values.image.pullSecrets }}
+{{- with .Values.image.pullSecrets -}}
 imagePullSecrets:
 {{- range . }}
   - name: {{ . }}
