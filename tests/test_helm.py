@@ -485,7 +485,7 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     c = container(daemonset)
     assert next(m for m in c["volumeMounts"] if m["name"] == "run")["mountPath"] == "/run/opsd"
     assert env(c)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://trainops-controller:8470/v1/heartbeat"
-    assert env(c)["OPSD_LOG_LEVEL"]["value"] == "DEBUG"
+    assert env(c)["PYTHONFAULTHANDLER"]["value"] == "1"
     settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["agent"]["heartbeat_interval_s"] == 2
     assert settings["agent"]["gpu_interval_s"] == 10
