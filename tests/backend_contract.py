@@ -97,9 +97,9 @@ SCENARIOS = [
         1,
         XID,
         [
-            ("stop", {"generation": 1}, {}),
             ("cordon", {"node": "node-1", "reason": XID.detail}, {"node": "node-1"}),
             ("take_spare", {"for": "node-1"}, {"spare": "node-2"}),
+            ("stop", {"generation": 1}, {}),
             ("launch", {"after_generation": 1}, {**LAUNCHED, "nodes": ["node-0", "node-2"]}),
         ],
         {"node-0": ACTIVE, "node-1": CORDONED, "node-2": ACTIVE},
@@ -145,9 +145,9 @@ SCENARIOS = [
         0,
         XID,
         [
-            ("stop", {"generation": 1}, {}),
             ("cordon", {"node": "node-1", "reason": XID.detail}, {"node": "node-1"}),
             ("take_spare", {"for": "node-1"}, {"spare": "node-1"}),
+            ("stop", {"generation": 1}, {}),
             ("launch", {"after_generation": 1}, {**LAUNCHED, "nodes": ["node-0", "node-1"]}),
         ],
         {"node-0": ACTIVE, "node-1": ACTIVE},

@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from opsd.backends.local.backend import LocalBackend
-from opsd.controller.port import Failed, Fault, FaultKind
+from opsd.controller.port import Done, Fault, FaultKind
 from opsd.errors import PermanentError
 
 
@@ -14,6 +14,6 @@ def inject(backend: LocalBackend, kind: FaultKind, **fault: Any) -> str:
     """Inject a fault into the backend's run; what was done, in words. ``PermanentError`` when it names no node or
     running rank (yet)."""
     outcome = backend.inject(backend.spec.run, Fault(kind, **fault), f"test-{uuid.uuid4().hex}")
-    if isinstance(outcome, Failed):
+    if not isinstance(outcome, Done):
         raise PermanentError(outcome.message)
     return str(outcome.data["injected"])

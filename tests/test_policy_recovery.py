@@ -11,7 +11,7 @@ from opsd.policy.recovery import OnNoSpare, plan_recovery, request_id, shrinks_w
 from opsd.protocol.states import ActionKind
 
 Steps = list[tuple[str, dict[str, Any]]]
-SWAP: Steps = [("stop", {"generation": 3}), ("cordon", {"node": "n1", "reason": "why"}), ("take_spare", {"for": "n1"})]
+SWAP: Steps = [("cordon", {"node": "n1", "reason": "why"}), ("take_spare", {"for": "n1"}), ("stop", {"generation": 3})]
 RELAUNCH: Steps = [("stop", {"generation": 3}), ("launch", {"after_generation": 3})]
 
 PLANS: dict[str, tuple[FailureKind, int | None, Steps]] = {
@@ -55,7 +55,7 @@ def test_a_plan_is_the_same_every_time_it_is_made() -> None:
     again = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=None)
     ids = [request_id(7, seq, s.kind) for seq, s in enumerate(first)]
     assert ids == [request_id(7, seq, s.kind) for seq, s in enumerate(again)]
-    assert ids == ["incident-7-0-stop", "incident-7-1-cordon", "incident-7-2-take_spare", "incident-7-3-launch"]
+    assert ids == ["incident-7-0-cordon", "incident-7-1-take_spare", "incident-7-2-stop", "incident-7-3-launch"]
 
 
 NO_SPARE = {

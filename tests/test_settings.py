@@ -56,6 +56,23 @@ FROZEN_KEYS = [
     "controller.flight_wait_s",
     "controller.step_attempts",
     "controller.step_retry_max_s",
+    "controller.step_timeout_s",
+    "controller.backend",
+    "controller.kubernetes.namespace",
+    "controller.kubernetes.watch_namespace",
+    "controller.kubernetes.node_selector",
+    "controller.kubernetes.kubeconfig",
+    "controller.kubernetes.context",
+    "controller.kubernetes.leader_election",
+    "controller.kubernetes.lease_name",
+    "controller.kubernetes.lease_duration_s",
+    "controller.kubernetes.renew_deadline_s",
+    "controller.kubernetes.retry_period_s",
+    "controller.kubernetes.pod_name",
+    "controller.kubernetes.quarantines_per_hour",
+    "controller.kubernetes.force_delete_after_s",
+    "controller.kubernetes.resync_interval_s",
+    "controller.kubernetes.watch_timeout_s",
     "agent.socket",
     "agent.metrics_host",
     "agent.metrics_port",
@@ -96,6 +113,7 @@ FROZEN_FLAGS = {
         "--xid-table",
     ],
     "serve": [
+        "--backend",
         "--config",
         "--hang-floor-s",
         "--heartbeat-floor-s",
@@ -269,9 +287,10 @@ def test_every_key_is_settable_from_a_file(tmp_path: Path, section: str) -> None
 
 
 def get(config: Any, path: list[str]) -> Any:
-    """A key's value in a built configuration (inline sections: ``ServeConfig.controller``)."""
+    """A key's value in a built configuration, inline sections looked into (``ControllerSettings.serve``,
+    ``ServeConfig.controller``)."""
     for part in path:
-        if not hasattr(config, part):
+        while not hasattr(config, part):
             inline = next(f.name for f in dataclasses.fields(config) if f.metadata.get("inline"))
             config = getattr(config, inline)
         config = getattr(config, part)
@@ -281,23 +300,23 @@ def get(config: Any, path: list[str]) -> Any:
 def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     path = tmp_path / "opsd.toml"
     path.write_text('[controller]\nport = 9001\nhost = "0.0.0.0"\n[controller.detection]\nhang_floor_s = 30\n')
-    from_file = settings.load("controller", str(path), env={})
+    from_file = settings.load("controller", str(path), env={}).serve
     assert isinstance(from_file, ServeConfig)
     assert (from_file.port, from_file.host, from_file.controller.detection.hang_floor_s) == (9001, "0.0.0.0", 30.0)
     env = {"OPSD_CONTROLLER_PORT": "9002", "OPSD_CONTROLLER_DETECTION_HANG_FLOOR_S": "45", "OPSD_STATE_DIR": "/s"}
-    from_env = settings.load("controller", str(path), env=env)
+    from_env = settings.load("controller", str(path), env=env).serve
     assert (from_env.port, from_env.controller.detection.hang_floor_s, from_env.state_dir) == (9002, 45.0, "/s")
-    flagged = settings.load("controller", str(path), env=env, flags={"port": 9003, "host": None})
+    flagged = settings.load("controller", str(path), env=env, flags={"port": 9003, "host": None}).serve
     assert (flagged.port, flagged.host) == (9003, "0.0.0.0")  # None: the flag was not given
 
 
 def test_a_command_s_own_defaults_sit_below_the_file(tmp_path: Path) -> None:
     defaults = {"detection.hang_floor_s": 6.0, "detection.heartbeat_floor_s": 3.0}
-    assert settings.load("controller", None, env={}, defaults=defaults).controller.detection.hang_floor_s == 6.0
+    assert settings.load("controller", None, env={}, defaults=defaults).serve.controller.detection.hang_floor_s == 6.0
     path = tmp_path / "opsd.yaml"
     path.write_text("controller:\n  detection:\n    hang_floor_s: 20\n")
-    loaded = settings.load("controller", str(path), env={}, defaults=defaults)
-    assert (loaded.controller.detection.hang_floor_s, loaded.controller.detection.heartbeat_floor_s) == (20.0, 3.0)
+    detection = settings.load("controller", str(path), env={}, defaults=defaults).serve.controller.detection
+    assert (detection.hang_floor_s, detection.heartbeat_floor_s) == (20.0, 3.0)
 
 
 def test_the_agent_s_variables_keep_their_names() -> None:

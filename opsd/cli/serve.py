@@ -120,11 +120,16 @@ def serve(
     tick_interval_s: Annotated[float | None, setting("seconds between failure-detection passes")] = None,
     heartbeat_floor_s: HeartbeatFloor = None,
     hang_floor_s: HangFloor = None,
+    backend: Annotated[
+        settings.BackendKind | None,
+        setting("what recovers runs: none (incidents only), or kubernetes (JobSets on this cluster) [default: none]"),
+    ] = None,
     config: Settings = None,
     log_level: LogLevel = "INFO",
 ) -> None:
     """Run the controller: the HTTP API for agents and the CLI, failure detection, incidents (OpenAPI at
-    /openapi.json, metrics at /metrics)."""
+    /openapi.json, metrics at /metrics); with --backend kubernetes, the recoveries of the cluster's JobSets
+    (docs/kubernetes.md)."""
     from opsd.api.server import run_server
 
     _logging(log_level)
@@ -137,10 +142,16 @@ def serve(
         "tick_interval_s": tick_interval_s,
         "detection.heartbeat_floor_s": heartbeat_floor_s,
         "detection.hang_floor_s": hang_floor_s,
+        "backend": backend,
     }
-    serve_config = _load("controller", config, flags)
+    loaded = _load("controller", config, flags)
     try:
-        run_server(serve_config)
+        if loaded.backend is settings.BackendKind.KUBERNETES:
+            from opsd.backends.kubernetes.runner import run_kubernetes
+
+            run_kubernetes(loaded.serve, loaded.kubernetes)
+        else:
+            run_server(loaded.serve)
     except OpsError as exc:
         typer.echo(f"opsd serve: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -197,7 +208,7 @@ def run(
         "detection.heartbeat_floor_s": heartbeat_floor_s,
         "detection.hang_floor_s": hang_floor_s,
     }
-    serve_config = _load("controller", config, flags, defaults=RUN_DEFAULTS)
+    serve_config = _load("controller", config, flags, defaults=RUN_DEFAULTS).serve
     try:
         spec = LocalRunSpec(
             run=name,

@@ -4,7 +4,7 @@ variables, overridden by command-line flags (docs/configuration.md lists every k
 
 The file has two sections, each a frozen configuration dataclass of the code, nested tables for nested ones:
 
-    [controller]                # opsd.api.server.ServeConfig, with opsd.controller.config.ControllerConfig inline
+    [controller]                # ControllerSettings: ServeConfig and ControllerConfig inline, the backend
     port = 8470
     hang_floor_s = 60           # no: it is controller.detection.hang_floor_s
     [controller.detection]
@@ -27,7 +27,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
@@ -35,6 +35,7 @@ import yaml
 
 from agent.daemon import AgentConfig
 from opsd.api.server import ServeConfig
+from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.errors import ConfigError
 from opsd.protocol.env import (
     AGENT_SOCKET_ENV,
@@ -46,8 +47,24 @@ from opsd.protocol.env import (
     TOKEN_ENV,
 )
 
+
+class BackendKind(enum.StrEnum):
+    NONE = "none"  # incidents recorded, cadence published, nothing recovered
+    KUBERNETES = "kubernetes"  # the cluster's nodes and JobSets (opsd.backends.kubernetes)
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """``opsd serve``'s settings: the server's and the controller's (inline: ``controller.port``,
+    ``controller.detection.hang_floor_s``), the backend, and the Kubernetes backend's (``controller.kubernetes``)."""
+
+    serve: ServeConfig = field(default_factory=ServeConfig, metadata={"inline": True})
+    backend: BackendKind = BackendKind.NONE
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+
+
 #: the file's sections and the dataclass each one is
-SECTIONS: dict[str, type[Any]] = {"controller": ServeConfig, "agent": AgentConfig}
+SECTIONS: dict[str, type[Any]] = {"controller": ControllerSettings, "agent": AgentConfig}
 #: keys whose environment variable is not the generated one
 ENV_ALIASES = {
     "controller.state_dir": STATE_DIR_ENV,

@@ -25,6 +25,7 @@ class ControllerConfig:
     flight_wait_s: float = 10.0  # how long a hang's recovery waits for the ranks' Flight Recorder dumps
     step_attempts: int = 5  # a recovery step that fails transiently is tried this many times in all
     step_retry_max_s: float = 30.0  # the longest wait between two attempts of a step
+    step_timeout_s: float = 600.0  # how long a step under way (a cluster restarting a job) is waited for
 
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:
@@ -37,5 +38,5 @@ class ControllerConfig:
             raise ValueError("controller.flight_wait_s must be >= 0")
         if self.spare_window_h <= 0 or not 0 < self.spare_risk < 1:
             raise ValueError("controller.spare_window_h must be > 0 and controller.spare_risk between 0 and 1")
-        if self.step_attempts < 1 or self.step_retry_max_s < 0:
-            raise ValueError("controller.step_attempts must be >= 1 and controller.step_retry_max_s >= 0")
+        if self.step_attempts < 1 or self.step_retry_max_s < 0 or self.step_timeout_s <= 0:
+            raise ValueError("controller.step_attempts must be >= 1, step_retry_max_s >= 0 and step_timeout_s > 0")

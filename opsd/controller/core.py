@@ -117,6 +117,12 @@ class ControllerCore:
             live.exit_code = exit_code
             run_live.exited.add(rank)
 
+    def running_ranks(self, run: str) -> list[int]:
+        """The ranks of the run's current launch heard from and not exited."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            return sorted(r for r in live.ranks if r not in live.exited) if live is not None else []
+
     def ranks_ended(self, run: str) -> bool:
         """Whether a rank of the run's current launch has exited (the backend said so)."""
         with self.lock:
@@ -134,14 +140,15 @@ class ControllerCore:
 
     # -- spares ------------------------------------------------------------------------------------------------
     def choose_spare(self, run: str, failed_node: str) -> str | None:
-        """A healthy spare of ``run``, in the failed node's domain first; None when the pool is empty."""
+        """A healthy spare of ``run``'s pool (its own spares, and the cluster's pool: spares of no run), in the
+        failed node's domain first; None when the pool is empty."""
         domain = (self.store.node(failed_node) or {}).get("domain", "")
         with self.lock:  # a spare whose GPUs reported an event that calls for an action is not healthy
             faulty = {name for name, live in self.nodes.items() if live.events}
-        spares = [
-            Spare(n["name"], n["name"] not in faulty, n["domain"])
-            for n in self.store.nodes(run)
-            if n["role"] == NodeRole.SPARE
-        ]
+        spares = [Spare(n["name"], n["name"] not in faulty, n["domain"]) for n in self.spare_pool(run)]
         chosen = select_spare(spares, domain)
         return None if chosen is None else chosen.node
+
+    def spare_pool(self, run: str) -> list[dict[str, Any]]:
+        """The spare nodes ``run`` may take: its own, and the shared pool's (nodes of no run)."""
+        return [n for n in self.store.nodes() if n["role"] == NodeRole.SPARE and n["run"] in (run, None)]

@@ -16,11 +16,12 @@ What every method may assume, and must honour:
 - **May be called again after a crash**, of the controller or of the backend's own process: what a backend must
   remember to stay idempotent it keeps where a crash does not lose it (the cluster's objects), or it rebuilds
   it from what it finds (a local backend takes up what a dead controller left).
-- **Errors are data.** A step answers ``Done`` with what it did (JSON values: recorded as the action's result) or
-  ``Failed`` with the kind of error and a message; it raises only for a bug. ``TRANSIENT`` is retried after
-  ``retry_after_s``; the others fail the recovery.
+- **Errors are data.** A step answers ``Done`` with what it did (JSON values: recorded as the action's result),
+  ``Pending`` when it is under way and must be asked again (pods being scheduled), or ``Failed`` with the kind of
+  error and a message; it raises only for a bug. ``TRANSIENT`` is retried after ``retry_after_s``; the others fail
+  the recovery.
 - **Short.** A step returns within seconds; waiting (for dumps, for a checkpoint, for pods to come back) is the
-  controller's business.
+  controller's business: it asks a ``Pending`` step again until it is done.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """A step under way that the backend cannot finish at once (a cluster's scheduler placing pods): ask again after
+    ``retry_after_s``. The controller waits up to ``step_timeout_s`` for it."""
+
+    message: str
+    retry_after_s: float = 1.0
+
+    ok = False
+
+    def __post_init__(self) -> None:
+        if self.retry_after_s < 0:
+            raise ValueError("Pending.retry_after_s must be >= 0")
+
+
+@dataclass(frozen=True)
 class Failed:
     """A step that could not be carried out."""
 
@@ -62,7 +78,7 @@ class Failed:
             raise ValueError("Failed.retry_after_s must be >= 0")
 
 
-Outcome = Done | Failed
+Outcome = Done | Pending | Failed
 
 
 class FaultKind(StrEnum):
@@ -114,7 +130,8 @@ class Backend(Protocol):
 
     def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
         """Get the ranks ready to write Flight Recorder dumps named ``trigger`` (the controller asks them through
-        its policy and waits for the dumps). Done: ``{"ranks": [...]}``, the ranks still running, who can dump."""
+        its policy and waits for the dumps). Done: ``{"ranks": [...]}``, the ranks still running, who can dump, or
+        ``{"ranks": None}``: the controller's view of the run's ranks decides."""
         ...
 
     def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:

@@ -7,9 +7,10 @@ pass once a spare is there, by an operator, or by a controller that takes a run 
 step (choosing the spare and writing it to the incident before the node changes role, the node roles, the run's
 generation and state) is written so that a repeat finds it done.
 
-Recoveries run on a thread per run (``start``); one at a time per run. A step the backend answers ``Failed`` with
-a transient error is tried again after ``retry_after_s`` (at most ``step_attempts`` in all, each wait at most
-``step_retry_max_s``); any other failure fails the run.
+Recoveries run on a thread per run (``start``); one at a time per run. A step the backend answers ``Pending`` (under
+way: a cluster's scheduler placing pods) is asked again after ``retry_after_s`` until it is done, for at most
+``step_timeout_s``; one it answers ``Failed`` with a transient error is tried again after ``retry_after_s`` (at most
+``step_attempts`` in all, each wait at most ``step_retry_max_s``); any other failure fails the run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from opsd.checkpoints.store import open_store
 from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
-from opsd.controller.port import Done, ErrorKind, Failed, Outcome
+from opsd.controller.port import Done, ErrorKind, Outcome, Pending
 from opsd.controller.state import Action
 from opsd.errors import OpsError
 from opsd.policy.detection import Failure, FailureKind
@@ -176,7 +177,8 @@ class Recovery:
             return self._checkpoint_now(run, args.get("at_step"))
         if kind is ActionKind.DUMP:
             ready = self._call(lambda: backend.request_dump(run, str(args["trigger"]), rid), action)
-            ranks = [int(r) for r in ready.get("ranks", [])]
+            named = ready.get("ranks")
+            ranks = [int(r) for r in named] if named is not None else self.core.running_ranks(run)
             wait_s = self.core.config.flight_wait_s
             return collect_dumps(self.core, run, str(args["trigger"]), ranks, wait_s)
         if kind is ActionKind.STOP:
@@ -208,7 +210,7 @@ class Recovery:
             raise WaitForSpare
         store.update_incident(incident_id, spare=chosen)
         self._call(lambda: self._backend().promote_spare(run, str(chosen), failed, action.request_id), action)
-        store.upsert_node(chosen, time.time(), role=NodeRole.ACTIVE)
+        store.upsert_node(chosen, time.time(), role=NodeRole.ACTIVE, run=run)  # a spare of the pool: the run's now
         log.info("run %s: %s replaces %s", run, chosen, failed)
         return {"spare": chosen}
 
@@ -219,9 +221,9 @@ class Recovery:
         nodes = sorted(store.node_names(run, NodeRole.ACTIVE))
         self.core.forget_ranks(run, now_s)
         backend = self._backend()
-        store.update_run(run, now_s, state=RunState.RUNNING, generation=generation)
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
-        log.info("run %s: generation %d launched on %s", run, generation, ", ".join(nodes))
+        store.update_run(run, time.time(), state=RunState.RUNNING, generation=generation)  # then detection watches
+        log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.get("nodes", nodes)))
         return {"generation": generation, "nodes": nodes, **done}
 
     def _checkpoint_now(self, run: str, at_step: int | None) -> dict[str, Any]:
@@ -254,20 +256,28 @@ class Recovery:
         return backend
 
     def _call(self, step: Callable[[], Outcome], action: Action | None) -> dict[str, Any]:
-        """Call a backend step, trying a transient failure again; its data, or ``StepFailedError``."""
+        """Call a backend step until it is done: again after a transient failure (``step_attempts`` in all), again
+        while it is under way (``step_timeout_s``); its data, or ``StepFailedError``."""
         config = self.core.config
-        for attempt in range(1, config.step_attempts + 1):
+        what = action.request_id if action is not None else "launch"
+        failures = 0
+        deadline = time.monotonic() + config.step_timeout_s
+        while True:
             outcome = step()
             if isinstance(outcome, Done):
                 return dict(outcome.data)
-            assert isinstance(outcome, Failed)
-            what = action.request_id if action is not None else "launch"
-            if outcome.kind is not ErrorKind.TRANSIENT or attempt == config.step_attempts:
+            if isinstance(outcome, Pending):
+                if time.monotonic() >= deadline:
+                    raise StepFailedError(f"{what}: not done within {config.step_timeout_s:.0f} s: {outcome.message}")
+                log.info("%s: %s", what, outcome.message)
+                self.sleep(min(outcome.retry_after_s, config.step_retry_max_s))
+                continue
+            failures += 1
+            if outcome.kind is not ErrorKind.TRANSIENT or failures >= config.step_attempts:
                 raise StepFailedError(f"{what}: {outcome.kind}: {outcome.message}")
             wait_s = min(outcome.retry_after_s, config.step_retry_max_s)
-            log.warning("%s: %s (attempt %d); again in %.1f s", what, outcome.message, attempt, wait_s)
+            log.warning("%s: %s (attempt %d); again in %.1f s", what, outcome.message, failures, wait_s)
             self.sleep(wait_s)
-        raise AssertionError("unreachable")
 
 
 def newest_checkpoint(url: str) -> int | None:

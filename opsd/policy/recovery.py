@@ -10,9 +10,10 @@ recorded ones are what a repeat uses.
   ahead that every rank has heard of it (``checkpoint``);
 - a hang or a collective timeout first asks the ranks for their Flight Recorder dumps, the post-mortem's evidence
   (``dump``);
-- every recovery stops the ranks of the failed launch (``stop``);
 - a failure that calls for a swap (a node lost, a fatal XID: ``Failure.swap``) quarantines the node
-  (``cordon``) and promotes a spare in its place (``take_spare``);
+  (``cordon``) and promotes a spare in its place (``take_spare``), before anything is stopped: on a cluster, the
+  stop is what makes the job restart, and its new pods must find the failed node closed and the spare open;
+- every recovery stops the ranks of the failed launch (``stop``);
 - every recovery ends by relaunching the ranks, who resume from the newest committed checkpoint (``launch``).
 
 With no spare left, the run waits for one (a node uncordoned or added) or, when its spec allows it, shrinks: it
@@ -50,10 +51,10 @@ def plan_recovery(
         steps.append(PlannedStep(ActionKind.CHECKPOINT, {"at_step": checkpoint_at_step}))
     if failure.kind in DUMP_KINDS:
         steps.append(PlannedStep(ActionKind.DUMP, {"trigger": dump_trigger(incident_id)}))
-    steps.append(PlannedStep(ActionKind.STOP, {"generation": generation}))
-    if failure.swap:
+    if failure.swap:  # before the stop: nothing of the run may start on the failed node again
         steps.append(PlannedStep(ActionKind.CORDON, {"node": failure.node, "reason": failure.detail}))
         steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": failure.node}))
+    steps.append(PlannedStep(ActionKind.STOP, {"generation": generation}))
     steps.append(PlannedStep(ActionKind.LAUNCH, {"after_generation": generation}))
     return steps
 

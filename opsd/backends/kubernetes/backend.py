@@ -1,0 +1,246 @@
+"""The Kubernetes backend: the Backend port (``opsd.controller.port``) on a cluster whose training jobs are JobSets.
+
+A run is a JobSet (``runs``: found by its ``opsd.io/run`` annotation, or attached). opsd never restarts a JobSet by
+editing it: it evicts the run's pods (the Eviction API sets the pod condition ``DisruptionTarget``; with JobSet's
+host-maintenance failure policy the job fails with ``PodFailurePolicy`` and the JobSet restarts every child Job,
+without counting against ``maxRestarts``), and the new pods are scheduled afresh, away from a node it quarantined
+and onto a spare it promoted. The port's steps, here:
+
+- ``quarantine_node``: the node cordoned, tainted and labelled (``nodes.quarantine``), unless the circuit breaker
+  says ``quarantines_per_hour`` nodes were quarantined in the last hour already;
+- ``promote_spare``: the spare's taint off, the run's node label on (``nodes.promote``); ``release_node`` puts a
+  node back in the spare pool;
+- ``stop_ranks``: every running pod of the run evicted (a 429 from a PodDisruptionBudget: ``Failed``, transient);
+- ``relaunch``: nothing to start (the JobSet does): it checks that the JobSet restarted, that every pod of the new
+  restart attempt is placed, and on no quarantined node, and answers ``Pending`` until then; a pod of an earlier
+  attempt stuck Terminating (its node does not answer) is force-deleted after ``force_delete_after_s``;
+- ``request_dump``: nothing: the controller knows the run's ranks from their heartbeats;
+- ``inject``: not here (``UNSUPPORTED``).
+
+Each step is idempotent on the cluster's own state (a node already quarantined is left alone, a pod already
+evicted is not evicted again) and tells what it did in Kubernetes Events on the JobSet and the node
+(``events``), named after its request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from opsd.backends.kubernetes import nodes
+from opsd.backends.kubernetes.api import Json, KubeApi
+from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.events import Target, tell
+from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
+from opsd.errors import NotFoundError, OpsError, TransientError
+from opsd.protocol.cluster import JOBSET_NAME_LABEL, QUARANTINE_TAINT, RESTART_ATTEMPT_LABEL
+
+log = logging.getLogger(__name__)
+
+HOUR_S = 3600.0
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """Where a run is: its JobSet."""
+
+    namespace: str
+    jobset: str
+
+
+def attempt_of(pod: Json) -> int:
+    try:
+        return int(((pod.get("metadata") or {}).get("labels") or {}).get(RESTART_ATTEMPT_LABEL, "0"))
+    except ValueError:
+        return 0
+
+
+def terminating(pod: Json) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def finished(pod: Json) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def expected_pods(jobset: Json) -> int:
+    """The pods a JobSet runs at once: each replicated Job's replicas times its parallelism."""
+    total = 0
+    for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []:
+        job_spec = ((rj.get("template") or {}).get("spec")) or {}
+        total += int(rj.get("replicas", 1)) * int(job_spec.get("parallelism", 1))
+    return total
+
+
+class KubernetesBackend:
+    name = "kubernetes"
+
+    def __init__(self, api: KubeApi, config: KubernetesConfig, clock: Callable[[], float] = time.time) -> None:
+        self.api = api
+        self.config = config
+        self.clock = clock
+        self.runs: dict[str, RunRef] = {}  # filled by the reconciler (opsd.backends.kubernetes.runs)
+        self._lock = threading.Lock()
+
+    # -- the port ----------------------------------------------------------------------------------------------
+    def stop_ranks(self, run: str, request_id: str) -> Outcome:
+        return self._step(f"stop {run}", lambda: self._stop(run, request_id))
+
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+        return self._step(f"quarantine {node}", lambda: self._quarantine(run, node, reason, request_id))
+
+    def release_node(self, node: str, request_id: str) -> Outcome:
+        def release() -> Outcome:
+            changed = nodes.release(self.api, node)
+            if changed:
+                tell(
+                    self.api, [Target("Node", node)], "OpsdReleased", "back in the spare pool", request_id, self.clock()
+                )
+            return Done({"changed": changed})
+
+        return self._step(f"release {node}", release)
+
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
+        def promote() -> Outcome:
+            changed = nodes.promote(self.api, spare, run)
+            message = f"spare {spare} promoted into run {run} in place of {replaces}"
+            tell(
+                self.api,
+                [Target("Node", spare), *self._jobset_target(run)],
+                "OpsdPromoteSpare",
+                message,
+                request_id,
+                self.clock(),
+            )
+            return Done({"changed": changed})
+
+        return self._step(f"promote {spare}", promote)
+
+    def relaunch(self, run: str, generation: int, nodes_: Sequence[str], request_id: str) -> Outcome:
+        return self._step(f"relaunch {run}", lambda: self._verify_restart(run, request_id))
+
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
+        return Done({"ranks": None})  # the controller asks the ranks it hears from
+
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
+        return Failed(ErrorKind.UNSUPPORTED, "fault injection needs the local backend (opsd run)")
+
+    def resumed_from(self, run: str) -> int | None:
+        return None  # the ranks say it in their reports
+
+    # -- the steps ---------------------------------------------------------------------------------------------
+    def _ref(self, run: str) -> RunRef:
+        ref = self.runs.get(run)
+        if ref is None:
+            raise NotFoundError(f"run {run!r} is no JobSet opsd knows")
+        return ref
+
+    def _jobset_target(self, run: str) -> list[Target]:
+        ref = self.runs.get(run)
+        return [Target("JobSet", ref.jobset, ref.namespace)] if ref is not None else []
+
+    def _pods(self, ref: RunRef) -> list[Json]:
+        return self.api.pods(ref.namespace, f"{JOBSET_NAME_LABEL}={ref.jobset}")
+
+    def _stop(self, run: str, request_id: str) -> Outcome:
+        ref = self._ref(run)
+        running = [p for p in self._pods(ref) if not terminating(p) and not finished(p)]
+        attempt = max((attempt_of(p) for p in running), default=None)
+        for pod in running:
+            try:
+                self.api.evict(ref.namespace, pod["metadata"]["name"])
+            except NotFoundError:
+                continue  # gone meanwhile
+        if running:
+            message = f"{len(running)} pods of restart attempt {attempt} evicted: the JobSet restarts"
+            self._tell(self._jobset_target(run), "OpsdEvict", message, request_id)
+        return Done({"killed": len(running), "restart_attempt": attempt})
+
+    def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+        current = self.api.node(node)
+        if nodes.has_taint(current, QUARANTINE_TAINT):
+            return Done({"changed": False})
+        listed, _ = self.api.nodes(self.config.node_selector)
+        recent = nodes.quarantined_since(listed, self.clock() - HOUR_S)
+        if len(recent) >= self.config.quarantines_per_hour:
+            message = (
+                f"circuit breaker: {len(recent)} nodes quarantined in the last hour ({', '.join(recent)}),"
+                f" at most {self.config.quarantines_per_hour}; {node} left in service: {reason}"
+            )
+            tell(
+                self.api,
+                [Target("Node", node), *self._jobset_target(run)],
+                "OpsdCircuitBreaker",
+                message,
+                request_id,
+                self.clock(),
+                warning=True,
+            )
+            return Failed(ErrorKind.PERMANENT, message)
+        cause = reason.split(":", 1)[0]
+        changed = nodes.quarantine(self.api, node, cause=cause, reason=reason, incident=request_id, now_s=self.clock())
+        message = f"quarantined by opsd: {reason}"
+        tell(
+            self.api,
+            [Target("Node", node), *self._jobset_target(run)],
+            "OpsdQuarantine",
+            message,
+            request_id,
+            self.clock(),
+            warning=True,
+        )
+        return Done({"changed": changed})
+
+    def _verify_restart(self, run: str, request_id: str) -> Outcome:
+        ref = self._ref(run)
+        jobset = self.api.jobset(ref.namespace, ref.jobset)
+        restarts = int((jobset.get("status") or {}).get("restarts", 0))
+        pods = self._pods(ref)
+        now = self.clock()
+        old = [p for p in pods if attempt_of(p) < restarts and not finished(p)]
+        for pod in old:
+            self._force_if_stuck(ref, pod, now)
+        current = [p for p in pods if attempt_of(p) == restarts and not terminating(p) and not finished(p)]
+        wanted = expected_pods(jobset)
+        placed = {p["metadata"]["name"]: (p.get("spec") or {}).get("nodeName") for p in current}
+        where = sorted({n for n in placed.values() if n})
+        bad = [n for n in where if nodes.unusable(self.api.node(n))]
+        if old or len(current) < wanted or not all(placed.values()) or bad:
+            why = (
+                f"restart attempt {restarts}: {sum(1 for n in placed.values() if n)} of {wanted} pods placed"
+                + (f", {len(old)} of earlier attempts still there" if old else "")
+                + (f", pods on unusable nodes {bad}" if bad else "")
+            )
+            return Pending(why, retry_after_s=1.0)
+        message = f"restart attempt {restarts}: {len(current)} pods on {', '.join(where)}"
+        self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
+        return Done({"restart_attempt": restarts, "nodes": where, "pods": len(current)})
+
+    def _force_if_stuck(self, ref: RunRef, pod: Json, now_s: float) -> None:
+        """A pod Terminating for longer than ``force_delete_after_s`` (its node does not answer) is deleted at
+        once, so that its Job and the JobSet's restart are not held up."""
+        since = nodes.parse_rfc3339(pod["metadata"].get("deletionTimestamp", ""))
+        if since is not None and now_s - since >= self.config.force_delete_after_s:
+            name = pod["metadata"]["name"]
+            log.warning("pod %s/%s Terminating for %.0f s: deleted at once", ref.namespace, name, now_s - since)
+            self.api.delete_pod_now(ref.namespace, name)
+
+    def _tell(
+        self, targets: list[Target], reason: str, message: str, request_id: str, *, warning: bool = False
+    ) -> None:
+        tell(self.api, targets, reason, message, request_id, self.clock(), warning=warning)
+
+    def _step(self, what: str, step: Callable[[], Outcome]) -> Outcome:
+        """A step's outcome, opsd's errors as data (the port's contract)."""
+        try:
+            with self._lock:
+                return step()
+        except NotFoundError as exc:
+            return Failed(ErrorKind.NOT_FOUND, str(exc))
+        except TransientError as exc:
+            return Failed(ErrorKind.TRANSIENT, str(exc), exc.retry_after_s)
+        except OpsError as exc:
+            return Failed(ErrorKind.PERMANENT, f"{what}: {exc}")

@@ -1,0 +1,158 @@
+"""``opsd serve --backend kubernetes``: a controller whose backend is the cluster, highly available.
+
+Every replica serves the API (its ``/healthz`` for liveness). With leader election (``kubernetes.leader_election``:
+a ``coordination.k8s.io/v1`` Lease, the client's ``LeaseLock``) one replica leads: it alone labels its pod
+``opsd.io/role=leader`` (the chart's Service selects that label, so the agents' heartbeats and the CLI reach the
+leader only), watches the cluster, runs the detection pass and the recoveries. On becoming leader it first goes on
+with every recovery its predecessor left unfinished (the state store has each step recorded). A leader that cannot
+renew its Lease exits at once (``os._exit``): its successor may already act, and nothing of a half-done step must
+run on. Without leader election the one replica leads from the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import uvicorn
+
+from opsd.api.app import create_app
+from opsd.api.server import ServeConfig, build, collect_young, tick_forever, tune_interpreter
+from opsd.backends.kubernetes.api import KubeApi, connect
+from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.lease import elect
+from opsd.backends.kubernetes.runs import Reconciler
+from opsd.backends.kubernetes.watch import Informer
+from opsd.controller.controller import Controller
+from opsd.controller.incidents import failure_of, unfinished_incident
+from opsd.errors import OpsError
+from opsd.protocol.cluster import JOBSET_NAME_LABEL, LEADER, ROLE_LABEL, STANDBY
+from opsd.protocol.states import RunState
+
+log = logging.getLogger(__name__)
+
+
+class KubernetesController:
+    """The leader's work: informers, the reconciler, the detection pass; what a new leader takes up."""
+
+    def __init__(self, controller: Controller, api: KubeApi, config: KubernetesConfig, tick_interval_s: float) -> None:
+        self.controller = controller
+        self.api = api
+        self.config = config
+        self.tick_interval_s = tick_interval_s
+        backend = controller.backend
+        assert isinstance(backend, KubernetesBackend)
+        self.backend = backend
+        timeout = config.watch_timeout_s
+        self.nodes = Informer(
+            api,
+            "nodes",
+            lambda: api.nodes(config.node_selector),
+            timeout_s=timeout,
+            label_selector=config.node_selector,
+        )
+        self.pods = Informer(
+            api,
+            "pods",
+            lambda: api.all_pods(JOBSET_NAME_LABEL),
+            timeout_s=timeout,
+            namespace=config.watch_namespace,
+            label_selector=JOBSET_NAME_LABEL,
+        )
+        self.jobsets = Informer(
+            api,
+            "jobsets",
+            lambda: api.jobsets_listed(config.watch_namespace),
+            timeout_s=timeout,
+            namespace=config.watch_namespace,
+        )
+        self.reconciler = Reconciler(controller.store, backend, self.jobsets, self.pods, self.nodes)
+        self.stop = threading.Event()
+
+    def lead(self) -> None:
+        """Watch, take up what the last leader left, then pass after pass until stopped."""
+        for informer in (self.nodes, self.pods, self.jobsets):
+            informer.start()
+        for informer in (self.nodes, self.pods, self.jobsets):
+            informer.synced.wait(timeout=60)
+        self.reconciler.sync(time.time())
+        self.take_up(time.time())
+        threading.Thread(target=self._sync_forever, name="opsd-reconcile", daemon=True).start()
+        tick_forever(self.controller, self.tick_interval_s, self.stop)
+
+    def take_up(self, now_s: float) -> None:
+        """Go on with the recoveries a previous leader left unfinished; a run left recovering with nothing to do
+        (its relaunch was done) is running again."""
+        store = self.controller.store
+        for run in store.runs():
+            if run["state"] not in (RunState.RECOVERING, RunState.WAITING_FOR_SPARE):
+                continue
+            incident = unfinished_incident(store, run["id"])
+            if incident is None:
+                store.update_run(run["id"], now_s, state=RunState.RUNNING)
+                continue
+            log.warning("run %s: the recovery of incident %d goes on under this leader", run["id"], incident["id"])
+            self.controller.recovery.start(run["id"], int(incident["id"]), failure_of(incident), now_s)
+
+    def _sync_forever(self) -> None:
+        while not self.stop.wait(self.config.resync_interval_s):
+            try:
+                self.reconciler.sync(time.time())
+            except OpsError as exc:
+                log.warning("reconciling the cluster: %s", exc)
+            except Exception:
+                log.exception("reconciling the cluster failed")
+
+    def close(self) -> None:
+        self.stop.set()
+        for informer in (self.nodes, self.pods, self.jobsets):
+            informer.stop()
+
+
+def label_self(api: KubeApi, config: KubernetesConfig, role: str) -> None:
+    """This replica's pod labelled leader or standby (the Service routes to the leader); nothing outside a pod."""
+    if not config.pod_name:
+        return
+    try:
+        api.label_pod(config.namespace, config.pod_name, {ROLE_LABEL: role})
+    except OpsError as exc:
+        log.warning("cannot label this pod %s: %s", role, exc)
+
+
+def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi | None = None) -> None:
+    """Serve the API; lead (elected, or alone) until stopped; exit when leadership is lost."""
+    controller, token = build(config)
+    api = api or KubeApi(connect(kube.kubeconfig, kube.context))
+    controller.backend = KubernetesBackend(api, kube)
+    leader = KubernetesController(controller, api, kube, config.tick_interval_s)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(controller, token), host=config.host, port=config.port, log_level="warning")
+    )
+    identity = kube.pod_name or f"{os.uname().nodename}-{os.getpid()}"
+
+    def lead() -> None:
+        log.warning("%s leads", identity)
+        label_self(api, kube, LEADER)
+        leader.lead()
+
+    def campaign() -> None:
+        if kube.leader_election:
+            label_self(api, kube, STANDBY)
+            elect(api, kube, identity, lead)
+            log.critical("%s: leadership lost; exiting", identity)
+            os._exit(1)
+        lead()
+
+    threading.Thread(target=campaign, name="opsd-leader", daemon=True).start()
+    tune_interpreter()
+    gc_stop = threading.Event()
+    threading.Thread(target=collect_young, args=(0.1, gc_stop), name="gc", daemon=True).start()
+    log.info("opsd controller (kubernetes) on http://%s:%d as %s", config.host, config.port, identity)
+    try:
+        server.run()
+    finally:
+        gc_stop.set()
+        leader.close()

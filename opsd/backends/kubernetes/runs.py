@@ -1,0 +1,146 @@
+"""The cluster as the controller's state store sees it: the runs (JobSets annotated ``opsd.io/run``, or attached
+with ``opsd runs attach NAMESPACE/JOBSET``) and the roles of the GPU nodes, brought in from the informers' caches
+at every pass of ``Reconciler.sync``.
+
+A node's role: ``cordoned`` when it carries opsd's quarantine taint (or is cordoned and opsd's state label says
+quarantined); ``spare`` when it is in the spare pool (``opsd.io/pool=spare``: the cluster's pool, shared by the
+runs); ``active`` for a run when it carries the run's label or runs one of its pods. Other nodes are not the
+controller's business. A JobSet that completed or failed ends its run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
+from opsd.backends.kubernetes.nodes import has_taint
+from opsd.backends.kubernetes.watch import Informer
+from opsd.controller.state import StateStore
+from opsd.policy.recovery import OnNoSpare
+from opsd.protocol.cluster import (
+    CHECKPOINT_URL_ANNOTATION,
+    JOBSET_NAME_LABEL,
+    MIN_NODES_ANNOTATION,
+    ON_NO_SPARE_ANNOTATION,
+    POOL_LABEL,
+    QUARANTINE_TAINT,
+    REASON_ANNOTATION,
+    RUN_ANNOTATION,
+    RUN_LABEL,
+    SPARE_POOL,
+    STATE_LABEL,
+)
+from opsd.protocol.states import NodeRole, RunState
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+
+def run_spec(jobset: Json) -> dict[str, Any]:
+    """What the state store keeps of a run found in a JobSet."""
+    meta = jobset.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    on_no_spare = annotations.get(ON_NO_SPARE_ANNOTATION, OnNoSpare.WAIT)
+    try:
+        min_nodes = max(1, int(annotations.get(MIN_NODES_ANNOTATION, "1")))
+    except ValueError:
+        min_nodes = 1
+    return {
+        "backend": "kubernetes",
+        "namespace": meta.get("namespace", ""),
+        "jobset": meta.get("name", ""),
+        "checkpoint_url": annotations.get(CHECKPOINT_URL_ANNOTATION, ""),
+        "on_no_spare": on_no_spare if on_no_spare in tuple(OnNoSpare) else OnNoSpare.WAIT,
+        "min_nodes": min_nodes,
+    }
+
+
+def run_name(jobset: Json) -> str | None:
+    return ((jobset.get("metadata") or {}).get("annotations") or {}).get(RUN_ANNOTATION) or None
+
+
+def jobset_state(jobset: Json) -> RunState | None:
+    """A finished JobSet's run state (JobSet's conditions ``Completed`` / ``Failed``); None while it runs."""
+    for condition in (jobset.get("status") or {}).get("conditions") or []:
+        if condition.get("status") == "True" and condition.get("type") in ("Completed", "Failed"):
+            return RunState.COMPLETED if condition["type"] == "Completed" else RunState.FAILED
+    return None
+
+
+class Reconciler:
+    def __init__(
+        self,
+        store: StateStore,
+        backend: KubernetesBackend,
+        jobsets: Informer,
+        pods: Informer,
+        nodes: Informer,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.jobsets = jobsets
+        self.pods = pods
+        self.nodes = nodes
+
+    def runs(self) -> dict[str, Json]:
+        """run -> its JobSet: the annotated ones, and the ones attached (recorded in the store)."""
+        found: dict[str, Json] = {}
+        attached = {
+            (r["spec"].get("namespace"), r["spec"].get("jobset")): r["id"]
+            for r in self.store.runs()
+            if r["spec"].get("backend") == "kubernetes" and r["spec"].get("attached")
+        }
+        for jobset in self.jobsets.objects():
+            meta = jobset.get("metadata") or {}
+            name = run_name(jobset) or attached.get((meta.get("namespace"), meta.get("name")))
+            if name:
+                found[name] = jobset
+        return found
+
+    def sync(self, now_s: float) -> None:
+        """Runs and node roles from the cluster into the store; the backend learns where each run is."""
+        runs = self.runs()
+        for name, jobset in runs.items():
+            spec = run_spec(jobset)
+            if self.store.create_run(name, spec, now_s):
+                log.info("run %s found: JobSet %s/%s", name, spec["namespace"], spec["jobset"])
+            self.backend.runs[name] = RunRef(spec["namespace"], spec["jobset"])
+            ended = jobset_state(jobset)
+            row = self.store.run(name)
+            if ended is not None and row is not None and not RunState(row["state"]).finished:
+                self.store.update_run(name, now_s, state=ended, final_step=row["last_step"])
+                log.info("run %s: its JobSet is %s", name, ended)
+        self._nodes(runs, now_s)
+
+    def _nodes(self, runs: dict[str, Json], now_s: float) -> None:
+        by_jobset = {
+            ((j.get("metadata") or {}).get("namespace"), (j.get("metadata") or {}).get("name")): run
+            for run, j in runs.items()
+        }
+        hosting: dict[str, str] = {}  # node -> run whose pods it runs
+        for pod in self.pods.objects():
+            meta = pod.get("metadata") or {}
+            run = by_jobset.get((meta.get("namespace"), (meta.get("labels") or {}).get(JOBSET_NAME_LABEL)))
+            node = (pod.get("spec") or {}).get("nodeName")
+            if run and node:
+                hosting[node] = run
+        for node in self.nodes.objects():
+            name = node["metadata"]["name"]
+            labels = node["metadata"].get("labels") or {}
+            annotations = node["metadata"].get("annotations") or {}
+            known = self.store.node(name)
+            run = labels.get(RUN_LABEL) or hosting.get(name) or (known or {}).get("run")
+            if has_taint(node, QUARANTINE_TAINT) or labels.get(STATE_LABEL) == "quarantined":
+                fields: dict[str, Any] = {"role": NodeRole.CORDONED, "reason": annotations.get(REASON_ANNOTATION, "")}
+            elif labels.get(POOL_LABEL) == SPARE_POOL:
+                fields = {"role": NodeRole.SPARE, "run": None, "reason": ""}
+            elif labels.get(RUN_LABEL) in runs or hosting.get(name) in runs:
+                fields = {"role": NodeRole.ACTIVE, "run": run, "reason": ""}
+            else:
+                continue
+            if "run" not in fields and run in runs:
+                fields["run"] = run
+            if known is None or any(known.get(k) != v for k, v in fields.items()):
+                self.store.upsert_node(name, now_s, **fields)
