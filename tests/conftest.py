@@ -10,6 +10,9 @@ import pytest
 from tests.s3 import CREDENTIALS, make_bucket, moto_server
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from opsd.controller.state import StateStore
     from tests.kube.emulator import KubeEmulator
     from trainer_hooks.collectives import CollectiveTracer
 
@@ -33,6 +36,14 @@ def postgres_url() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> StateStore:
+    """A controller's state store on SQLite, fresh for each test (a module may name its own ``store``)."""
+    from opsd.controller.state import StateStore
+
+    return StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
 
 
 @pytest.fixture

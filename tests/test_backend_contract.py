@@ -118,11 +118,6 @@ def machines_of(name: str, tmp_path: Path) -> Machines:
     return FakeMachines() if name == "fake" else LocalMachines(tmp_path)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> StateStore:
-    return StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
-
-
 @pytest.fixture(params=["fake", pytest.param("local", marks=pytest.mark.slow)])
 def machines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Machines]:
     m = machines_of(request.param, tmp_path)

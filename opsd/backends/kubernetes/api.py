@@ -156,6 +156,12 @@ class KubeApi:
             return False
         return True
 
+    def event(self, namespace: str, name: str) -> Json:
+        return self._json(
+            f"read event {namespace}/{name}",
+            lambda: self.core.read_namespaced_event(name, namespace, _preload_content=False),
+        )
+
     def label_pod(self, namespace: str, name: str, labels: dict[str, str]) -> None:
         """Set labels on a pod (a merge patch of its metadata)."""
         patch = {"metadata": {"labels": labels}}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from opsd.backends.kubernetes import nodes
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.config import KubernetesConfig
-from opsd.backends.kubernetes.events import Target, tell
+from opsd.backends.kubernetes.events import Target, recorded, tell
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.errors import NotFoundError, OpsError, TransientError
 from opsd.protocol.cluster import JOBSET_NAME_LABEL, QUARANTINE_TAINT, RESTART_ATTEMPT_LABEL
@@ -41,6 +41,7 @@ from opsd.protocol.cluster import JOBSET_NAME_LABEL, QUARANTINE_TAINT, RESTART_A
 log = logging.getLogger(__name__)
 
 HOUR_S = 3600.0
+ATTEMPT_ANNOTATION = "opsd.io/restart-attempt"  # on a stop's Event: the attempt it evicts
 
 
 @dataclass(frozen=True)
@@ -146,17 +147,26 @@ class KubernetesBackend:
         return self.api.pods(ref.namespace, f"{JOBSET_NAME_LABEL}={ref.jobset}")
 
     def _stop(self, run: str, request_id: str) -> Outcome:
+        """Evict the running pods of the run's current restart attempt. The attempt is written first, in the step's
+        Event on the JobSet: a stop told again (after a controller's restart) evicts what is left of that attempt,
+        never the pods of the attempt the JobSet started since."""
         ref = self._ref(run)
-        running = [p for p in self._pods(ref) if not terminating(p) and not finished(p)]
-        attempt = max((attempt_of(p) for p in running), default=None)
+        target = Target("JobSet", ref.jobset, ref.namespace)
+        pods = self._pods(ref)
+        record = recorded(self.api, target, request_id)
+        if record is not None:
+            attempt = int(((record.get("metadata") or {}).get("annotations") or {}).get(ATTEMPT_ANNOTATION, "0"))
+        else:
+            jobset = self.api.jobset(ref.namespace, ref.jobset)
+            attempt = int((jobset.get("status") or {}).get("restarts", 0))
+            message = f"evicting the pods of restart attempt {attempt}: the JobSet restarts"
+            self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
+        running = [p for p in pods if attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
         for pod in running:
             try:
                 self.api.evict(ref.namespace, pod["metadata"]["name"])
             except NotFoundError:
                 continue  # gone meanwhile
-        if running:
-            message = f"{len(running)} pods of restart attempt {attempt} evicted: the JobSet restarts"
-            self._tell(self._jobset_target(run), "OpsdEvict", message, request_id)
         return Done({"killed": len(running), "restart_attempt": attempt})
 
     def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
@@ -220,18 +230,31 @@ class KubernetesBackend:
         return Done({"restart_attempt": restarts, "nodes": where, "pods": len(current)})
 
     def _force_if_stuck(self, ref: RunRef, pod: Json, now_s: float) -> None:
-        """A pod Terminating for longer than ``force_delete_after_s`` (its node does not answer) is deleted at
-        once, so that its Job and the JobSet's restart are not held up."""
+        """A pod still Terminating ``force_delete_after_s`` past the end of its grace period (its
+        ``deletionTimestamp``: its node does not answer) is deleted at once, so that its Job and the JobSet's
+        restart are not held up."""
         since = nodes.parse_rfc3339(pod["metadata"].get("deletionTimestamp", ""))
         if since is not None and now_s - since >= self.config.force_delete_after_s:
             name = pod["metadata"]["name"]
-            log.warning("pod %s/%s Terminating for %.0f s: deleted at once", ref.namespace, name, now_s - since)
+            log.warning(
+                "pod %s/%s Terminating %.0f s past its grace period: deleted at once",
+                ref.namespace,
+                name,
+                now_s - since,
+            )
             self.api.delete_pod_now(ref.namespace, name)
 
     def _tell(
-        self, targets: list[Target], reason: str, message: str, request_id: str, *, warning: bool = False
+        self,
+        targets: list[Target],
+        reason: str,
+        message: str,
+        request_id: str,
+        *,
+        warning: bool = False,
+        annotations: dict[str, str] | None = None,
     ) -> None:
-        tell(self.api, targets, reason, message, request_id, self.clock(), warning=warning)
+        tell(self.api, targets, reason, message, request_id, self.clock(), warning=warning, annotations=annotations)
 
     def _step(self, what: str, step: Callable[[], Outcome]) -> Outcome:
         """A step's outcome, opsd's errors as data (the port's contract)."""

@@ -19,7 +19,7 @@ class KubernetesConfig:
     retry_period_s: int = 2  # between two tries to acquire or renew
     pod_name: str = ""  # this replica's pod (the downward API's metadata.name): labelled leader or standby
     quarantines_per_hour: int = 4  # the circuit breaker: no more nodes quarantined than this in an hour
-    force_delete_after_s: float = 120.0  # a pod still Terminating this long after its eviction is deleted at once
+    force_delete_after_s: float = 120.0  # a pod still Terminating this long past its grace period is deleted at once
     resync_interval_s: float = 5.0  # between two passes that bring runs and node roles from the cluster
     watch_timeout_s: int = 300  # a watch is opened again after this long (a fresh resourceVersion)
 

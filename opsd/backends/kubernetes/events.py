@@ -39,7 +39,16 @@ def event_name(request_id: str, target: Target) -> str:
     return f"opsd.{digest[:20]}"
 
 
-def event_body(target: Target, reason: str, message: str, request_id: str, now_s: float, *, warning: bool) -> Json:
+def event_body(
+    target: Target,
+    reason: str,
+    message: str,
+    request_id: str,
+    now_s: float,
+    *,
+    warning: bool,
+    annotations: dict[str, str] | None = None,
+) -> Json:
     namespace = target.namespace or NODE_EVENTS_NAMESPACE
     involved: Json = {"kind": target.kind, "name": target.name, "apiVersion": target.api_version}
     if target.namespace:
@@ -53,7 +62,7 @@ def event_body(target: Target, reason: str, message: str, request_id: str, now_s
         "metadata": {
             "name": event_name(request_id, target),
             "namespace": namespace,
-            "annotations": {REQUEST_ANNOTATION: request_id},
+            "annotations": {REQUEST_ANNOTATION: request_id, **(annotations or {})},
         },
         "involvedObject": involved,
         "reason": reason,
@@ -77,11 +86,21 @@ def tell(
     now_s: float,
     *,
     warning: bool = False,
+    annotations: dict[str, str] | None = None,
 ) -> None:
     """One Event per target; a failure to record one is logged, never fatal (the step is done)."""
     for target in targets:
-        body = event_body(target, reason, message, request_id, now_s, warning=warning)
+        body = event_body(target, reason, message, request_id, now_s, warning=warning, annotations=annotations)
         try:
             api.create_event(body["metadata"]["namespace"], body)
         except OpsError as exc:
             log.warning("event %s on %s %s not recorded: %s", reason, target.kind, target.name, exc)
+
+
+def recorded(api: KubeApi, target: Target, request_id: str) -> Json | None:
+    """The Event a step recorded on ``target`` for ``request_id``, if any (what a step must remember across a
+    controller's restart: the restart attempt a stop evicted)."""
+    try:
+        return api.event(target.namespace or NODE_EVENTS_NAMESPACE, event_name(request_id, target))
+    except OpsError:
+        return None

@@ -105,6 +105,7 @@ class Reconciler:
         for name, jobset in runs.items():
             spec = run_spec(jobset)
             if self.store.create_run(name, spec, now_s):
+                self.store.update_run(name, now_s, generation=1)  # the JobSet's first launch
                 log.info("run %s found: JobSet %s/%s", name, spec["namespace"], spec["jobset"])
             self.backend.runs[name] = RunRef(spec["namespace"], spec["jobset"])
             ended = jobset_state(jobset)

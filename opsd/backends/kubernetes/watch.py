@@ -73,6 +73,8 @@ class Informer:
                     listed, failures = True, 0
                 listed = self._watch()
             except OpsError as exc:
+                if self._stop.is_set():
+                    return  # stopped while its watch was open: the error is the server going away
                 failures += 1
                 listed = False
                 delay = min(MAX_BACKOFF_S, 0.5 * 2 ** min(failures, 6))
