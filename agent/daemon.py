@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 
 
+def shared_directory(path: str) -> None:
+    """Make ``path`` (the ranks' Flight Recorder dumps) if missing, writable by every user with the sticky bit,
+    as /tmp: the ranks run as any user, the agent as root."""
+    if not os.path.isdir(path):
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, 0o1777)
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     socket: str = "/tmp/opsd-agent.sock"
@@ -183,6 +191,7 @@ class Agent:
             self.registry.register(ReporterCollector(self.reporter, cfg.node))
             self.reporter.start()
             if cfg.flight_dir:
+                shared_directory(cfg.flight_dir)
                 self.flight = FlightUploader(cfg.flight_config(), cfg.node)
                 self.flight.start()
         path = self.config.socket
@@ -191,6 +200,7 @@ class Agent:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.receive_buffer_bytes)
         sock.bind(path)
+        os.chmod(path, 0o666)  # the ranks of any user on the node report (training pods rarely run as root)
         sock.settimeout(0.5)
         self._sock = sock
         self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))

@@ -118,6 +118,7 @@ class Reporter:
                 checkpoint_blocking_s=r.checkpoints.blocking_s,
                 last_report_unix_s=r.last_seen_s,
                 coords=r.coords,
+                resumed_from_step=r.last.resumed_from_step,
             )
             for r in self.state.snapshot()
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import stat
 import time
 import urllib.error
 import urllib.request
@@ -271,3 +272,22 @@ def test_a_collective_timeout_goes_to_the_controller_until_the_rank_steps_on(age
     ]
     agent.handle(encode(report(step=8, rank=1)), now_s=103.0)  # it stepped on: the wait is over
     assert sent(reporter.heartbeat(104.0))["timeouts"] == []
+
+
+def test_the_socket_and_the_dump_directory_are_open_to_ranks_of_any_user(tmp_path: Path) -> None:
+    """On Kubernetes the agent runs as root and the training pods as their own users, on one host directory."""
+    path, flight = tmp_path / "a.sock", tmp_path / "run" / "flight"
+    config = AgentConfig(
+        socket=str(path),
+        metrics_port=0,
+        node="n",
+        controller_url="http://127.0.0.1:9/v1/heartbeat",
+        flight_dir=str(flight),
+    )
+    a = Agent(config)
+    a.start()
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666
+        assert stat.S_IMODE(flight.stat().st_mode) == 0o1777  # as /tmp: anyone writes, only owners remove
+    finally:
+        a.stop()

@@ -180,6 +180,7 @@ def test_every_controller_metric_is_documented_with_its_type(client: TestClient,
     controller.store.open_incident(
         key="doc", run="job", kind="hang", node="n0", rank=0, detail="d", failed_s=0.0, detected_s=0.0
     )
+    controller.store.upsert_node("spare-0", 0.0, role="spare")  # a node of no run: the shared pool's series
     exposed = {
         f.name + ("_total" if f.type == "counter" else ""): f.type
         for f in text_string_to_metric_families(client.get("/metrics").text)

@@ -185,3 +185,31 @@ def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Cont
     status = controller.status("job", 6.0)
     assert status is not None
     assert "Daly interval" in status["cadence"]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("said", "resumed_from", "lost"),
+    [
+        pytest.param(20, 20, 15, id="the ranks say which checkpoint they resumed from"),
+        pytest.param(None, 36, 0, id="else their first step seen tells"),
+    ],
+)
+def test_a_relaunch_recovers_its_incident_from_the_step_the_ranks_resumed_from(
+    controller: Controller, said: int | None, resumed_from: int, lost: int
+) -> None:
+    """A controller that first hears of the new launch at step 37 (it took over while the ranks ran on)."""
+    store = controller.store
+    store.create_run("job", {"observed": True}, 0.0)
+    store.update_run("job", 0.0, generation=1, last_step=35)
+    incident, _ = store.open_incident(
+        key="job/gen1", run="job", kind="fatal_xid", node="n1", rank=None, detail="XID 79", failed_s=1.0, detected_s=2.0
+    )
+    store.update_run("job", 3.0, generation=2)
+    extra = {"resumed_from_step": said} if said is not None else {}
+    controller.heartbeat(beat("n0", [rank(0, 37, **extra), rank(1, 37, **extra)]), 10.0)
+
+    controller.tick(10.5)
+
+    found = store.incident(incident)
+    assert found is not None
+    assert (found["state"], found["resumed_from_step"], found["lost_steps"]) == ("recovered", resumed_from, lost)

@@ -321,7 +321,10 @@ def test_rbac_grants_exactly_what_the_backend_needs(default: list[Obj]) -> None:
     cluster_role = one(default, "ClusterRole", "opsd-controller")
     assert grants(cluster_role) == CLUSTER_GRANTS
     role = one(default, "Role", "opsd-leader-election")
-    assert grants(role) == {("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update"]}
+    assert grants(role) == {
+        ("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update"],
+        ("", "pods"): ["patch"],  # its own pod's opsd.io/role label
+    }
     subject = [{"kind": "ServiceAccount", "name": "opsd-controller", "namespace": NAMESPACE}]
     binding = one(default, "ClusterRoleBinding", "opsd-controller")
     assert binding["roleRef"] == {
@@ -345,6 +348,8 @@ def test_rbac_without_pod_delete_and_without_leader_election(renders: dict[Combo
     assert objects(no_election, "Role") == objects(no_election, "RoleBinding") == []
     settings = yaml.safe_load(one(no_election, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["controller"]["kubernetes"]["leader_election"] is False
+    service = [s for s in objects(no_election, "Service") if "controller" in s["metadata"]["name"]]
+    assert [s["spec"]["selector"].get("opsd.io/role") for s in service] == [None]  # one replica: always it
 
 
 def test_controller_deployment(default: list[Obj]) -> None:
@@ -362,6 +367,7 @@ def test_controller_deployment(default: list[Obj]) -> None:
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
     assert secret_ref(c, "OPSD_TOKEN") == ("opsd-token", "token")
     assert env(c)["OPSD_STATE_DIR"]["value"] == "/var/lib/opsd"
+    assert env(c)["OPSD_CONTROLLER_KUBERNETES_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "OPSD_STATE_URL" not in env(c)
     assert not any(name.startswith("AWS_") for name in env(c))
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -385,7 +391,9 @@ def test_controller_service_and_disruption_budget(default: list[Obj]) -> None:
     service = one(default, "Service", "opsd-controller")
     assert service["spec"]["ports"] == [{"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"}]
     pod_labels = one(default, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= pod_labels.items()
+    selector = dict(service["spec"]["selector"])
+    assert selector.pop("opsd.io/role") == "leader"  # set at run time by the replica that leads
+    assert selector.items() <= pod_labels.items()
     pdb = one(default, "PodDisruptionBudget", "opsd-controller")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert "minAvailable" not in pdb["spec"]

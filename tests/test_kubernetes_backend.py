@@ -17,7 +17,6 @@ from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
 from opsd.backends.kubernetes.runner import label_self
-from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome, Pending
 from opsd.controller.state import StateStore
@@ -38,7 +37,7 @@ from opsd.protocol.cluster import (
 from opsd.protocol.states import NodeRole, RunState
 from tests.backend_contract import BY_NAME, RUN, play
 from tests.kube.emulator import KubeEmulator
-from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, node, wait_until
+from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist, wait_until
 
 XID_REASON = "fatal_xid: XID 79 on GPU 0: fallen off the bus"
 OTHER_TAINT = {"key": "nvidia.com/gpu-xid-error", "value": "true", "effect": "NoSchedule"}
@@ -492,27 +491,6 @@ def test_bookmarks_move_a_quiet_informer_on(informer_kube: KubeEmulator) -> None
 
 
 # -- the reconciler ----------------------------------------------------------------------------------------------
-def reconcile(kube: KubeEmulator, store: StateStore, clock: Clock) -> Reconciler:
-    backend = KubernetesBackend(KubeApi(kube.api_client), KubernetesConfig(namespace="opsd"), clock)
-    api, selector = backend.api, "nvidia.com/gpu.present=true"
-    informers = [
-        Informer(api, "nodes", lambda: api.nodes(selector), label_selector=selector),
-        Informer(api, "pods", lambda: api.all_pods(JOBSET_NAME_LABEL), label_selector=JOBSET_NAME_LABEL),
-        Informer(api, "jobsets", lambda: api.jobsets_listed("")),
-    ]
-    for informer in informers:
-        informer._relist()  # one list, no watch: the test moves the cluster and lists again
-    reconciler = Reconciler(store, backend, informers[2], informers[1], informers[0])
-    reconciler.sync(clock())
-    return reconciler
-
-
-def relist(reconciler: Reconciler, clock: Clock) -> None:
-    for informer in (reconciler.jobsets, reconciler.pods, reconciler.nodes):
-        informer._relist()
-    reconciler.sync(clock())
-
-
 def test_the_reconciler_finds_runs_and_node_roles(cluster: KubeEmulator, store: StateStore, clock: Clock) -> None:
     annotated = jobset(
         "other",
@@ -530,7 +508,7 @@ def test_the_reconciler_finds_runs_and_node_roles(cluster: KubeEmulator, store: 
     quarantined = backend_on(cluster, clock)
     quarantined.quarantine_node(RUN, "node-1", XID_REASON, "r-1")
 
-    reconcile(cluster, store, clock)
+    listed_reconciler(backend_on(cluster, clock), store, clock())
 
     assert {r["id"] for r in store.runs()} == {RUN, "other"}
     other = store.run("other")
@@ -561,7 +539,7 @@ def test_the_reconciler_follows_releases_attachments_and_endings(
     backend = backend_on(cluster, clock)
     backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1")
     cluster.put(jobset("plain", 1, opsd=False))
-    reconciler = reconcile(cluster, store, clock)
+    reconciler = listed_reconciler(backend, store, clock())
     assert store.node("node-1")["role"] == NodeRole.CORDONED  # type: ignore[index]
 
     backend.release_node("node-1", "r-2")
@@ -570,12 +548,26 @@ def test_the_reconciler_follows_releases_attachments_and_endings(
     found = cluster.get(JOBSETS, NAMESPACE, RUN)
     assert found is not None
     cluster.put({**found, "status": {"conditions": [{"type": "Completed", "status": "True"}]}})
-    relist(reconciler, clock)
+    relist(reconciler, clock())
 
     assert store.node("node-1")["role"] == NodeRole.SPARE  # type: ignore[index]
     assert reconciler.backend.runs["attached"] == RunRef(NAMESPACE, "plain")
     assert store.run(RUN)["state"] == RunState.COMPLETED  # type: ignore[index]
     assert store.run("attached")["state"] == RunState.RUNNING  # type: ignore[index]
+
+
+def test_a_run_first_seen_in_a_heartbeat_takes_its_jobsets_spec(
+    cluster: KubeEmulator, store: StateStore, clock: Clock
+) -> None:
+    store.create_run(RUN, {"observed": True}, clock())  # a rank's report came before the JobSet was listed
+
+    listed_reconciler(backend_on(cluster, clock), store, clock())
+
+    row = store.run(RUN)
+    assert row is not None
+    assert row["spec"]["backend"] == "kubernetes"
+    assert (row["spec"]["namespace"], row["spec"]["jobset"]) == (NAMESPACE, RUN)
+    assert row["generation"] == 1
 
 
 # -- the controller's own pod ------------------------------------------------------------------------------------

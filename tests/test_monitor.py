@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from opsd.protocol.wire import decode
+from opsd.protocol.wire import decode, decode_report
 from trainer_hooks.collectives import CollectiveTracer
 from trainer_hooks.comm_tables import Blocked
 from trainer_hooks.flops import ModelShape, flops_per_token
@@ -162,10 +162,19 @@ def test_checkpoints_ride_on_the_next_report(tmp_path: Path) -> None:
 
 def test_steps_are_numbered_from_the_step_resumed_from(tmp_path: Path) -> None:
     m = monitor(tmp_path)
+    with m.step(tokens=1):
+        pass
     m.resume_at(20)
     with m.step(tokens=1):
         pass
-    assert [r["step"] for r in lines(tmp_path)] == [21]
+    with m.step(tokens=1):
+        pass
+    reports = lines(tmp_path)
+    assert [r["step"] for r in reports] == [1, 21, 22]
+    assert "resumed_from_step" not in reports[0]
+    assert [r["resumed_from_step"] for r in reports[1:]] == [20, 20]  # every report of the launch says it
+    raw = (tmp_path / "steps.jsonl").read_bytes().splitlines()
+    assert [getattr(decode_report(line), "resumed_from_step", None) for line in raw] == [None, 20, 20]  # typed
     with pytest.raises(ValueError, match="step must be >= 0"):
         m.resume_at(-1)
 

@@ -83,7 +83,7 @@ def controller() -> Iterator[Controller]:
 def reporter(tmp_path: Path, url: str, token: str = "s3cret", **config: Any) -> Reporter:
     state = NodeState()
     state.ingest(step(rank=0, step=41), now_s=1.0)
-    state.ingest(step(rank=1, step=42), now_s=2.0)
+    state.ingest(step(rank=1, step=42, resumed_from_step=40), now_s=2.0)
     gpu = GpuHealth(FileGpuSource(tmp_path / "gpus"), load_xid_table(), WatchWindow())
     cfg = ReporterConfig(url=url, token=token, policy_path=str(tmp_path / "policy.json"), **config)
     return Reporter(cfg, "node-7", state, gpu)
@@ -100,6 +100,7 @@ def test_heartbeat_carries_identity_ranks_and_events(tmp_path: Path, controller:
     assert body["v"] == 1
     assert body["node"] == "node-7"
     assert [(x["rank"], x["step"], x["last_report_unix_s"]) for x in body["ranks"]] == [(0, 41, 1.0), (1, 42, 2.0)]
+    assert [x["resumed_from_step"] for x in body["ranks"]] == [None, 40]  # as the rank's reports say
     assert [(e["gpu"], e["xid"], e["action"]) for e in body["events"]] == [(3, 79, "cordon_and_swap")]
     assert len(body["summaries"]) == 1
     assert body["summaries"][0]["ranks"] == 2

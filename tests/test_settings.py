@@ -144,6 +144,7 @@ FROZEN_FLAGS = {
         "--token",
     ],
     "runs": ["--json", *CONNECTION],
+    "runs attach": ["--json", "--name", *CONNECTION],
     "status": ["--json", *CONNECTION],
     "incidents": ["--json", *CONNECTION],
     "restart": ["--json", "--no-wait", "--reason", "--timeout-s", "--wait", *CONNECTION],
@@ -207,7 +208,8 @@ def flags_of(group: Any, prefix: str = "") -> dict[str, list[str]]:
         full = f"{prefix}{name}"
         if hasattr(command, "commands"):
             out.update(flags_of(command, f"{full} "))
-            continue
+            if not any(o.startswith("--") and o != "--help" for p in command.params for o in p.opts):
+                continue  # a group without options of its own
         opts = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
         out[full] = sorted(o for o in opts if o != "--help")
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +43,10 @@ def test_runs(store: StateStore) -> None:
     assert (run["state"], run["generation"], run["last_step"], run["spec"]) == ("recovering", 2, 40, {"nodes": 2})
     assert [r["id"] for r in store.runs()] == ["r1"]
     assert store.run("nope") is None
+    store.update_run("r1", 13.0, spec={"nodes": 3})
+    assert (store.run("r1") or {})["spec"] == {"nodes": 3}
     with pytest.raises(ValueError, match="unknown fields"):
-        store.update_run("r1", 13.0, spec="x")
+        store.update_run("r1", 13.0, created_s=1.0)
 
 
 def test_nodes(store: StateStore) -> None:
@@ -70,6 +73,34 @@ def test_node_rows_kept_in_memory_are_those_of_the_database(store: StateStore) -
         ("n0", 5, "active"),
         ("n9", 2, "spare"),
     ]
+
+
+def test_a_reload_reads_what_another_replica_wrote(store: StateStore) -> None:
+    store.upsert_node("n0", 1.0, run="r1", role="active")
+    other = StateStore(store.engine)  # another controller replica on the same database
+    other.upsert_node("n0", 2.0, role="cordoned", reason="XID 79")
+    assert store.node("n0")["role"] == "active"  # type: ignore[index]  # its copy in memory
+    store.reload()
+    assert store.node("n0")["role"] == "cordoned"  # type: ignore[index]
+
+
+def test_replicas_that_start_together_create_the_tables_once(postgres_url: str) -> None:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f"CREATE DATABASE {name}"))
+    url = postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            stores = list(pool.map(lambda _: StateStore.open(url), range(6)))
+        assert stores[0].create_run("r1", {}, 1.0)
+        assert [r["id"] for r in stores[-1].runs()] == ["r1"]
+        for s in stores:
+            s.engine.dispose()
+    finally:
+        with admin.connect() as c:
+            c.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
+        admin.dispose()
 
 
 def test_the_same_failure_opens_one_incident(store: StateStore) -> None:

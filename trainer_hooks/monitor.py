@@ -110,6 +110,7 @@ class Monitor:
         self.host = socket.gethostname()
         self.internal_errors = 0
         self.steps = 0
+        self.resumed_from_step: int | None = None
         self.last_report: dict[str, Any] | None = None
         self._checkpoints: list[dict[str, Any]] = []
         self._checkpoints_lock = threading.Lock()
@@ -322,13 +323,17 @@ class Monitor:
         with self._checkpoints_lock:
             if self._checkpoints:
                 report["checkpoints"], self._checkpoints = self._checkpoints, []
+        if self.resumed_from_step is not None:
+            report["resumed_from_step"] = self.resumed_from_step
         return report
 
     def resume_at(self, step: int) -> None:
-        """Training resumed from a checkpoint of ``step``: the next step reported is ``step + 1``."""
+        """Training resumed from a checkpoint of ``step``: the next step reported is ``step + 1``, and every report
+        of this launch says which checkpoint it resumed from."""
         if step < 0:
             raise ValueError("resume_at: step must be >= 0")
         self.steps = int(step)
+        self.resumed_from_step = int(step)
 
     def record_checkpoint(
         self, step: int, blocking_s: float, total_s: float, nbytes: int, staging_s: float = 0.0

@@ -47,6 +47,12 @@ class RestartIn(Strict):
     reason: Annotated[str, Field(min_length=1, max_length=1000)]
 
 
+class AttachIn(Strict):
+    namespace: Annotated[str, Field(min_length=1, max_length=253)]
+    jobset: Annotated[str, Field(min_length=1, max_length=253)]
+    run: Annotated[str, Field(max_length=63)] = ""  # default: the JobSet's name
+
+
 class InjectIn(Strict):
     fault: FaultKind
     node: Annotated[str, Field(max_length=200)] = ""
@@ -113,6 +119,11 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
             raise HTTPException(404, f"no run {run!r}")
         stacks = fold((*stack, seconds) for stack, seconds in controller.comm_seconds(run).items())
         return PlainTextResponse(to_folded(stacks))
+
+    @app.post("/v1/runs/attach", dependencies=[Depends(authorized)])
+    def attach(body: AttachIn) -> dict[str, Any]:
+        """Make a JobSet a run (one without the ``opsd.io/run`` annotation); answers the run."""
+        return _answer(lambda: controller.attach_run(body.namespace, body.jobset, body.run or body.jobset, clock()))
 
     @app.get("/v1/incidents")
     def all_incidents() -> list[dict[str, Any]]:

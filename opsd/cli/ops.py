@@ -24,10 +24,38 @@ Node = Annotated[str, typer.Argument(help="the node")]
 Reason = Annotated[str, typer.Option("--reason", help="why (kept in the incident history)")]
 
 
+runs_app = typer.Typer(help="The runs the controller knows; `opsd runs attach` makes a JobSet a run.")
+
+
+@runs_app.callback(invoke_without_command=True)
 @connected
-def runs(as_json: AsJson = False, *, api: ApiClient) -> None:
+def runs(ctx: typer.Context, as_json: AsJson = False, *, api: ApiClient) -> None:
     """The runs the controller knows."""
-    show(call(api, "GET", "/v1/runs"), as_json, tables.runs_table)
+    if ctx.invoked_subcommand is None:
+        show(call(api, "GET", "/v1/runs"), as_json, tables.runs_table)
+
+
+@runs_app.command("attach")
+@connected
+def runs_attach(
+    jobset: Annotated[str, typer.Argument(help="NAMESPACE/JOBSET: a JobSet without the opsd.io/run annotation")],
+    name: Annotated[str, typer.Option("--name", help="the run's name (default: the JobSet's)")] = "",
+    as_json: AsJson = False,
+    *,
+    api: ApiClient,
+) -> None:
+    """Make a JobSet a run of this controller (Kubernetes backend).
+
+    As the opsd.io/run annotation does, for a JobSet its users cannot edit (a Kubeflow TrainJob's)."""
+    namespace, slash, name_of_jobset = jobset.partition("/")
+    if not slash or not namespace or not name_of_jobset:
+        fail(f"{jobset!r}: expected NAMESPACE/JOBSET", EXIT_USAGE)
+    body = {"namespace": namespace, "jobset": name_of_jobset, "run": name}
+    run = call(api, "POST", "/v1/runs/attach", body)
+    if as_json:
+        typer.echo(json.dumps(run))
+    else:
+        typer.echo(f"run {run['id']}: JobSet {namespace}/{name_of_jobset} attached")
 
 
 @connected
@@ -256,10 +284,11 @@ def inject_slow(
     _inject(api, run, {"fault": FaultKind.SLOW, "rank": rank, "factor": factor})
 
 
-COMMANDS = (runs, status, incidents, restart, cordon, uncordon, spares, checkpoints, cadence, postmortem, flamegraph)
+COMMANDS = (status, incidents, restart, cordon, uncordon, spares, checkpoints, cadence, postmortem, flamegraph)
 
 
 def register(app: typer.Typer) -> None:
     for command in COMMANDS:
         app.command(command.__name__)(command)
+    app.add_typer(runs_app, name="runs")
     app.add_typer(inject_app, name="inject")

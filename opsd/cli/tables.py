@@ -119,6 +119,17 @@ def spares_table(body: dict[str, Any]) -> Table:
             ", ".join(c["name"] for c in r["cordoned"]) or "-",
             r["why"],
         )
+    shared = body.get("shared")
+    if shared is not None:
+        table.add_row(
+            "(shared pool)",
+            str(shared["active_nodes"]),
+            ", ".join(f"{s['name']} ({s['health']})" for s in shared["spares"]) or "none",
+            str(shared["available"]),
+            str(shared["recommended"]),
+            "-",
+            shared["why"],
+        )
     return table
 
 

@@ -129,6 +129,15 @@ class ControllerCore:
             live = self.runs_live.get(run)
             return bool(live is not None and live.exited)
 
+    def launched(self, run: str, now_s: float) -> None:
+        """The backend says the new launch runs: what agents report from before ``now_s`` belongs to the old one.
+        (On a cluster a stopped rank may go on reporting for its grace period, after the relaunch began; the
+        relaunch is done only once the old ranks are gone.)"""
+        with self.lock:
+            self.runs_live.pop(run, None)
+            self.stragglers.pop(run, None)
+            self.launched_s[run] = now_s
+
     def forget_ranks(self, run: str, now_s: float) -> None:
         """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch); what
         agents report from before ``now_s`` is ignored."""

@@ -123,13 +123,15 @@ class Detection(Scoring):
             with self.lock:
                 ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
                 first = min((r.step for r in ranks), default=-1)
+                said = [r.resumed_from_step for r in ranks if r.resumed_from_step is not None]
                 resumed_s = min((r.progress_s for r in ranks), default=now_s)
             if first < 0:
                 return
             for incident in earlier:
+                # the backend knows (it chose the checkpoint), else the ranks say, else their first step tells
                 resumed_from = self.backend.resumed_from(run["id"]) if self.backend is not None else None
                 if resumed_from is None:
-                    resumed_from = max(0, first - 1)
+                    resumed_from = min(said) if said else max(0, first - 1)
                 # the steps the failed launch had made past the checkpoint (not the run's best: an earlier
                 # launch may have got further and lost more, which its own incident counted)
                 before = self.ended_step.get(run["id"], -1)

@@ -144,6 +144,7 @@ class Intake(ControllerCore):
             run_live.latest_progress_s = max(run_live.latest_progress_s, now_s)
         live.mfu_ratio = r.mfu_ratio
         live.job_tokens_per_s = r.job_tokens_per_s
+        live.resumed_from_step = r.resumed_from_step
         checkpoints = r.checkpoints
         if checkpoints != live.checkpoints:
             run_live.count_checkpoints(live, checkpoints, r.checkpoint_blocking_s)

@@ -152,6 +152,7 @@ class RankLive:
     checkpoint_blocking_s: float = 0.0
     exit_code: int | None = None
     timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
+    resumed_from_step: int | None = None  # the checkpoint its launch resumed from, as its reports say
 
 
 @dataclass(slots=True)

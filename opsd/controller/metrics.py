@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from opsd.controller.controller import Controller
-from opsd.controller.views import cadence_interval_s, recommended_spares
+from opsd.controller.views import cadence_interval_s, recommended_spares, shared_pool
 from opsd.protocol.states import NodeRole, RunState
 
 RECOVERY_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -129,6 +130,7 @@ class ControllerCollector(Collector):
             buckets = [(_le(b), float(sum(1 for r in recovered if r <= b))) for b in RECOVERY_BUCKETS_S]
             buckets.append(("+Inf", float(len(recovered))))
             recovery.add_metric([run_id], buckets, math.fsum(recovered))
+        yield from pool_metrics(shared_pool(controller, now))
         yield from gauges.values()
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
         yield from (incidents, recovery)
@@ -143,3 +145,18 @@ class ControllerCollector(Collector):
 
 def _le(bound: float) -> str:
     return f"{bound:g}" if bound != int(bound) else f"{int(bound)}.0"
+
+
+def pool_metrics(shared: dict[str, Any] | None) -> list[GaugeMetricFamily]:
+    """The cluster's shared spare pool (none without one): its usable spares and its recommended size."""
+    if shared is None:
+        return []
+    available = GaugeMetricFamily(
+        "opsd_spare_pool_available", "Usable spares of the cluster's shared pool.", labels=["pool"]
+    )
+    available.add_metric(["shared"], float(shared["available"]))
+    recommended = GaugeMetricFamily(
+        "opsd_spare_pool_recommended", "Recommended size of the cluster's shared spare pool.", labels=["pool"]
+    )
+    recommended.add_metric(["shared"], float(shared["recommended"]))
+    return [available, recommended]

@@ -4,6 +4,7 @@ out of service or put back, a fault injected. Each is recorded or carried out th
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -15,6 +16,10 @@ from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.states import NodeRole, RunState
 
 log = logging.getLogger(__name__)
+
+#: a Kubernetes object name (RFC 1123 subdomain) and a run name (as a label value: opsd puts it on nodes)
+OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+RUN_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def raise_failed(outcome: Failed, what: str) -> None:
@@ -82,6 +87,29 @@ class Operations(ControllerCore):
         self.store.upsert_node(node, now_s, role=role, reason=reason)
         log.info("node %s is now %s%s", node, role, f" ({reason})" if reason else "")
         found = self.store.node(node)
+        assert found is not None
+        return found
+
+    def attach_run(self, namespace: str, jobset: str, run: str, now_s: float) -> dict[str, Any]:
+        """Make the JobSet ``namespace/jobset`` a run named ``run`` (a JobSet without the ``opsd.io/run``
+        annotation: one a user cannot edit, such as a Kubeflow TrainJob's); its backend finds it at its next pass.
+        Idempotent. Raises ``BodyError`` for a bad name, a run of that name that is another JobSet's, or a
+        controller without the Kubernetes backend."""
+        if self.backend is None or self.backend.name != "kubernetes":
+            raise BodyError("attach needs the Kubernetes backend (opsd serve --backend kubernetes)")
+        for what, value, rule in (("namespace", namespace, OBJECT_NAME), ("jobset", jobset, OBJECT_NAME)):
+            if not rule.match(value):
+                raise BodyError(f"{what} {value!r} is not a Kubernetes object name")
+        if not RUN_NAME.match(run):
+            raise BodyError(f"run name {run!r}: letters, digits, '-', '_' and '.', at most 63, alphanumeric ends")
+        spec = {"backend": "kubernetes", "namespace": namespace, "jobset": jobset, "attached": True}
+        if not self.store.create_run(run, spec, now_s):
+            known = (self.store.run(run) or {}).get("spec") or {}
+            if (known.get("namespace"), known.get("jobset")) != (namespace, jobset):
+                raise BodyError(f"run {run!r} exists already and is not JobSet {namespace}/{jobset}: choose --name")
+        else:
+            log.info("run %s: JobSet %s/%s attached", run, namespace, jobset)
+        found = self.store.run(run)
         assert found is not None
         return found
 

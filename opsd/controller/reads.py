@@ -10,7 +10,7 @@ from typing import Any
 
 from opsd.controller.core import ControllerCore
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, account
-from opsd.protocol.states import IncidentKind, IncidentState, NodeRole, RunState
+from opsd.protocol.states import IncidentKind, IncidentState, RunState
 
 
 class Reads(ControllerCore):
@@ -67,7 +67,7 @@ class Reads(ControllerCore):
             if cadence
             else None,
             "nodes": [{"name": n["name"], "role": n["role"], "reason": n["reason"]} for n in nodes],
-            "spares_available": sum(1 for n in nodes if n["role"] == NodeRole.SPARE),
+            "spares_available": len(self.spare_pool(run_id)),  # its own and the shared pool's
             "stragglers": [
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],

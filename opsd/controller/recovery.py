@@ -222,6 +222,7 @@ class Recovery:
         self.core.forget_ranks(run, now_s)
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
+        self.core.launched(run, time.time())
         store.update_run(run, time.time(), state=RunState.RUNNING, generation=generation)  # then detection watches
         log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.get("nodes", nodes)))
         return {"generation": generation, "nodes": nodes, **done}

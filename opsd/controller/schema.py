@@ -18,6 +18,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    text,
 )
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -108,6 +109,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _: Any) -> None:
     cursor.close()
 
 
+SCHEMA_LOCK_KEY = 0x6F707364  # "opsd": the advisory lock held while the tables are created
+
+
 def open_engine(url: str) -> Engine:
     """An engine for ``sqlite:///path`` (WAL) or ``postgresql+psycopg://...``; the tables are created if missing."""
     if not url.startswith(("sqlite:", "postgresql")):
@@ -117,7 +121,10 @@ def open_engine(url: str) -> Engine:
         engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite:"))
         if engine.dialect.name == "sqlite":
             event.listen(engine, "connect", _sqlite_pragmas)
-        metadata.create_all(engine)
+        with engine.begin() as conn:
+            if engine.dialect.name == "postgresql":  # replicas that start together create the tables once
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            metadata.create_all(conn)
     except SQLAlchemyError as exc:
         raise ConfigError(f"state URL {url!r}: {exc}") from exc
     return engine

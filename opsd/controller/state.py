@@ -95,9 +95,11 @@ class StateStore:
         return [_run_row(r) for r in rows]
 
     def update_run(self, run: str, now_s: float, **fields: Any) -> None:
-        allowed = {"state", "generation", "last_step", "final_step"}
+        allowed = {"state", "generation", "last_step", "final_step", "spec"}
         if not set(fields) <= allowed:
             raise ValueError(f"update_run: unknown fields {sorted(set(fields) - allowed)}")
+        if "spec" in fields:
+            fields["spec"] = json.dumps(fields["spec"])
         with self._tx() as c:
             c.execute(update(runs).where(runs.c.id == run).values(updated_s=now_s, **fields))
 
@@ -154,6 +156,12 @@ class StateStore:
         """The names of the nodes of ``run`` in ``role`` (no copies of their rows)."""
         with self._nodes_lock:
             return {n for n, row in self._node_rows().items() if row["run"] == run and row["role"] == role}
+
+    def reload(self) -> None:
+        """Forget the node rows kept in memory: the next read is the database's (a replica that becomes the leader:
+        the one before it wrote there meanwhile)."""
+        with self._nodes_lock:
+            self._nodes = None
 
     def _node_rows(self) -> dict[str, dict[str, Any]]:
         """The node rows, read from the database the first time (the caller holds ``_nodes_lock``)."""

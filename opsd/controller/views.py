@@ -18,7 +18,7 @@ from opsd.errors import NotFoundError, OpsError
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
 from opsd.policy.spares import spare_pool_size
 from opsd.protocol.manifest import ManifestError, parse_manifest
-from opsd.protocol.states import NodeRole
+from opsd.protocol.states import NodeRole, RunState
 from opsd.protocol.xid_table import xid_meanings
 
 log = logging.getLogger(__name__)
@@ -81,18 +81,52 @@ def recommended_spares(
     return size, why
 
 
+def pool_entry(controller: Controller, node: dict[str, Any], now_s: float) -> dict[str, Any]:
+    health, why = node_health(controller, node["name"], now_s)
+    return {"name": node["name"], "domain": node["domain"], "health": health, "why": why}
+
+
+def shared_pool(controller: Controller, now_s: float) -> dict[str, Any] | None:
+    """The cluster's spare pool (spares of no run, as on Kubernetes: ``opsd.io/pool=spare``) with each node's
+    health, and its recommended size: the binomial rule over every active node of the runs still going, at the
+    node MTBF of their failures and node-hours together. None when no run draws from such a pool."""
+    runs = controller.store.runs()
+    nodes = controller.store.nodes()
+    spares = [n for n in nodes if n["role"] == NodeRole.SPARE and n["run"] is None]
+    if not spares and not any(r["spec"].get("backend") == "kubernetes" for r in runs):
+        return None
+    going = [r for r in runs if not RunState(r["state"]).finished]
+    active = sum(1 for n in nodes if n["role"] == NodeRole.ACTIVE and n["run"] in {r["id"] for r in going})
+    failures, node_hours = 0, 0.0
+    for run in going:
+        run_active = sum(1 for n in nodes if n["role"] == NodeRole.ACTIVE and n["run"] == run["id"])
+        _, run_failures, run_hours = node_mtbf_h(controller, run, run_active, now_s)
+        failures, node_hours = failures + run_failures, node_hours + run_hours
+    config = controller.config
+    mtbf_h = 1.0 / node_failure_rate_per_h(failures, node_hours, config.cadence)
+    size = spare_pool_size(active, config.spare_window_h, mtbf_h, config.spare_risk)
+    pool = [pool_entry(controller, n, now_s) for n in spares]
+    return {
+        "active_nodes": active,
+        "spares": pool,
+        "available": sum(1 for s in pool if s["health"] in USABLE),
+        "recommended": size,
+        "why": (
+            f"P(more than {size} of {active} nodes of {len(going)} runs fail within {config.spare_window_h:g} h)"
+            f" <= {config.spare_risk:g} at a node MTBF of {mtbf_h:,.0f} h"
+            f" ({failures} failures in {node_hours:,.1f} node-hours, with the prior)"
+        ),
+    }
+
+
 def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
-    """Per run: its spare pool with each node's health, and the recommended pool size with the reason."""
+    """Per run: its own spare pool with each node's health, and the recommended pool size with the reason; and the
+    cluster's shared pool, when runs draw from one (``shared``: None otherwise)."""
     out = []
     for run in controller.store.runs():
         nodes = controller.store.nodes(run["id"])
         active = [n for n in nodes if n["role"] == NodeRole.ACTIVE]
-        pool = []
-        for n in nodes:
-            if n["role"] != NodeRole.SPARE:
-                continue
-            health, why = node_health(controller, n["name"], now_s)
-            pool.append({"name": n["name"], "domain": n["domain"], "health": health, "why": why})
+        pool = [pool_entry(controller, n, now_s) for n in nodes if n["role"] == NodeRole.SPARE]
         recommended, why = recommended_spares(controller, run, len(active), now_s)
         out.append(
             {
@@ -108,7 +142,7 @@ def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
                 ],
             }
         )
-    return {"runs": out}
+    return {"runs": out, "shared": shared_pool(controller, now_s)}
 
 
 def checkpoint_url(run: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ class HeartbeatRank(Struct, kw_only=True):
     checkpoint_blocking_s: NonNegative = 0.0  # and the seconds they blocked training, summed
     last_report_unix_s: float = 0.0
     coords: dict[str, Count] = {}
+    resumed_from_step: Count | None = None  # the checkpoint the rank's launch resumed from (its step reports say)
 
 
 class HeartbeatEvent(Struct, kw_only=True):

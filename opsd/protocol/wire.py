@@ -78,6 +78,7 @@ class StepReport(Struct, frozen=True):
     truncated: bool = False
     checkpoints: Annotated[list[CheckpointReport], Meta(max_length=MAX_CHECKPOINTS_PER_REPORT)] = []
     loss: float | None = None  # the step's training loss, when the trainer reported it
+    resumed_from_step: Count | None = None  # the checkpoint this launch of the rank resumed from, if any
 
 
 class TimeoutReport(Struct, frozen=True):
@@ -96,7 +97,9 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints", "loss"))
+STEP_FIELDS = tuple(
+    f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints", "loss", "resumed_from_step")
+)
 
 #: the values of ``WireError.reason``
 REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")

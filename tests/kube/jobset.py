@@ -16,7 +16,7 @@ On every pass (``step``), for each JobSet of the emulator:
   unschedulable, whose ``NoSchedule`` / ``NoExecute`` taints it tolerates, and that runs no other pod of the
   attempt (one pod per node, as JobSet's exclusive placement); else it stays Pending.
 - kubelet: a placed pod is started (``Kubelet.start``) and Running; its exit (``Kubelet.exit_code``) makes it
-  Succeeded or Failed; a removed pod is stopped (``Kubelet.stop``).
+  Succeeded or Failed; a pod gone from the API server is stopped (``Kubelet.stop``).
 
 Not played: Jobs (the pods are the JobSet's directly), backoff, gang scheduling, ``maxRestarts``.
 """
@@ -90,6 +90,7 @@ class JobSetPlayer:
         self.interval_s = interval_s
         self.created: dict[tuple[str, str, int], set[str]] = {}  # (namespace, jobset, attempt) -> pods created
         self.restarts = 0  # restarts this player made, in all
+        self.started: dict[tuple[str, str], Json] = {}  # (namespace, pod) -> the pod, as its kubelet started it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -103,7 +104,7 @@ class JobSetPlayer:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.kubelet is not None:
-            for pod in self.kube.objects("pods"):
+            for pod in self.started.values():
                 self.kubelet.stop(pod)
 
     def _run(self) -> None:
@@ -117,6 +118,15 @@ class JobSetPlayer:
         with self._lock:
             for jobset in self.kube.objects("jobsets.jobset.x-k8s.io"):
                 self._jobset(jobset)
+            self._reap()
+
+    def _reap(self) -> None:
+        """A pod gone from the API server (deleted, evicted, force-deleted) has its containers stopped."""
+        if self.kubelet is None:
+            return
+        present = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in self.kube.objects("pods")}
+        for key in [k for k in self.started if k not in present]:
+            self.kubelet.stop(self.started.pop(key))
 
     # -- the JobSet controller -----------------------------------------------------------------------------------
     def _jobset(self, jobset: Json) -> None:
@@ -158,8 +168,6 @@ class JobSetPlayer:
         for pod in old:
             name = pod["metadata"]["name"]
             if not pod["metadata"].get("deletionTimestamp"):
-                if self.kubelet is not None:
-                    self.kubelet.stop(pod)
                 try:
                     self.core.delete_namespaced_pod(name, namespace)
                 except ApiException as exc:
@@ -227,6 +235,7 @@ class JobSetPlayer:
             if phase == "Pending":
                 if self.kubelet is not None:
                     self.kubelet.start(pod, node, index, attempt)
+                    self.started[(namespace, pod["metadata"]["name"])] = pod
                 self.kube.put({**pod, "status": {"phase": "Running"}})
                 continue
             code = self.kubelet.exit_code(pod) if self.kubelet is not None else None

@@ -100,26 +100,47 @@ def jobset(
     }
 
 
+def informers(backend: KubernetesBackend, timeout_s: int = 5) -> tuple[Informer, Informer, Informer]:
+    """The controller's informers of nodes, pods and JobSets, as ``opsd serve --backend kubernetes`` makes them."""
+    api, selector = backend.api, backend.config.node_selector
+    return (
+        Informer(api, "nodes", lambda: api.nodes(selector), timeout_s=timeout_s, label_selector=selector),
+        Informer(
+            api, "pods", lambda: api.all_pods(JOBSET_NAME_LABEL), timeout_s=timeout_s, label_selector=JOBSET_NAME_LABEL
+        ),
+        Informer(api, "jobsets", lambda: api.jobsets_listed(""), timeout_s=timeout_s),
+    )
+
+
+def listed_reconciler(backend: KubernetesBackend, store: StateStore, now_s: float) -> Reconciler:
+    """A reconciler over informers that list once and never watch (the test moves the cluster, then ``relist``),
+    after its first pass."""
+    nodes, pods, jobsets = informers(backend)
+    for informer in (nodes, pods, jobsets):
+        informer.relist()
+    reconciler = Reconciler(store, backend, jobsets, pods, nodes)
+    reconciler.sync(now_s)
+    return reconciler
+
+
+def relist(reconciler: Reconciler, now_s: float) -> None:
+    for informer in (reconciler.jobsets, reconciler.pods, reconciler.nodes):
+        informer.relist()
+    reconciler.sync(now_s)
+
+
 class Cluster:
     """The emulated cluster's controller side: backend, informers, reconciler (one set per controller lifetime)."""
 
-    def __init__(self, backend: KubernetesBackend, store: StateStore, config: KubernetesConfig) -> None:
-        self.api = backend.api
+    def __init__(self, backend: KubernetesBackend, store: StateStore) -> None:
         self.backend = backend
-        api, selector = self.api, config.node_selector
-        self.informers = [
-            Informer(api, "nodes", lambda: api.nodes(selector), timeout_s=5, label_selector=selector),
-            Informer(
-                api, "pods", lambda: api.all_pods(JOBSET_NAME_LABEL), timeout_s=5, label_selector=JOBSET_NAME_LABEL
-            ),
-            Informer(api, "jobsets", lambda: api.jobsets_listed(""), timeout_s=5),
-        ]
+        self.informers = informers(backend)
         for informer in self.informers:
             informer.start()
         for informer in self.informers:
             assert informer.synced.wait(10), f"{informer.kind} never listed"
         nodes, pods, jobsets = self.informers
-        self.reconciler = Reconciler(store, self.backend, jobsets, pods, nodes)
+        self.reconciler = Reconciler(store, backend, jobsets, pods, nodes)
 
     def close(self) -> None:
         for informer in self.informers:
@@ -155,7 +176,7 @@ class KubeMachines:
         return KubernetesBackend(KubeApi(self.kube.api_client), self.config)
 
     def cluster(self, store: StateStore, backend: KubernetesBackend) -> Cluster:
-        cluster = Cluster(backend, store, self.config)
+        cluster = Cluster(backend, store)
         cluster.reconciler.sync(time.time())
         self.clusters.append(cluster)
         return cluster

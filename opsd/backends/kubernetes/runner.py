@@ -74,6 +74,7 @@ class KubernetesController:
 
     def lead(self) -> None:
         """Watch, take up what the last leader left, then pass after pass until stopped."""
+        self.controller.store.reload()  # a leader before this one wrote to the shared store
         for informer in (self.nodes, self.pods, self.jobsets):
             informer.start()
         for informer in (self.nodes, self.pods, self.jobsets):

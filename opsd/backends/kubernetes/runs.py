@@ -104,9 +104,15 @@ class Reconciler:
         runs = self.runs()
         for name, jobset in runs.items():
             spec = run_spec(jobset)
-            if self.store.create_run(name, spec, now_s):
+            row = self.store.run(name)
+            if row is None and self.store.create_run(name, spec, now_s):
                 self.store.update_run(name, now_s, generation=1)  # the JobSet's first launch
                 log.info("run %s found: JobSet %s/%s", name, spec["namespace"], spec["jobset"])
+            elif row is not None:
+                spec = {**spec, **({"attached": True} if row["spec"].get("attached") else {})}
+                if row["spec"] != spec:  # first seen in a heartbeat, or its annotations changed
+                    self.store.update_run(name, now_s, spec=spec, generation=max(1, int(row["generation"])))
+                    log.info("run %s: the spec of JobSet %s/%s", name, spec["namespace"], spec["jobset"])
             self.backend.runs[name] = RunRef(spec["namespace"], spec["jobset"])
             ended = jobset_state(jobset)
             row = self.store.run(name)

@@ -69,7 +69,7 @@ class Informer:
         while not self._stop.is_set():
             try:
                 if not listed:
-                    self._relist()
+                    self.relist()
                     listed, failures = True, 0
                 listed = self._watch()
             except OpsError as exc:
@@ -81,7 +81,8 @@ class Informer:
                 log.warning("%s: %s; listing again in %.1f s", self.kind, exc, delay)
                 self._stop.wait(delay)
 
-    def _relist(self) -> None:
+    def relist(self) -> None:
+        """List the objects now (the cache replaced whole)."""
         items, version = self._list()
         with self._lock:
             if self.synced.is_set():

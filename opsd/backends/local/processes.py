@@ -98,33 +98,47 @@ def start_ranks(spec: LocalRunSpec, nodes: list[str], generation: int) -> list[R
     port = free_port()
     ranks = []
     for i, node in enumerate(nodes):
-        directory = spec.node_dir(node)
-        directory.mkdir(parents=True, exist_ok=True)
         for local in range(gpn):
             rank = i * gpn + local
-            env = {
-                **os.environ,
-                **spec.extra_env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(gpn),
-                "GROUP_RANK": str(i),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                RUN_ENV: spec.run,
-                NODE_ENV: node,
-                AGENT_SOCKET_ENV: str(directory / "agent.sock"),
-                POLICY_FILE_ENV: str(directory / "policy.json"),
-                FLIGHT_DIR_ENV: str(directory / "flight"),
-            }
-            with (directory / f"rank{rank}.gen{generation}.log").open("wb") as out:
-                proc = subprocess.Popen(
-                    list(spec.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
+            env = rank_env(spec, node, rank=rank, local_rank=local, world=world, group_rank=i, port=port)
+            proc = start_rank(spec, node, env, f"rank{rank}.gen{generation}.log")
             ranks.append(RankProcess(rank, node, proc))
     return ranks
+
+
+def rank_env(
+    spec: LocalRunSpec, node: str, *, rank: int, local_rank: int, world: int, group_rank: int, port: int
+) -> dict[str, str]:
+    """A rank's environment: torchrun's, and opsd's for the node it runs on (its agent's socket, policy file and
+    Flight Recorder directory)."""
+    directory = spec.node_dir(node)
+    return {
+        **os.environ,
+        **spec.extra_env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(spec.gpus_per_node),
+        "GROUP_RANK": str(group_rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        RUN_ENV: spec.run,
+        NODE_ENV: node,
+        AGENT_SOCKET_ENV: str(directory / "agent.sock"),
+        POLICY_FILE_ENV: str(directory / "policy.json"),
+        FLIGHT_DIR_ENV: str(directory / "flight"),
+    }
+
+
+def start_rank(spec: LocalRunSpec, node: str, env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
+    """The trainer command in a process group of its own, its output in the node's directory."""
+    directory = spec.node_dir(node)
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / log_name).open("wb") as out:
+        return subprocess.Popen(
+            list(spec.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop_ranks(ranks: list[RankProcess]) -> int:
