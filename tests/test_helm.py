@@ -432,6 +432,30 @@ def test_settings_file(default: list[Obj]) -> None:
     }
 
 
+@pytest.mark.parametrize("combo", COMBOS, ids=str)
+def test_opsd_reads_the_rendered_settings_and_every_variable_the_chart_sets(
+    renders: dict[Combo, list[Obj]], combo: Combo, tmp_path: Path
+) -> None:
+    """The chart's settings file loads with opsd's own settings object (keys and types it knows), and each OPSD_*
+    variable of the controller's and the agent's containers is one of its keys (or a client's)."""
+    from opsd.cli import settings
+    from opsd.protocol import env as opsd_env
+
+    docs = renders[combo]
+    configs = [c for c in objects(docs, "ConfigMap") if "opsd.yaml" in (c.get("data") or {})]
+    assert len(configs) == 1
+    path = tmp_path / "opsd.yaml"
+    path.write_text(configs[0]["data"]["opsd.yaml"])
+    controller = settings.load("controller", str(path), env={})
+    assert controller.backend in (settings.BackendKind.NONE, settings.BackendKind.KUBERNETES)
+    settings.load("agent", str(path), env={})
+    known = {k.env for section in settings.SECTIONS for k in settings.keys(section)}
+    known |= {v for k, v in vars(opsd_env).items() if k.endswith("_ENV") and isinstance(v, str)}
+    for workload in (*objects(docs, "Deployment"), *objects(docs, "DaemonSet")):
+        names = {n for n in env(container(workload)) if n.startswith("OPSD_")}
+        assert names <= known, (workload["metadata"]["name"], sorted(names - known))
+
+
 def test_agent_daemonset(default: list[Obj]) -> None:
     daemonset = one(default, "DaemonSet", "opsd-agent")
     pod = daemonset["spec"]["template"]["spec"]
