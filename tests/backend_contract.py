@@ -71,6 +71,10 @@ class Machines(Protocol):
         """The ranks running on the machines now: rank -> node."""
         ...
 
+    def invariants(self) -> None:
+        """The backend's own checks at the end of a scenario (none for most)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -200,6 +204,7 @@ def play(machines: Machines, store: StateStore, scenario: Scenario, crash: tuple
         if scenario.uncordon and (store.run(RUN) or {}).get("state") == RunState.WAITING_FOR_SPARE:
             uncordon(successor, scenario.uncordon)
     check(machines, store, scenario, incident_of(store))
+    machines.invariants()
 
 
 def report_ranks(controller: Controller) -> None:

@@ -1,6 +1,7 @@
-"""The Backend port's contract (tests/backend_contract.py) against each backend: ``FakeBackend`` (in memory, fast)
-and ``LocalBackend`` (real agents and rank processes on this machine: slow). The Kubernetes backend runs the same
-suite in tests/test_kubernetes_contract.py."""
+"""The Backend port's contract (tests/backend_contract.py) against each backend: ``FakeBackend`` (in memory, fast),
+``LocalBackend`` (real agents and rank processes on this machine: slow) and ``KubernetesBackend`` (on the emulated
+API server with JobSet's controller and the scheduler played, ``tests.kube.machines``: a controller's successor is
+a new backend, informers and reconciler over the same cluster and state store)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from tests.backend_contract import (
     play,
     scenarios_with_crashes,
 )
+from tests.kube.emulator import KubeEmulator
+from tests.kube.machines import KubeMachines
 
 SLEEPING_RANK = (sys.executable, "-c", "import time; time.sleep(3600)")  # a rank that neither steps nor ends
 
@@ -60,6 +63,9 @@ class FakeMachines:
 
     def placement(self) -> dict[int, str]:
         return dict(self.backend.runs[RUN].ranks)
+
+    def invariants(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -109,18 +115,23 @@ class LocalMachines:
         """The rank processes alive now, of every backend instance (a dead controller's must be gone)."""
         return {r.rank: r.node for b in self.backends for r in b.ranks if r.proc.poll() is None}
 
+    def invariants(self) -> None:
+        pass
+
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
 
 
-def machines_of(name: str, tmp_path: Path) -> Machines:
+def machines_of(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Machines:
+    if name == "kubernetes":
+        return KubeMachines(request.getfixturevalue("kube"), RUN)
     return FakeMachines() if name == "fake" else LocalMachines(tmp_path)
 
 
-@pytest.fixture(params=["fake", pytest.param("local", marks=pytest.mark.slow)])
+@pytest.fixture(params=["fake", "kubernetes", pytest.param("local", marks=pytest.mark.slow)])
 def machines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Machines]:
-    m = machines_of(request.param, tmp_path)
+    m = machines_of(request.param, request, tmp_path)
     try:
         yield m
     finally:
@@ -155,5 +166,19 @@ def test_a_controller_killed_between_any_two_steps_finishes_once_on_local_proces
     machines = LocalMachines(tmp_path)
     try:
         play(machines, store, BY_NAME["xid_swap"], crash)
+    finally:
+        machines.close()
+
+
+KUBE_CRASHES = [(name, point) for name in ("xid_swap", "kill") for point in crash_points(BY_NAME[name])]
+
+
+@pytest.mark.parametrize(("name", "crash"), KUBE_CRASHES, ids=[f"{n}-{p}-{s}" for n, (p, s) in KUBE_CRASHES])
+def test_a_controller_killed_between_any_two_steps_finishes_once_on_kubernetes(
+    kube: KubeEmulator, store: StateStore, name: str, crash: tuple[str, int]
+) -> None:
+    machines = KubeMachines(kube, RUN)
+    try:
+        play(machines, store, BY_NAME[name], crash)
     finally:
         machines.close()

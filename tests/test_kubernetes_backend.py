@@ -1,7 +1,7 @@
 """The Kubernetes backend's steps on the emulated API server (tests.kube): what each does to nodes, pods and Events,
 and how it meets a cluster that pushes back (a node changed meanwhile, a PodDisruptionBudget, a pod stuck
 Terminating, a watch too old to resume, a circuit breaker's limit). The port's contract for this backend is in
-tests/test_kubernetes_contract.py."""
+tests/test_backend_contract.py."""
 
 from __future__ import annotations
 

@@ -209,6 +209,10 @@ class KubeMachines:
         )
         return {i: p["spec"]["nodeName"] for i, p in enumerate(pods)}
 
+    def invariants(self) -> None:
+        """The JobSet restarted once, whatever the crash: its pods were evicted once."""
+        assert self.player.restarts == 1, self.player.restarts
+
     def close(self) -> None:
         self.player.stop()
         for cluster in self.clusters:
