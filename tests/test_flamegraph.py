@@ -14,9 +14,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
+from fastapi.testclient import TestClient
 from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -24,10 +26,12 @@ from agent.daemon import Agent, AgentConfig
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import RUN_OVERFLOW, NodeState
 from opsd.analysis.flamegraph import DIMENSION_COLOURS, MARGIN_PX, fold, parse_folded, render_svg, to_folded
+from opsd.api.app import create_app
 from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from opsd.controller.views import flame_stacks
 from opsd.errors import BodyError, PermanentError
 from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 from opsd.protocol.heartbeat import encode as encode_heartbeat
@@ -416,6 +420,56 @@ def test_controller_groups_rows_by_run_and_ignores_unknown_runs(tmp_path: Path) 
     assert controller.comm_seconds("a") == {("forward", "tp", "all_reduce"): 1.0, ("backward", "tp", "all_reduce"): 3.0}
     assert controller.comm_seconds("b") == {("backward", "pp", "send"): 2.0}
     assert controller.comm_seconds("c") == {}  # not a run of the store
+
+
+def launch_beat(at_s: float, step_: int, comms: list[tuple[str, str, str, float]], mfu: float) -> Heartbeat:
+    """node n1's heartbeat: rank 0 of run r at ``step_`` (its report at ``at_s``), and its agent's collective
+    totals (cumulative)."""
+    rank = {"run": "r", "rank": 0, "step": step_, "step_s": 0.5, "mfu_ratio": mfu, "job_tokens_per_s": 1e3}
+    body = {
+        "v": 1,
+        "node": "n1",
+        "time_unix_s": at_s,
+        "ranks": [{**rank, "last_report_unix_s": at_s}],
+        "comms": [["r", phase, dim, op, seconds, 1, 8] for phase, dim, op, seconds in comms],
+    }
+    return msgspec.convert(body, Heartbeat)
+
+
+def test_each_launch_keeps_its_collective_time_and_figures_after_the_run_and_a_restart(tmp_path: Path) -> None:
+    store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+    store.create_run("r", {}, 0.0)
+    store.update_run("r", 0.0, generation=1)
+    controller = Controller(store)
+    controller.heartbeat(launch_beat(10.0, 5, [("forward", "tp", "all_reduce", 1.0)], mfu=0.4), 10.0)
+    controller.tick(11.0)  # the launch's first record
+    controller.heartbeat(launch_beat(25.0, 9, [("forward", "tp", "all_reduce", 1.5)], mfu=0.5), 25.0)
+    controller.tick(26.0)  # 15 s later and progressed: recorded again
+    controller.forget_ranks("r", 30.0)  # the relaunch: launch 1 is recorded, launch 2 counts from here
+    store.update_run("r", 31.0, generation=2)
+    totals = [("forward", "tp", "all_reduce", 1.5), ("backward", "tp", "all_reduce", 2.0)]
+    controller.heartbeat(launch_beat(40.0, 8, totals, mfu=0.3), 40.0)
+    store.update_run("r", 50.0, state="completed")
+    controller.tick(50.5)  # a finished run's launch is recorded once more
+    forward, backward = ("forward", "tp", "all_reduce"), ("backward", "tp", "all_reduce")
+
+    restarted = Controller(store)  # nothing in memory: every figure comes from the store
+    assert flame_stacks(restarted, "r", 1) == {forward: 1.5}
+    assert flame_stacks(restarted, "r", 2) == {backward: 2.0}
+    assert flame_stacks(restarted, "r", None) == {forward: 1.5, backward: 2.0}
+    assert flame_stacks(restarted, "r", 3) == {}
+    status = restarted.status("r", 60.0)
+    assert status is not None
+    assert (status["mfu_ratio"], status["ranks"]) == (0.0, 0)  # nothing live
+    assert status["last_measured"] == {"launch": 2, "mfu_ratio": 0.3, "tokens_per_s": 1e3, "at_unix_s": 50.5}
+    assert status["run_average"]["samples"] == 3
+    assert status["run_average"]["mfu_ratio"] == pytest.approx((0.4 + 0.5 + 0.3) / 3)
+    (one, two) = store.launches("r")
+    assert (one["first_step"], one["last_step"], two["first_step"], two["last_step"]) == (5, 9, 8, 8)
+    client = TestClient(create_app(restarted, TOKEN))
+    answer = client.get("/v1/runs/r/flamegraph", params={"launch": 2})
+    assert parse_folded(answer.text) == {("step", "backward", "tp", "all_reduce"): 2_000_000}
+    assert client.get("/v1/runs/r/flamegraph", params={"launch": 0}).status_code == 422
 
 
 def node_state(comms: list[list[Any]]) -> NodeState:

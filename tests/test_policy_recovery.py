@@ -7,7 +7,15 @@ from typing import Any
 import pytest
 
 from opsd.policy.detection import Failure, FailureKind
-from opsd.policy.recovery import OnNoSpare, plan_recovery, request_id, shrinks_without_spare
+from opsd.policy.recovery import (
+    OnNoSpare,
+    Quarantine,
+    hang_strikes,
+    plan_recovery,
+    quarantine_after_hangs,
+    request_id,
+    shrinks_without_spare,
+)
 from opsd.protocol.states import ActionKind
 
 Steps = list[tuple[str, dict[str, Any]]]
@@ -70,3 +78,44 @@ NO_SPARE = {
 @pytest.mark.parametrize(("on_no_spare", "left", "minimum", "shrinks"), NO_SPARE.values(), ids=NO_SPARE.keys())
 def test_without_a_spare(on_no_spare: OnNoSpare, left: int, minimum: int, shrinks: bool) -> None:
     assert shrinks_without_spare(on_no_spare, left, minimum) is shrinks
+
+
+SWAP_BLAMED: Steps = [("cordon", {"node": "n0", "reason": "hung twice"}), ("take_spare", {"for": "n0"})]
+QUARANTINES: dict[str, tuple[FailureKind, Steps]] = {
+    # name: (failure, steps), the plan made again with Quarantine("n0", "hung twice")
+    "a hang blamed on a node again swaps it after the dump": (
+        FailureKind.HANG,
+        [("dump", {"trigger": "incident-7"}), *SWAP_BLAMED, *RELAUNCH],
+    ),
+    "a fatal XID swaps its own node, not another": (
+        FailureKind.FATAL_XID,
+        [*SWAP, ("launch", {"after_generation": 3})],
+    ),
+}
+
+
+@pytest.mark.parametrize(("kind", "steps"), QUARANTINES.values(), ids=QUARANTINES.keys())
+def test_plan_with_a_node_to_quarantine(kind: FailureKind, steps: Steps) -> None:
+    failure = Failure(kind, "n1", None, "why")
+    quarantine = Quarantine("n0", "hung twice")
+    plan = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=None, quarantine=quarantine)
+    assert [(s.kind, dict(s.args)) for s in plan] == steps
+
+
+HOUR = 3600.0
+STRIKES: dict[str, tuple[list[tuple[str, float]], int, int, bool]] = {
+    # name: (hangs blamed (node, detected), strikes of n0 at t=10 h, threshold, quarantined)
+    "a first hang is a warning": ([("n0", 10 * HOUR)], 1, 2, False),
+    "a second within the window swaps": ([("n0", 1 * HOUR), ("n0", 10 * HOUR)], 2, 2, True),
+    "one outside the window does not count": ([("n0", -20 * HOUR), ("n0", 10 * HOUR)], 1, 2, False),
+    "another node's hangs do not count": ([("n1", 5 * HOUR), ("n0", 10 * HOUR)], 1, 2, False),
+    "a threshold of 0 never swaps": ([("n0", h * HOUR) for h in range(5)], 5, 0, False),
+    "a threshold of 1 swaps at the first": ([("n0", 10 * HOUR)], 1, 1, True),
+}
+
+
+@pytest.mark.parametrize(("hangs", "strikes", "threshold", "swapped"), STRIKES.values(), ids=STRIKES.keys())
+def test_hang_strikes(hangs: list[tuple[str, float]], strikes: int, threshold: int, swapped: bool) -> None:
+    counted = hang_strikes("n0", hangs, now_s=10 * HOUR, window_s=24 * HOUR)
+    assert counted == strikes
+    assert quarantine_after_hangs(counted, threshold) is swapped

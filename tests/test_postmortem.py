@@ -333,7 +333,7 @@ def pixel_counts(rgb: Image.Image) -> dict[tuple[int, ...], int]:
 def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
     """The bundle as ``GET /v1/runs/{run}/postmortem`` makes it from a real state store, through JSON."""
     from opsd.controller.controller import Controller
-    from opsd.controller.state import StateStore
+    from opsd.controller.state import LaunchSample, StateStore
     from opsd.controller.views import postmortem_bundle
 
     t0 = 1_800_000_000.0
@@ -359,6 +359,9 @@ def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
         )
         store.complete_action(f"incident-{ident}-{seq}-{kind}", t0 + 44 + seq, result)
     store.update_incident(ident, state="recovered", resumed_s=t0 + 70, resumed_from_step=100, lost_steps=7, spare="n9")
+    store.upsert_node("n0", t0, run="job", role="active")
+    store.record_launch("job", 1, t0 + 40, LaunchSample(ranks=16, comm={"forward;tp;all_reduce": 3.5}))
+    store.update_run("job", t0 + 90, state="completed")
     bundle = json.loads(json.dumps(postmortem_bundle(Controller(store), "job", t0 + 100)))
     report = build(bundle, ident)
     (xid,) = report.incidents
@@ -369,7 +372,54 @@ def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
     assert xid.lost_steps == 7
     assert [p.name for p in xid.timeline][-3:] == ["swap", "relaunch", "first step"]
     assert xid.resume.reason == "step 100: the newest committed checkpoint"
+    assert xid.collectives == (("forward;tp;all_reduce", 3.5),)  # of launch 1, the one that failed
+    mtbf = report.goodput.mtbf
+    assert (mtbf.failures, mtbf.nodes) == (1, 1)  # a finished run: its nodes from the store
+    assert mtbf.node_hours == pytest.approx(90 / 3600)  # until it ended, not until the bundle was made
     assert "double-bit ECC error" in to_markdown(report)
+
+
+def test_a_finished_run_shows_its_mtbf_inputs_last_figures_and_the_failed_launchs_collectives(
+    bundle: dict[str, Any],
+) -> None:
+    bundle["status"].update(
+        mfu_ratio=0.0,
+        tokens_per_s=0.0,
+        last_measured={"launch": 3, "mfu_ratio": 0.412, "tokens_per_s": 51234.0, "at_unix_s": 1.0},
+        run_average={"mfu_ratio": 0.398, "tokens_per_s": 49000.0, "samples": 40},
+    )
+    bundle["mtbf"] = {
+        "mtbf_s": 36_000.0,
+        "node_mtbf_h": 20.0,
+        "failures": 3,
+        "node_hours": 57.5,
+        "nodes": 2,
+        "prior": {"node_mtbf_h": 5000.0, "node_hours": 50000.0},
+    }
+    bundle["launches"] = [
+        {"generation": 1, "comm": {"backward;dp_shard;reduce_scatter": 12.5, "forward;tp;all_reduce": 30.25}},
+        {"generation": 2, "comm": {"forward;tp;all_reduce": 1.0}},
+    ]
+    report = build(bundle)
+    xid = incident(report, 1)  # key demo/gen1
+    assert xid.launch == 1
+    assert xid.collectives == (("forward;tp;all_reduce", 30.25), ("backward;dp_shard;reduce_scatter", 12.5))
+    assert incident(report, 2).collectives == ()  # a straggler warning belongs to no failed launch
+    md = to_markdown(report)
+    mtbf = "10 h 00 min (3 failures in 57.5 node-hours; 2 nodes; a node MTBF of 20 h; prior: 5,000 h per node"
+    assert mtbf in md
+    assert "0.412 (last measured, launch 3); run average 0.398" in md
+    assert "51,234 (last measured, launch 3); run average 49,000" in md
+    assert "Where launch 1's collective time went" in md
+    assert "forward / tp / all_reduce" in md
+    assert "?" not in md.split("MTBF", 1)[1].split("\n", 1)[0]
+
+
+def test_an_older_bundle_without_the_mtbf_inputs_still_builds(bundle: dict[str, Any]) -> None:
+    assert "mtbf" not in bundle
+    report = build(bundle)
+    assert report.goodput.mtbf.mtbf_s == bundle["status"]["mtbf_s"]
+    assert report.goodput.mtbf.failures is None
 
 
 def test_the_docs_examples_are_what_it_writes(bundle: dict[str, Any]) -> None:

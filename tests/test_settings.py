@@ -54,6 +54,8 @@ FROZEN_KEYS = [
     "controller.spare_window_h",
     "controller.spare_risk",
     "controller.flight_wait_s",
+    "controller.hang_quarantine_after",
+    "controller.hang_window_h",
     "controller.step_attempts",
     "controller.step_retry_max_s",
     "controller.step_timeout_s",
@@ -92,7 +94,7 @@ FROZEN_KEYS = [
     "agent.flight_dir",
 ]
 
-CONNECTION = ["--config", "--state-dir", "--token", "--url"]
+CONNECTION = ["--config", "--state-dir", "--state-url", "--token", "--url"]
 #: every command's flags (--help aside); a change here is a change users see (docs/cli.md)
 FROZEN_FLAGS = {
     "version": [],
@@ -154,7 +156,7 @@ FROZEN_FLAGS = {
     "checkpoints": ["--json", *CONNECTION],
     "cadence": ["--json", *CONNECTION],
     "postmortem": ["--format", "--json", "--out", *CONNECTION],
-    "flamegraph": ["--folded", "--json", "--out", *CONNECTION],
+    "flamegraph": ["--folded", "--json", "--launch", "--out", *CONNECTION],
     "inject xid": ["--gpu", "--node", "--run", "--xid", *CONNECTION],
     "inject kill": ["--rank", "--run", *CONNECTION],
     "inject hang": ["--rank", "--run", *CONNECTION],

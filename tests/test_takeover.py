@@ -28,7 +28,7 @@ from opsd.backends.local.runner import run_local
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
-from opsd.cli.client import ApiClient
+from opsd.cli.client import HttpClient
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
@@ -121,7 +121,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
         )
     try:
         wait_for("token", (state / "token").exists, 30, first, log)
-        client = ApiClient(url, None, str(state))
+        client = HttpClient(url, None, str(state))
 
         def progressed() -> bool:
             try:
@@ -222,7 +222,7 @@ def test_without_a_spare_the_run_waits_until_a_node_is_uncordoned(tmp_path: Path
             waited.append(now_s)
             if len(waited) == 8:  # two seconds of waiting: the operator puts node-1 back
                 url = backend.spec.controller_url.removesuffix("/v1/heartbeat")
-                ApiClient(url, None, str(tmp_path / "state")).post("/v1/nodes/node-1/uncordon", {})
+                HttpClient(url, None, str(tmp_path / "state")).post("/v1/nodes/node-1/uncordon", {})
 
     status = local_run(tmp_path, on_poll)
     assert (status["state"], status["step"]) == ("completed", STEPS)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -27,7 +27,7 @@ from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint, token_o
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import Fault, FaultKind
-from opsd.controller.views import cadence_view, checkpoints_view, postmortem_bundle, spares_view
+from opsd.controller.views import cadence_view, checkpoints_view, flame_stacks, postmortem_bundle, spares_view
 from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
 from opsd.protocol.heartbeat import PATH
 from opsd.protocol.states import NodeRole
@@ -113,11 +113,11 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         return [a.__dict__ for a in controller.store.actions(run=run)]
 
     @app.get("/v1/runs/{run}/flamegraph", response_class=PlainTextResponse)
-    def flamegraph(run: str) -> PlainTextResponse:
-        """The run's time in collectives as folded stacks, summed over its nodes (docs/flamegraph.md)."""
-        if controller.store.run(run) is None:
-            raise HTTPException(404, f"no run {run!r}")
-        stacks = fold((*stack, seconds) for stack, seconds in controller.comm_seconds(run).items())
+    def flamegraph(run: str, launch: Annotated[int | None, Query(ge=1)] = None) -> PlainTextResponse:
+        """The run's time in collectives as folded stacks, summed over its nodes, of every launch or of one
+        (``?launch=N``; docs/flamegraph.md). Recorded per launch: a finished run's, and after a restart."""
+        per_stack = _answer(lambda: flame_stacks(controller, run, launch))
+        stacks = fold((*stack, seconds) for stack, seconds in per_stack.items())
         return PlainTextResponse(to_folded(stacks))
 
     @app.post("/v1/runs/attach", dependencies=[Depends(authorized)])

@@ -1,4 +1,7 @@
-"""A small client of the controller's API for the CLI: base URL, bearer token, errors turned into opsd's."""
+"""A small client of the controller's API for the CLI: base URL, bearer token, errors turned into opsd's.
+
+``ApiClient`` is what a command holds: ``HttpClient`` (the controller over HTTP), or a reader that falls back on
+the state store when no controller answers (``opsd.cli.offline``)."""
 
 from __future__ import annotations
 
@@ -6,12 +9,39 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from opsd.errors import ConfigError, PermanentError, TransientError
+from opsd.errors import ConfigError, OpsError, PermanentError, TransientError
 
 
-class ApiClient:
+class UnreachableError(TransientError):
+    """No controller answers at the URL (refused, timed out, no such host)."""
+
+
+def answer_error(method: str, path: str, status: int, body: bytes, reason: str = "") -> OpsError:
+    """opsd's error for an API answer of ``status`` >= 400 (its JSON ``detail`` in the message)."""
+    try:
+        detail = json.loads(body).get("detail", "")
+    except (ValueError, AttributeError):
+        detail = ""
+    message = f"{method} {path}: {status} {detail or reason}"
+    return TransientError(message) if status >= 500 else PermanentError(message)
+
+
+class ApiClient(Protocol):
+    """What a command asks of the controller's API."""
+
+    @property
+    def url(self) -> str: ...
+
+    def get(self, path: str) -> Any: ...
+
+    def get_text(self, path: str) -> str: ...
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any: ...
+
+
+class HttpClient:
     def __init__(self, url: str, token: str | None = None, state_dir: str = ".opsd", timeout_s: float = 10.0) -> None:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"controller URL {url!r} must start with http:// or https://")
@@ -40,16 +70,9 @@ class ApiClient:
                 answer: bytes = response.read()
                 return answer
         except urllib.error.HTTPError as exc:
-            try:
-                detail = json.loads(exc.read()).get("detail", "")
-            except (ValueError, AttributeError):
-                detail = ""
-            message = f"{method} {path}: {exc.code} {detail or exc.reason}"
-            if exc.code >= 500:
-                raise TransientError(message) from None
-            raise PermanentError(message) from None
+            raise answer_error(method, path, exc.code, exc.read(), str(exc.reason)) from None
         except (urllib.error.URLError, OSError) as exc:
-            raise TransientError(f"{self.url}: {exc}") from None
+            raise UnreachableError(f"{self.url}: {exc}") from None
 
 
 def _token_file(state_dir: str) -> str:

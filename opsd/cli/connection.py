@@ -6,7 +6,9 @@ http://127.0.0.1:8470. The token likewise (``--token``, ``$OPSD_TOKEN``, ``token
 ``token`` in the state directory that ``opsd serve`` / ``opsd run`` write.
 
 A command that talks to the controller is decorated with ``connected``: it declares ``api: ApiClient`` and gets the
-four connection options (``--url``, ``--token``, ``--state-dir``, ``--config``) without repeating them.
+connection options (``--url``, ``--token``, ``--state-dir``, ``--state-url``, ``--config``) without repeating them.
+When no controller answers, a read command reads the state store instead (``opsd.cli.offline``): ``--state-url``,
+``$OPSD_STATE_URL``, or ``STATE_DIR/opsd.db`` when it exists: a finished run's record needs no controller.
 
 Exit codes: 0 done; 1 the controller refused, failed or could not be reached (the reason on stderr); 2 a bad
 command line or config file; 3 ``restart --wait`` gave up waiting (the restart goes on).
@@ -26,9 +28,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from opsd.cli.client import ApiClient
+from opsd.cli.client import ApiClient, HttpClient
 from opsd.errors import OpsError
-from opsd.protocol.env import CLIENT_CONFIG_ENV, STATE_DIR_ENV, TOKEN_ENV, URL_ENV
+from opsd.protocol.env import CLIENT_CONFIG_ENV, STATE_DIR_ENV, STATE_URL_ENV, TOKEN_ENV, URL_ENV
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 EXIT_ERROR, EXIT_USAGE, EXIT_TIMEOUT = 1, 2, 3
@@ -40,7 +42,17 @@ Token = Annotated[
     str | None,
     typer.Option("--token", envvar=TOKEN_ENV, help="bearer token (default: config file, STATE_DIR/token)"),
 ]
-StateDir = Annotated[str, typer.Option("--state-dir", envvar=STATE_DIR_ENV, help="where the token file is")]
+StateDir = Annotated[
+    str, typer.Option("--state-dir", envvar=STATE_DIR_ENV, help="where the token file (and the state store) are")
+]
+StateUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--state-url",
+        envvar=STATE_URL_ENV,
+        help="the state store read when no controller answers (default: STATE_DIR/opsd.db)",
+    ),
+]
 ClientConfig = Annotated[
     str | None, typer.Option("--config", envvar=CLIENT_CONFIG_ENV, help="TOML with url and token (the client's)")
 ]
@@ -51,6 +63,7 @@ _CONNECTION = [
     inspect.Parameter("url", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Url),
     inspect.Parameter("token", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Token),
     inspect.Parameter("state_dir", inspect.Parameter.KEYWORD_ONLY, default=".opsd", annotation=StateDir),
+    inspect.Parameter("state_url", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=StateUrl),
     inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ClientConfig),
 ]
 P = ParamSpec("P")
@@ -67,9 +80,15 @@ def connected(command: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(command)
     def with_api(
-        *args: Any, url: str | None, token: str | None, state_dir: str, config: str | None, **kwargs: Any
+        *args: Any,
+        url: str | None,
+        token: str | None,
+        state_dir: str,
+        state_url: str | None,
+        config: str | None,
+        **kwargs: Any,
     ) -> R:
-        return command(*args, api=client(url, token, state_dir, config), **kwargs)
+        return command(*args, api=client(url, token, state_dir, config, state_url), **kwargs)
 
     with_api.__signature__ = signature.replace(parameters=params, return_annotation=hints.get("return"))  # type: ignore[attr-defined]
     with_api.__annotations__ = {p.name: p.annotation for p in params}
@@ -95,12 +114,19 @@ def config_file(path: str | None) -> dict[str, str]:
     return {str(k): str(v) for k, v in doc.items()}
 
 
-def client(url: str | None, token: str | None, state_dir: str, config: str | None) -> ApiClient:
+def client(
+    url: str | None, token: str | None, state_dir: str, config: str | None, state_url: str | None = None
+) -> ApiClient:
+    """The controller at ``url`` (else the config file's, else localhost); its state store when it does not
+    answer a read (``opsd.cli.offline``)."""
+    from opsd.cli.offline import Reader, store_url
+
     found = config_file(config) if url is None or token is None else {}
     try:
-        return ApiClient(url or found.get("url") or DEFAULT_URL, token or found.get("token") or None, state_dir)
+        http = HttpClient(url or found.get("url") or DEFAULT_URL, token or found.get("token") or None, state_dir)
     except OpsError as exc:
         fail(str(exc), EXIT_USAGE)
+    return Reader(http, store_url(state_dir, state_url))
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:

@@ -209,16 +209,17 @@ def flamegraph(
         str, typer.Option("--folded", help="also write the folded stacks here ('-': standard output)")
     ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the stacks as JSON instead of writing an SVG")] = False,
+    launch: Annotated[int | None, typer.Option("--launch", min=1, help="one launch (default: every launch)")] = None,
     *,
     api: ApiClient,
 ) -> None:
     """Where a run's collective time went, as a flame graph: step;phase;dimension;op stacks weighted by
-    microseconds, summed over every rank (docs/flamegraph.md). The folded stacks also suit flamegraph.pl,
-    inferno and speedscope."""
+    microseconds, summed over every rank (docs/flamegraph.md), of every launch or of one. The folded stacks also
+    suit flamegraph.pl, inferno and speedscope."""
     from opsd.analysis.flamegraph import parse_folded, render_svg
 
     try:
-        text = api.get_text(f"/v1/runs/{run}/flamegraph")
+        text = api.get_text(f"/v1/runs/{run}/flamegraph" + (f"?launch={launch}" if launch is not None else ""))
         stacks = parse_folded(text)
     except OpsError as exc:
         fail(str(exc))
@@ -227,10 +228,11 @@ def flamegraph(
         return
     if folded:
         write(text, "" if folded == "-" else folded)
+    of = f" of launch {launch}" if launch is not None else ""
     if not stacks:
-        fail(f"run {run} has no collective time recorded yet")
+        fail(f"run {run} has no collective time recorded{of} yet")
     target = out or f"{run}-collectives.svg"
-    write(render_svg(stacks, title=f"collectives of {run}"), target)
+    write(render_svg(stacks, title=f"collectives of {run}{of}"), target)
     if folded != "-":
         typer.echo(f"{target}: {len(stacks)} stacks")
 

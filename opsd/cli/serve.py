@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import signal
 import socket
 import threading
@@ -233,8 +234,23 @@ def run(
     except OpsError as exc:
         typer.echo(f"opsd run: {exc}", err=True)
         raise typer.Exit(1) from None
+    typer.echo(afterwards(spec.run, serve_config.state_dir, serve_config.state_url), err=True)
     typer.echo(json.dumps({k: status[k] for k in ("run", "state", "step", "ettr")}))
     raise typer.Exit(0 if status["state"] == RunState.COMPLETED else 1)
+
+
+def afterwards(run: str, state_dir: str, state_url: str) -> str:
+    """What to type to read a run's record once ``opsd run`` has exited (no controller needed)."""
+    where = f"--state-url {shlex.quote(state_url)}" if state_url else f"--state-dir {shlex.quote(state_dir)}"
+    name = shlex.quote(run)
+    return "\n".join(
+        (
+            f"run {run} is over; its record stays in the state store, readable without a controller:",
+            f"  opsd incidents {name} {where}",
+            f"  opsd postmortem {name} {where} --format html --out {shlex.quote(run + '-postmortem.html')}",
+            f"  opsd flamegraph {name} {where}",
+        )
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -23,6 +23,8 @@ class ControllerConfig:
     spare_window_h: float = 24.0  # how long a failed node stays out (repair): the spare pool covers this window
     spare_risk: float = 0.01  # accepted chance that more nodes fail within the window than there are spares
     flight_wait_s: float = 10.0  # how long a hang's recovery waits for the ranks' Flight Recorder dumps
+    hang_quarantine_after: int = 2  # a node the dumps blame for this many hangs in hang_window_h is swapped (0: no)
+    hang_window_h: float = 24.0
     step_attempts: int = 5  # a recovery step that fails transiently is tried this many times in all
     step_retry_max_s: float = 30.0  # the longest wait between two attempts of a step
     step_timeout_s: float = 600.0  # how long a step under way (a cluster restarting a job) is waited for
@@ -36,6 +38,8 @@ class ControllerConfig:
             raise ValueError("controller.restart_lead_s, restart_checkpoint_wait_s must be >= 0, min lead steps >= 1")
         if self.flight_wait_s < 0:
             raise ValueError("controller.flight_wait_s must be >= 0")
+        if self.hang_quarantine_after < 0 or self.hang_window_h <= 0:
+            raise ValueError("controller.hang_quarantine_after must be >= 0 and controller.hang_window_h > 0")
         if self.spare_window_h <= 0 or not 0 < self.spare_risk < 1:
             raise ValueError("controller.spare_window_h must be > 0 and controller.spare_risk between 0 and 1")
         if self.step_attempts < 1 or self.step_retry_max_s < 0 or self.step_timeout_s <= 0:

@@ -13,17 +13,20 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+from dataclasses import replace
 from typing import Any, Protocol
 
 from opsd.controller.config import ControllerConfig
 from opsd.controller.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Window
 from opsd.controller.port import Backend
-from opsd.controller.state import StateStore
+from opsd.controller.state import LaunchSample, StateStore
 from opsd.policy.cadence import Cadence
 from opsd.policy.detection import Failure
 from opsd.policy.spares import Spare, select_spare
 from opsd.policy.stragglers import StragglerScore
 from opsd.protocol.states import NodeRole
+
+LAUNCH_RECORD_S = 10.0  # a launch's record is written at most this often while it progresses (6x: while it does not)
 
 
 class Recoveries(Protocol):
@@ -59,6 +62,8 @@ class ControllerCore:
         self.ended_step: dict[str, int] = {}  # run -> the newest step of its previous launch (-1: unknown)
         self.checkpointed_s: dict[str, float] = {}  # run -> when every rank had finished one more checkpoint
         self.comms: dict[str, RunComms] = {}  # run -> its collective seconds per node and stack (the flame graph)
+        self.comms_before: dict[str, dict[tuple[str, str, str], float]] = {}  # run -> its totals when its launch began
+        self.recorded: dict[str, tuple[float, int]] = {}  # run -> when its launch was last recorded, and its step then
 
     @property
     def ranks(self) -> dict[str, dict[int, RankLive]]:
@@ -117,6 +122,13 @@ class ControllerCore:
             live.exit_code = exit_code
             run_live.exited.add(rank)
 
+    def rank_node(self, run: str, rank: int) -> str | None:
+        """The node the current launch's ``rank`` runs on, as its heartbeats say (None: not heard from)."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            found = live.ranks.get(rank) if live is not None else None
+            return found.node if found is not None else None
+
     def running_ranks(self, run: str) -> list[int]:
         """The ranks of the run's current launch heard from and not exited."""
         with self.lock:
@@ -136,16 +148,71 @@ class ControllerCore:
         with self.lock:
             self.runs_live.pop(run, None)
             self.stragglers.pop(run, None)
+            self.recorded.pop(run, None)
             self.launched_s[run] = now_s
 
     def forget_ranks(self, run: str, now_s: float) -> None:
-        """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch); what
-        agents report from before ``now_s`` is ignored."""
+        """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch, whose
+        record is written first); what agents report from before ``now_s`` is ignored."""
+        row = self.store.run(run)
+        if row is not None and int(row["generation"]) > 0:
+            self.record_launch(run, int(row["generation"]), now_s)
         with self.lock:
+            held = self.comms.get(run)
+            self.comms_before[run] = held.totals() if held is not None else {}
+            self.recorded.pop(run, None)
             ended = self.runs_live.pop(run, None)
             self.ended_step[run] = ended.newest_step if ended is not None else -1
             self.stragglers.pop(run, None)
             self.launched_s[run] = now_s
+
+    def launch_comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
+        """The collective seconds of the run's current launch, by (phase, dimension, op): the totals the agents
+        report less those at the launch's start (after a controller restart: all they report)."""
+        with self.lock:
+            held = self.comms.get(run)
+            totals = held.totals() if held is not None else {}
+            before = self.comms_before.get(run, {})
+        return {k: v - before.get(k, 0.0) for k, v in totals.items() if v - before.get(k, 0.0) > 0}
+
+    def record_launch(self, run: str, generation: int, now_s: float) -> None:
+        """Write what the current launch of ``run`` measured (``StateStore.record_launch``): what ``opsd status``
+        shows of a finished run, and its flame graph after the run or a controller restart."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+            _, step_then = self.recorded.get(run, (0.0, -1))
+            newest = live.newest_step if live is not None else -1
+            sample = LaunchSample(
+                first_step=min((r.step for r in ranks), default=None) if step_then < 0 else None,
+                last_step=newest if newest >= 0 else None,
+                ranks=len(ranks),
+                progressed=bool(ranks) and newest > step_then,
+                mfu_ratio=math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0,
+                tokens_per_s=max((r.job_tokens_per_s for r in ranks), default=0.0),
+            )
+            self.recorded[run] = (now_s, max(newest, step_then))
+        comm = {";".join(stack): seconds for stack, seconds in self.launch_comm_seconds(run).items()}
+        if ranks or comm:  # else nothing was heard of it
+            self.store.record_launch(run, generation, now_s, replace(sample, comm=comm))
+
+    def last_recorded_s(self, run: str) -> float:
+        """When the current launch of ``run`` was last recorded (inf when it has no ranks to record)."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            if live is None or not live.ranks:
+                return math.inf
+            return self.recorded.get(run, (-math.inf, -1))[0]
+
+    def launch_record_due(self, run: str, now_s: float) -> bool:
+        """Whether the current launch of ``run`` has news to record: ranks heard from, and ``LAUNCH_RECORD_S``
+        since its last record (or none yet)."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            if live is None or not live.ranks:
+                return False
+            at_s, step = self.recorded.get(run, (-math.inf, -1))
+            return (now_s - at_s >= LAUNCH_RECORD_S and live.newest_step != step) or now_s - at_s >= 6 * LAUNCH_RECORD_S
 
     # -- spares ------------------------------------------------------------------------------------------------
     def choose_spare(self, run: str, failed_node: str) -> str | None:

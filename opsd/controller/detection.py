@@ -27,6 +27,7 @@ class Detection(Scoring):
         found: list[Failure] = []
         with self.ticking:
             for run in self.store.runs():
+                self._record(run, now_s)
                 if run["state"] == RunState.WAITING_FOR_SPARE:
                     self._retry_waiting(run, now_s)
                 if run["state"] != RunState.RUNNING:
@@ -40,6 +41,14 @@ class Detection(Scoring):
                 self._score(run["id"], now_s)
                 self._plan(run, now_s)
         return found
+
+    def _record(self, run: dict[str, Any], now_s: float) -> None:
+        """Write the record of a running run's launch now and then, and a finished run's once more at its end."""
+        run_id, state = run["id"], RunState(run["state"])
+        due = self.launch_record_due(run_id, now_s) if state == RunState.RUNNING else False
+        ended = state.finished and self.last_recorded_s(run_id) < float(run["updated_s"])
+        if due or ended:
+            self.record_launch(run_id, int(run["generation"]), now_s)
 
     def _detect(self, run: str, now_s: float) -> list[Failure]:
         active = self.store.node_names(run, NodeRole.ACTIVE)

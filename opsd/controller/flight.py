@@ -52,6 +52,16 @@ def _analysis(controller: ControllerCore, trigger: str, rows: list[dict[str, Any
     return analyze(dumps, sorted(expected), trigger, incident_id)
 
 
+def culprits(controller: ControllerCore, run: str, trigger: str, ranks_expected: list[int]) -> list[dict[str, Any]]:
+    """The culprits the analysis of ``trigger``'s kept dumps names (``rank``, ``reason``, ...), first the likeliest;
+    ``ranks_expected``: the ranks asked for a dump (with the world the dumps name)."""
+    dumps = {int(r["rank"]): json.loads(r["body"]) for r in controller.store.flight_dumps(run, trigger)}
+    world = max((int(d.get("world_size", 0)) for d in dumps.values()), default=0)
+    expected = sorted(set(ranks_expected) | set(range(world)))
+    found: list[dict[str, Any]] = analyze(dumps, expected, trigger, None)["culprits"]
+    return found
+
+
 def collect_dumps(
     controller: ControllerCore,
     run: str,

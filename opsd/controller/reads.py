@@ -72,4 +72,30 @@ class Reads(ControllerCore):
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],
             "open_incidents": sum(1 for i in incidents if i["state"] == IncidentState.OPEN),
+            **measured(self.store.launches(run_id)),
         }
+
+
+def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the run's launches measured, as recorded: the last sample of the job's MFU and tokens/s
+    (``last_measured``: of which launch, and when), and their averages over every sample taken while the ranks
+    progressed (``run_average``); None before any sample (a finished run keeps them)."""
+    last = next((row for row in reversed(launches) if row["mfu_ratio_last"] is not None), None)
+    samples = sum(int(row["samples"]) for row in launches)
+    return {
+        "last_measured": {
+            "launch": last["generation"],
+            "mfu_ratio": last["mfu_ratio_last"],
+            "tokens_per_s": last["tokens_per_s_last"],
+            "at_unix_s": last["updated_s"],
+        }
+        if last is not None
+        else None,
+        "run_average": {
+            "mfu_ratio": math.fsum(row["mfu_ratio_sum"] for row in launches) / samples,
+            "tokens_per_s": math.fsum(row["tokens_per_s_sum"] for row in launches) / samples,
+            "samples": samples,
+        }
+        if samples
+        else None,
+    }

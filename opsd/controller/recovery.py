@@ -24,16 +24,27 @@ from typing import Any
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.controller.core import ControllerCore
-from opsd.controller.flight import collect_dumps
+from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
 from opsd.controller.port import Done, ErrorKind, Outcome, Pending
 from opsd.controller.state import Action
 from opsd.errors import OpsError
 from opsd.policy.detection import Failure, FailureKind
-from opsd.policy.recovery import OnNoSpare, plan_recovery, request_id, shrinks_without_spare
+from opsd.policy.recovery import (
+    DUMP_KINDS,
+    OnNoSpare,
+    Quarantine,
+    hang_strikes,
+    plan_recovery,
+    quarantine_after_hangs,
+    request_id,
+    shrinks_without_spare,
+)
 from opsd.protocol.states import ActionKind, ActionState, NodeRole, RunState
 
 log = logging.getLogger(__name__)
+
+HANG_KINDS = frozenset(k.value for k in DUMP_KINDS)  # the incidents a hang's dumps are taken for
 
 #: where a step can be interrupted, for ``Recovery.on_step`` (tests, fault injection): after it is recorded, after
 #: the backend carried it out, after it is recorded done
@@ -139,10 +150,12 @@ class Recovery:
         if row is None:
             raise StepFailedError(f"run {run!r} is not in the state store")
         at_step = self.core.checkpoint_step_ahead(run) if failure.kind is FailureKind.MANUAL_RESTART else None
-        steps = plan_recovery(
-            failure, incident_id=incident_id, generation=int(row["generation"]), checkpoint_at_step=at_step
-        )
-        for seq, step in enumerate(steps):
+        generation = int(row["generation"])
+        steps = plan_recovery(failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step)
+        seq = -1
+        while seq + 1 < len(steps):
+            seq += 1
+            step = steps[seq]
             action = store.record_action(
                 request_id(incident_id, seq, step.kind),
                 run=run,
@@ -154,16 +167,23 @@ class Recovery:
             )
             self._passed(RECORDED, action)
             if action.state == ActionState.DONE:
-                continue
-            try:
-                result = self._carry_out(run, incident_id, failure, action)
-            except WaitForSpare:
-                store.update_run(run, time.time(), state=RunState.WAITING_FOR_SPARE)
-                log.warning("run %s: no spare left; waiting for one", run)
-                return  # the detection pass goes on once a node is uncordoned or added
-            self._passed(CARRIED_OUT, action)
-            store.complete_action(action.request_id, time.time(), result)
-            self._passed(COMPLETED, action)
+                result = action.result or {}
+            else:
+                try:
+                    result = self._carry_out(run, incident_id, failure, action)
+                except WaitForSpare:
+                    store.update_run(run, time.time(), state=RunState.WAITING_FOR_SPARE)
+                    log.warning("run %s: no spare left; waiting for one", run)
+                    return  # the detection pass goes on once a node is uncordoned or added
+                self._passed(CARRIED_OUT, action)
+                store.complete_action(action.request_id, time.time(), result)
+                self._passed(COMPLETED, action)
+            quarantine = result.get("quarantine") if action.kind == ActionKind.DUMP else None
+            if quarantine:  # the dumps blamed a node that hung before: the rest of the plan swaps it
+                why = Quarantine(str(quarantine["node"]), str(quarantine["reason"]))
+                steps = plan_recovery(
+                    failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step, quarantine=why
+                )
 
     def _passed(self, point: str, action: Action) -> None:
         if self.on_step is not None:
@@ -180,7 +200,8 @@ class Recovery:
             named = ready.get("ranks")
             ranks = [int(r) for r in named] if named is not None else self.core.running_ranks(run)
             wait_s = self.core.config.flight_wait_s
-            return collect_dumps(self.core, run, str(args["trigger"]), ranks, wait_s)
+            collected = collect_dumps(self.core, run, str(args["trigger"]), ranks, wait_s)
+            return {**collected, **self._blame(run, incident_id, str(args["trigger"]), collected["ranks_expected"])}
         if kind is ActionKind.STOP:
             return self._call(lambda: backend.stop_ranks(run, rid), action)
         if kind is ActionKind.CORDON:
@@ -194,6 +215,36 @@ class Recovery:
             generation = int(args["after_generation"]) + 1  # the record's: a repeat launches the same
             return self._launch(run, generation, rid, time.time())
         raise StepFailedError(f"run {run}: unknown recovery step {kind!r}")
+
+    def _blame(self, run: str, incident_id: int, trigger: str, expected: list[int]) -> dict[str, Any]:
+        """What a hang's dumps say of it: the culprit rank they name and its node become the incident's (the first
+        guess, the rank furthest behind, is kept in the detail and the result); a node blamed for
+        ``hang_quarantine_after`` hangs within ``hang_window_h`` is to be swapped (``quarantine``)."""
+        named = culprits(self.core, run, trigger, expected)
+        rank = int(named[0]["rank"]) if named else None
+        node = self.core.rank_node(run, rank) if rank is not None else None
+        incident = self.core.store.incident(incident_id)
+        if rank is None or node is None or incident is None:
+            return {"culprit": None}
+        first = {"rank": incident["rank"], "node": incident["node"]}
+        if (first["rank"], first["node"]) != (rank, node):
+            detail = (
+                f"{incident['detail']}; the Flight Recorder names rank {rank} on {node} ({named[0]['reason']});"
+                f" first blamed: rank {first['rank']} on {first['node']}"
+            )
+            self.core.store.update_incident(incident_id, node=node, rank=rank, detail=detail[:4000])
+            log.warning(
+                "run %s: incident %d: the dumps blame rank %d on %s, not %s", run, incident_id, rank, node, first
+            )
+        config = self.core.config
+        window_s = config.hang_window_h * 3600.0
+        hangs = [(i["node"], float(i["detected_s"])) for i in self.core.store.incidents() if i["kind"] in HANG_KINDS]
+        strikes = hang_strikes(node, hangs, float(incident["detected_s"]), window_s)
+        out: dict[str, Any] = {"culprit": {"rank": rank, "node": node, "first_blamed": first}, "strikes": strikes}
+        if quarantine_after_hangs(strikes, config.hang_quarantine_after):
+            reason = f"its ranks hung {strikes} times within {config.hang_window_h:g} h (the Flight Recorder's culprit)"
+            out["quarantine"] = {"node": node, "reason": reason}
+        return out
 
     def _take_spare(self, run: str, incident_id: int, failed: str, action: Action) -> dict[str, Any]:
         """The incident's spare: the one chosen before (a repeat) or a new one, written to the incident before the

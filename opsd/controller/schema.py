@@ -1,5 +1,6 @@
 """The state store's schema (SQLAlchemy Core tables: runs, nodes, incidents, the action timeline, Flight Recorder
-dumps) and its engine: SQLite in WAL mode (the CLI reads while the controller writes), or PostgreSQL by URL."""
+dumps, what each launch measured) and its engine: SQLite in WAL mode (the CLI reads while the controller writes),
+or PostgreSQL by URL."""
 
 from __future__ import annotations
 
@@ -97,6 +98,26 @@ flight_dumps = Table(
     Column("received_s", Float, nullable=False),
     Column("body", Text, nullable=False),  # the dump as the rank wrote it (JSON; docs/flight-recorder.md)
     UniqueConstraint("run", "trigger", "rank"),
+)
+
+
+launches = Table(
+    "launches",
+    metadata,
+    Column("run", String(200), primary_key=True),
+    Column("generation", Integer, primary_key=True),
+    Column("started_s", Float, nullable=False),  # first recorded
+    Column("updated_s", Float, nullable=False),
+    Column("first_step", Integer),  # the first and newest steps its ranks reported
+    Column("last_step", Integer),
+    Column("ranks", Integer, nullable=False, default=0),  # heard from, at most
+    # the job's MFU and tokens/s: sums over the samples taken while it progressed, and the last sample
+    Column("samples", Integer, nullable=False, default=0),
+    Column("mfu_ratio_sum", Float, nullable=False, default=0.0),
+    Column("tokens_per_s_sum", Float, nullable=False, default=0.0),
+    Column("mfu_ratio_last", Float),
+    Column("tokens_per_s_last", Float),
+    Column("comm", Text, nullable=False, default="{}"),  # JSON {"phase;dimension;op": seconds}: its collectives
 )
 
 

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -34,7 +34,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from opsd.controller.schema import actions, flight_dumps, incidents, nodes, open_engine, runs
+from opsd.controller.schema import actions, flight_dumps, incidents, launches, nodes, open_engine, runs
 from opsd.errors import TransientError
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 
@@ -60,6 +60,7 @@ class StateStore:
         self.engine = engine
         self._nodes: dict[str, dict[str, Any]] | None = None  # name -> row, once loaded
         self._nodes_lock = threading.Lock()
+        self._launches_lock = threading.Lock()  # a launch's record is read, added to and written back
 
     @classmethod
     def open(cls, url: str) -> StateStore:
@@ -207,7 +208,7 @@ class StateStore:
             return int(found), False
 
     def update_incident(self, incident_id: int, **fields: Any) -> None:
-        allowed = {"state", "resumed_s", "resumed_from_step", "lost_steps", "spare", "detail"}
+        allowed = {"state", "resumed_s", "resumed_from_step", "lost_steps", "spare", "detail", "node", "rank"}
         if not set(fields) <= allowed:
             raise ValueError(f"update_incident: unknown fields {sorted(set(fields) - allowed)}")
         with self._tx() as c:
@@ -282,6 +283,41 @@ class StateStore:
         with self._tx() as c:
             return [_action_row(r) for r in c.execute(query).mappings().all()]
 
+    # -- launches ----------------------------------------------------------------------------------------------
+    def record_launch(self, run: str, generation: int, now_s: float, sample: LaunchSample) -> None:
+        """Add what launch ``generation`` of ``run`` measured since the last record: its steps and ranks, a sample
+        of the job's MFU and tokens/s (counted when it progressed), and its collective seconds (per stack, the
+        larger of the recorded and the new: the agents' totals only grow)."""
+        key = (launches.c.run == run) & (launches.c.generation == generation)
+        with self._launches_lock, self._tx() as c:
+            row = c.execute(select(launches).where(key)).mappings().first()
+            comm = {**(json.loads(row["comm"]) if row else {})}
+            for stack, seconds in sample.comm.items():
+                comm[stack] = max(seconds, comm.get(stack, 0.0))
+            fields: dict[str, Any] = {"updated_s": now_s, "comm": json.dumps(comm, sort_keys=True)}
+            if sample.first_step is not None:
+                known = row["first_step"] if row else None
+                fields["first_step"] = sample.first_step if known is None else min(known, sample.first_step)
+            if sample.last_step is not None:
+                fields["last_step"] = max(sample.last_step, (row["last_step"] or 0) if row else 0)
+            fields["ranks"] = max(sample.ranks, row["ranks"] if row else 0)
+            if sample.progressed:
+                fields["samples"] = (row["samples"] if row else 0) + 1
+                fields["mfu_ratio_sum"] = (row["mfu_ratio_sum"] if row else 0.0) + sample.mfu_ratio
+                fields["tokens_per_s_sum"] = (row["tokens_per_s_sum"] if row else 0.0) + sample.tokens_per_s
+                fields["mfu_ratio_last"], fields["tokens_per_s_last"] = sample.mfu_ratio, sample.tokens_per_s
+            if row is None:
+                c.execute(insert(launches).values(run=run, generation=generation, started_s=now_s, **fields))
+            else:
+                c.execute(update(launches).where(key).values(**fields))
+
+    def launches(self, run: str) -> list[dict[str, Any]]:
+        """What each launch of ``run`` measured, oldest first (``comm``: ``{"phase;dimension;op": seconds}``)."""
+        query = select(launches).where(launches.c.run == run).order_by(launches.c.generation)
+        with self._tx() as c:
+            rows = c.execute(query).mappings().all()
+        return [{**r, "comm": json.loads(r["comm"])} for r in rows]
+
     # -- Flight Recorder dumps ---------------------------------------------------------------------------------
     def add_flight_dump(
         self, *, run: str, trigger: str, rank: int, incident_id: int | None, received_s: float, body: str
@@ -317,6 +353,19 @@ class StateStore:
         query = select(flight_dumps.c.rank).where(flight_dumps.c.run == run, flight_dumps.c.trigger == trigger)
         with self._tx() as c:
             return {int(r) for r in c.execute(query).scalars().all()}
+
+
+@dataclass(frozen=True)
+class LaunchSample:
+    """What a launch measured, as of now (``StateStore.record_launch``)."""
+
+    first_step: int | None = None
+    last_step: int | None = None
+    ranks: int = 0
+    progressed: bool = False  # it stepped since the last sample: ``mfu_ratio`` and ``tokens_per_s`` count
+    mfu_ratio: float = 0.0
+    tokens_per_s: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds of this launch
 
 
 def _run_row(row: Any) -> dict[str, Any]:

@@ -53,11 +53,12 @@ def node_mtbf_h(
     incidents: list[dict[str, Any]] | None = None,
 ) -> tuple[float, int, float]:
     """(node MTBF in hours, failures, node-hours) of ``run``: the cadence's posterior (prior + the run's failures);
-    ``incidents``: the run's, when the caller has them already."""
+    ``incidents``: the run's, when the caller has them already. A finished run's node-hours end with it."""
     if incidents is None:
         incidents = controller.store.incidents(run["id"])
     failures = sum(1 for i in incidents if i["kind"] not in NOT_FAILURES)
-    node_hours = max(1, nodes) * max(0.0, now_s - float(run["created_s"])) / 3600.0
+    end_s = float(run["updated_s"]) if RunState(run["state"]).finished else now_s
+    node_hours = max(1, nodes) * max(0.0, end_s - float(run["created_s"])) / 3600.0
     rate = node_failure_rate_per_h(failures, node_hours, controller.config.cadence)
     return 1.0 / rate, failures, node_hours
 
@@ -199,11 +200,15 @@ def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str,
         cost_s = live.checkpoint_blocking_s / saves if live is not None and saves else None
         nodes = len(live.rank_nodes) if live is not None else 0
         newest = live.newest_step if live is not None else None
+    if nodes == 0:  # no rank heard from (a finished run, a controller just started): the nodes the run holds
+        nodes = len(controller.store.node_names(run_id, NodeRole.ACTIVE))
     mtbf_h, failures, node_hours = node_mtbf_h(controller, run, nodes, now_s)
+    config = controller.config.cadence
     out: dict[str, Any] = {
         "run": run_id,
         "step": newest,
         "nodes": nodes,
+        "prior": {"node_mtbf_h": config.prior_mtbf_node_h, "node_hours": config.prior_node_hours},
         "failures": failures,
         "node_hours": node_hours,
         "node_mtbf_h": mtbf_h,
@@ -261,6 +266,7 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
         log.warning("run %s: checkpoints unavailable for the post-mortem: %s", run_id, exc)
         checkpoints = []
     blocking = [c["blocking_s"] for c in checkpoints if c["blocking_s"] is not None]
+    per_launch = launch_stacks(controller, run_id)
     codes = {int(word) for i in incidents for word in _xid_codes(i["detail"])}
     table = xid_meanings()
     return {
@@ -277,10 +283,58 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
         },
         "flight_recorder": analyses(controller, run_id),
         "xid_table": {str(code): table[code] for code in sorted(codes) if code in table},
+        "mtbf": {k: v for k, v in cadence_view(controller, run_id, now_s).items() if k in MTBF_KEYS},
+        "launches": [
+            {**{k: v for k, v in row.items() if k in LAUNCH_KEYS}, "comm": dict(top_stacks(per_launch.get(g, {})))}
+            for row in controller.store.launches(run_id)
+            for g in [int(row["generation"])]
+        ],
     }
+
+
+#: what the post-mortem takes of the cadence (the MTBF estimate and its inputs) and of each launch's record
+MTBF_KEYS = ("mtbf_s", "node_mtbf_h", "failures", "node_hours", "nodes", "prior")
+LAUNCH_KEYS = ("generation", "started_s", "updated_s", "first_step", "last_step", "ranks", "samples")
+TOP_STACKS = 12  # the post-mortem's collective stacks of a launch, the longest first
+
+
+def top_stacks(stacks: dict[tuple[str, ...], float]) -> list[tuple[str, float]]:
+    """The ``TOP_STACKS`` longest stacks as ``("phase;dimension;op", seconds)``."""
+    ordered = sorted(stacks.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_STACKS]
+    return [(";".join(stack), seconds) for stack, seconds in ordered]
 
 
 def _xid_codes(detail: str) -> list[str]:
     """The codes of ``XID <n>`` mentions in an incident's detail."""
     words = detail.replace(":", " ").split()
     return [b for a, b in itertools.pairwise(words) if a == "XID" and b.isdigit()]
+
+
+def launch_stacks(controller: Controller, run_id: str) -> dict[int, dict[tuple[str, ...], float]]:
+    """Each launch's collective seconds by (phase, dimension, op): as recorded, and for the launch under way the
+    larger of the recorded and what its agents report now."""
+    run = controller.store.run(run_id)
+    if run is None:
+        raise NotFoundError(f"no run {run_id!r}")
+    out = {
+        int(row["generation"]): {tuple(k.split(";")): v for k, v in row["comm"].items()}
+        for row in controller.store.launches(run_id)
+    }
+    live = controller.launch_comm_seconds(run_id)
+    if live:
+        current = out.setdefault(int(run["generation"]), {})
+        for stack, seconds in live.items():
+            current[stack] = max(seconds, current.get(stack, 0.0))
+    return out
+
+
+def flame_stacks(controller: Controller, run_id: str, launch: int | None) -> dict[tuple[str, ...], float]:
+    """The run's collective seconds by stack: of one launch, or summed over every launch (None)."""
+    per_launch = launch_stacks(controller, run_id)
+    if launch is not None:
+        return per_launch.get(launch, {})
+    total: dict[tuple[str, ...], float] = {}
+    for stacks in per_launch.values():
+        for stack, seconds in stacks.items():
+            total[stack] = total.get(stack, 0.0) + seconds
+    return total

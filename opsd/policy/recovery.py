@@ -13,6 +13,9 @@ recorded ones are what a repeat uses.
 - a failure that calls for a swap (a node lost, a fatal XID: ``Failure.swap``) quarantines the node
   (``cordon``) and promotes a spare in its place (``take_spare``), before anything is stopped: on a cluster, the
   stop is what makes the job restart, and its new pods must find the failed node closed and the spare open;
+- so does a hang whose dumps blame a node that hung before (``Quarantine``: ``hang_strikes`` within a window reach
+  a threshold): that plan is made again once the ``dump`` step is done, from what it recorded, so it too comes out
+  the same at every attempt;
 - every recovery stops the ranks of the failed launch (``stop``);
 - every recovery ends by relaunching the ranks, who resume from the newest committed checkpoint (``launch``).
 
@@ -22,7 +25,7 @@ relaunches on the nodes it has left, down to ``min_nodes``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -35,17 +38,30 @@ DUMP_KINDS = frozenset({FailureKind.HANG, FailureKind.COLLECTIVE_TIMEOUT})
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """A node to take out of service although the failure alone does not call for it (a repeated hang)."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class PlannedStep:
     kind: ActionKind
     args: Mapping[str, Any] = field(default_factory=dict)  # JSON values: recorded with the action
 
 
 def plan_recovery(
-    failure: Failure, *, incident_id: int, generation: int, checkpoint_at_step: int | None
+    failure: Failure,
+    *,
+    incident_id: int,
+    generation: int,
+    checkpoint_at_step: int | None,
+    quarantine: Quarantine | None = None,
 ) -> list[PlannedStep]:
     """The steps that recover from ``failure`` (incident ``incident_id``), the ranks being at launch ``generation``;
     ``checkpoint_at_step``: the step a graceful restart's checkpoint is asked for (None: the ranks do not progress,
-    the checkpoint is skipped)."""
+    the checkpoint is skipped); ``quarantine``: a node to swap all the same (a hang's dumps blamed it again)."""
     steps: list[PlannedStep] = []
     if failure.kind is FailureKind.MANUAL_RESTART:
         steps.append(PlannedStep(ActionKind.CHECKPOINT, {"at_step": checkpoint_at_step}))
@@ -54,6 +70,9 @@ def plan_recovery(
     if failure.swap:  # before the stop: nothing of the run may start on the failed node again
         steps.append(PlannedStep(ActionKind.CORDON, {"node": failure.node, "reason": failure.detail}))
         steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": failure.node}))
+    elif quarantine is not None:
+        steps.append(PlannedStep(ActionKind.CORDON, {"node": quarantine.node, "reason": quarantine.reason}))
+        steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": quarantine.node}))
     steps.append(PlannedStep(ActionKind.STOP, {"generation": generation}))
     steps.append(PlannedStep(ActionKind.LAUNCH, {"after_generation": generation}))
     return steps
@@ -77,3 +96,14 @@ class OnNoSpare(StrEnum):
 def shrinks_without_spare(on_no_spare: OnNoSpare, nodes_left: int, min_nodes: int) -> bool:
     """A swap found no spare: whether the run shrinks (it allows it and has ``min_nodes`` left) rather than waits."""
     return on_no_spare is OnNoSpare.SHRINK and nodes_left >= min_nodes
+
+
+def hang_strikes(node: str, hangs: Sequence[tuple[str, float]], now_s: float, window_s: float) -> int:
+    """How many of ``hangs`` (the node each was blamed on, when it was detected) blamed ``node`` within the last
+    ``window_s``."""
+    return sum(1 for blamed, detected_s in hangs if blamed == node and now_s - window_s <= detected_s <= now_s)
+
+
+def quarantine_after_hangs(strikes: int, threshold: int) -> bool:
+    """Whether a node blamed for ``strikes`` hangs is swapped like a failed one (``threshold`` 0: never)."""
+    return threshold > 0 and strikes >= threshold

@@ -36,6 +36,7 @@ from opsd.postmortem.model import (
     FlightRecorder,
     Goodput,
     IncidentReport,
+    Mtbf,
     Phase,
     Report,
     Resume,
@@ -133,6 +134,14 @@ def _action_detail(a: ActionRow) -> str:
             text += f", from the checkpoint of step {r['resumed_from_step']}"
     elif a.kind == ActionKind.DUMP:
         text = "Flight Recorder dump asked of every rank"
+        culprit = r.get("culprit") if isinstance(r.get("culprit"), dict) else None
+        if culprit is not None:
+            first = culprit.get("first_blamed") if isinstance(culprit.get("first_blamed"), dict) else {}
+            text += f"; it names rank {culprit.get('rank')} on {culprit.get('node')}"
+            if (first.get("rank"), first.get("node")) != (culprit.get("rank"), culprit.get("node")):
+                text += f" (first blamed: rank {first.get('rank')} on {first.get('node')})"
+        if isinstance(r.get("quarantine"), dict):
+            text += f"; {r['quarantine'].get('node')} is swapped: {r['quarantine'].get('reason')}"
     else:
         text = "; ".join(f"{k}={v}" for k, v in r.items()) or a.kind
     return text if a.state == ActionState.DONE else f"{text} (not done)"
@@ -231,7 +240,8 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
         known = ", ".join(str(r["id"]) for r in rows) or "none"
         raise PermanentError(f"run {run_id!r} has no incident {incident_id} (its incidents: {known})")
 
-    goodput = _goodput(status, bundle.get("checkpoint_blocking_s"))
+    goodput = _goodput(status, bundle.get("checkpoint_blocking_s"), bundle.get("mtbf"))
+    collectives = _collectives(bundle.get("launches"))
     recompute_total = dict(goodput.badput_s).get(BadputBucket.RECOMPUTE)
     lost_total = sum(r["lost_steps"] or 0 for r in rows if r["kind"] != IncidentKind.STRAGGLER)
 
@@ -271,6 +281,8 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
                 root_cause=_root_cause(r, xid_table, analysis_of(r["id"])),
                 timeline=_timeline(r, mine) if r["kind"] != IncidentKind.STRAGGLER else (),
                 resume=_resume(r, mine, checkpoints),
+                launch=(launch := _launch_of(r["key"])),
+                collectives=collectives.get(launch, ()) if launch is not None else (),
             )
         )
     reported = {i.id for i in reports}
@@ -317,7 +329,44 @@ def _straggler(r: Mapping[str, Any]) -> StragglerWarning:
     return StragglerWarning(r["id"], time_s, rank, r["node"], ratio, r["detail"])
 
 
-def _goodput(status: Mapping[str, Any], blocking: Any) -> Goodput:
+_LAUNCH = re.compile(r"/gen(\d+)$")
+
+
+def _launch_of(key: str) -> int | None:
+    """The launch an incident happened in, from its key (``<run>/gen<N>``)."""
+    match = _LAUNCH.search(key)
+    return int(match.group(1)) if match else None
+
+
+def _collectives(raw: Any) -> dict[int, tuple[tuple[str, float], ...]]:
+    """Each launch's longest collective stacks, from the bundle's ``launches`` (absent from older bundles)."""
+    out: dict[int, tuple[tuple[str, float], ...]] = {}
+    for n, row in enumerate(read_list(raw or [], "launches")):
+        row = read_obj(row, f"launches[{n}]")
+        generation = read_int(need(row, "generation", f"launches[{n}]"), f"launches[{n}].generation")
+        comm = read_obj(row.get("comm") or {}, f"launches[{n}].comm")
+        stacks = [(str(k), read_num(v, f"launches[{n}].comm[{k!r}]")) for k, v in comm.items()]
+        if generation is not None:
+            out[generation] = tuple(sorted(((k, v) for k, v in stacks if v is not None), key=lambda kv: -kv[1]))
+    return out
+
+
+def _mtbf(raw: Any, status: Mapping[str, Any]) -> Mtbf:
+    """The MTBF and its inputs (the bundle's ``mtbf``; older bundles: the status's ``mtbf_s`` alone)."""
+    m = read_obj(raw or {}, "mtbf")
+    prior = read_obj(m.get("prior") or {}, "mtbf.prior")
+    return Mtbf(
+        mtbf_s=read_num(m.get("mtbf_s", status.get("mtbf_s")), "mtbf.mtbf_s"),
+        node_mtbf_h=read_num(m.get("node_mtbf_h"), "mtbf.node_mtbf_h"),
+        failures=read_int(m.get("failures"), "mtbf.failures"),
+        node_hours=read_num(m.get("node_hours"), "mtbf.node_hours"),
+        nodes=read_int(m.get("nodes"), "mtbf.nodes"),
+        prior_node_mtbf_h=read_num(prior.get("node_mtbf_h"), "mtbf.prior.node_mtbf_h"),
+        prior_node_hours=read_num(prior.get("node_hours"), "mtbf.prior.node_hours"),
+    )
+
+
+def _goodput(status: Mapping[str, Any], blocking: Any, mtbf: Any) -> Goodput:
     raw = read_obj(status.get("badput_s") or {}, "status.badput_s")
     badput = {str(k): read_num(v, f"status.badput_s.{k}") for k, v in raw.items()}
     for k, v in badput.items():
@@ -325,15 +374,22 @@ def _goodput(status: Mapping[str, Any], blocking: Any) -> Goodput:
             raise bad(f"status.badput_s.{k}", f"must be >= 0, not {v!r}")
     order = [b for b in BADPUT_BUCKETS if b in badput] + sorted(k for k in badput if k not in BADPUT_BUCKETS)
     b = read_obj(blocking, "checkpoint_blocking_s") if blocking is not None else {}
+    last = read_obj(status.get("last_measured") or {}, "status.last_measured")
+    average = read_obj(status.get("run_average") or {}, "status.run_average")
     return Goodput(
         ettr=read_num(status.get("ettr"), "status.ettr"),
         badput_s=tuple((k, v) for k in order if (v := badput[k]) is not None),
-        mtbf_s=read_num(status.get("mtbf_s"), "status.mtbf_s"),
+        mtbf=_mtbf(mtbf, status),
         mfu_ratio=read_num(status.get("mfu_ratio"), "status.mfu_ratio"),
         tokens_per_s=read_num(status.get("tokens_per_s"), "status.tokens_per_s"),
         checkpoint_saves=read_int(b.get("count"), "checkpoint_blocking_s.count"),
         checkpoint_blocking_mean_s=read_num(b.get("mean_s"), "checkpoint_blocking_s.mean_s"),
         checkpoint_blocking_max_s=read_num(b.get("max_s"), "checkpoint_blocking_s.max_s"),
+        mfu_last=read_num(last.get("mfu_ratio"), "status.last_measured.mfu_ratio"),
+        tokens_per_s_last=read_num(last.get("tokens_per_s"), "status.last_measured.tokens_per_s"),
+        last_launch=read_int(last.get("launch"), "status.last_measured.launch"),
+        mfu_average=read_num(average.get("mfu_ratio"), "status.run_average.mfu_ratio"),
+        tokens_per_s_average=read_num(average.get("tokens_per_s"), "status.run_average.tokens_per_s"),
     )
 
 

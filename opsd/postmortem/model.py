@@ -161,6 +161,8 @@ class IncidentReport:
     root_cause: RootCause
     timeline: tuple[Phase, ...]
     resume: Resume
+    launch: int | None = None  # the launch that failed
+    collectives: tuple[tuple[str, float], ...] = ()  # its longest collective stacks: ("phase;dimension;op", s)
 
     @property
     def is_failure(self) -> bool:
@@ -187,15 +189,33 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Mtbf:
+    """The run's MTBF estimate and what it is made of (the cadence's Gamma-Poisson posterior)."""
+
+    mtbf_s: float | None
+    node_mtbf_h: float | None
+    failures: int | None
+    node_hours: float | None
+    nodes: int | None
+    prior_node_mtbf_h: float | None
+    prior_node_hours: float | None
+
+
+@dataclass(frozen=True)
 class Goodput:
     ettr: float | None
     badput_s: tuple[tuple[str, float], ...]  # (bucket, seconds), in BADPUT_BUCKETS' order, then any other
-    mtbf_s: float | None
-    mfu_ratio: float | None
+    mtbf: Mtbf
+    mfu_ratio: float | None  # live: the ranks' last steps (None or 0 once the run is over)
     tokens_per_s: float | None
     checkpoint_saves: int | None
     checkpoint_blocking_mean_s: float | None
     checkpoint_blocking_max_s: float | None
+    mfu_last: float | None = None  # the last sample recorded, of launch ``last_launch``
+    tokens_per_s_last: float | None = None
+    last_launch: int | None = None
+    mfu_average: float | None = None  # over every sample taken while the ranks progressed
+    tokens_per_s_average: float | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opsd.postmortem.model import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Report, clock, seconds
+from opsd.postmortem.model import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Mtbf, Report, clock, seconds
 
 
 def _offset(value: float | None) -> str:
@@ -80,7 +80,7 @@ def _sections(report: Report) -> list[_Section]:
                         ("last step", _opt(report.last_step)),
                         ("final step", _opt(report.final_step)),
                         ("ETTR", "?" if g.ettr is None else f"{g.ettr:.3f}"),
-                        ("MTBF", seconds(g.mtbf_s)),
+                        ("MTBF", _mtbf(g.mtbf)),
                         ("cordoned nodes", "; ".join(f"{n}: {why}" for n, why in report.cordoned) or "none"),
                     )
                 ),
@@ -131,8 +131,13 @@ def _sections(report: Report) -> list[_Section]:
                 _Facts(
                     (
                         ("ETTR", "?" if g.ettr is None else f"{g.ettr:.3f} (productive time / wall time)"),
-                        ("MFU", "?" if g.mfu_ratio is None else f"{g.mfu_ratio:.3f}"),
-                        ("tokens/s", "?" if g.tokens_per_s is None else f"{g.tokens_per_s:,.0f}"),
+                        ("MFU", _measured(g.mfu_ratio, g.mfu_last, g.mfu_average, g.last_launch, ".3f")),
+                        (
+                            "tokens/s",
+                            _measured(
+                                g.tokens_per_s, g.tokens_per_s_last, g.tokens_per_s_average, g.last_launch, ",.0f"
+                            ),
+                        ),
                     )
                 ),
                 _Table(("badput bucket", "time"), badput),
@@ -178,6 +183,33 @@ def _sections(report: Report) -> list[_Section]:
     for d in report.dumps:
         out.append(_Section(2, f"Flight Recorder dump {d.trigger}", _fr_blocks(d)))
     return out
+
+
+def _mtbf(m: Mtbf) -> str:
+    """The MTBF estimate and its inputs, in words."""
+    if m.mtbf_s is None:
+        return "? (no node of the run known)"
+    inputs = []
+    if m.failures is not None and m.node_hours is not None:
+        inputs.append(f"{m.failures} failure{'' if m.failures == 1 else 's'} in {m.node_hours:,.1f} node-hours")
+    if m.nodes is not None:
+        inputs.append(f"{m.nodes} nodes")
+    if m.node_mtbf_h is not None:
+        inputs.append(f"a node MTBF of {m.node_mtbf_h:,.0f} h")
+    if m.prior_node_mtbf_h is not None and m.prior_node_hours is not None:
+        inputs.append(f"prior: {m.prior_node_mtbf_h:,.0f} h per node, worth {m.prior_node_hours:,.0f} node-hours")
+    return seconds(m.mtbf_s) + (f" ({'; '.join(inputs)})" if inputs else "")
+
+
+def _measured(live: float | None, last: float | None, average: float | None, launch: int | None, fmt: str) -> str:
+    """A job figure: live while the ranks report, else the last recorded sample; the run's average beside it."""
+    if live:
+        text = format(live, fmt)
+    elif last is not None:
+        text = format(last, fmt) + (f" (last measured, launch {launch})" if launch is not None else " (last measured)")
+    else:
+        text = "?"
+    return text + (f"; run average {format(average, fmt)}" if average is not None else "")
 
 
 def _rank(rank: int | None) -> str:
@@ -249,6 +281,10 @@ def _incident_sections(i: IncidentReport, *, with_plot: bool) -> list[_Section]:
         for p in i.timeline
     )
     timeline: list[_Block] = [_Table(("phase", "from", "to", "took", "what"), rows)]
+    if i.collectives:
+        stacks = tuple((stack.replace(";", " / "), seconds(s)) for stack, s in i.collectives)
+        timeline.append(_Text(f"Where launch {i.launch}'s collective time went (every rank, longest first):"))
+        timeline.append(_Table(("phase / dimension / op", "time"), stacks))
     if with_plot:
         timeline.append(_Plot("timeline", "recovery phases in seconds after the failure"))
     lost = (

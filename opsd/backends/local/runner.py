@@ -141,6 +141,9 @@ def run_local(
                 controller.store.update_run(spec.run, now, state=RunState.FAILED)
                 log.error("run %s: did not finish within %.0f s", spec.run, timeout_s)
                 break
+        ended = controller.store.run(spec.run)
+        assert ended is not None
+        controller.record_launch(spec.run, int(ended["generation"]), time.time())  # what it measured, kept
         status = controller.status(spec.run, time.time())
         assert status is not None
         status["incidents"] = controller.store.incidents(spec.run)
