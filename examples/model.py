@@ -155,7 +155,12 @@ class Transformer(nn.Module):
 
 
 def model_shape(model: Transformer) -> ModelShape:
-    """What the MFU formula needs to know of ``model`` (the whole model: build it on the meta device if needed)."""
+    """What the MFU formula needs to know of ``model`` (the whole model: build it on the meta device if needed).
+
+    The matmul parameters are traced over one sequence of ``cfg.seq_len`` tokens on the meta device; the routing of
+    the MoE layers cannot run there, so their router and shared experts count as ``nn.Linear`` weights and their
+    routed experts by name (``docs/mfu.md``).
+    """
     cfg = model.cfg
     return shape_from_module(
         model,

@@ -1,5 +1,5 @@
 """The examples in the docs run: the README's monitor example on 2 real ranks, the protocol's example report
-decodes."""
+decodes; the MFU table is what the code computes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.mfu_params import render_table, rows
 from opsd.protocol.policy_file import parse_policy
 from opsd.protocol.wire import decode
 from tests.launch import ROOT, run_module
@@ -64,3 +65,7 @@ def test_checkpoint_docs_example_is_python() -> None:
 def test_python_examples_of_the_docs_run(doc: str) -> None:
     (example,) = blocks(doc, "python")
     exec(compile(example, doc, "exec"), {})
+
+
+def test_mfu_table_is_what_the_code_computes() -> None:
+    assert render_table(rows()) in (ROOT / "docs/mfu.md").read_text()

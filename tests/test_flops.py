@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.mfu_params import CASES, SEQ_LEN, Case, linear_weight_params, measure
 from examples.config import ModelConfig
 from examples.model import Transformer, model_shape
 from examples.parallelize import lm_loss
@@ -17,6 +18,7 @@ from trainer_hooks.flops import (
     PEAK_FLOPS_BF16,
     ModelShape,
     attention_flops_per_token,
+    example_token_inputs,
     flops_per_token,
     measure_flops_per_token,
     mfu_ratio,
@@ -24,6 +26,7 @@ from trainer_hooks.flops import (
     register_cpu_sdpa_flop_formulas,
     shape_from_module,
 )
+from trainer_hooks.matmul_params import count_matmul_params
 
 # seq_len 128 with dim 64: attention is 19-29% of the FLOPs, so a missing attention formula cannot hide in 2%.
 BASE = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 96, "seq_len": 128, "n_layers": 2}
@@ -111,6 +114,221 @@ def test_shape_from_module_rejects_inconsistent_expert_counts(cfg: ModelConfig, 
     model, _ = build(cfg)
     with pytest.raises(ValueError, match=message):
         shape_from_module(model, n_layers=2, n_heads=4, head_dim=16, seq_len=128, n_experts=n_experts, top_k=1)
+
+
+# --- matmul parameters traced on the meta device, against FlopCounterMode -----------------------------------------
+
+CASES_BY_KEY = {case.key: case for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.key for case in CASES])
+def test_traced_formula_matches_flop_counter(case: Case) -> None:
+    """Exact up to float rounding: the formula and FlopCounterMode count the same matmuls (neither counts bias
+    adds, norms, softmax or elementwise ops) and the same full S x S attention (torch's SDPA formulas ignore the
+    causal mask too; the CPU fused kernels' formulas are registered by measure_flops_per_token, the math path and
+    nn.MultiheadAttention's own attention are bmm)."""
+    model, shape, row = measure(case)
+    assert row.traced_flops == pytest.approx(row.measured_flops, rel=1e-9)
+    assert row.measured_flops - 6 * shape.active_matmul_params == pytest.approx(attention_flops_per_token(shape))
+    assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())
+
+
+def _in_proj(*layers: str) -> set[str]:
+    return {f"{layer}.in_proj_weight" for layer in layers}
+
+
+# The matmul parameters that nn.Linear weights alone miss.
+MISSED_BY_LINEAR_WEIGHTS: dict[str, set[str]] = {
+    "encoder_layer": _in_proj("self_attn"),
+    "multihead_attention": _in_proj("attention"),
+    "decoder_layer": _in_proj("self_attn", "multihead_attn"),
+    "transformer": _in_proj(
+        "encoder.layers.0.self_attn",
+        "encoder.layers.1.self_attn",
+        *(f"decoder.layers.{i}.{attention}" for i in (0, 1) for attention in ("self_attn", "multihead_attn")),
+    ),
+    "tied_lm": {"embed.weight"} | _in_proj("encoder.layers.0.self_attn", "encoder.layers.1.self_attn"),
+    "functional": {"qkv", "proj", "up", "down"},
+}
+
+
+@pytest.mark.parametrize(("key", "missed"), list(MISSED_BY_LINEAR_WEIGHTS.items()), ids=list(MISSED_BY_LINEAR_WEIGHTS))
+def test_nn_linear_weights_alone_under_count(key: str, missed: set[str]) -> None:
+    case = CASES_BY_KEY[key]
+    model, _, row = measure(case)
+    inputs, _ = case.batch()
+    counted = count_matmul_params(model, example_token_inputs(model, SEQ_LEN) if case.tokens else inputs)
+    assert counted.static_modules == ()
+    assert missed <= counted.dense.keys()
+    assert sum(counted.dense[name] for name in missed) == row.traced_params - row.linear_params
+    assert row.linear_params == linear_weight_params(model)
+    assert row.linear_ratio < 0.75  # what counting nn.Linear weights reported: far outside any tolerance
+
+
+def _linear_chain(d: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+
+
+class _Functional(nn.Module):
+    """``forward`` written as ``fn(self, x)``, parameters ``name -> shape``."""
+
+    def __init__(self, fn: Any, **shapes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.fn = fn
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.randn(shape)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self, x)
+
+
+class _TiedLinearLM(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.hidden = nn.Linear(d, d, bias=False)
+        self.output = nn.Linear(d, vocab, bias=False)
+        self.output.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(self.embed(tokens)))
+
+
+class _LookupOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 4, bias=False)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+class _DataDependent(nn.Module):
+    """Routes on a value (``.item()``): cannot run on the meta device."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=False)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.proj(x) if x.sum().item() > 0 else x
+
+
+class _Routed(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.inner = nn.Parameter(torch.randn(d, d))
+        self.routed = _DataDependent(d)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x
+        return self.routed(F.linear(x, self.inner))
+
+
+X8 = torch.randn(2, 5, 8)
+
+MATMUL_PARAM_CASES = [
+    pytest.param(_linear_chain(8), X8, {"0.weight": 64, "2.weight": 64}, (), id="linear-weights-not-biases"),
+    pytest.param(
+        _Functional(lambda m, x: F.linear(F.linear(x, m.w), m.w), w=(8, 8)), X8, {"w": 128}, (), id="used-twice"
+    ),
+    pytest.param(
+        _Functional(lambda m, x: x @ m.w.to(torch.float64).float(), w=(8, 3)), X8, {"w": 24}, (), id="dtype-cast"
+    ),
+    pytest.param(
+        _Functional(lambda m, x: sum((x @ m.w[i]).relu() for i in range(3)), w=(3, 8, 8)),
+        X8,
+        {"w": 3 * 64},
+        (),
+        id="slices-of-stacked-weights",
+    ),
+    pytest.param(
+        _Functional(lambda m, x: torch.bmm(x, m.w.expand(x.shape[0], 8, 4)), w=(8, 4)),
+        X8,
+        {"w": 32},
+        (),
+        id="broadcast-weight-counts-once",
+    ),
+    pytest.param(
+        _Functional(lambda m, x: torch.einsum("bsd,kd->bsk", x, m.w), w=(6, 8)), X8, {"w": 48}, (), id="einsum"
+    ),
+    pytest.param(_Functional(lambda m, x: x @ (m.a @ m.b), a=(8, 2), b=(2, 8)), X8, {}, (), id="product-of-parameters"),
+    pytest.param(_TiedLinearLM(32, 8), None, {"embed.weight": 256, "hidden.weight": 64}, (), id="tied-output-once"),
+    pytest.param(_LookupOnly(), None, {"head.weight": 32}, (), id="lookup-and-unused-linear-not-counted"),
+    pytest.param(_Routed(8), X8, {"inner": 64, "routed.proj.weight": 64}, ("routed",), id="data-dependent-submodule"),
+    pytest.param(_linear_chain(8), torch.randn(2, 5, 3), {"0.weight": 64, "2.weight": 64}, ("",), id="bad-input"),
+    pytest.param(
+        nn.MultiheadAttention(8, 2), None, {"in_proj_weight": 192, "out_proj.weight": 64}, ("",), id="no-input"
+    ),
+]
+
+
+@pytest.mark.parametrize(("module", "inputs", "dense", "static_modules"), MATMUL_PARAM_CASES)
+def test_count_matmul_params(
+    module: nn.Module, inputs: torch.Tensor | None, dense: dict[str, int], static_modules: tuple[str, ...]
+) -> None:
+    if inputs is None and any(isinstance(sub, nn.Embedding) for sub in module.modules()):
+        inputs = torch.zeros(1, 16, dtype=torch.long)
+    counted = count_matmul_params(module, inputs)
+    assert dict(counted.dense) == dense
+    assert counted.static_modules == static_modules
+
+
+def test_tracing_leaves_the_module_and_the_random_state_alone() -> None:
+    module = _Routed(8)
+    before = {name: (p.device, p.clone()) for name, p in module.named_parameters()}
+    rng = torch.random.get_rng_state()
+    for _ in range(2):
+        count_matmul_params(module, X8)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert module.last is None
+    assert module.routed.calls == 0
+    assert "forward" not in vars(module.routed)
+    assert not module.routed._forward_hooks
+    assert not module.routed._forward_pre_hooks
+    for name, p in module.named_parameters():
+        assert p.device == before[name][0]
+        torch.testing.assert_close(p, before[name][1], rtol=0, atol=0)
+    y = module(X8.abs())  # still a working module
+    assert y.shape == X8.shape
+    assert module.routed.calls == 1
+
+
+def test_an_untraceable_forward_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    shape = shape_from_module(
+        _linear_chain(8), n_layers=1, n_heads=1, head_dim=8, seq_len=5, example_inputs=torch.randn(1, 5, 3)
+    )
+    assert shape.dense_matmul_params == 128
+    assert "cannot be traced on the meta device" in caplog.text
+
+
+def test_shape_from_module_takes_example_kwargs() -> None:
+    layer = nn.TransformerDecoderLayer(16, 2, 32, batch_first=True)
+    tgt, memory = torch.randn(1, 4, 16), torch.randn(1, 4, 16)
+    by_kwargs = shape_from_module(
+        layer, n_layers=2, n_heads=2, head_dim=8, seq_len=4, example_kwargs={"tgt": tgt, "memory": memory}
+    )
+    by_args = shape_from_module(layer, n_layers=2, n_heads=2, head_dim=8, seq_len=4, example_inputs=(tgt, memory))
+    assert by_kwargs.dense_matmul_params == by_args.dense_matmul_params == 2 * 4 * 16 * 16 + 2 * 16 * 32
+
+
+def test_reference_moe_routing_is_counted_by_its_linear_weights() -> None:
+    """The MoE layer's routing (token counts) cannot run on the meta device: its router and shared experts are
+    nn.Linear weights, its routed experts are counted by name; the rest of the model is traced."""
+    cfg = CONFIGS["moe_e8_k2_shared1"]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    counted = count_matmul_params(model, example_token_inputs(model, cfg.seq_len))
+    assert counted.static_modules == ("layers.0.feed_forward", "layers.1.feed_forward")
+    assert "layers.1.feed_forward.router.weight" in counted.dense
+    assert "layers.1.attention.wq.weight" in counted.dense
+    assert set(counted.experts) == {f"layers.{i}.feed_forward.experts.w{j}" for i in (0, 1) for j in (1, 2, 3)}
+    assert model_shape(model) == build(cfg)[1]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -10,8 +10,13 @@ router and shared experts, and ``top_k`` routed experts). The attention term cou
 value matmuls (not halved for the causal mask): the convention of PaLM, Megatron-LM and torchtitan, so that MFU is
 comparable across tools. A causal-aware attention kernel does about half of that attention work.
 
+``shape_from_module`` counts the matmul parameters by tracing one forward on the meta device
+(``trainer_hooks.matmul_params``): weights that enter matmuls outside ``nn.Linear`` count too
+(``nn.MultiheadAttention``'s in-projection, ``F.linear`` on a bare parameter, a tied output projection; see
+``docs/mfu.md``).
+
 ``measure_flops_per_token`` counts the FLOPs of one real forward + backward with ``torch.utils.flop_counter`` so
-the formula can be checked against the model (see ``bench/mfu_accuracy.py``).
+the formula can be checked against the model (see ``bench/mfu_accuracy.py`` and ``bench/mfu_params.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+from trainer_hooks.matmul_params import count_matmul_params, is_routed_expert_param
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +96,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_routed_expert_param(name: str) -> bool:
-    """Default predicate of ``shape_from_module``: a path component of the parameter name is ``experts``.
-
-    Matches ``layers.0.feed_forward.experts.w1`` (``examples.moe.GroupedExperts``), not ``...shared_experts.w1``.
-    """
-    return "experts" in name.split(".")[:-1]
+def example_token_inputs(module: nn.Module, seq_len: int) -> torch.Tensor | None:
+    """One sequence of ``seq_len`` token ids on the meta device if ``module`` has an ``nn.Embedding`` (a language
+    model taking token ids), else ``None``."""
+    if any(isinstance(sub, nn.Embedding) for sub in module.modules()):
+        return torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+    return None
 
 
 def shape_from_module(
@@ -107,32 +114,34 @@ def shape_from_module(
     n_experts: int = 0,
     top_k: int = 0,
     expert_param_filter: Callable[[str], bool] = is_routed_expert_param,
+    example_inputs: torch.Tensor | tuple[Any, ...] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> ModelShape:
     """Count the matmul parameters of ``module`` into a ``ModelShape``.
 
-    Every ``nn.Linear`` weight is dense unless ``expert_param_filter(name)`` says it belongs to a routed expert;
-    every parameter the filter accepts is a routed-expert parameter (their sum is divided by ``n_experts``).
-    ``nn.Embedding`` weights, norms, biases and other parameters are not counted.
+    The dense matmul parameters are those that enter matmuls in one forward of ``module(*example_inputs,
+    **example_kwargs)`` traced on the meta device (``trainer_hooks.matmul_params.count_matmul_params``): every
+    weight of an ``nn.Linear``, ``F.linear`` or ``torch.matmul``, ``nn.MultiheadAttention``'s fused in-projection,
+    an output projection tied to the embedding (once; the lookup itself is no matmul). Without ``example_inputs``,
+    a model with an ``nn.Embedding`` gets one sequence of ``seq_len`` token ids; other models should pass their
+    inputs (any device: only shapes and dtypes are used), or only ``nn.Linear`` and ``nn.MultiheadAttention``
+    weights are counted. The trace never raises: what cannot run on the meta device is counted by that static rule
+    (logged).
+
+    Every parameter ``expert_param_filter(name)`` accepts is a routed-expert parameter: their sum is divided by
+    ``n_experts``. A ``ValueError`` says that the declared ``n_experts`` does not fit the parameters.
 
     Call it on the full, unsharded model (e.g. before ``parallelize`` or on a meta-device copy): after pipeline
     splitting or expert sharding a rank holds only part of the parameters and the count would be too small. With
     an already-sharded model, build the ``ModelShape`` by hand.
     """
-    dense = 0
-    experts = 0
-    counted: set[int] = set()
-    for module_name, sub in module.named_modules():
-        if not isinstance(sub, nn.Linear):
-            continue
-        name = f"{module_name}.weight" if module_name else "weight"
-        counted.add(id(sub.weight))
-        if expert_param_filter(name):
-            experts += sub.weight.numel()
-        else:
-            dense += sub.weight.numel()
-    for name, param in module.named_parameters():
-        if id(param) not in counted and expert_param_filter(name):
-            experts += param.numel()
+    if example_inputs is None and not example_kwargs:
+        example_inputs = example_token_inputs(module, seq_len)
+    elif example_inputs is None:
+        example_inputs = ()
+    counted = count_matmul_params(module, example_inputs, example_kwargs, expert_param_filter=expert_param_filter)
+    dense = counted.dense_total
+    experts = counted.experts_total
     if n_experts == 0:
         if experts:
             raise ValueError(f"{experts} routed-expert parameters found but n_experts=0; pass n_experts")
@@ -249,7 +258,7 @@ def register_cpu_sdpa_flop_formulas() -> None:
 
 def measure_flops_per_token(
     model: nn.Module,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...],
     targets: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
@@ -257,7 +266,8 @@ def measure_flops_per_token(
 ) -> float:
     """FLOPs per token of one forward + backward of ``loss_fn(model(inputs), targets)``, counted by
     ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention kernels), divided by
-    ``targets.numel()``.
+    ``targets.numel()``. A tuple of ``inputs`` is passed as positional arguments (e.g. an encoder-decoder's source
+    and target).
 
     By default the attention backward is counted without the recomputation of the scores that flash-style
     kernels do (torch's formulas count it), so the result is model FLOPs, comparable with ``flops_per_token``;
@@ -277,7 +287,8 @@ def measure_flops_per_token(
         p.grad = None
     try:
         with FlopCounterMode(display=False, custom_mapping=custom) as counter:
-            loss = loss_fn(model(inputs), targets)
+            outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            loss = loss_fn(outputs, targets)
             loss.backward()
     finally:
         for p, grad in zip(params, saved, strict=True):
