@@ -26,8 +26,12 @@ TOKEN = "cli-token"
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    controller = Controller(StateStore.open(f"sqlite:///{tmp_path_factory.mktemp('cli') / 'opsd.db'}"))
+def controller(tmp_path_factory: pytest.TempPathFactory) -> Controller:
+    return Controller(StateStore.open(f"sqlite:///{tmp_path_factory.mktemp('cli') / 'opsd.db'}"))
+
+
+@pytest.fixture(scope="module")
+def url(controller: Controller) -> Iterator[str]:
     port = free_port()
     server = start_api(controller, TOKEN, "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
@@ -127,3 +131,94 @@ def test_the_cli_doc_names_real_commands_and_a_valid_config_file(tmp_path: Path)
     for command in commands:
         result = opsd(*command.split(), "--help")
         assert result.exit_code == 0, (command, result.output)
+
+
+NODE = "gpu-node-0117.cluster.example.com"
+SPARE = "gpu-node-0342.cluster.example.com"
+DETAIL = "no heartbeat for 41.2 s > 30.0 s; " * 4
+
+
+@pytest.fixture(scope="module")
+def incident(url: str, controller: Controller) -> int:
+    """A recovered incident of run beta, with its actions (cordon, take a spare, relaunch)."""
+    store, now = controller.store, time.time()
+    incident_id, _ = store.open_incident(
+        key=f"beta:{NODE}:heartbeat_loss:0",
+        run="beta",
+        kind="heartbeat_loss",
+        node=NODE,
+        rank=None,
+        detail=DETAIL.strip(),
+        failed_s=now - 100,
+        detected_s=now - 58.8,
+    )
+    steps = [
+        ("cordon", {"node": NODE, "reason": "heartbeat_loss"}, {"node": NODE}),
+        ("take_spare", {"for": NODE}, {"spare": SPARE}),
+    ]
+    for seq, (kind, args, result) in enumerate(steps):
+        rid = f"incident-{incident_id}-{seq}-{kind}"
+        store.record_action(
+            rid, run="beta", incident_id=incident_id, seq=seq, kind=kind, args=args, now_s=now - 50 + seq
+        )
+        store.complete_action(rid, now - 49 + seq, result)
+    store.record_action(
+        f"incident-{incident_id}-2-launch",
+        run="beta",
+        incident_id=incident_id,
+        seq=2,
+        kind="launch",
+        args={"after_generation": 0},
+        now_s=now - 40,
+    )
+    store.update_incident(
+        incident_id, state="recovered", resumed_s=now - 30, resumed_from_step=5, lost_steps=2, spare=SPARE
+    )
+    return incident_id
+
+
+def widest(text: str) -> int:
+    return max(len(line) for line in text.splitlines())
+
+
+def test_one_incident_in_full_with_its_actions(url: str, incident: int) -> None:
+    shown = opsd("incidents", "beta", str(incident), "--url", url, env={"COLUMNS": "80"})
+    assert shown.exit_code == 0, shown.output
+    out = shown.stdout
+    assert widest(out) <= 80
+    lines = out.splitlines()
+    for name, value in [("node", NODE), ("spare", SPARE), ("state", "recovered"), ("lost steps", "2")]:
+        assert any(line.split() == [*name.split(), value] for line in lines), (name, out)
+    assert "no heartbeat for 41.2 s" in " ".join(out.split())  # the detail in full, wrapped
+    for kind in ("cordon", "take_spare", "launch"):
+        assert any(line.split()[1:3] == [kind, "pending" if kind == "launch" else "done"] for line in lines), out
+    assert f"→ spare: {SPARE}" in out
+
+    body = json.loads(opsd("incidents", "beta", str(incident), "--json", "--url", url).stdout)
+    assert (body["incident"]["id"], body["incident"]["node"], body["incident"]["spare"]) == (incident, NODE, SPARE)
+    assert [(a["kind"], a["state"]) for a in body["actions"]] == [
+        ("cordon", "done"),
+        ("take_spare", "done"),
+        ("launch", "pending"),
+    ]
+    assert body["actions"][1]["result"] == {"spare": SPARE}
+
+    unknown = opsd("incidents", "beta", str(incident + 1000), "--url", url)
+    assert unknown.exit_code == 1
+    assert f"run beta has no incident {incident + 1000}" in unknown.output
+    assert opsd("incidents", "alpha", str(incident), "--url", url).exit_code == 1  # another run's incident
+
+
+def test_an_80_column_terminal_keeps_key_columns_whole(url: str, incident: int) -> None:
+    narrow = opsd("incidents", "--url", url, env={"COLUMNS": "80"}).stdout
+    assert widest(narrow) <= 80
+    row = next(line for line in narrow.splitlines() if line.startswith(str(incident)))
+    assert row.split()[:4] == [str(incident), "beta", "heartbeat_loss", "recovered"]
+    assert NODE not in narrow  # a --wide column
+    wide = opsd("incidents", "--wide", "--url", url, env={"COLUMNS": "80"}).stdout
+    row = next(line for line in wide.splitlines() if line.startswith(str(incident)))
+    assert row.split()[:7] == [str(incident), "beta", "heartbeat_loss", NODE, "-", "recovered", "41.2"]
+    assert widest(wide) > 80  # wider than the terminal, not cut
+    status = opsd("status", "--url", url, env={"COLUMNS": "80"}).stdout
+    assert widest(status) <= 80
+    assert any(line.split()[:2] == ["beta", "running"] for line in status.splitlines()), status

@@ -5,6 +5,7 @@ node, ``opsd spares`` and ``/metrics`` show the cluster's shared pool."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -140,8 +141,10 @@ def test_spares_and_metrics_show_the_clusters_shared_pool(served: Served) -> Non
     assert "of 2 nodes of 1 runs" in shared["why"]
     assert [r["run"] for r in body["runs"]] == [RUN]
     table = served.opsd("spares").stdout
-    assert "(shared pool)" in table
-    assert "node-2 (unknown)" in table
+    assert re.search(r"^\(shared pool\)\s+2 unknown\s+2\s", table, re.M), table  # by health, then usable
+    wide = served.opsd("spares", "--wide").stdout
+    assert "node-2 (unknown)" in wide
+    assert "node-3 (unknown)" in wide
 
     with urllib.request.urlopen(f"{served.url}/metrics", timeout=10) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}

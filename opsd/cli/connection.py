@@ -57,6 +57,7 @@ ClientConfig = Annotated[
     str | None, typer.Option("--config", envvar=CLIENT_CONFIG_ENV, help="TOML with url and token (the client's)")
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+Wide = Annotated[bool, typer.Option("--wide", help="the secondary columns too, however wide the table gets")]
 RunName = Annotated[str, typer.Option("--run", help="the run")]
 
 _CONNECTION = [

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from opsd.cli import tables
 from opsd.cli.client import ApiClient
-from opsd.cli.connection import EXIT_TIMEOUT, EXIT_USAGE, AsJson, RunName, call, connected, fail, show, write
+from opsd.cli.columns import echo
+from opsd.cli.connection import EXIT_TIMEOUT, EXIT_USAGE, AsJson, RunName, Wide, call, connected, fail, write
 from opsd.controller.port import FaultKind
 from opsd.errors import OpsError
 from opsd.protocol.states import ActionKind, IncidentState
@@ -22,6 +25,15 @@ Run = Annotated[str, typer.Argument(help="the run")]
 AnyRun = Annotated[str | None, typer.Argument(help="the run (default: every run)")]
 Node = Annotated[str, typer.Argument(help="the node")]
 Reason = Annotated[str, typer.Option("--reason", help="why (kept in the incident history)")]
+IncidentId = Annotated[int | None, typer.Argument(help="one incident's id: it in full, with its actions")]
+
+
+def display(body: Any, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
+    """The API's answer as JSON, or rendered as a table."""
+    if as_json:
+        typer.echo(json.dumps(body))
+    else:
+        echo(render(body))
 
 
 runs_app = typer.Typer(help="The runs the controller knows; `opsd runs attach` makes a JobSet a run.")
@@ -29,10 +41,10 @@ runs_app = typer.Typer(help="The runs the controller knows; `opsd runs attach` m
 
 @runs_app.callback(invoke_without_command=True)
 @connected
-def runs(ctx: typer.Context, as_json: AsJson = False, *, api: ApiClient) -> None:
+def runs(ctx: typer.Context, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """The runs the controller knows."""
     if ctx.invoked_subcommand is None:
-        show(call(api, "GET", "/v1/runs"), as_json, tables.runs_table)
+        display(call(api, "GET", "/v1/runs"), as_json, partial(tables.runs_table, wide=wide))
 
 
 @runs_app.command("attach")
@@ -59,20 +71,34 @@ def runs_attach(
 
 
 @connected
-def status(run: AnyRun = None, as_json: AsJson = False, *, api: ApiClient) -> None:
+def status(run: AnyRun = None, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """A run's state: step, MFU, tokens/s, ETTR, cadence, nodes, spares, stragglers (every run's without RUN)."""
     if run is not None:
-        show(call(api, "GET", f"/v1/runs/{run}"), as_json, tables.status_table)
+        display(call(api, "GET", f"/v1/runs/{run}"), as_json, partial(tables.status_table, wide=wide))
         return
     every = [call(api, "GET", f"/v1/runs/{r['id']}") for r in call(api, "GET", "/v1/runs")]
-    show(every, as_json, tables.statuses_table)
+    display(every, as_json, partial(tables.statuses_table, wide=wide))
 
 
 @connected
-def incidents(run: AnyRun = None, as_json: AsJson = False, *, api: ApiClient) -> None:
-    """Incidents, oldest first: kind, node, rank, detection and recovery times, lost steps."""
-    path = f"/v1/runs/{run}/incidents" if run is not None else "/v1/incidents"
-    show(call(api, "GET", path), as_json, tables.incidents_table)
+def incidents(
+    run: AnyRun = None, incident: IncidentId = None, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient
+) -> None:
+    """Incidents, oldest first: kind, state, detail (--wide: node, rank, detection and recovery times, lost steps).
+    With RUN and ID: that incident in full, with its actions and their results."""
+    if run is None:
+        display(call(api, "GET", "/v1/incidents"), as_json, partial(tables.incidents_table, wide=wide))
+        return
+    found = call(api, "GET", f"/v1/runs/{run}/incidents")
+    if incident is None:
+        display(found, as_json, partial(tables.incidents_table, wide=wide, run=run))
+        return
+    chosen = next((i for i in found if i["id"] == incident), None)
+    if chosen is None:
+        fail(f"run {run} has no incident {incident} (`opsd incidents {run}` lists them)")
+    actions = [a for a in call(api, "GET", f"/v1/runs/{run}/actions") if a["incident_id"] == incident]
+    body = {"incident": chosen, "actions": actions}
+    display(body, as_json, lambda b: tables.incident_view(b["incident"], b["actions"], wide=wide))
 
 
 @connected
@@ -147,21 +173,23 @@ def uncordon(node: Node, *, api: ApiClient) -> None:
 
 
 @connected
-def spares(as_json: AsJson = False, *, api: ApiClient) -> None:
-    """Each run's spare pool: the spares and their health, and the recommended pool size with its reason."""
-    show(call(api, "GET", "/v1/spares"), as_json, tables.spares_table)
+def spares(as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
+    """Each run's spare pool: its spares by health, usable and recommended counts (--wide: each spare, the cordoned
+    nodes, and why that many)."""
+    display(call(api, "GET", "/v1/spares"), as_json, partial(tables.spares_table, wide=wide))
 
 
 @connected
-def checkpoints(run: Run, as_json: AsJson = False, *, api: ApiClient) -> None:
-    """A run's checkpoints, newest first: committed or torn (and why), size, commit time, blocking seconds."""
-    show(call(api, "GET", f"/v1/runs/{run}/checkpoints"), as_json, tables.checkpoints_table)
+def checkpoints(run: Run, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
+    """A run's checkpoints, newest first: committed or torn (and why), size, commit time (--wide: blocking and save
+    seconds)."""
+    display(call(api, "GET", f"/v1/runs/{run}/checkpoints"), as_json, partial(tables.checkpoints_table, wide=wide))
 
 
 @connected
-def cadence(run: Run, as_json: AsJson = False, *, api: ApiClient) -> None:
+def cadence(run: Run, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """A run's checkpoint cadence and why: MTBF estimate, checkpoint cost, step time, Young's and Daly's interval."""
-    show(call(api, "GET", f"/v1/runs/{run}/cadence"), as_json, tables.cadence_table)
+    display(call(api, "GET", f"/v1/runs/{run}/cadence"), as_json, partial(tables.cadence_table, wide=wide))
 
 
 @connected

@@ -1,49 +1,149 @@
-"""The operator commands' tables (rich) of what the controller answers, and the formats of their cells."""
+"""The operator commands' tables of what the controller answers (laid out by ``opsd.cli.columns``).
+
+Without ``--wide`` each listing leaves out its secondary columns so that it reads in 80 columns; ``--wide`` adds
+them. ``opsd incidents RUN ID`` shows one incident in full, with its actions."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from collections import Counter
 from typing import Any
 
-from rich.table import Table
+from rich.console import Group
+from rich.text import Text
+
+from opsd.cli.columns import Col, Fit, Grid, fields, lines, listing, number, pairs, seconds, size, when
+
+ROLES = ("active", "spare", "cordoned")  # the order of the nodes' roles in a run's status
+IN_FULL = "left out for want of room: opsd incidents RUN ID shows it"
+
+RUNS = (
+    Col("run", lambda r: r["id"]),
+    Col("state", lambda r: r["state"]),
+    Col("launch", lambda r: str(r["generation"]), shown="wide"),
+    Col("step", lambda r: str(r["last_step"])),
+    Col("started (UTC)", lambda r: when(r["created_s"]), shown="wide"),
+    Col("updated (UTC)", lambda r: when(r["updated_s"])),
+)
+
+STATUSES = (
+    Col("run", lambda s: s["run"]),
+    Col("state", lambda s: s["state"]),
+    Col("step", lambda s: str(s["step"])),
+    Col("ranks", lambda s: str(s["ranks"]), shown="wide"),
+    Col("MFU", lambda s: f"{s['mfu_ratio']:.3f}", shown="wide"),
+    Col("tokens/s", lambda s: f"{s['tokens_per_s']:.0f}", shown="wide"),
+    Col("ETTR", lambda s: f"{s['ettr']:.3f}"),
+    Col("spares", lambda s: str(s["spares_available"]), shown="wide"),
+    Col("stragglers", lambda s: str(len(s["stragglers"])), shown="wide"),
+    Col("open", lambda s: str(s["open_incidents"])),
+)
+
+INCIDENTS = (
+    Col("id", lambda i: str(i["id"])),
+    Col("run", lambda i: i["run"]),
+    Col("kind", lambda i: i["kind"]),
+    Col("node", lambda i: i["node"] or "-", shown="wide"),
+    Col("rank", lambda i: number(i["rank"]), shown="wide"),
+    Col("state", lambda i: i["state"]),
+    Col("detected after s", lambda i: f"{i['detected_s'] - i['failed_s']:.1f}", shown="wide"),
+    Col("recovered after s", lambda i: _recovered_after(i), shown="wide"),
+    Col("lost steps", lambda i: number(i["lost_steps"]), shown="wide"),
+    Col("detail", lambda i: i["detail"], Fit.TEXT, elsewhere=IN_FULL),
+)
+
+ACTIONS = (
+    Col("#", lambda a: str(a["seq"])),
+    Col("kind", lambda a: a["kind"]),
+    Col("state", lambda a: a["state"]),
+    Col("started (UTC)", lambda a: when(a["created_s"]), shown="wide"),
+    Col("took s", lambda a: "-" if a["done_s"] is None else f"{a['done_s'] - a['created_s']:.1f}"),
+    Col("request", lambda a: a["request_id"], shown="wide"),
+    Col("args → result", lambda a: _args_result(a), Fit.WORDS),
+)
+
+SPARES = (
+    Col("run", lambda r: r["run"]),
+    Col("state", lambda r: r["state"], shown="wide"),
+    Col("active nodes", lambda r: str(r["active_nodes"]), shown="wide"),
+    Col("spares", lambda r: _by_health(r["spares"]), shown="narrow"),
+    Col("spares (health)", lambda r: lines(f"{s['name']} ({s['health']})" for s in r["spares"]), shown="wide"),
+    Col("usable", lambda r: str(r["available"])),
+    Col("recommended", lambda r: str(r["recommended"])),
+    Col("cordoned", lambda r: str(len(r["cordoned"])), shown="narrow"),
+    Col("cordoned", lambda r: lines(c["name"] for c in r["cordoned"]), shown="wide"),
+    Col("why", lambda r: r["why"], Fit.TEXT, shown="wide"),
+)
+
+CHECKPOINTS = (
+    Col("step", lambda c: str(c["step"])),
+    Col("state", lambda c: c["state"]),
+    Col("size", lambda c: size(c["bytes"])),
+    Col("committed (UTC)", lambda c: when(c["time_unix_s"])),
+    Col("blocking s", lambda c: seconds(c["blocking_s"], 3), shown="wide"),
+    Col("save s", lambda c: seconds(c["save_s"], 2), shown="wide"),
+    Col("problem", lambda c: c["problem"] or "", Fit.TEXT),
+)
 
 
-def when(unix_s: float | None) -> str:
-    if unix_s is None:
-        return "-"
-    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
+def _args_result(action: dict[str, Any]) -> str:
+    result = action["result"]
+    return fields(action["args"]) + (f"\n→ {fields(result)}" if result else "")
 
 
-def size(nbytes: float | None) -> str:
-    if nbytes is None:
-        return "-"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(nbytes)
+def _by_health(spares: list[dict[str, Any]]) -> str:
+    return lines(f"{n} {health}" for health, n in Counter(s["health"] for s in spares).items())
 
 
-def seconds(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def _nodes(nodes: list[dict[str, Any]], wide: bool) -> str:
+    """A run's nodes: how many of each role, or (wide) each node, its role, and why it is cordoned."""
+    if wide:
+        return lines(f"{n['name']} ({n['role']}{': ' + n['reason'] if n.get('reason') else ''})" for n in nodes)
+    roles = Counter(n["role"] for n in nodes)
+    order = sorted(roles, key=lambda role: ROLES.index(role) if role in ROLES else len(ROLES))
+    return ", ".join(f"{roles[role]} {role}" for role in order) or "-"
 
 
-# -- tables ----------------------------------------------------------------------------------------------------
-def runs_table(body: list[dict[str, Any]]) -> Table:
-    table = Table(title="runs")
-    for column in ("run", "state", "launch", "step", "started (UTC)", "updated (UTC)"):
-        table.add_column(column, no_wrap=True)
-    for r in body:
-        table.add_row(
-            r["id"], r["state"], str(r["generation"]), str(r["last_step"]), when(r["created_s"]), when(r["updated_s"])
-        )
-    return table
+def _every(cadence: dict[str, Any] | None) -> str:
+    return f"every {cadence['every_steps']} steps from step {cadence['from_step']}" if cadence else "-"
 
 
-def status_table(body: dict[str, Any]) -> Table:
-    table = Table(title=f"run {body['run']}", show_header=False)
-    cadence = body["cadence"]
+def _recovered_after(incident: dict[str, Any]) -> str:
+    resumed = incident["resumed_s"]
+    return f"{resumed - incident['detected_s']:.1f}" if resumed else "-"
+
+
+# -- listings ----------------------------------------------------------------------------------------------------
+def runs_table(body: list[dict[str, Any]], wide: bool = False) -> Grid:
+    return listing("runs", RUNS, body, wide=wide)
+
+
+def statuses_table(body: list[dict[str, Any]], wide: bool = False) -> Grid:
+    return listing("runs", STATUSES, body, wide=wide)
+
+
+def incidents_table(body: list[dict[str, Any]], wide: bool = False, run: str | None = None) -> Grid:
+    """Every run's incidents, or those of ``run`` (then without the run column)."""
+    if run is None:
+        return listing("incidents", INCIDENTS, body, wide=wide)
+    return listing(f"incidents of {run}", [c for c in INCIDENTS if c.header != "run"], body, wide=wide)
+
+
+def spares_table(body: dict[str, Any], wide: bool = False) -> Grid:
+    pools = list(body["runs"])
+    shared = body.get("shared")
+    if shared is not None:
+        pools.append({**shared, "run": "(shared pool)", "state": "-", "cordoned": []})
+    return listing("spare pools", SPARES, pools, wide=wide)
+
+
+def checkpoints_table(body: dict[str, Any], wide: bool = False) -> Grid:
+    return listing(
+        f"checkpoints of {body['run']} ({body['url'] or 'no store'})", CHECKPOINTS, body["checkpoints"], wide=wide
+    )
+
+
+# -- one thing in full -------------------------------------------------------------------------------------------
+def status_table(body: dict[str, Any], wide: bool = False) -> Grid:
     rows = [
         ("state", f"{body['state']} (launch {body['generation']})"),
         ("step", str(body["step"])),
@@ -51,111 +151,25 @@ def status_table(body: dict[str, Any]) -> Table:
         ("MFU", f"{body['mfu_ratio']:.3f}"),
         ("tokens/s", f"{body['tokens_per_s']:.0f}"),
         ("ETTR", f"{body['ettr']:.3f}"),
-        ("checkpoint cadence", f"every {cadence['every_steps']} steps from {cadence['from_step']}" if cadence else "-"),
-        ("nodes", ", ".join(f"{n['name']} ({n['role']})" for n in body["nodes"]) or "-"),
+        ("checkpoint cadence", _every(body["cadence"])),
+        ("nodes", _nodes(body["nodes"], wide)),
         ("spares available", str(body["spares_available"])),
         ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
         ("open incidents", str(body["open_incidents"])),
     ]
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
+    if wide:
+        badput = body.get("badput_s") or {}
+        rows += [
+            ("run MTBF (s)", seconds(body.get("mtbf_s"), 0)),
+            ("badput (s)", ", ".join(f"{bucket} {s:.1f}" for bucket, s in badput.items()) or "-"),
+        ]
+    return pairs(f"run {body['run']}", rows)
 
 
-def statuses_table(body: list[dict[str, Any]]) -> Table:
-    table = Table(title="runs")
-    for column in ("run", "state", "step", "ranks", "MFU", "tokens/s", "ETTR", "spares", "stragglers", "open"):
-        table.add_column(column, no_wrap=True)
-    for s in body:
-        table.add_row(
-            s["run"],
-            s["state"],
-            str(s["step"]),
-            str(s["ranks"]),
-            f"{s['mfu_ratio']:.3f}",
-            f"{s['tokens_per_s']:.0f}",
-            f"{s['ettr']:.3f}",
-            str(s["spares_available"]),
-            str(len(s["stragglers"])),
-            str(s["open_incidents"]),
-        )
-    return table
-
-
-def incidents_table(body: list[dict[str, Any]]) -> Table:
-    table = Table(title="incidents")
-    columns = ("id", "run", "kind", "node", "rank", "state", "detected after s", "recovered after s", "lost steps")
-    for column in columns:
-        table.add_column(column, no_wrap=True)
-    table.add_column("detail", overflow="fold")
-    for i in body:
-        table.add_row(
-            str(i["id"]),
-            i["run"],
-            i["kind"],
-            i["node"] or "-",
-            "-" if i["rank"] is None else str(i["rank"]),
-            i["state"],
-            f"{i['detected_s'] - i['failed_s']:.1f}",
-            f"{i['resumed_s'] - i['detected_s']:.1f}" if i["resumed_s"] else "-",
-            "-" if i["lost_steps"] is None else str(i["lost_steps"]),
-            i["detail"],
-        )
-    return table
-
-
-def spares_table(body: dict[str, Any]) -> Table:
-    table = Table(title="spare pools")
-    for column in ("run", "active nodes", "spares (health)", "usable", "recommended", "cordoned"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("why", overflow="fold")
-    for r in body["runs"]:
-        table.add_row(
-            r["run"],
-            str(r["active_nodes"]),
-            ", ".join(f"{s['name']} ({s['health']})" for s in r["spares"]) or "none",
-            str(r["available"]),
-            str(r["recommended"]),
-            ", ".join(c["name"] for c in r["cordoned"]) or "-",
-            r["why"],
-        )
-    shared = body.get("shared")
-    if shared is not None:
-        table.add_row(
-            "(shared pool)",
-            str(shared["active_nodes"]),
-            ", ".join(f"{s['name']} ({s['health']})" for s in shared["spares"]) or "none",
-            str(shared["available"]),
-            str(shared["recommended"]),
-            "-",
-            shared["why"],
-        )
-    return table
-
-
-def checkpoints_table(body: dict[str, Any]) -> Table:
-    table = Table(title=f"checkpoints of {body['run']} ({body['url'] or 'no store'})")
-    for column in ("step", "state", "size", "committed (UTC)", "blocking s", "save s"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("problem", overflow="fold")
-    for c in body["checkpoints"]:
-        table.add_row(
-            str(c["step"]),
-            c["state"],
-            size(c["bytes"]),
-            when(c["time_unix_s"]),
-            seconds(c["blocking_s"], 3),
-            seconds(c["save_s"], 2),
-            c["problem"] or "",
-        )
-    return table
-
-
-def cadence_table(body: dict[str, Any]) -> Table:
-    table = Table(title=f"checkpoint cadence of {body['run']}", show_header=False)
+def cadence_table(body: dict[str, Any], wide: bool = False) -> Grid:
     cadence = body["cadence"]
     rows = [
-        ("cadence", f"every {cadence['every_steps']} steps from step {cadence['from_step']}" if cadence else "-"),
+        ("cadence", _every(cadence)),
         ("every (s)", seconds(cadence["every_s"]) if cadence else "-"),
         ("run MTBF (s)", seconds(body["mtbf_s"], 0)),
         ("node MTBF (h)", f"{body['node_mtbf_h']:,.0f}"),
@@ -165,6 +179,35 @@ def cadence_table(body: dict[str, Any]) -> Table:
         ("Young / Daly interval (s)", f"{seconds(body['young_interval_s'])} / {seconds(body['daly_interval_s'])}"),
         ("why", body["why"]),
     ]
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
+    if wide:
+        rows[1:1] = [("interval (s)", seconds(cadence["interval_s"]) if cadence else "-")]
+        rows += [
+            ("previous cadence", _every(body.get("previous"))),
+            ("newest step", number(body.get("step"))),
+            ("nodes", number(body.get("nodes"))),
+        ]
+    return pairs(f"checkpoint cadence of {body['run']}", rows)
+
+
+def incident_view(incident: dict[str, Any], actions: list[dict[str, Any]], wide: bool = False) -> Group:
+    """One incident, every field, and its actions with their results."""
+    i = incident
+    rows = [
+        ("run", i["run"]),
+        ("kind", i["kind"]),
+        ("state", i["state"]),
+        ("node", i["node"] or "-"),
+        ("rank", number(i["rank"])),
+        ("failed (UTC)", when(i["failed_s"])),
+        ("detected (UTC)", f"{when(i['detected_s'])} (after {i['detected_s'] - i['failed_s']:.1f} s)"),
+        ("resumed (UTC)", f"{when(i['resumed_s'])} (after {_recovered_after(i)} s)" if i["resumed_s"] else "-"),
+        ("resumed from step", number(i["resumed_from_step"])),
+        ("lost steps", number(i["lost_steps"])),
+        ("spare", i.get("spare") or "-"),
+        ("key", str(i.get("key") or "-")),
+        ("detail", i["detail"] or "-"),
+    ]
+    shown = pairs(f"incident {i['id']}", rows)
+    if not actions:
+        return Group(shown, Text("no actions"))
+    return Group(shown, listing(f"actions of incident {i['id']}", ACTIONS, actions, wide=wide))
