@@ -363,3 +363,21 @@ def test_names_wider_than_the_terminal_make_lines_longer_not_shorter() -> None:
 def test_cells_are_not_read_as_markup() -> None:
     body = [{**INCIDENTS[1], "detail": "[bold]rank 3[/bold] waits [rank 4]"}]
     assert "[bold]rank 3[/bold] waits [rank 4]" in render(tables.incidents_table(body, run=OTHER), 200)
+
+
+def test_a_finished_run_shows_its_last_measured_figures_labelled_and_its_averages() -> None:
+    finished = {
+        **status(RUN, "completed", 1234567),
+        "ranks": 0,
+        "mfu_ratio": 0.0,
+        "tokens_per_s": 0.0,
+        "last_measured": {"launch": 3, "mfu_ratio": 0.412, "tokens_per_s": 51234.0, "at_unix_s": 1.0},
+        "run_average": {"mfu_ratio": 0.398, "tokens_per_s": 49000.0, "samples": 40},
+    }
+    out = render(tables.status_table(finished), 200)
+    assert "0.412 (last measured, launch 3); run average 0.398" in out
+    assert "51234 (last measured, launch 3); run average 49000" in out
+    listed = render(tables.statuses_table([finished], wide=True), 200)
+    assert on_one_line(listed, [RUN, "completed", "1234567", "0", "0.412 (last)", "51234 (last)"])
+    live = render(tables.status_table({**status(RUN, "running", 5), "run_average": finished["run_average"]}), 200)
+    assert "0.412; run average 0.398" in live  # the ranks report: their figure, not the last recorded

@@ -128,6 +128,11 @@ def test_an_xid_on_a_node_becomes_an_incident(stack: dict[str, Any]) -> None:
         [*cli, "incidents", "demo", *auth], capture_output=True, text=True, check=True, env=wide
     ).stdout
     assert "fatal_xid" in table
+    assert "XID 79 on GPU 1" in table
+    assert "node-a" not in table  # the node is a secondary column: --wide adds it
+    table = subprocess.run(
+        [*cli, "incidents", "demo", "--wide", *auth], capture_output=True, text=True, check=True, env=wide
+    ).stdout
     assert "node-a" in table
     missing = subprocess.run([*cli, "status", "nope", *auth], capture_output=True, text=True)
     assert missing.returncode == 1

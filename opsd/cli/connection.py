@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar, get_type_hints
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from opsd.cli.client import ApiClient, HttpClient
 from opsd.errors import OpsError
@@ -140,13 +137,6 @@ def call(api: ApiClient, method: str, path: str, body: dict[str, Any] | None = N
         return api.post(path, body) if method == "POST" else api.get(path)
     except OpsError as exc:
         fail(str(exc))
-
-
-def show(body: Any, as_json: bool, table: Callable[[Any], Table]) -> None:
-    if as_json:
-        typer.echo(json.dumps(body))
-    else:
-        Console().print(table(body))
 
 
 def write(text: str, path: str) -> None:

@@ -30,8 +30,8 @@ STATUSES = (
     Col("state", lambda s: s["state"]),
     Col("step", lambda s: str(s["step"])),
     Col("ranks", lambda s: str(s["ranks"]), shown="wide"),
-    Col("MFU", lambda s: f"{s['mfu_ratio']:.3f}", shown="wide"),
-    Col("tokens/s", lambda s: f"{s['tokens_per_s']:.0f}", shown="wide"),
+    Col("MFU", lambda s: measured(s, "mfu_ratio", ".3f", short=True), shown="wide"),
+    Col("tokens/s", lambda s: measured(s, "tokens_per_s", ".0f", short=True), shown="wide"),
     Col("ETTR", lambda s: f"{s['ettr']:.3f}"),
     Col("spares", lambda s: str(s["spares_available"]), shown="wide"),
     Col("stragglers", lambda s: str(len(s["stragglers"])), shown="wide"),
@@ -142,14 +142,29 @@ def checkpoints_table(body: dict[str, Any], wide: bool = False) -> Grid:
     )
 
 
+def measured(status: dict[str, Any], key: str, fmt: str, *, short: bool = False) -> str:
+    """A job figure (``mfu_ratio``, ``tokens_per_s``) of a run's status: live while its ranks report, else the last
+    one recorded, labelled so, with the run's average beside it (``short``: without)."""
+    last, average = status.get("last_measured"), status.get("run_average")
+    if status["ranks"] or not last:
+        text = format(status[key], fmt)
+    elif short:
+        text = f"{format(last[key], fmt)} (last)"
+    else:
+        text = f"{format(last[key], fmt)} (last measured, launch {last['launch']})"
+    if average and not short:
+        text += f"; run average {format(average[key], fmt)}"
+    return text
+
+
 # -- one thing in full -------------------------------------------------------------------------------------------
 def status_table(body: dict[str, Any], wide: bool = False) -> Grid:
     rows = [
         ("state", f"{body['state']} (launch {body['generation']})"),
         ("step", str(body["step"])),
         ("ranks", str(body["ranks"])),
-        ("MFU", f"{body['mfu_ratio']:.3f}"),
-        ("tokens/s", f"{body['tokens_per_s']:.0f}"),
+        ("MFU", measured(body, "mfu_ratio", ".3f")),
+        ("tokens/s", measured(body, "tokens_per_s", ".0f")),
         ("ETTR", f"{body['ettr']:.3f}"),
         ("checkpoint cadence", _every(body["cadence"])),
         ("nodes", _nodes(body["nodes"], wide)),
