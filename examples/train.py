@@ -91,7 +91,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device for MFU (default: device table)")
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear LR warm-up (part of the checkpoint)")
     p.add_argument("--ckpt-dir", help="checkpoint location: file:///path, a path or s3://bucket/prefix (none: none)")
-    p.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (the controller's policy wins)")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=0,
+        help="save every K steps (the controller's policy wins) and after the last step",
+    )
     p.add_argument("--ckpt-sync", action="store_true", help="synchronous saves (default: asynchronous)")
     p.add_argument(
         "--ckpt-async",
@@ -381,7 +386,8 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             losses.append(global_loss(local, spec, device))
             if rank0:
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
-            if ckpt is not None and state is not None and ckpt.due(step + 1):
+            # the cadence's steps, and the last one: a completed run's final state is always checkpointed
+            if ckpt is not None and state is not None and (ckpt.due(step + 1) or step + 1 == args.steps):
                 ckpt.save(step + 1, state)
             if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
                 if ckpt is not None:
