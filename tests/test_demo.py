@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from bench.measured_costs import demo_costs
 from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
@@ -260,6 +261,18 @@ def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_step
         assert committed[0]["step"] == result["final_step"]  # newest first; the older ones retired
     finally:
         server.should_exit = True
+
+
+def test_the_demo_gives_bench_goodput_its_detection_and_relaunch_seconds(demo: Demo) -> None:
+    """What ``bench.goodput --measure`` reads of a demo: the three delays add up to the demo's own figures."""
+    assert demo.returncode == 0, "the demo failed: see the first test"
+    costs = demo_costs(demo.work)
+    result = demo.result
+    assert 0 < costs["xid_detection_s"] <= 5.0
+    assert 0 < costs["controller_steps_s"] < costs["rank_startup_s"]
+    # the demo counts from the injection, the incident from the agent's time of the XID: a few ms apart
+    total = costs["xid_detection_s"] + costs["controller_steps_s"] + costs["rank_startup_s"]
+    assert total == pytest.approx(result["recovered_s"], abs=0.5)
 
 
 def until_up(url: str) -> None:

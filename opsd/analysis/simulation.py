@@ -5,7 +5,9 @@ The run alternates compute and checkpoints. A checkpoint stops training for ``ch
 becomes durable ``checkpoint_background_s`` later (the asynchronous upload); a failure before that falls back to
 the checkpoint before it, and a checkpoint due before then first waits for that upload. Failures arrive as a
 Poisson process in wall-clock time (during recoveries too); each draws a category from the workload's mix, which
-sets its detection delay and whether its node must be swapped.
+sets its detection delay and whether its node must be swapped. Planned interruptions arrive apart from the failures
+(their own random stream, so that they do not change the failures): the job saves, waits until the save is durable,
+stops and restarts; nothing is lost, and the time goes to the ``maintenance`` bucket.
 A recovery is detection, then waiting for a spare when the pool is empty (failed nodes come back after
 ``repair_h``), then ``restart_s`` (relaunch and restore). The work done since the durable checkpoint is lost.
 
@@ -25,8 +27,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from opsd.analysis.presets import CATEGORIES, DETECTION, Workload
-from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence
+from opsd.analysis.presets import CATEGORIES, DETECTION, Detection, Workload
+from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence, run_mtbf_s
 from opsd.policy.goodput import BadputBucket
 from opsd.policy.spares import spare_pool_size
 
@@ -40,6 +42,7 @@ BUCKETS = (
     BadputBucket.SPARE_WAIT,
     BadputBucket.RESTART,
     BadputBucket.STRAGGLER,
+    BadputBucket.MAINTENANCE,
 )
 
 
@@ -76,7 +79,7 @@ class Stragglers:
 class Policy:
     interval_s: float | None = None  # a fixed checkpoint interval; None: the adaptive cadence
     spares: int | None = None  # a fixed pool; None: sized by the binomial rule
-    detection: str = "opsd"  # a detection model of opsd.analysis.presets.DETECTION
+    detection: str | Detection = "opsd"  # a detection model of opsd.analysis.presets.DETECTION, or delays
     swap_stragglers: bool = True
     spare_risk: float = 0.001  # the binomial rule's P(more failures than spares in one repair window)
     cadence: CadenceConfig = field(default_factory=CadenceConfig)
@@ -86,7 +89,7 @@ class Policy:
             raise ValueError("policy.interval_s must be > 0")
         if self.spares is not None and self.spares < 0:
             raise ValueError("policy.spares must be >= 0")
-        if self.detection not in DETECTION:
+        if isinstance(self.detection, str) and self.detection not in DETECTION:
             raise ValueError(f"policy.detection must be one of {', '.join(DETECTION)}")
         if not 0 < self.spare_risk < 1:
             raise ValueError("policy.spare_risk must be between 0 and 1")
@@ -94,7 +97,12 @@ class Policy:
     def describe(self) -> str:
         interval = "adaptive" if self.interval_s is None else f"every {self.interval_s:.0f} s"
         spares = "binomial" if self.spares is None else str(self.spares)
-        return f"checkpoint {interval}, spares {spares}, detection {self.detection}"
+        detection = self.detection if isinstance(self.detection, str) else "custom"
+        return f"checkpoint {interval}, spares {spares}, detection {detection}"
+
+    @property
+    def delays(self) -> Detection:
+        return DETECTION[self.detection] if isinstance(self.detection, str) else self.detection
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,8 @@ class Result:
     swaps: int
     spares: int
     mean_interval_s: float  # the checkpoint intervals used, weighted by the checkpoints taken
+    planned: int = 0  # planned interruptions
+    mtbf_estimate_s: float = math.inf  # the adaptive cadence's MTBF estimate at the end of a run, mean over runs
 
     @property
     def productive_s(self) -> float:
@@ -146,6 +156,8 @@ class Result:
             "spares": self.spares,
             "mean_interval_s": self.mean_interval_s,
             "lost_work_per_failure_s": self.lost_work_per_failure_s,
+            "planned": self.planned,
+            "mtbf_estimate_s": self.mtbf_estimate_s,
         }
 
 
@@ -164,8 +176,8 @@ def simulate(scenario: Scenario, policy: Policy) -> Result:
     if spares is None:
         spares = binomial_spares(scenario.workload, scenario.costs, policy.spare_risk)
     totals = dict.fromkeys(BUCKETS, 0.0)
-    failures = swaps = checkpoints = 0
-    interval_sum = 0.0
+    failures = swaps = checkpoints = planned = 0
+    interval_sum = mtbf_sum = 0.0
     for replica in range(scenario.replicas):
         one = _Run(scenario, policy, spares, scenario.seed + replica)
         one.run()
@@ -175,10 +187,22 @@ def simulate(scenario: Scenario, policy: Policy) -> Result:
         failures += one.failures
         swaps += one.swaps
         checkpoints += one.checkpoints
+        planned += one.planned
         interval_sum += one.interval_sum
+        mtbf_sum += one.mtbf_estimate_s()
     wall = scenario.days * 86400.0 * scenario.replicas
     mean_interval = interval_sum / checkpoints if checkpoints else math.inf
-    return Result(policy.describe(), wall, totals, failures, swaps, spares, mean_interval)
+    return Result(
+        policy.describe(),
+        wall,
+        totals,
+        failures,
+        swaps,
+        spares,
+        mean_interval,
+        planned=planned,
+        mtbf_estimate_s=mtbf_sum / scenario.replicas,
+    )
 
 
 def sweep(
@@ -256,15 +280,25 @@ class _Run:
         self.horizon_s = scenario.days * 86400.0
         self.categories = [c for c, _ in scenario.workload.causes]
         self.weights = [w for _, w in scenario.workload.causes]
-        self.detect = DETECTION[policy.detection]
+        self.detect = policy.delays
+        self.planned_rng = random.Random(seed ^ 0x9A1D)
+        self.planned_per_s = scenario.workload.planned_per_day / 86400.0
         self.pool = _SparePool(spares, self.c.repair_h * 3600.0)
         self.badput = dict.fromkeys(BUCKETS, 0.0)
-        self.failures = self.swaps = self.checkpoints = 0
+        self.failures = self.swaps = self.checkpoints = self.planned = 0
         self.interval_sum = 0.0
         self.cadence: Cadence | None = None
 
     def _next_failure(self, after_s: float) -> float:
         return after_s + self.rng.expovariate(self.rate_per_s) if self.rate_per_s > 0 else math.inf
+
+    def _next_planned(self, after_s: float) -> float:
+        return after_s + self.planned_rng.expovariate(self.planned_per_s) if self.planned_per_s > 0 else math.inf
+
+    def mtbf_estimate_s(self) -> float:
+        """The run's MTBF as the adaptive cadence estimates it from the failures of the whole run."""
+        nodes = self.s.workload.nodes
+        return run_mtbf_s(self.failures, nodes * self.horizon_s / 3600.0, nodes, self.p.cadence)
 
     def _interval(self, t: float, work: float) -> float:
         if self.p.interval_s is not None:
@@ -285,13 +319,17 @@ class _Run:
         t = work = durable = 0.0
         pending: tuple[float, float] | None = None  # (work saved, when durable)
         fail_t = self._next_failure(0.0)
+        plan_t = self._next_planned(0.0)
         interval = self._interval(t, work)
         next_checkpoint = work + interval
         while t < self.horizon_s:
-            end = min(t + next_checkpoint - work, fail_t, self.horizon_s)
+            plan_at = max(plan_t, t)  # a planned stop due during a recovery is taken when the job runs again
+            end = min(t + next_checkpoint - work, fail_t, plan_at, self.horizon_s)
             work += end - t
             t = end
-            if t < fail_t and t < self.horizon_s:  # a checkpoint: training stops, then the upload runs behind
+            if t >= self.horizon_s:
+                break
+            if fail_t > t and plan_at > t:  # a checkpoint: training stops, then the upload runs behind
                 # a save waits for the upload of the one before it (as an async save does)
                 behind = max(0.0, pending[1] - t) if pending is not None else 0.0
                 end = min(t + behind + self.c.checkpoint_blocking_s, fail_t, self.horizon_s)
@@ -306,23 +344,49 @@ class _Run:
                     interval = self._interval(t, work)
                     next_checkpoint = work + interval
                     continue
-            if t >= self.horizon_s:
-                break
-            if pending is not None and pending[1] <= t:
+                if t >= self.horizon_s:
+                    break
+            if pending is not None and pending[1] <= min(t, fail_t):
                 durable = pending[0]
+            if fail_t > t:  # a planned stop
+                t, fail_t, work = self._maintain(t, fail_t, work, durable, pending)
+                plan_t = self._next_planned(plan_t)
+            else:
+                self.badput[BadputBucket.RECOMPUTE] += work - durable
+                work = durable
+                t, fail_t = self._recover(t)
             pending = None
-            self.badput[BadputBucket.RECOMPUTE] += work - durable
-            work = durable
-            t, fail_t = self._recover(t)
+            durable = work
             interval = self._interval(t, work)
             next_checkpoint = work + interval
+
+    def _maintain(
+        self, t: float, fail_t: float, work: float, durable: float, pending: tuple[float, float] | None
+    ) -> tuple[float, float, float]:
+        """A planned stop at ``t``: save, wait until the save is durable, restart. (when the job runs again, its
+        next failure, the work it runs from). A failure during the stop falls back to the durable checkpoint."""
+        self.planned += 1
+        behind = max(0.0, pending[1] - t) if pending is not None else 0.0
+        durable_at = t + behind + self.c.checkpoint_blocking_s + self.c.checkpoint_background_s
+        resume_at = durable_at + self.c.restart_s
+        cut = min(fail_t, resume_at, self.horizon_s)
+        self.badput[BadputBucket.MAINTENANCE] += cut - t
+        if fail_t >= resume_at or fail_t >= self.horizon_s:
+            return cut, fail_t, work
+        if pending is not None and pending[1] <= fail_t:
+            durable = pending[0]
+        if durable_at <= fail_t:
+            durable = work
+        self.badput[BadputBucket.RECOMPUTE] += work - durable
+        t, fail_t = self._recover(fail_t)
+        return t, fail_t, durable
 
     def _recover(self, t: float) -> tuple[float, float]:
         """Failures from ``t`` until the job runs again: (when it runs again, its next failure)."""
         while True:
             self.failures += 1
             category = CATEGORIES[self.rng.choices(self.categories, self.weights)[0]]
-            detection = self.detect[category.signal]
+            detection = self.detect.delay_s(category.signal)
             wait = 0.0
             if category.swap:
                 self.swaps += 1

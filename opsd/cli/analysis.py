@@ -110,6 +110,7 @@ def simulate(
     console.print(table)
     console.print(
         f"{result.policy}\nETTR {result.ettr:.4f}; {result.failures} failures ({result.swaps} swaps), "
+        f"{result.planned} planned stops, "
         f"{result.spares} spares, "
         f"checkpoint every {result.mean_interval_s:.0f} s on average, "
         f"{result.lost_work_per_failure_s / 60:.1f} min of work lost per failure"

@@ -24,6 +24,7 @@ class BadputBucket(StrEnum):
     RESTART = "restart"  # detection to the first productive step, restore included, spare wait excluded
     RECOMPUTE = "recompute"  # steps done again after the resume
     STRAGGLER = "straggler"  # (the simulator's) a straggler left to slow the job down
+    MAINTENANCE = "maintenance"  # (the simulator's) planned stops: the save before, the restart after
 
 
 #: the badput buckets of a run, in the order reports show them
