@@ -70,6 +70,29 @@ def test_a_healthy_run_has_no_incident(controller: Controller) -> None:
     assert (status["state"], status["step"], status["ranks"], status["stragglers"]) == ("running", 30, 4, [])
 
 
+def test_a_runs_launch_and_initialisation_are_startup_badput(tmp_path: Path) -> None:
+    """The run starts at 0 s and its ranks' first step is heard at 7 s: 7 s of ``startup``, not productive time; a
+    controller started again on the same state store keeps them."""
+    url = f"sqlite:///{tmp_path / 'opsd.db'}"
+    controller = Controller(StateStore.open(url), CONFIG)
+    controller.store.create_run("job", {"observed": True}, 0.0)
+    for t in range(7):
+        controller.tick(float(t))
+    starting = controller.status("job", 5.0)
+    assert starting is not None
+    assert (starting["ettr"], starting["badput_s"]["startup"]) == (0.0, 5.0)
+
+    healthy(controller, 30, start_s=7.0)
+
+    status = controller.status("job", 30.0)
+    assert status is not None
+    assert status["badput_s"]["startup"] == pytest.approx(7.0)
+    assert status["ettr"] == pytest.approx((30.0 - 7.0) / 30.0)
+    again = Controller(StateStore.open(url), CONFIG).status("job", 30.0)
+    assert again is not None
+    assert again["badput_s"]["startup"] == pytest.approx(7.0)
+
+
 def test_a_fatal_xid_opens_one_incident_and_is_acknowledged_after(controller: Controller) -> None:
     healthy(controller, 5)
     event = {"seq": 1, "gpu": 1, "xid": 79, "time_s": 5.0, "action": "cordon_and_swap", "reason": "fallen off the bus"}

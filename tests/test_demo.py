@@ -284,3 +284,20 @@ def until_up(url: str) -> None:
         except OSError:
             time.sleep(0.05)
     raise AssertionError(f"{url} did not come up")
+
+
+def test_the_demo_fails_when_no_fault_is_injected(tmp_path: Path) -> None:
+    """``--no-inject``: the run completes, but nothing was detected or recovered from, so the demo exits 1 and says
+    why (as few steps as the run needs: nothing is injected)."""
+    options = ["--workdir", str(tmp_path / "demo"), "--steps", "2", "--timeout-s", "240", "--no-inject"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsd.cli.demo", *options],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,  # within pytest's 300 s: the demo's own report when it runs out of time
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["state"], result["final_step"]) == ("completed", 2), proc.stderr[-3000:]
+    assert "opsd demo failed: no fault was injected" in proc.stderr.splitlines()

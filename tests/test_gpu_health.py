@@ -1,10 +1,12 @@
 """GPU health through the file-backed fake source (no GPU here), XID counting and decisions, and the metrics.
 
-``FileGpuSource`` stands in for NVML at the ``GpuSource`` interface; ``NvmlSource`` is checked only for failing
-cleanly where NVML is missing."""
+``FileGpuSource`` stands in for NVML at the ``GpuSource`` interface; ``NvmlSource``, the adapter over nvidia-ml-py,
+is tested against a fake ``pynvml`` module (tests/fake_nvml.py: no NVML library here), and against the real NVML
+where there is one."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from opsd.errors import PermanentError
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.xid_table import load_xid_table
+from tests.fake_nvml import CONSTANTS, ERRORS, FUNCTIONS, EventData, FakeGpu, FakeNvml
 from tests.test_agent import samples
 
 SAMPLE = GpuSample(
@@ -124,14 +127,105 @@ def test_agent_exports_gpu_health_and_injected_xids(tmp_path: Path) -> None:
     assert len(per_gpu) == 14  # the documented fixed part of the per-GPU budget
 
 
-def test_nvml_source_samples_or_fails_clearly() -> None:
+def nvml(monkeypatch: pytest.MonkeyPatch, fake: FakeNvml) -> FakeNvml:
+    """``import pynvml`` gives the fake's module for this test."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake.module())
+    return fake
+
+
+def test_nvml_source_reads_each_gpu_in_base_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    sbe, dbe = 0, 1  # NVML's page retirement causes
+    full = FakeGpu(
+        uuid="GPU-3b1c",
+        temperature_c=71,
+        sm_clock_mhz=1980,
+        power_mw=690_500,
+        clocks_event_reasons=4,
+        ecc={(0, 0): 3, (1, 0): 1, (0, 1): 12, (1, 1): 2},  # (corrected | uncorrected, volatile | aggregate)
+        retired_pages={sbe: [0x1000, 0x2000], dbe: [0x3000]},
+        remapped_rows=(5, 1, 1, 0),
+        nvlink_errors={(0, 0): 2, (0, 3): 1, (5, 1): 4},  # (link, DL counter)
+    )
+    bare = FakeGpu(  # no NVLink, no ECC, no row remapping, an older driver's clock reasons
+        uuid="GPU-9d0e",
+        unsupported={"nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRetiredPages", "nvmlDeviceGetRemappedRows"},
+    )
+    fake = nvml(monkeypatch, FakeNvml([full, bare]))
+    source = NvmlSource()
+    first, second = source.sample()
+    assert first == GpuSample(
+        index=0,
+        uuid="GPU-3b1c",
+        temperature_c=71.0,
+        sm_clock_hz=1.98e9,
+        power_w=690.5,
+        clock_event_reasons=4,
+        ecc_volatile_corrected=3,
+        ecc_volatile_uncorrected=1,
+        ecc_aggregate_corrected=12,
+        ecc_aggregate_uncorrected=2,
+        retired_pages_sbe=2,
+        retired_pages_dbe=1,
+        remapped_rows_correctable=5,
+        remapped_rows_uncorrectable=1,
+        row_remap_pending=True,
+        nvlink_errors=7,
+    )
+    assert second == GpuSample(index=1, uuid="GPU-9d0e", temperature_c=40.0, sm_clock_hz=1.98e9, power_w=300.0)
+    source.close()
+    assert (fake.initialised, fake.freed) == (False, [1])
+
+
+def test_nvml_source_falls_back_on_throttle_reasons_of_an_older_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = FakeGpu(uuid="GPU-0", clocks_event_reasons=0x20)
+    nvml(monkeypatch, FakeNvml([gpu], missing=frozenset({"nvmlDeviceGetCurrentClocksEventReasons"})))
+    (sample,) = NvmlSource().sample()
+    assert sample.clock_event_reasons == 0x20
+
+
+def test_nvml_source_reports_the_xids_of_each_gpu_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = nvml(monkeypatch, FakeNvml([FakeGpu("GPU-0"), FakeGpu("GPU-1"), FakeGpu("GPU-2")]))
+    source = NvmlSource()
+    assert source.xid_events(0.01) == []
+    fake.xid(2, 79)
+    fake.xid(0, 48)
+    assert source.xid_events(0.01) == [(2, 79), (0, 48)]  # all that is there, in order
+    assert source.xid_events(0.01) == []
+
+
+def test_a_gpu_without_xid_events_is_still_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = nvml(monkeypatch, FakeNvml([FakeGpu("GPU-0", unsupported={"nvmlDeviceRegisterEvents"}), FakeGpu("GPU-1")]))
+    source = NvmlSource()
+    fake.xid(0, 79)  # never delivered: GPU 0 could not be registered
+    fake.xid(1, 31)
+    assert source.xid_events(0.01) == [(1, 31)]
+    assert [s.uuid for s in source.sample()] == ["GPU-0", "GPU-1"]
+
+
+def test_a_machine_without_nvml_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml(monkeypatch, FakeNvml([], library=False))
+    with pytest.raises(PermanentError, match=r"^NVML is not available: NVML Shared Library Not Found$"):
+        NvmlSource()
+
+
+def test_the_fake_nvml_has_the_real_modules_names_and_values() -> None:
+    """The fake's constants, error codes and functions are those of the installed nvidia-ml-py."""
+    import pynvml  # type: ignore[import-untyped]
+
+    assert {name: getattr(pynvml, name) for name in CONSTANTS} == CONSTANTS
+    assert {name: getattr(pynvml, name)().value for name in ERRORS} == {k: code for k, (code, _) in ERRORS.items()}
+    assert {name: str(getattr(pynvml, name)()) for name in ERRORS} == {k: text for k, (_, text) in ERRORS.items()}
+    assert [name for name in FUNCTIONS if not callable(getattr(pynvml, name, None))] == []
+    assert [f[0] for f in pynvml.c_nvmlEventData_t._fields_] == [f[0] for f in EventData._fields_]
+
+
+def test_nvml_source_on_this_machines_gpus() -> None:
+    """The real NVML, where there is one: every GPU gives a sample."""
     try:
         source = NvmlSource()
-    except PermanentError as exc:  # no NVML on this machine
-        message = str(exc)
-        assert message.startswith("NVML is not available")
-        return
-    try:  # a GPU machine: every GPU gives a sample
+    except PermanentError as exc:
+        pytest.skip(f"no NVML on this machine ({exc}); the adapter is tested against tests/fake_nvml.py")
+    try:
         samples = source.sample()
         assert [s.index for s in samples] == list(range(len(samples)))
         assert all(s.uuid.startswith("GPU-") for s in samples)

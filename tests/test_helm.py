@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tomllib
 from collections.abc import Iterator
@@ -35,6 +36,12 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from yamllint import linter as yamllint_linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
+
+from agent.daemon import Agent, AgentConfig
+from opsd.backends.local.processes import free_port
+from opsd.backends.local.runner import start_api
+from opsd.controller.controller import Controller
+from opsd.controller.state import StateStore
 
 Obj = dict[str, Any]
 
@@ -651,8 +658,44 @@ def test_helm_test_pod(default: list[Obj]) -> None:
     assert env(c)["CONTROLLER_HEALTHZ"]["value"] == "http://opsd-controller:8470/healthz"
     assert env(c)["AGENT_METRICS"]["value"] == "http://opsd-agent:9464/metrics"
     assert c["command"] == ["python", "-c"]
-    compile(c["args"][0], "helm-test", "exec")  # the check it runs is Python
     assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_helm_test_pods_check_passes_on_a_live_controller_and_agent_and_fails_on_a_wrong_answer(
+    default: list[Obj], tmp_path: Path
+) -> None:
+    """The check the test pod runs, run here against a real controller API and a real agent on loopback: it passes;
+    pointed at an endpoint that answers without opsd's metrics, it fails."""
+    (c,) = one(default, "Pod", "opsd-test")["spec"]["containers"]
+    script = c["args"][0]
+    port = free_port()
+    server = start_api(Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")), "t", "127.0.0.1", port)
+    agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
+    agent.start()
+    try:
+        healthz = f"http://127.0.0.1:{port}/healthz"
+        metrics = f"http://127.0.0.1:{agent.metrics_port}/metrics"
+        ok = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "CONTROLLER_HEALTHZ": healthz, "AGENT_METRICS": metrics},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert ok.stdout.splitlines() == ["controller /healthz: OK", "agent /metrics: OK"]
+        wrong = subprocess.run(  # an agent address that answers 200 with no opsd_ metric
+            [sys.executable, "-c", script],
+            env={**os.environ, "CONTROLLER_HEALTHZ": healthz, "AGENT_METRICS": healthz},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert wrong.returncode != 0
+        assert "agent /metrics: HTTP 200, no opsd_ metric" in wrong.stderr
+    finally:
+        agent.stop()
+        server.should_exit = True
 
 
 def test_notes_render(helm: Helm) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opsd.policy.goodput import Interruption, account
+from opsd.policy.goodput import Interruption, Startup, account
 
 CASES = {
     # name: (wall_s, checkpoint_s, interruptions, expected buckets)
@@ -22,6 +22,39 @@ CASES = {
         {"productive": 890.0, "detection": 10.0, "spare_wait": 60.0, "restart": 40.0},
     ),
 }
+
+
+#: name: (wall_s from the start at 100 s, first productive step, interruptions, expected buckets)
+STARTUPS = {
+    "launch and initialisation until the first step": (1000.0, 130.0, [], {"productive": 970.0, "startup": 30.0}),
+    "not stepped yet: all of it": (50.0, None, [], {"startup": 50.0}),
+    "a failure during the start-up ends it; its relaunch is the interruption's": (
+        1000.0,
+        260.0,
+        [Interruption(failed_s=120, detected_s=125, resumed_s=260, lost_steps=0, step_time_s=1.0)],
+        {"productive": 840.0, "startup": 20.0, "detection": 5.0, "restart": 135.0},
+    ),
+    "a failure after the first step leaves the start-up alone": (
+        1000.0,
+        110.0,
+        [Interruption(failed_s=500, detected_s=501, resumed_s=531, lost_steps=4, step_time_s=2.0)],
+        {"productive": 951.0, "startup": 10.0, "detection": 1.0, "restart": 30.0, "recompute": 8.0},
+    ),
+}
+
+
+@pytest.mark.parametrize(("wall", "first", "interruptions", "expected"), STARTUPS.values(), ids=STARTUPS.keys())
+def test_startup(
+    wall: float, first: float | None, interruptions: list[Interruption], expected: dict[str, float]
+) -> None:
+    g = account(wall, 0.0, interruptions, Startup(started_s=100.0, first_productive_s=first))
+    assert {k: v for k, v in g.buckets().items() if v} == pytest.approx(expected)
+    assert sum(g.buckets().values()) == pytest.approx(wall)
+
+
+def test_a_startup_ends_after_it_begins() -> None:
+    with pytest.raises(ValueError, match="started_s <= first_productive_s"):
+        Startup(started_s=10.0, first_productive_s=5.0)
 
 
 @pytest.mark.parametrize(("wall", "ckpt", "interruptions", "expected"), CASES.values(), ids=CASES.keys())

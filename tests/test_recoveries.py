@@ -39,6 +39,7 @@ from opsd.controller.port import FaultKind
 from opsd.errors import PermanentError
 from opsd.policy.detection import DetectionConfig
 from tests.faults import inject
+from tests.spares import implied_pool
 
 pytestmark = pytest.mark.slow
 
@@ -235,14 +236,16 @@ def check_operator_reads(cli: dict[str, Any]) -> None:
         ["node-2"],
         "healthy",
     )
-    assert pool["recommended"] >= 0
+    cadence = cli["cadence"]
+    config = ControllerConfig()  # two_nodes' spare window and risk are the defaults
+    implied = implied_pool(2, cadence["node_mtbf_h"], config.spare_window_h, config.spare_risk)
+    assert pool["recommended"] == implied
     assert "node MTBF" in pool["why"]
     committed = [c for c in cli["checkpoints"]["checkpoints"] if c["state"] == "committed"]
     steps = [c["step"] for c in committed]
     assert len(steps) >= 2
     assert steps == sorted(steps, reverse=True)
     assert all(c["bytes"] > 0 and c["time_unix_s"] > 0 and c["blocking_s"] >= 0 for c in committed)
-    cadence = cli["cadence"]
     assert cadence["mtbf_s"] > 0
     assert cadence["step_s"] > 0
     assert cadence["why"]

@@ -149,6 +149,25 @@ def test_state_survives_a_new_store_on_the_same_database(tmp_path: Path) -> None
         assert c.execute(sa.text("PRAGMA journal_mode")).scalar() == "wal"
 
 
+def test_a_store_of_an_earlier_version_gets_the_columns_added_since(store: StateStore) -> None:
+    """A runs table without ``first_productive_s`` (as an earlier version created it), a run in it: opened again,
+    the column is added and the run reads and updates as a new one does."""
+    store.create_run("r1", {"nodes": 2}, now_s=10.0)
+    with store.engine.begin() as c:
+        c.execute(sa.text("ALTER TABLE runs DROP COLUMN first_productive_s"))
+    url = store.engine.url.render_as_string(hide_password=False)
+    store.engine.dispose()
+
+    again = StateStore.open(url)
+    try:
+        assert "first_productive_s" in {c["name"] for c in sa.inspect(again.engine).get_columns("runs")}
+        assert (again.run("r1") or {})["first_productive_s"] is None
+        again.update_run("r1", 12.0, first_productive_s=11.5)
+        assert (again.run("r1") or {})["first_productive_s"] == 11.5
+    finally:
+        again.engine.dispose()
+
+
 def test_bad_urls_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="expected sqlite"):
         StateStore.open("mysql://x/y")

@@ -5,6 +5,10 @@ hot spare, hooks on and asynchronous checkpoints every 10 steps. Once a checkpoi
 gone past it, an XID 79 (GPU fallen off the bus) is injected on node-1. The controller detects it, stops the
 ranks, cordons node-1, brings the spare in, relaunches, and the ranks resume from the newest committed
 checkpoint; the run completes. Printed: a summary in words, then, last, one JSON line.
+
+It exits 0 only when the fault was injected, its incident detected and recovered from, and the run completed; else
+it says on stderr what did not happen and exits 1. ``--no-inject`` leaves the fault out (the demo then fails: a check
+that its exit status means something).
 """
 
 from __future__ import annotations
@@ -81,21 +85,42 @@ class Injector:
 
 def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:
     failures = [i for i in status["incidents"] if i["kind"] != IncidentKind.STRAGGLER]
-    first = failures[0] if failures else None
-    injected = injector.injected_s or 0.0
+    xids = [i for i in failures if i["kind"] == IncidentKind.FATAL_XID]
+    first = (xids or failures or [None])[0]  # the injected XID's incident, else the first failure
+    injected = injector.injected_s
+    since = first is not None and injected is not None  # the delays: from the injection
     return {
         "run": status["run"],
         "state": status["state"],
         "incident": first["kind"] if first else None,
-        "detected_s": round(first["detected_s"] - injected, 3) if first else None,
-        "recovered_s": round(first["resumed_s"] - injected, 3) if first and first["resumed_s"] else None,
+        "recovered": bool(first and first["resumed_s"] is not None),
+        "detected_s": round(first["detected_s"] - injected, 3) if since else None,
+        "recovered_s": round(first["resumed_s"] - injected, 3) if since and first["resumed_s"] else None,
         "lost_steps": first["lost_steps"] if first else 0,
         "nodes_swapped": sum(1 for n in status["nodes"] if n["role"] == NodeRole.CORDONED),
         "spare": first["spare"] if first else None,
         "resumed_from_step": first["resumed_from_step"] if first else None,
         "final_step": status["step"],
         "ettr": round(status["ettr"], 4),
+        "badput_s": {bucket: round(v, 3) for bucket, v in status["badput_s"].items()},
     }
+
+
+def shortfalls(result: dict[str, Any], injector: Injector) -> list[str]:
+    """What the demo was to show and did not: the fault injected, its incident detected and recovered from, the
+    run completed."""
+    missing = []
+    if injector.injected_s is None:
+        missing.append("no fault was injected")
+    if result["incident"] is None:
+        missing.append("no incident was detected")
+    elif result["incident"] != IncidentKind.FATAL_XID:
+        missing.append(f"the XID 79 was not detected (the first incident: {result['incident']})")
+    elif not result["recovered"]:
+        missing.append(f"the {result['incident']} incident was not recovered from (no productive step after it)")
+    if result["state"] != RunState.COMPLETED:
+        missing.append(f"the run did not complete: it is {result['state']} at step {result['final_step']}")
+    return missing
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,7 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", default=".opsd-demo", help="state, checkpoints and logs (emptied first)")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--timeout-s", type=float, default=280.0)
+    p.add_argument(
+        "--no-inject", action="store_true", help="inject no fault (the demo then exits 1: nothing was recovered from)"
+    )
     args = p.parse_args(argv)
+    if args.steps < 1 or args.timeout_s <= 0:
+        p.error("--steps must be >= 1 and --timeout-s > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "uvicorn", "opsd.controller.state"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -128,11 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"opsd demo: controller on http://127.0.0.1:{port}, 2 nodes x 2 ranks + 1 spare, {args.steps} steps", flush=True
     )
-    status = run_local(config, spec, timeout_s=args.timeout_s, on_poll=injector)
+    status = run_local(config, spec, timeout_s=args.timeout_s, on_poll=None if args.no_inject else injector)
     result = summary(status, injector)
     print()
     print(f"run {result['run']}: {result['state']} at step {result['final_step']}")
-    if result["incident"]:
+    if result["incident"] and injector.injected_s is not None:
         print(
             f"  XID 79 injected on node-1 at step {injector.step_at_injection};"
             f" detected after {result['detected_s']} s;"
@@ -140,9 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" resumed from step {result['resumed_from_step']} ({result['lost_steps']} steps redone);"
             f" first productive step {result['recovered_s']} s after the injection"
         )
-    print(f"  ETTR {result['ettr']:.3f}; state, checkpoints and logs in {workdir}")
+    badput = ", ".join(f"{bucket} {v:.1f} s" for bucket, v in result["badput_s"].items() if v > 0) or "none"
+    print(f"  ETTR {result['ettr']:.3f} (badput: {badput}); state, checkpoints and logs in {workdir}")
     print(json.dumps(result), flush=True)
-    return 0 if result["state"] == RunState.COMPLETED else 1
+    missing = shortfalls(result, injector)
+    for reason in missing:
+        print(f"opsd demo failed: {reason}", file=sys.stderr, flush=True)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

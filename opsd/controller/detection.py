@@ -123,6 +123,8 @@ class Detection(Scoring):
             newest = live.newest_step if live is not None else -1
         if newest < 0:
             return
+        if run.get("first_productive_s") is None:
+            self._first_productive(run, now_s)
         earlier = [
             i
             for i in self.store.incidents(run["id"], state=IncidentState.OPEN)
@@ -163,6 +165,17 @@ class Detection(Scoring):
         if newest > int(run["last_step"]):
             self.store.update_run(run["id"], now_s, last_step=newest)
             self.progressed_s[run["id"]] = now_s
+
+    def _first_productive(self, run: dict[str, Any], now_s: float) -> None:
+        """The run's first progress ends its launch and initialisation (the ``startup`` badput): when its ranks
+        first stepped, as the first progress after a relaunch ends a recovery."""
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+            first_s = min((r.progress_s for r in ranks), default=now_s)
+        first_s = max(first_s, float(run["created_s"]))
+        self.store.update_run(run["id"], now_s, first_productive_s=first_s)
+        log.info("run %s: first productive step %.1f s after its start", run["id"], first_s - float(run["created_s"]))
 
     def _failed_at(self, run: str, cause: Failure, now_s: float) -> float:
         """When the failure happened, as well as the controller can tell: the last sign of life."""

@@ -9,13 +9,14 @@ import statistics
 from typing import Any
 
 from opsd.controller.core import ControllerCore
-from opsd.policy.goodput import BadputBucket, Goodput, Interruption, account
+from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.protocol.states import IncidentKind, IncidentState, RunState
 
 
 class Reads(ControllerCore):
     def goodput(self, run: dict[str, Any], now_s: float, incidents: list[dict[str, Any]] | None = None) -> Goodput:
-        """Where the run's wall time went; ``incidents``: its incidents, when the caller has them already."""
+        """Where the run's wall time went, from its start (its launch and initialisation up to its first productive
+        step are ``startup`` badput); ``incidents``: its incidents, when the caller has them already."""
         if incidents is None:
             incidents = self.store.incidents(run["id"])
         with self.lock:
@@ -29,7 +30,8 @@ class Reads(ControllerCore):
             if i["kind"] != IncidentKind.STRAGGLER and i["resumed_s"] is not None
         ]
         end = float(run["updated_s"]) if run["state"] in (RunState.COMPLETED, RunState.FAILED) else now_s
-        return account(max(0.0, end - float(run["created_s"])), blocking, interruptions)
+        startup = Startup(float(run["created_s"]), run.get("first_productive_s"))
+        return account(max(0.0, end - startup.started_s), blocking, interruptions, startup)
 
     def status(self, run_id: str, now_s: float) -> dict[str, Any] | None:
         """The run's state, step, MFU, tokens/s, ETTR and badput, cadence, nodes, spares and stragglers; None when

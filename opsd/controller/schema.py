@@ -4,10 +4,12 @@ or PostgreSQL by URL."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import (
     Column,
+    Connection,
     Engine,
     Float,
     ForeignKey,
@@ -19,11 +21,14 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    inspect,
     text,
 )
 from sqlalchemy.exc import SQLAlchemyError
 
 from opsd.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 metadata = MetaData()
 
@@ -39,6 +44,7 @@ runs = Table(
     Column("generation", Integer, nullable=False, default=0),  # launches so far (0: not launched)
     Column("last_step", Integer, nullable=False, default=0),
     Column("final_step", Integer),
+    Column("first_productive_s", Float),  # its first productive step (the end of its launch and initialisation)
 )
 
 nodes = Table(
@@ -133,6 +139,22 @@ def _sqlite_pragmas(dbapi_connection: Any, _: Any) -> None:
 SCHEMA_LOCK_KEY = 0x6F707364  # "opsd": the advisory lock held while the tables are created
 
 
+def add_columns(conn: Connection) -> None:
+    """Add to a store's tables the columns this version has and they lack (a store created by an earlier version;
+    every column added since the first version is nullable, so rows already there stay valid)."""
+    inspector = inspect(conn)
+    for table in metadata.sorted_tables:
+        have = {column["name"] for column in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have:
+                continue
+            if not column.nullable:
+                raise ConfigError(f"state store: table {table.name} lacks column {column.name}, which needs a value")
+            kind = column.type.compile(dialect=conn.dialect)
+            conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
+            log.info("state store: column %s.%s (%s) added", table.name, column.name, kind)
+
+
 def open_engine(url: str) -> Engine:
     """An engine for ``sqlite:///path`` (WAL) or ``postgresql+psycopg://...``; the tables are created if missing."""
     if not url.startswith(("sqlite:", "postgresql")):
@@ -146,6 +168,7 @@ def open_engine(url: str) -> Engine:
             if engine.dialect.name == "postgresql":  # replicas that start together create the tables once
                 conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
             metadata.create_all(conn)
+            add_columns(conn)
     except SQLAlchemyError as exc:
         raise ConfigError(f"state URL {url!r}: {exc}") from exc
     return engine

@@ -96,7 +96,7 @@ class StateStore:
         return [_run_row(r) for r in rows]
 
     def update_run(self, run: str, now_s: float, **fields: Any) -> None:
-        allowed = {"state", "generation", "last_step", "final_step", "spec"}
+        allowed = {"state", "generation", "last_step", "final_step", "spec", "first_productive_s"}
         if not set(fields) <= allowed:
             raise ValueError(f"update_run: unknown fields {sorted(set(fields) - allowed)}")
         if "spec" in fields:

@@ -1,10 +1,14 @@
 """Goodput accounting: where the wall-clock time of a run went, and its effective training time ratio (ETTR).
 
-Pure. Badput buckets, per interruption: ``detection`` (failure to detection), ``spare_wait`` (waiting for a spare),
-``restart`` (detection to the first productive step after the resume, restore included, spare wait excluded),
-``recompute`` (the steps done again after the resume: those since the checkpoint resumed from). Over the run:
-``checkpoint`` (the time saves stopped training). ``productive`` is the rest. ETTR = productive / wall time (as
-MegaScale and ByteRobust report it).
+Pure. Badput buckets: ``startup`` (launch and initialisation: from the run's start to its first productive step,
+or to its first failure when that came first), then per interruption: ``detection`` (failure to detection),
+``spare_wait`` (waiting for a spare), ``restart`` (detection to the first productive step after the resume, restore
+included, spare wait excluded), ``recompute`` (the steps done again after the resume: those since the checkpoint
+resumed from). Over the run: ``checkpoint`` (the time saves stopped training). ``productive`` is the rest.
+ETTR = productive / wall time (as MegaScale and ByteRobust report it). Only time spent on training steps is
+productive, as in Llama 3's effective training time ("The Llama 3 Herd of Models", 2024, section 3.3.4) and in
+Kokolis et al.'s ETTR ("Revisiting Reliability in Large-Scale Machine Learning Research Clusters", 2024): the first
+start-up is badput, as every relaunch is.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ class BadputBucket(StrEnum):
     """Where the wall time of a run went: ``productive``, or one of the badput buckets."""
 
     PRODUCTIVE = "productive"
+    STARTUP = "startup"  # launch and initialisation: the run's start to its first productive step
     CHECKPOINT = "checkpoint"  # saves stopped training
     DETECTION = "detection"  # failure to detection
     SPARE_WAIT = "spare_wait"  # waiting for a spare
@@ -29,6 +34,7 @@ class BadputBucket(StrEnum):
 
 #: the badput buckets of a run, in the order reports show them
 BADPUT = (
+    BadputBucket.STARTUP,
     BadputBucket.CHECKPOINT,
     BadputBucket.DETECTION,
     BadputBucket.SPARE_WAIT,
@@ -54,6 +60,19 @@ class Interruption:
 
 
 @dataclass(frozen=True)
+class Startup:
+    """A run's launch and initialisation: from ``started_s`` (the run's start) to ``first_productive_s`` (its first
+    productive step; None: none yet)."""
+
+    started_s: float
+    first_productive_s: float | None
+
+    def __post_init__(self) -> None:
+        if self.first_productive_s is not None and self.first_productive_s < self.started_s:
+            raise ValueError("a start-up needs started_s <= first_productive_s")
+
+
+@dataclass(frozen=True)
 class Goodput:
     wall_s: float
     productive_s: float
@@ -62,6 +81,7 @@ class Goodput:
     spare_wait_s: float
     restart_s: float
     recompute_s: float
+    startup_s: float = 0.0
 
     @property
     def ettr(self) -> float:
@@ -70,6 +90,7 @@ class Goodput:
     def buckets(self) -> dict[BadputBucket, float]:
         return {
             BadputBucket.PRODUCTIVE: self.productive_s,
+            BadputBucket.STARTUP: self.startup_s,
             BadputBucket.CHECKPOINT: self.checkpoint_s,
             BadputBucket.DETECTION: self.detection_s,
             BadputBucket.SPARE_WAIT: self.spare_wait_s,
@@ -78,14 +99,30 @@ class Goodput:
         }
 
 
-def account(wall_s: float, checkpoint_blocking_s: float, interruptions: Iterable[Interruption]) -> Goodput:
+def account(
+    wall_s: float,
+    checkpoint_blocking_s: float,
+    interruptions: Iterable[Interruption],
+    startup: Startup | None = None,
+) -> Goodput:
+    """Split ``wall_s`` (from ``startup.started_s``, when given) into productive time and badput. The start-up ends
+    at the first productive step, or at the first failure when that came first (its relaunch is the
+    interruption's ``detection`` and ``restart``); without a first productive step it lasts until the end."""
     if wall_s < 0 or checkpoint_blocking_s < 0:
         raise ValueError("wall_s and checkpoint_blocking_s must be >= 0")
-    detection = spare = restart = recompute = 0.0
+    interruptions = list(interruptions)
+    detection = spare = restart = recompute = startup_s = 0.0
     for i in interruptions:
         detection += i.detected_s - i.failed_s
         spare += i.spare_wait_s
         restart += max(0.0, i.resumed_s - i.detected_s - i.spare_wait_s)
         recompute += i.lost_steps * i.step_time_s
-    bad = checkpoint_blocking_s + detection + spare + restart + recompute
-    return Goodput(wall_s, max(0.0, wall_s - bad), checkpoint_blocking_s, detection, spare, restart, recompute)
+    if startup is not None:
+        end_s = startup.started_s + wall_s
+        first = startup.first_productive_s if startup.first_productive_s is not None else end_s
+        ended_s = min([first, end_s, *(i.failed_s for i in interruptions)])
+        startup_s = max(0.0, ended_s - startup.started_s)
+    bad = startup_s + checkpoint_blocking_s + detection + spare + restart + recompute
+    return Goodput(
+        wall_s, max(0.0, wall_s - bad), checkpoint_blocking_s, detection, spare, restart, recompute, startup_s
+    )

@@ -31,6 +31,7 @@ PHASE_COLOURS = {
 }
 OTHER_PHASE_COLOUR = "#95a5a6"
 BADPUT_COLOURS: dict[str, str] = {
+    BadputBucket.STARTUP: "#16a085",
     BadputBucket.CHECKPOINT: "#2980b9",
     BadputBucket.DETECTION: "#e67e22",
     BadputBucket.SPARE_WAIT: "#8e44ad",
