@@ -53,6 +53,9 @@ class Attention(nn.Module):
     With a context-parallel group set (``cp_group``), each rank holds a contiguous chunk of the sequence: it
     all-gathers keys and values over the group (differentiable; the backward reduce-scatters their gradients) and
     masks by global positions. This is the all-gather variant used for Llama 3's long-context training.
+
+    Keys and values travel in one all-gather, never two at once on the group: two collectives in flight on one
+    gloo group can corrupt the process's heap (docs/crash.md), and one message instead of two is cheaper anyway.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -64,11 +67,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.cp_group: dist.ProcessGroup | None = None
 
-    def _gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
-        """All-gather ``t [b, s_local, h, d]`` over the cp group into ``[b, s, h, d]`` (ranks hold chunks in order)."""
+    def _gather_sequence(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather ``k`` and ``v`` ``[b, s_local, h, d]`` over the cp group into ``[b, s, h, d]`` each, in one
+        collective (ranks hold chunks of the sequence in order)."""
         assert self.cp_group is not None
-        gathered = funcol.all_gather_single_autograd(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.cp_group)
-        return gathered.transpose(0, 1)
+        both = torch.stack((k, v)).permute(2, 0, 1, 3, 4).contiguous()  # [s_local, 2, b, h, d]
+        gathered = funcol.all_gather_single_autograd(both, gather_dim=0, group=self.cp_group)  # [s, 2, b, h, d]
+        k, v = gathered.permute(1, 2, 0, 3, 4).unbind(0)
+        return k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -79,7 +85,7 @@ class Attention(nn.Module):
         if self.cp_group is None:
             mask = None
         else:
-            k, v = (self._gather_sequence(t) for t in (k, v))
+            k, v = self._gather_sequence(k, v)
             q_pos = torch.arange(offset, offset + s, device=x.device)
             mask = q_pos[:, None] >= torch.arange(k.shape[1], device=x.device)[None, :]
         k, v = k.transpose(1, 2), v.transpose(1, 2)

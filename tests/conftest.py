@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests import launch
 from tests.s3 import CREDENTIALS, make_bucket, moto_server
 
 if TYPE_CHECKING:
@@ -71,3 +72,23 @@ def tracer() -> Iterator[CollectiveTracer]:
     finally:
         t.uninstall()
         dist.destroy_process_group()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Every launch run again for a known crash (tests/launch.py), and the verdict on the session's budget."""
+    if not launch.RETRIES:
+        return
+    terminalreporter.section("launches run again for a known crash")
+    verdict = launch.over_budget(launch.RETRIES)
+    if verdict is not None:
+        terminalreporter.write_line(verdict, red=True)
+        return
+    for retry in launch.RETRIES:
+        terminalreporter.write_line(f"{retry.cause.name}: {retry.root_cause}; {retry.command}")
+    terminalreporter.write_line(f"{len(launch.RETRIES)} of a budget of {launch.RETRY_BUDGET}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """More relaunches than ``RETRY_BUDGET`` fail the session, even when every test passed."""
+    if launch.over_budget(launch.RETRIES) is not None and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

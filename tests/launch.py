@@ -1,13 +1,17 @@
 """Run the reference trainer (or any module) in subprocesses, under torchrun when there is more than one rank.
 
-Each launch gets its own process group; on a timeout the whole group (torchrun and every rank) is killed, so a
-hung run fails its test quickly and leaves nothing behind to slow down the next one."""
+Each launch gets its own process group; on a timeout torchrun is stopped (it stops its ranks) and then the whole
+group is killed, so a hung run fails its test quickly and leaves nothing behind to slow down the next one.
+
+A failed launch is not launched again, except by ``run_module_retrying``, for one named and documented crash
+(``KnownCrash``) that the launch's torchrun root-cause block shows, each attempt in a fresh directory, and within
+``RETRY_BUDGET`` for the whole test session (``tests/conftest.py`` fails the session beyond it).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,33 +19,65 @@ import time
 import urllib.request
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from bench.crash_rates import stop
+from bench.torchrun_failure import RootCause, root_cause
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TIMEOUT_S = 240.0
+STOP_GRACE_S = 20.0
 
 
 class LaunchTimeoutError(AssertionError):
     """The launched command did not finish in time; carries what it printed so far."""
 
 
-# A rank of a gloo job on this 2-core machine sometimes crashes inside gloo, mid-run: SIGABRT ("terminate called
-# without an active exception" when its stderr gets out; torchrun's "exitcode: -6"), and once SIGSEGV (-11). Most
-# layouts see it a few times in several hundred launches; the 4-rank cp=2,dp_shard=2 parity run about once in 5
-# even alone (without the monitor, so without any opsd code in the ranks), and a full suite once saw it twice in a
-# row. Such a launch is run again, up to ``GLOO_CRASH_ATTEMPTS`` launches in all, each with a warning that pytest
-# shows in its summary, rather than failing a test that has nothing to do with it. Nothing in opsd raises either
-# signal.
-GLOO_ABORT = "terminate called without an active exception"
-_CRASH_EXIT = re.compile(r"exitcode\s*:\s*-(6|11)\b")
-GLOO_CRASH_ATTEMPTS = 3
+class KnownCrash(Enum):
+    """A crash that a test may choose to launch again, by name. Each is documented in ``docs/crash.md`` with its
+    stack and cause; a launch counts as one only if torchrun's root cause (the first rank to fail: its exit code
+    and its error line) matches it.
+
+    ``GLOO_CONCURRENT_COLLECTIVES``: two functional collectives in flight at once on one gloo group corrupt the
+    rank's heap (torch 2.13, CPU): the rank dies of SIGSEGV or SIGABRT in ``malloc`` on a gloo worker thread. The
+    reference trainer never issues such a pair since its context-parallel attention gathers keys and values in
+    one collective; a test of code that still does may name this cause.
+    """
+
+    GLOO_CONCURRENT_COLLECTIVES = "gloo-concurrent-collectives"
+
+    def matches(self, cause: RootCause) -> bool:
+        signal_line = cause.traceback.startswith("Signal ")  # torchrun's line for a rank killed by a signal
+        return signal_line and cause.signal_name in ("SIGSEGV", "SIGABRT")
 
 
-def aborted(stderr: str) -> bool:
-    """Whether a launch died of the crash above (a rank's own message, or torchrun's report of exit code -6 or
-    -11)."""
-    return GLOO_ABORT in stderr or _CRASH_EXIT.search(stderr) is not None
+# More relaunches than this in one test session fail the session, even when every test passed (tests/conftest.py):
+# a known crash is rare by definition (docs/crash.md measures it); more than this means something changed.
+RETRY_BUDGET = 2
+
+
+@dataclass(frozen=True)
+class Retry:
+    """One relaunch: which test's launch, why (the root cause torchrun printed), and what."""
+
+    command: str
+    cause: KnownCrash
+    root_cause: str
+
+
+RETRIES: list[Retry] = []  # this session's relaunches, in order
+
+
+def over_budget(retries: Sequence[Retry], budget: int = RETRY_BUDGET) -> str | None:
+    """Why the session fails for its relaunches (one line per relaunch), or None while within ``budget``."""
+    if len(retries) <= budget:
+        return None
+    lines = [f"{len(retries)} launches were run again, more than the budget of {budget} (tests/launch.py):"]
+    lines += [f"  {r.cause.name}: {r.root_cause}; {r.command}" for r in retries]
+    return "\n".join(lines)
 
 
 def run_module(
@@ -52,33 +88,8 @@ def run_module(
     env: Mapping[str, str] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     cwd: Path = ROOT,
-    retry_gloo_abort: bool = True,
-    before_retry: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m module args`` on one rank, or ``torchrun --standalone`` with ``nproc`` ranks.
-
-    ``before_retry`` undoes what a failed launch left behind (files it appended to) before the next."""
-    proc = _run_once(module, args, nproc=nproc, env=env, timeout_s=timeout_s, cwd=cwd)
-    for _ in range(GLOO_CRASH_ATTEMPTS - 1):
-        if not (retry_gloo_abort and proc.returncode != 0 and aborted(proc.stderr)):
-            break
-        message = f"a rank crashed (SIGABRT or SIGSEGV) inside gloo; launched again: {module} {' '.join(args)}"
-        warnings.warn(message, stacklevel=2)
-        if before_retry is not None:
-            before_retry()
-        proc = _run_once(module, args, nproc=nproc, env=env, timeout_s=timeout_s, cwd=cwd)
-    return proc
-
-
-def _run_once(
-    module: str,
-    args: Sequence[str],
-    *,
-    nproc: int,
-    env: Mapping[str, str] | None,
-    timeout_s: float,
-    cwd: Path,
-) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` on one rank, or ``torchrun --standalone`` with ``nproc`` ranks; launched once."""
     cmd = [sys.executable, "-m", module, *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
@@ -90,11 +101,41 @@ def _run_once(
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        stdout, stderr = stop(proc, STOP_GRACE_S)
         message = f"{' '.join(cmd)} ran past {timeout_s} s\n{stdout[-2000:]}\n{stderr[-4000:]}"
         raise LaunchTimeoutError(message) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def run_module_retrying(
+    module: str,
+    args: Callable[[Path], Sequence[str]],
+    *,
+    crash: KnownCrash,
+    workdir: Path,
+    nproc: int,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    attempts: int = 2,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Like ``run_module`` under torchrun, launched again (up to ``attempts`` launches) when torchrun's root cause
+    is the known ``crash``. ``args(directory)`` gives each attempt's arguments: every output and checkpoint path
+    must be under ``directory``, a new empty one per attempt (``workdir/attempt-N``), so that no attempt sees what
+    a failed one wrote (a ``--resume`` would resume from it). Returns the last launch and its directory; every
+    relaunch is recorded in ``RETRIES`` and warned about."""
+    if nproc < 2:
+        raise ValueError("run_module_retrying judges torchrun's root cause: nproc must be >= 2")
+    for attempt in range(1, attempts + 1):
+        directory = workdir / f"attempt-{attempt}"
+        directory.mkdir(parents=True)
+        proc = run_module(module, args(directory), nproc=nproc, env=env, timeout_s=timeout_s)
+        cause = root_cause(proc.stderr) if proc.returncode != 0 else None
+        if cause is None or not crash.matches(cause) or attempt == attempts:
+            return proc, directory
+        retry = Retry(f"{module} {' '.join(args(directory))}", crash, cause.describe())
+        RETRIES.append(retry)
+        warnings.warn(f"{crash.name} ({retry.root_cause}); launched again: {retry.command}", stacklevel=2)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def agent_until_sigterm(

@@ -42,8 +42,7 @@ def test_prometheus_sees_every_rank_and_dimension(tmp_path: Path, agent: Agent) 
         jsonl_path = str(tmp_path / "r{rank}.jsonl")
         args = ["--mesh", MESH, "--steps", str(STEPS), "--opsd-monitor", "--opsd-jsonl", jsonl_path]
         env = {"OPSD_AGENT_SOCKET": agent.config.socket}
-        # not launched again after a gloo abort: the agent already counted the first launch's reports
-        proc = run_module("examples.train", args, nproc=RANKS, env=env, retry_gloo_abort=False)
+        proc = run_module("examples.train", args, nproc=RANKS, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
         # every report reached the agent, and a scrape after the run has them all

@@ -33,9 +33,8 @@ def train(
 ) -> dict[str, Any] | None:
     out = tmp / f"{name}.json"
     args = ["--mesh", mesh, "--steps", str(steps), *COMMON, "--losses-out", str(out), *extra]
-    # a run meant to be killed is not launched again
     nproc = MeshSpec.parse(mesh).world_size
-    proc = run_module("examples.train", args, nproc=nproc, retry_gloo_abort=ok, env=env)
+    proc = run_module("examples.train", args, nproc=nproc, env=env)
     if not ok:
         assert proc.returncode != 0, "the run was meant to be killed"
         return None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,6 @@ from opsd.checkpoints.local import LocalStore
 from opsd.protocol.policy_file import parse_policy
 from opsd.protocol.wire import decode
 from tests.launch import ROOT, run_module
-
-
-def remove(paths: Iterable[Path]) -> None:
-    for path in paths:
-        path.unlink()
 
 
 def blocks(doc: str, language: str) -> list[str]:
@@ -43,7 +37,6 @@ def test_readme_monitor_example_runs_under_torchrun(tmp_path: Path) -> None:
         env={"PYTHONPATH": str(ROOT)},
         cwd=tmp_path,
         timeout_s=120,
-        before_retry=lambda: remove(tmp_path.glob("steps-*.jsonl")),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0: step" in proc.stdout

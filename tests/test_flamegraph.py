@@ -39,7 +39,6 @@ from opsd.protocol.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode,
 from tests.launch import run_module
 from tests.test_agent import samples, step, value
 from tests.test_collectives import FakeWorkInfo, NcclLikeGroup
-from tests.test_docs import remove
 from tests.test_wire import report
 from trainer_hooks.collectives import CollectiveTracer
 from trainer_hooks.monitor import Monitor, MonitorConfig
@@ -528,7 +527,6 @@ def test_fsdp_collectives_land_in_their_phases(tmp_path: Path) -> None:
         nproc=2,
         env={"OMP_NUM_THREADS": "1"},
         timeout_s=120,
-        before_retry=lambda: remove(tmp_path.glob("r*.jsonl")),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = NodeState()

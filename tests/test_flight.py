@@ -102,13 +102,7 @@ def job() -> None:
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Dumps:
     tmp = tmp_path_factory.mktemp("flight")
     env = {"OPSD_FLIGHT_DIR": str(tmp / "flight"), "OPSD_POLICY_FILE": str(tmp / "policy.json")}
-
-    def clean() -> None:
-        for path in (tmp / "flight").glob("*/*/*"):
-            path.unlink()
-        (tmp / "policy.json").unlink(missing_ok=True)
-
-    proc = run_module("tests.test_flight", [], nproc=3, env=env, timeout_s=120, before_retry=clean)
+    proc = run_module("tests.test_flight", [], nproc=3, env=env, timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out: Dumps = {}
     for path in sorted((tmp / "flight" / RUN).glob("*/rank-*.json")):

@@ -1,5 +1,6 @@
-"""The test launcher: a launch that dies of the known gloo abort runs again (up to GLOO_CRASH_ATTEMPTS launches),
-with a warning; others do not."""
+"""The test launcher: a launch runs once; only a test that names a known crash gets its launch run again, only when
+torchrun's root cause is that crash, each attempt in a fresh directory, and every relaunch counts against the
+session's budget."""
 
 from __future__ import annotations
 
@@ -7,52 +8,100 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import GLOO_CRASH_ATTEMPTS, aborted, run_module
+from bench.torchrun_failure import root_cause
+from tests import launch
+from tests.launch import RETRY_BUDGET, KnownCrash, Retry, over_budget, run_module, run_module_retrying
+
+SAMPLES = Path(__file__).parent / "torchrun"
+CRASH = KnownCrash.GLOO_CONCURRENT_COLLECTIVES
 
 
-def test_gloo_abort_is_launched_again_with_a_warning(tmp_path: Path) -> None:
-    cleaned: list[bool] = []
-    with pytest.warns(UserWarning, match=r"crashed \(SIGABRT or SIGSEGV\) inside gloo"):
-        proc = run_module("tests.abort_once", [str(tmp_path / "flag")], before_retry=lambda: cleaned.append(True))
-    assert proc.returncode == 0
-    assert "launch 2" in proc.stdout
-    assert cleaned == [True]
-
-
-def test_the_abort_is_retried_a_bounded_number_of_times(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="inside gloo") as caught:
-        ok = run_module("tests.abort_once", [str(tmp_path / "a"), str(GLOO_CRASH_ATTEMPTS - 1)])
-    assert ok.returncode == 0
-    assert f"launch {GLOO_CRASH_ATTEMPTS}" in ok.stdout
-    assert len(caught) == GLOO_CRASH_ATTEMPTS - 1
-    with pytest.warns(UserWarning, match="inside gloo"):
-        given_up = run_module("tests.abort_once", [str(tmp_path / "b"), str(GLOO_CRASH_ATTEMPTS)])
-    assert given_up.returncode == 134  # every attempt aborted: the test that launched it fails
-    assert (tmp_path / "b").read_text() == str(GLOO_CRASH_ATTEMPTS)
+@pytest.fixture
+def retries(monkeypatch: pytest.MonkeyPatch) -> list[Retry]:
+    """This test's relaunches, kept out of the session's count."""
+    mine: list[Retry] = []
+    monkeypatch.setattr(launch, "RETRIES", mine)
+    return mine
 
 
 @pytest.mark.parametrize(
-    ("stderr", "expected"),
-    [
-        ("terminate called without an active exception\n", True),
-        ("  exitcode  : -6 (pid: 7652)\n  traceback : Signal 6 (SIGABRT) received by PID 7652", True),
-        ("  exitcode  : -11 (pid: 28918) of binary: python", True),
-        ("  exitcode  : -9 (pid: 7652)", False),
-        ("  exitcode  : -60 (pid: 1)", False),
-        ("examples.train: error: mesh: unknown dimension", False),
-    ],
-    ids=["message", "torchrun-exit-6", "torchrun-exit-11", "sigkill", "other-code", "usage-error"],
+    ("sample", "expected"),
+    [("abort", True), ("segv", True), ("kill", False), ("raise", False), ("record", False)],
 )
-def test_abort_signature(stderr: str, expected: bool) -> None:
-    assert aborted(stderr) is expected
+def test_the_known_crash_is_judged_from_the_root_cause(sample: str, expected: bool) -> None:
+    cause = root_cause((SAMPLES / f"{sample}.txt").read_text())
+    assert cause is not None
+    assert CRASH.matches(cause) is expected
 
 
-def test_no_retry_when_told_not_to(tmp_path: Path) -> None:
-    proc = run_module("tests.abort_once", [str(tmp_path / "flag")], retry_gloo_abort=False)
-    assert proc.returncode == 134
+def test_the_budget_is_for_the_whole_session() -> None:
+    one = Retry("examples.train --mesh cp=2", CRASH, "rank 1 (SIGABRT): Signal 6 (SIGABRT) received by PID 7")
+    assert over_budget([one] * RETRY_BUDGET) is None
+    message = over_budget([one] * (RETRY_BUDGET + 1))
+    assert message is not None
+    assert f"{RETRY_BUDGET + 1} launches were run again" in message
+    assert "GLOO_CONCURRENT_COLLECTIVES" in message
+    assert "rank 1 (SIGABRT)" in message
 
 
-def test_other_failures_are_not_retried(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_a_launch_is_not_run_again_without_a_named_cause(tmp_path: Path, retries: list[Retry]) -> None:
+    (tmp_path / "run").mkdir()
+    proc = run_module("tests.abort_once", [str(tmp_path / "flag"), str(tmp_path / "run")], nproc=2, timeout_s=120)
+    assert proc.returncode == 1
+    cause = root_cause(proc.stderr)
+    assert cause is not None
+    assert (cause.rank, cause.signal_name) == (1, "SIGABRT")
+    assert (tmp_path / "flag").read_text() == "1"
+    assert retries == []
+
+
+@pytest.mark.slow
+def test_the_named_crash_is_launched_again_in_a_fresh_directory(tmp_path: Path, retries: list[Retry]) -> None:
+    flag = tmp_path / "flag"
+    with pytest.warns(UserWarning, match=r"GLOO_CONCURRENT_COLLECTIVES \(rank 1 \(SIGABRT\)"):
+        proc, used = run_module_retrying(
+            "tests.abort_once", lambda d: [str(flag), str(d)], crash=CRASH, workdir=tmp_path / "w", nproc=2
+        )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert used == tmp_path / "w" / "attempt-2"
+    first, second = (sorted(p.name for p in (tmp_path / "w" / f"attempt-{n}").iterdir()) for n in (1, 2))
+    assert len(first) == len(second) == 2  # each attempt's ranks wrote only into their own directory
+    assert {name.split("-rank")[0] for name in first}.isdisjoint(name.split("-rank")[0] for name in second)
+    assert [r.cause for r in retries] == [CRASH]
+    assert "attempt-2" not in retries[0].command  # the failed attempt's command
+    assert retries[0].root_cause.startswith("rank 1 (SIGABRT)")
+
+
+@pytest.mark.slow
+def test_relaunches_are_bounded_and_other_failures_are_not_relaunched(tmp_path: Path, retries: list[Retry]) -> None:
+    with pytest.warns(UserWarning, match="GLOO_CONCURRENT_COLLECTIVES"):
+        crashed, _ = run_module_retrying(
+            "tests.abort_once",
+            lambda d: [str(tmp_path / "a"), str(d), "5"],
+            crash=CRASH,
+            workdir=tmp_path / "crashes",
+            nproc=2,
+            attempts=2,
+        )
+    assert crashed.returncode == 1  # both attempts crashed: the test that launched it fails
+    assert (tmp_path / "a").read_text() == "2"
+    assert len(retries) == 1
+
+    failed, used = run_module_retrying(
+        "tests.abort_once",
+        lambda d: [str(tmp_path / "b"), str(d), "1", "raise"],
+        crash=CRASH,
+        workdir=tmp_path / "errors",
+        nproc=2,
+    )
+    assert failed.returncode == 1
+    assert "a Python error, not a crash" in failed.stderr
+    assert used.name == "attempt-1"
+    assert len(retries) == 1  # the Python error was not run again
+
+
+def test_other_failures_fail_at_once() -> None:
     proc = run_module("examples.train", ["--mesh", "nope=2"])
     assert proc.returncode == 2
     assert "unknown dimension 'nope'" in proc.stderr

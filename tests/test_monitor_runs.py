@@ -35,13 +35,8 @@ def run(tmp: Path, nproc: int, mesh: str, *extra: str, monitor: bool = True) -> 
     args = ["--mesh", mesh, "--steps", str(STEPS), "--losses-out", str(out), *extra]
     if monitor:
         args += ["--opsd-monitor", "--opsd-jsonl", str(tmp / "rank{rank}.jsonl")]
-
-    def forget_reports() -> None:
-        for path in tmp.glob("rank*.jsonl"):
-            path.unlink()
-
     env = {"OPSD_AGENT_SOCKET": str(tmp / "no-agent.sock")}
-    proc = run_module("examples.train", args, nproc=nproc, env=env, before_retry=forget_reports)
+    proc = run_module("examples.train", args, nproc=nproc, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     reports = []
