@@ -102,13 +102,13 @@ def expected(mesh: str, rank: int, params: list[int]) -> Expected:
             ("tp", "all_reduce"): (2 * 7 * LAYERS // 2, 2 * 7 * LAYERS // 2 * micro),
         }
     if mesh == "cp=2,dp_shard=2":
-        # per block: K and V all-gathered over cp forward, their gradients reduce-scattered backward; FSDP spans
-        # dp_shard x cp
+        # per block: K and V all-gathered over cp forward in one collective, their gradients reduce-scattered
+        # backward in one; FSDP spans dp_shard x cp
         kv = BATCH // 2 * SEQ * KV_DIM * F32
         return {
             **fsdp(held * 4, LAYERS + 1),
-            ("cp", "all_gather"): (2 * LAYERS, 2 * LAYERS * kv),
-            ("cp", "reduce_scatter"): (2 * LAYERS, 2 * LAYERS * kv),
+            ("cp", "all_gather"): (LAYERS, 2 * LAYERS * kv),
+            ("cp", "reduce_scatter"): (LAYERS, 2 * LAYERS * kv),
         }
     if mesh == "ep=2,dp_shard=2":
         # per MoE block: token counts, dispatch and combine forward; combine and dispatch again backward. Sizes
