@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from opentelemetry import trace
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Span, Tracer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -39,6 +39,8 @@ class HealthEvent:
     time_s: float
     action: str  # an XidAction value, or "count" when the event only needs counting
     reason: str
+    trace_id: str = ""  # its span ("gpu.xid"), in W3C hex, when spans are exported: the controller links to it
+    span_id: str = ""
 
 
 class GpuHealth:
@@ -73,6 +75,9 @@ class GpuHealth:
     def record(self, gpu: int, xid: int, now_s: float) -> HealthEvent:
         """Count one XID event and decide what it means."""
         event = XidEvent(gpu=gpu, xid=xid, time_s=now_s)
+        # an event, not a duration: the span marks when it was seen; its ids go to the controller with the event
+        span = self.tracer.start_span("gpu.xid", attributes={"gpu.index": gpu, "gpu.xid": xid})
+        ids = span_ids(span)
         with self._lock:
             decision: XidDecision | None = decide(event, self._history, self.table, self.window)
             self._history.append(event)
@@ -80,18 +85,12 @@ class GpuHealth:
             self._seq += 1
             action = decision.action.value if decision else "count"
             reason = decision.reason if decision else f"xid {xid} counted ({self.window.threshold} allowed per window)"
-            health = HealthEvent(self._seq, gpu, xid, now_s, action, reason)
+            health = HealthEvent(self._seq, gpu, xid, now_s, action, reason, *ids)
             if decision is not None:
                 self.action_counts[(gpu, action)] = self.action_counts.get((gpu, action), 0) + 1
                 self._pending.append(health)
-        attributes: dict[str, str | int] = {
-            "gpu.index": gpu,
-            "gpu.xid": xid,
-            "opsd.action": action,
-            "opsd.reason": reason,
-        }
-        with self.tracer.start_as_current_span("gpu.xid", attributes=attributes):
-            pass  # an event, not a duration: the span marks when it was seen
+        span.set_attributes({"opsd.action": action, "opsd.reason": reason})
+        span.end()
         if decision is not None:
             log.warning("gpu %d xid %d: %s (%s)", gpu, xid, action, reason)
         else:
@@ -140,6 +139,14 @@ class GpuHealth:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.source.close()
+
+
+def span_ids(span: Span) -> tuple[str, str]:
+    """A span's (trace id, span id) in W3C hex; ("", "") for a span that is not recorded (no exporter)."""
+    context = span.get_span_context()
+    if not context.is_valid:
+        return "", ""
+    return trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id)
 
 
 # sample field -> (metric, help)

@@ -5,11 +5,14 @@ its final weights equal those of a run that was never interrupted.
 A real Prometheus scrapes the demo's controller and agents while it runs (file-based discovery: each target is
 added as its port appears, an agent's with its ``node`` label, ``honor_labels`` on, as docs/dashboards.md asks of
 a production scrape config); afterwards every query of every panel of every dashboard, its variables substituted,
-must return data over the run's time span."""
+must return data over the run's time span. Its controller and agents export their spans over OTLP/HTTP into a local
+receiver (``OTEL_EXPORTER_OTLP_ENDPOINT``): the XID's incident is one trace of its recovery steps."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +36,7 @@ from opsd.controller.state import StateStore
 from opsd.dashboards.build import build_all, panel_queries, variable_queries
 from opsd.postmortem.model import seconds
 from tests.launch import ROOT, run_module
+from tests.otlp import OtlpReceiver, ReceivedSpan
 from tests.prometheus import PrometheusServer, write_targets
 
 pytestmark = pytest.mark.slow
@@ -61,6 +65,7 @@ class Demo:
     panels: list[PanelResult] = field(default_factory=list)
     variables: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (dashboard, variable) -> values
     stragglers_flagged: bool = False
+    spans: list[ReceivedSpan] = field(default_factory=list)  # what its controller and agents exported
 
     @property
     def result(self) -> dict[str, Any]:
@@ -156,7 +161,10 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
     prom_dir.mkdir()
     stdout, stderr = tmp / "demo.out", tmp / "demo.err"
     targets = prom_dir / "targets.json"
-    with PrometheusServer(prom_dir, targets=[], scrape_interval_s=SCRAPE_INTERVAL_S, file_sd=targets) as prom:
+    with (
+        PrometheusServer(prom_dir, targets=[], scrape_interval_s=SCRAPE_INTERVAL_S, file_sd=targets) as prom,
+        OtlpReceiver() as otlp,
+    ):
         started = time.time()
         with stdout.open("wb") as out, stderr.open("wb") as err:
             proc = subprocess.Popen(
@@ -164,6 +172,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
                 cwd=ROOT,
                 stdout=out,
                 stderr=err,
+                env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url},
             )
         with ScrapeTargets(stdout, work / "runs" / RUN / "nodes", targets):
             try:
@@ -172,7 +181,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
                 proc.kill()
                 returncode = proc.wait()
         ended = time.time()
-        run = Demo(returncode, _read(stdout), _read(stderr), work)
+        run = Demo(returncode, _read(stdout), _read(stderr), work, spans=otlp.spans())
         if returncode == 0:
             time.sleep(SCRAPE_INTERVAL_S)  # the last scrape in
             run.panels = run_panel_queries(prom, started, ended)
@@ -273,6 +282,44 @@ def test_the_demo_gives_bench_goodput_its_detection_and_relaunch_seconds(demo: D
     # the demo counts from the injection, the incident from the agent's time of the XID: a few ms apart
     total = costs["xid_detection_s"] + costs["controller_steps_s"] + costs["rank_startup_s"]
     assert total == pytest.approx(result["recovered_s"], abs=0.5)
+
+
+def test_the_demos_incident_is_one_trace_of_its_recovery_steps_linked_to_the_xid(demo: Demo) -> None:
+    """One trace for the XID's incident (its id printed and in the state store): the root from detection to the
+    first productive step, linked to node-1's agent's span of the XID, and the recovery steps in order, each after
+    the one before, their durations adding up to the recovery time."""
+    assert demo.returncode == 0, "the demo failed: see the first test"
+    trace_id = demo.result["trace_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", trace_id or ""), demo.result
+    assert f"trace id {trace_id}" in demo.stdout
+    store = StateStore.open(f"sqlite:///{demo.work / 'state' / 'opsd.db'}")
+    (incident,) = [i for i in store.incidents(RUN) if i["kind"] == "fatal_xid"]
+    assert incident["trace_id"] == trace_id
+    controller = [s for s in demo.spans if s.service == "opsd-controller"]
+    assert {s.trace_id for s in controller} == {trace_id}  # the one incident, one trace
+    root, *steps = sorted(controller, key=lambda s: (s.start_ns, -s.end_ns))
+    assert [root.name, *(s.name for s in steps)] == [
+        "incident",
+        "quarantine",
+        "promote_spare",
+        "stop",
+        "relaunch",
+        "resume",
+    ]
+    assert all(s.parent_span_id == root.span_id for s in steps)
+    assert (root.start_ns, root.end_ns) == (int(incident["detected_s"] * 1e9), int(incident["resumed_s"] * 1e9))
+    recovery_s = incident["resumed_s"] - incident["detected_s"]
+    assert sum(s.duration_s for s in steps) == pytest.approx(recovery_s, abs=1e-5)
+    assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(steps))
+    assert (root.attributes["opsd.node"], root.attributes["opsd.spare"]) == ("node-1", "node-2")
+    assert steps[1].attributes["opsd.spare"] == "node-2"
+    assert [s.attributes["opsd.request_id"] for s in steps[:-1]] == [
+        a.request_id for a in store.actions(incident_id=incident["id"])
+    ]
+    (xid,) = [s for s in demo.spans if s.service == "opsd-agent" and s.name == "gpu.xid"]
+    assert xid.attributes["gpu.xid"] == 79
+    assert [(t, s) for t, s, _ in root.links] == [(xid.trace_id, xid.span_id)]
+    store.engine.dispose()
 
 
 def until_up(url: str) -> None:

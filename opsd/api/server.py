@@ -17,6 +17,7 @@ from opsd.api.app import create_app
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from opsd.controller.tracing import IncidentTracing
 from opsd.errors import ConfigError, OpsError
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def load_token(config: ServeConfig) -> str:
 def build(config: ServeConfig) -> tuple[Controller, str]:
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     url = config.state_url or f"sqlite:///{Path(config.state_dir) / 'opsd.db'}"
-    return Controller(StateStore.open(url), config.controller), load_token(config)
+    tracing = IncidentTracing.from_environment()  # OTEL_EXPORTER_OTLP_ENDPOINT: each incident a trace
+    return Controller(StateStore.open(url), config.controller, tracing=tracing), load_token(config)
 
 
 def tick_forever(controller: Controller, interval_s: float, stop: threading.Event) -> None:
@@ -117,3 +119,4 @@ def run_server(config: ServeConfig) -> None:
         server.run()
     finally:
         stop.set()
+        controller.tracing.shutdown()  # the traces still queued exported

@@ -4,7 +4,8 @@ A controller with the local backend runs the reference trainer on 2 nodes x 2 ra
 hot spare, hooks on and asynchronous checkpoints every 10 steps. Once a checkpoint is committed and training has
 gone past it, an XID 79 (GPU fallen off the bus) is injected on node-1. The controller detects it, stops the
 ranks, cordons node-1, brings the spare in, relaunches, and the ranks resume from the newest committed
-checkpoint; the run completes. Printed: a summary in words, then, last, one JSON line.
+checkpoint; the run completes. Printed: a summary in words, then, last, one JSON line. With
+``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the incident is exported as a trace (docs/tracing.md) and its id printed.
 
 It exits 0 only when the fault was injected, its incident detected and recovered from, and the run completed; else
 it says on stderr what did not happen and exits 1. ``--no-inject`` leaves the fault out (the demo then fails: a check
@@ -100,6 +101,7 @@ def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:
         "nodes_swapped": sum(1 for n in status["nodes"] if n["role"] == NodeRole.CORDONED),
         "spare": first["spare"] if first else None,
         "resumed_from_step": first["resumed_from_step"] if first else None,
+        "trace_id": first.get("trace_id") if first else None,  # with OTEL_EXPORTER_OTLP_ENDPOINT set
         "final_step": status["step"],
         "ettr": round(status["ettr"], 4),
         "badput_s": {bucket: round(v, 3) for bucket, v in status["badput_s"].items()},
@@ -170,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" resumed from step {result['resumed_from_step']} ({result['lost_steps']} steps redone);"
             f" first productive step {result['recovered_s']} s after the injection"
         )
+    if result["trace_id"]:
+        print(f"  trace id {result['trace_id']}: the incident's timeline, in Jaeger or Tempo")
     badput = ", ".join(f"{bucket} {v:.1f} s" for bucket, v in result["badput_s"].items() if v > 0) or "none"
     print(f"  ETTR {result['ettr']:.3f} (badput: {badput}); state, checkpoints and logs in {workdir}")
     print(json.dumps(result), flush=True)

@@ -220,6 +220,7 @@ def incident_view(incident: dict[str, Any], actions: list[dict[str, Any]], wide:
         ("lost steps", number(i["lost_steps"])),
         ("spare", i.get("spare") or "-"),
         ("key", str(i.get("key") or "-")),
+        ("trace id", str(i.get("trace_id") or "-")),
         ("detail", i["detail"] or "-"),
     ]
     shown = pairs(f"incident {i['id']}", rows)

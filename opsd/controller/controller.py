@@ -19,11 +19,16 @@ from opsd.controller.port import Backend
 from opsd.controller.reads import Reads
 from opsd.controller.recovery import Recovery
 from opsd.controller.state import StateStore
+from opsd.controller.tracing import IncidentTracing
 
 
 class Controller(Intake, Detection, Operations, Reads):
     def __init__(
-        self, store: StateStore, config: ControllerConfig | None = None, backend: Backend | None = None
+        self,
+        store: StateStore,
+        config: ControllerConfig | None = None,
+        backend: Backend | None = None,
+        tracing: IncidentTracing | None = None,
     ) -> None:
-        super().__init__(store, config, backend)
+        super().__init__(store, config, backend, tracing)
         self.recovery: Recovery = Recovery(self)

@@ -20,6 +20,7 @@ from opsd.controller.config import ControllerConfig
 from opsd.controller.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Window
 from opsd.controller.port import Backend
 from opsd.controller.state import LaunchSample, StateStore
+from opsd.controller.tracing import IncidentTracing
 from opsd.policy.cadence import Cadence
 from opsd.policy.detection import Failure
 from opsd.policy.spares import Spare, select_spare
@@ -41,11 +42,16 @@ class ControllerCore:
     recovery: Recoveries
 
     def __init__(
-        self, store: StateStore, config: ControllerConfig | None = None, backend: Backend | None = None
+        self,
+        store: StateStore,
+        config: ControllerConfig | None = None,
+        backend: Backend | None = None,
+        tracing: IncidentTracing | None = None,
     ) -> None:
         self.store = store
         self.config = config or ControllerConfig()
         self.backend = backend
+        self.tracing = tracing or IncidentTracing()  # the incidents' traces (none exported by default)
         self.lock = threading.RLock()
         self.ticking = threading.Lock()  # one detection pass at a time
         self.nodes: dict[str, NodeLive] = {}

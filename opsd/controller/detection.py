@@ -10,11 +10,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from opsd.controller.incidents import failure_key, failure_of, generation_of, unfinished_incident
+from opsd.controller.incidents import failure_key, failure_of, generation_of, is_failure, unfinished_incident
 from opsd.controller.live import RankLive
 from opsd.controller.scoring import Scoring
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, detect_failures
 from opsd.protocol.states import IncidentState, NodeRole, RunState
+from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class Detection(Scoring):
             detected_s=now_s,
         )
         if new:
+            self._trace_ids(incident, cause)
             others = "; ".join(f"{f.kind.value} on {f.node}" for f in failures[1:]) or "none"
             log.warning(
                 "run %s: incident %d: %s on %s (rank %s): %s; also seen: %s",
@@ -162,6 +164,8 @@ class Detection(Scoring):
                     lost,
                     resumed_s - incident["detected_s"],
                 )
+                if is_failure(incident):  # a straggler warning of the old launch is closed, not traced
+                    self.tracing.trace(self.store, int(incident["id"]))
         if newest > int(run["last_step"]):
             self.store.update_run(run["id"], now_s, last_step=newest)
             self.progressed_s[run["id"]] = now_s
@@ -190,6 +194,20 @@ class Detection(Scoring):
                 live = self.runs_live.get(run)
                 return max((r.progress_s for r in live.ranks.values()), default=now_s) if live else now_s
             return now_s
+
+    def _trace_ids(self, incident: int, cause: Failure) -> None:
+        """A new incident's trace id (when traces are exported), and the agent's span of the GPU event that caused
+        it (when it sent one: the trace links to it)."""
+        ids: dict[str, str] = {}
+        if cause.kind in (FailureKind.FATAL_XID, FailureKind.APPLICATION_XID):
+            with self.lock:
+                live = self.nodes.get(cause.node)
+                traced = [live.events[seq] for seq in sorted(live.events)] if live is not None else []
+            action = XidAction.CORDON_AND_SWAP if cause.kind is FailureKind.FATAL_XID else XidAction.RESTART_JOB
+            first = next((e for e in traced if e.action == action and e.trace_id and e.span_id), None)
+            if first is not None:
+                ids.update(gpu_trace_id=first.trace_id, gpu_span_id=first.span_id)
+        self.tracing.assign(self.store, incident, **ids)
 
     def _handled_events(self, cause: Failure, now_s: float) -> None:
         if cause.kind not in (FailureKind.FATAL_XID, FailureKind.APPLICATION_XID):

@@ -52,7 +52,8 @@ class Intake(ControllerCore):
                 live.last_heartbeat_s = now_s
             for e in events:
                 if e.seq > acked and e.action in ACTIONABLE_EVENTS:
-                    live.events.setdefault(e.seq, GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s))
+                    event = GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s, e.trace_id, e.span_id)
+                    live.events.setdefault(e.seq, event)
             for r in body.ranks:
                 self._rank(r, node, now_s)
             for t in body.timeouts:

@@ -141,6 +141,14 @@ class ControllerCollector(Collector):
         for reason in ("auth", "validation"):
             rejected.add_metric([reason], self.stats.rejected.get(reason, 0))
         yield rejected
+        errors = CounterMetricFamily(
+            "opsd_controller_trace_errors",
+            "Incident traces that could not be built, span exports that failed.",
+            labels=["stage"],
+        )
+        for stage, n in sorted(dict(controller.tracing.errors).items()):
+            errors.add_metric([stage], n)
+        yield errors
 
 
 def _le(bound: float) -> str:

@@ -61,6 +61,7 @@ class Operations(ControllerCore):
         )
         if not new:
             raise PermanentError(f"run {run_id!r} is already recovering (incident {incident})")
+        self.tracing.assign(self.store, incident)
         log.warning("run %s: incident %d: %s", run_id, incident, cause.detail)
         self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
         self.recovery.start(run_id, incident, cause, now_s)

@@ -101,9 +101,10 @@ class Recovery:
     def _run_guarded(self, run: str, incident_id: int, failure: Failure, now_s: float) -> None:
         try:
             self.run_now(run, incident_id, failure, now_s)
-        except Exception:
+        except Exception as exc:
             log.exception("run %s: recovery from incident %d failed", run, incident_id)
             self.core.store.update_run(run, time.time(), state=RunState.FAILED)
+            self.core.tracing.trace(self.core.store, incident_id, ended_s=time.time(), error=str(exc))
 
     def take_up(self, run: dict[str, Any], now_s: float, why: str) -> int:
         """A controller takes up a run its predecessor left unfinished: the recovery under way goes on, or, when
@@ -114,7 +115,7 @@ class Recovery:
         incident = unfinished_incident(store, run["id"])
         if incident is None:
             failure = Failure(FailureKind.CONTROLLER_RESTART, "", None, why)
-            incident_id, _ = store.open_incident(
+            incident_id, new = store.open_incident(
                 key=failure_key(run["id"], int(run["generation"])),
                 run=run["id"],
                 kind=failure.kind.value,
@@ -124,6 +125,8 @@ class Recovery:
                 failed_s=float(run["updated_s"]),  # the last thing the old controller wrote
                 detected_s=now_s,
             )
+            if new:
+                self.core.tracing.assign(store, incident_id)
         else:
             incident_id, failure = int(incident["id"]), failure_of(incident)
         log.warning(

@@ -76,6 +76,11 @@ incidents = Table(
     Column("resumed_from_step", Integer),
     Column("lost_steps", Integer),
     Column("spare", String(200)),
+    # the incident's OpenTelemetry trace (W3C hex), when the controller exports traces; and the agent's span of the
+    # GPU event that caused it, which the trace links to
+    Column("trace_id", String(32)),
+    Column("gpu_trace_id", String(32)),
+    Column("gpu_span_id", String(16)),
 )
 
 actions = Table(

@@ -209,6 +209,7 @@ class StateStore:
 
     def update_incident(self, incident_id: int, **fields: Any) -> None:
         allowed = {"state", "resumed_s", "resumed_from_step", "lost_steps", "spare", "detail", "node", "rank"}
+        allowed |= {"trace_id", "gpu_trace_id", "gpu_span_id"}
         if not set(fields) <= allowed:
             raise ValueError(f"update_incident: unknown fields {sorted(set(fields) - allowed)}")
         with self._tx() as c:

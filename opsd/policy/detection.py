@@ -105,6 +105,8 @@ class GpuEvent:
     action: str  # the agent's decision: "cordon_and_swap" or "restart_job"
     reason: str = ""
     time_s: float | None = None  # when the agent saw it (Unix time, the node's clock)
+    trace_id: str = ""  # the agent's span of it (W3C ids in hex; "": the agent exports no spans)
+    span_id: str = ""
 
 
 @dataclass(frozen=True)

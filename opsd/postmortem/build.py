@@ -283,6 +283,7 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
                 resume=_resume(r, mine, checkpoints),
                 launch=(launch := _launch_of(r["key"])),
                 collectives=collectives.get(launch, ()) if launch is not None else (),
+                trace_id=r["trace_id"],
             )
         )
     reported = {i.id for i in reports}

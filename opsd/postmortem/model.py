@@ -163,6 +163,7 @@ class IncidentReport:
     resume: Resume
     launch: int | None = None  # the launch that failed
     collectives: tuple[tuple[str, float], ...] = ()  # its longest collective stacks: ("phase;dimension;op", s)
+    trace_id: str | None = None  # its OpenTelemetry trace, when the controller exported one (docs/tracing.md)
 
     @property
     def is_failure(self) -> bool:

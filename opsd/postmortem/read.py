@@ -187,4 +187,5 @@ def read_incident(raw: Any, where: str) -> dict[str, Any]:
         "resumed_from_step": read_int(i.get("resumed_from_step"), f"{where}.resumed_from_step"),
         "lost_steps": read_int(i.get("lost_steps"), f"{where}.lost_steps"),
         "spare": read_str(i.get("spare"), f"{where}.spare"),
+        "trace_id": read_str(i.get("trace_id"), f"{where}.trace_id"),
     }

@@ -270,7 +270,8 @@ def _incident_sections(i: IncidentReport, *, with_plot: bool) -> list[_Section]:
         _Section(
             2,
             f"Incident {i.id}: {c.words} on {i.node}",
-            (_Text(f"{'Failed' if i.is_failure else 'Warned'} at {clock(i.failed_unix_s)}; {i.state}."),),
+            (_Text(f"{'Failed' if i.is_failure else 'Warned'} at {clock(i.failed_unix_s)}; {i.state}."),)
+            + ((_Facts((("trace id", i.trace_id),)),) if i.trace_id else ()),
         ),
         _Section(3, "Root cause", tuple(cause)),
     ]

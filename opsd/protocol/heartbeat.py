@@ -25,6 +25,9 @@ Count = Annotated[int, Meta(ge=0)]
 RankId = Annotated[int, Meta(ge=0, le=10_000_000)]
 NonNegative = Annotated[float, Meta(ge=0)]  # JSON has no NaN or infinity; a number out of range is refused
 Label = Annotated[str, Meta(min_length=1, max_length=64)]
+# W3C trace context ids in lower-case hex ("": none)
+TraceId = Annotated[str, Meta(pattern=r"^([0-9a-f]{32})?$(?!\n)")]
+SpanId = Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$(?!\n)")]
 
 
 class HeartbeatRank(Struct, kw_only=True):
@@ -56,6 +59,8 @@ class HeartbeatEvent(Struct, kw_only=True):
     time_s: float
     action: Annotated[str, Meta(max_length=64)]  # an XID action, or "count"
     reason: Annotated[str, Meta(max_length=1000)] = ""
+    trace_id: TraceId = ""  # the agent's OpenTelemetry span of the event, when it exports spans
+    span_id: SpanId = ""
 
 
 class HeartbeatTimeout(Struct, kw_only=True):

@@ -157,3 +157,4 @@ def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi 
     finally:
         gc_stop.set()
         leader.close()
+        controller.tracing.shutdown()  # the traces still queued exported

@@ -154,6 +154,7 @@ def run_local(
         controller.recovery.join(spec.run, timeout_s=60)  # a recovery under way would launch after the stop otherwise
         backend.close()
         server.should_exit = True
+        controller.tracing.shutdown()  # the traces still queued exported
 
 
 def _last_reports(controller: Controller, spec: LocalRunSpec) -> None:
