@@ -29,7 +29,7 @@ system-deps:
 demo: $(STAMP)
 	$(PY) -m opsd.cli.demo
 
-# the README's dashboard pictures (docs/img/dashboard-*.png), drawn from the demo scraped by a real Prometheus
+# dashboard pictures (docs/img/dashboard-*.png), drawn from the demo scraped by a real Prometheus
 dashboard-pictures: $(STAMP) system-deps
 	$(PY) -m tools.dashboard_pictures docs/img
 

@@ -1,4 +1,4 @@
-"""Draw the README's dashboard pictures from the demo: run ``opsd.cli.demo`` (an XID on a node of a 4-rank job,
+"""Draw the dashboards as pictures from the demo: run ``opsd.cli.demo`` (an XID on a node of a 4-rank job,
 detected, the node swapped for the spare, the run resumed and completed) while a real Prometheus (Debian's, as the
 tests use it) scrapes its controller and agents, then draw the dashboards from what Prometheus holds
 (``opsd.dashboards.render``, the panels' own queries)::
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 SCRAPE_INTERVAL_S = 1.0
 RATE_INTERVAL = "5s"  # Grafana's $__rate_interval at a 1 s scrape interval (4 scrapes)
-README_DASHBOARDS = ("training", "reliability")
+DEFAULT_DASHBOARDS = ("training", "reliability")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             time.sleep(2 * SCRAPE_INTERVAL_S)  # the last scrape in
             boards = build_all()
-            names = list(boards) if args.all else list(README_DASHBOARDS)
+            names = list(boards) if args.all else list(DEFAULT_DASHBOARDS)
             config = RenderConfig(RUN, started, ended, step_s=2.0, rate_interval=RATE_INTERVAL, dpi=64)
             pictures = render_all(boards, PrometheusReader(f"http://127.0.0.1:{prom.port}"), config, names)
     args.out.mkdir(parents=True, exist_ok=True)
