@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEBIAN_PACKAGES := prometheus postgresql chromium
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint typecheck pytest system-deps clean
+.PHONY: demo test lint typecheck pytest system-deps clean dashboard-pictures
 
 $(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ system-deps:
 
 demo: $(STAMP)
 	$(PY) -m opsd.cli.demo
+
+# dashboard pictures (docs/img/dashboard-*.png), drawn from the demo scraped by a real Prometheus
+dashboard-pictures: $(STAMP) system-deps
+	$(PY) -m tools.dashboard_pictures docs/img
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

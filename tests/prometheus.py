@@ -6,14 +6,17 @@ with PrometheusServer(tmp_path, targets=["127.0.0.1:9464"]) as prom:
 
 Targets that appear later go in a file-based service discovery file (``file_sd``), rewritten with
 ``write_targets`` as they appear; that job keeps the targets' own labels (``honor_labels``) and adds the file's
-(an agent's ``node``), as a production scrape config does.
+(an agent's ``node``), as a production scrape config does; ``ScrapeTargets`` keeps that file in step with a running
+``opsd.cli.demo`` (tests/test_demo.py, tools/dashboard_pictures.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -128,3 +131,52 @@ def write_targets(path: Path, groups: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(groups))
     tmp.replace(path)
+
+
+class ScrapeTargets:
+    """Keeps Prometheus' file_sd targets in step with the demo: the controller (its port from the demo's first line)
+    and each node's agent (its port from the line ``opsd agent`` prints into the node's ``agent.log``), with a
+    ``node`` label."""
+
+    CONTROLLER = re.compile(r"controller on http://([\w.:-]+)")
+    AGENT = re.compile(r"metrics on http://([\w.:-]+)/metrics")
+
+    def __init__(self, stdout: Path, nodes: Path, targets: Path) -> None:
+        self.stdout = stdout
+        self.nodes = nodes
+        self.targets = targets
+        self.groups: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="scrape-targets", daemon=True)
+
+    def poll(self) -> None:
+        groups: list[dict[str, Any]] = []
+        controller = self.CONTROLLER.search(_read(self.stdout))
+        if controller:
+            groups.append({"targets": [controller.group(1)], "labels": {}})
+        for log in sorted(self.nodes.glob("*/agent.log")):
+            found = self.AGENT.findall(_read(log))
+            if found:
+                groups.append({"targets": [found[-1]], "labels": {"node": log.parent.name}})
+        if groups != self.groups:
+            write_targets(self.targets, groups)
+            self.groups = groups
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.1):
+            self.poll()
+
+    def __enter__(self) -> ScrapeTargets:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""

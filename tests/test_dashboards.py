@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.dashboards import build as dashboards
+from opsd.dashboards.widgets import SCHEMA_VERSION
 from tests.launch import ROOT
 
 DIR = ROOT / "dashboards"
@@ -49,7 +50,7 @@ def test_committed_dashboards_are_valid_and_complete() -> None:
     assert dashboards.validate(list(boards.values())) == []
     assert len({b["uid"] for b in boards.values()}) == len(FILES)
     for name, board in boards.items():
-        assert board["schemaVersion"] == 39
+        assert board["schemaVersion"] == SCHEMA_VERSION == 41
         variables = {v["name"]: v for v in board["templating"]["list"]}
         assert variables["datasource"]["type"] == "datasource"
         assert variables["datasource"]["query"] == "prometheus"

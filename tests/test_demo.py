@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from opsd.dashboards.build import build_all, panel_queries, variable_queries
 from opsd.postmortem.model import seconds
 from tests.launch import ROOT, run_module
 from tests.otlp import OtlpReceiver, ReceivedSpan
-from tests.prometheus import PrometheusServer, write_targets
+from tests.prometheus import PrometheusServer, ScrapeTargets
 
 pytestmark = pytest.mark.slow
 
@@ -71,48 +70,6 @@ class Demo:
     def result(self) -> dict[str, Any]:
         parsed: dict[str, Any] = json.loads(self.stdout.strip().splitlines()[-1])
         return parsed
-
-
-class ScrapeTargets:
-    """Keeps Prometheus' file_sd targets in step with the demo: the controller (its port from the demo's first line)
-    and each node's agent (its port from the line ``opsd agent`` prints into the node's ``agent.log``), with a
-    ``node`` label."""
-
-    CONTROLLER = re.compile(r"controller on http://([\w.:-]+)")
-    AGENT = re.compile(r"metrics on http://([\w.:-]+)/metrics")
-
-    def __init__(self, stdout: Path, nodes: Path, targets: Path) -> None:
-        self.stdout = stdout
-        self.nodes = nodes
-        self.targets = targets
-        self.groups: list[dict[str, Any]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="scrape-targets", daemon=True)
-
-    def poll(self) -> None:
-        groups: list[dict[str, Any]] = []
-        controller = self.CONTROLLER.search(_read(self.stdout))
-        if controller:
-            groups.append({"targets": [controller.group(1)], "labels": {}})
-        for log in sorted(self.nodes.glob("*/agent.log")):
-            found = self.AGENT.findall(_read(log))
-            if found:
-                groups.append({"targets": [found[-1]], "labels": {"node": log.parent.name}})
-        if groups != self.groups:
-            write_targets(self.targets, groups)
-            self.groups = groups
-
-    def _run(self) -> None:
-        while not self.stop.wait(0.1):
-            self.poll()
-
-    def __enter__(self) -> ScrapeTargets:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
 
 
 def _read(path: Path) -> str:

@@ -1,13 +1,14 @@
 """opsd's Grafana dashboards, built from code: Training, Communication, Stragglers, Reliability and GPU health.
 
-Each dashboard is a plain dict in Grafana's JSON model (schema version 39) with a stable ``uid``, a ``datasource``
-variable (any Prometheus) and query variables ``run``, ``node`` and ``rank`` where its panels filter by them. The
-JSON files in ``dashboards/`` are written by ``python -m opsd.dashboards write dashboards``; ``check DIR`` says
-whether the files there are what this module builds. ``validate`` finds what Grafana would silently show wrong
-(a query on another data source, a ``$var`` that no variable defines, a variable nothing uses, duplicate ids);
-``panel_queries`` gives every panel's PromQL with the variables substituted as Grafana's Prometheus data source
-does, to run against a real Prometheus. The panels themselves are in ``opsd.dashboards.panels``; docs/dashboards.md
-describes every one.
+Each dashboard is a plain dict in Grafana's JSON model (built with the typed builders of Grafana's foundation SDK:
+``opsd.dashboards.widgets``) with a stable ``uid``, a ``datasource`` variable (any Prometheus) and query variables
+``run``, ``node`` and ``rank`` where its panels filter by them. The JSON files in ``dashboards/`` are written by
+``python -m opsd.dashboards write dashboards``; ``check DIR`` says whether the files there are what this module
+builds. ``validate`` finds what Grafana's dashboard model does not have or types otherwise
+(``opsd.dashboards.schema``) and what Grafana would silently show wrong (a query on another data source, a ``$var``
+that no variable defines, a variable nothing uses, duplicate ids); ``panel_queries`` gives every panel's PromQL with
+the variables substituted as Grafana's Prometheus data source does, to run against a real Prometheus. The panels
+themselves are in ``opsd.dashboards.panels``; docs/dashboards.md describes every one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from opsd.dashboards.panels import BUILDERS
+from opsd.dashboards.schema import schema_problems
 from opsd.dashboards.widgets import DATASOURCE
 
 PANEL_TYPES = ("timeseries", "stat", "heatmap", "table")
@@ -96,7 +98,7 @@ def validate(dashboards: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> lis
 
 def _validate_one(board: Mapping[str, Any]) -> list[str]:
     name = str(board.get("title") or board.get("uid") or "dashboard")
-    problems: list[str] = []
+    problems = schema_problems(board)
     if not board.get("title"):
         problems.append(f"{name}: no title")
     if not isinstance(board.get("uid"), str) or not _UID.match(board["uid"]):

@@ -1,5 +1,5 @@
-"""The panels of opsd's five Grafana dashboards (Grafana's JSON model, schema version 39), and the few builders
-they are made of. ``opsd.dashboards.build`` writes, checks and validates them; docs/dashboards.md describes them.
+"""The panels of opsd's five Grafana dashboards, made of the builders of ``opsd.dashboards.widgets`` (over Grafana's
+foundation SDK). ``opsd.dashboards.build`` writes, checks and validates them; docs/dashboards.md describes them.
 
 Every query reads the ``${datasource}`` variable's Prometheus and filters by the ``run`` variable (one run) and,
 for per-rank and per-GPU series, by ``node`` and ``rank`` (several or All). Agents' per-rank and per-GPU series get
