@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 
 from opsd.dashboards.build import build_all
-from opsd.dashboards.render import PrometheusReader, RenderConfig, format_value, legend, main, render_dashboard
+from opsd.dashboards.render import (
+    ROW_HEIGHT_IN,
+    TITLE_IN,
+    PrometheusReader,
+    RenderConfig,
+    format_value,
+    legend,
+    main,
+    render_dashboard,
+)
 from opsd.errors import ConfigError, PermanentError
 from tests.prometheus import PrometheusServer
 
@@ -94,7 +103,7 @@ def test_every_panel_is_drawn_in_its_place_with_the_data_its_queries_return(
     image = imread(io.BytesIO(picture.png), format="png")
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in board["panels"])
     assert image.shape[1] == 12 * 50
-    assert image.shape[0] == round((rows * 0.3 + 0.6) * 50)
+    assert image.shape[0] == round((TITLE_IN + rows * ROW_HEIGHT_IN) * 50)
     assert image[..., :3].std() > 0.05  # not a blank canvas
     if name == "stragglers":
         heatmap = next(p for p in picture.panels if p.kind == "heatmap")

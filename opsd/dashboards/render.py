@@ -37,6 +37,9 @@ _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 _HIDDEN_COLUMNS = ("Time", "__name__", "job", "instance")
 ROW_HEIGHT_IN = 0.3  # a grid unit is 30 px high; at 16 in wide a column is ~0.67 in
 MAX_LEGEND_ENTRIES = 8
+TITLE_IN = 0.5  # the dashboard's title, above the grid
+PANEL_TITLE_IN = 0.22  # a panel's title, above its axes
+AXIS_LABELS_IN = 0.7  # a graph's value labels, left of its axes
 
 
 @dataclass(frozen=True)
@@ -140,14 +143,13 @@ def _render(board: Mapping[str, Any], reader: PrometheusReader, config: RenderCo
     panels = list(board.get("panels", []))
     exprs = iter(expr for _, expr in panel_queries(board, {"run": config.run}, interval=config.rate_interval))
     rows = max((p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels), default=1)
-    fig = Figure(figsize=(config.width_in, rows * ROW_HEIGHT_IN + 0.6), dpi=config.dpi)
+    height_in = TITLE_IN + rows * ROW_HEIGHT_IN
+    fig = Figure(figsize=(config.width_in, height_in), dpi=config.dpi)
     FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(rows, 24, left=0.02, right=0.99, top=1 - 0.5 / (rows * ROW_HEIGHT_IN + 0.6), bottom=0.01)
-    fig.suptitle(f"{board.get('title')}  (run {config.run})", fontsize=12, fontweight="bold")
+    fig.suptitle(f"{board.get('title')}  (run {config.run})", fontsize=12, fontweight="bold", y=1 - 0.1 / height_in)
     drawn = []
     for p in panels:
-        g = p["gridPos"]
-        ax = fig.add_subplot(grid[g["y"] : g["y"] + g["h"], g["x"] : g["x"] + g["w"]])
+        ax = fig.add_axes(_place(p["gridPos"], str(p.get("type")), config.width_in, height_in))
         queries = [(next(exprs), t.get("legendFormat", "")) for t in p.get("targets", [])]
         found = [(s, legend(template, s.labels)) for expr, template in queries for s in _query(reader, expr, config)]
         drawn.append(_draw_panel(ax, p, found, config))
@@ -155,6 +157,17 @@ def _render(board: Mapping[str, Any], reader: PrometheusReader, config: RenderCo
     fig.savefig(buffer, format="png", dpi=config.dpi)
     log.info("rendered %s: %d panels, %d with data", board.get("uid"), len(drawn), sum(d.points > 0 for d in drawn))
     return Picture(buffer.getvalue(), tuple(drawn))
+
+
+def _place(grid: Mapping[str, int], kind: str, width_in: float, height_in: float) -> tuple[float, float, float, float]:
+    """The panel's axes (left, bottom, width, height; figure fractions) inside its cell of the 24-column grid, with
+    room for its title and, for a graph, its axes' tick labels."""
+    left_in, bottom_in = (0.1, 0.1) if kind in ("stat", "table") else (AXIS_LABELS_IN, 0.3)
+    x_in = grid["x"] / 24 * width_in + left_in
+    w_in = grid["w"] / 24 * width_in - left_in - 0.1
+    top_in = TITLE_IN + grid["y"] * ROW_HEIGHT_IN + PANEL_TITLE_IN
+    h_in = grid["h"] * ROW_HEIGHT_IN - PANEL_TITLE_IN - bottom_in
+    return (x_in / width_in, 1 - (top_in + h_in) / height_in, w_in / width_in, h_in / height_in)
 
 
 def _query(reader: PrometheusReader, expr: str, config: RenderConfig) -> list[Series]:
@@ -194,7 +207,7 @@ def _lines(ax: Axes, found: list[tuple[Series, str]], unit: str, lo: Any, hi: An
     for series, name in found:
         ax.plot([_when(t) for t in series.times_s], series.values, linewidth=1, label=name)
     ax.set_xlim(_when(config.start_s), _when(config.end_s))
-    ax.xaxis.set_major_formatter(DateFormatter("%H:%M"))
+    ax.xaxis.set_major_formatter(DateFormatter(_time_format(config)))
     ax.set_ylim(bottom=lo, top=hi)
     ax.yaxis.set_major_formatter(lambda v, _pos: format_value(v, unit))
     ax.tick_params(labelsize=7)
@@ -204,7 +217,8 @@ def _lines(ax: Axes, found: list[tuple[Series, str]], unit: str, lo: Any, hi: An
 
 
 def _stat(ax: Axes, found: list[tuple[Series, str]], unit: str, *, names: bool) -> None:
-    last = [(s.values[-1], name) for s, name in found if s.values]
+    newest_s = max(s.times_s[-1] for s, _ in found if s.times_s)
+    last = [(s.values[-1], name) for s, name in found if s.values and s.times_s[-1] == newest_s]
     text = ", ".join(name for _, name in last) if names else format_value(last[0][0], unit)
     _blank(ax, text, size=16)
 
@@ -235,9 +249,14 @@ def _heatmap(ax: Axes, found: list[tuple[Series, str]], config: RenderConfig) ->
     extent = (_when(config.start_s), _when(config.end_s), len(rows) - 0.5, -0.5)
     image = ax.imshow(cells, aspect="auto", cmap="RdYlGn_r", interpolation="nearest", extent=extent)
     ax.set_yticks(range(len(rows)), [name for _, name in rows], fontsize=7)
-    ax.xaxis.set_major_formatter(DateFormatter("%H:%M"))
+    ax.xaxis.set_major_formatter(DateFormatter(_time_format(config)))
     ax.tick_params(labelsize=7)
     ax.figure.colorbar(image, ax=ax, pad=0.01, fraction=0.03)
+
+
+def _time_format(config: RenderConfig) -> str:
+    """Seconds on the time axis of a span shorter than 10 minutes, as Grafana shows them."""
+    return "%H:%M:%S" if config.end_s - config.start_s < 600 else "%H:%M"
 
 
 def _when(t_s: float) -> float:
