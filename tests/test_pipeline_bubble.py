@@ -48,7 +48,8 @@ def bubbles() -> Bubbles:
     measured = {**launch(2, PP2), **launch(4, [*PP4, PP4_SLOW])}
     for (pp, schedule, m, slow), per_rank in measured.items():  # shown with -s, or when a test fails
         theory = bubble_ratio(pp, m)
-        print(f"pp={pp} {schedule} m={m} slow_stage={slow}: theory {theory:.3f}, measured", *map("{:.3f}".format, per_rank))
+        figures = " ".join(f"{b:.3f}" for b in per_rank)
+        print(f"pp={pp} {schedule} m={m} slow_stage={slow}: theory {theory:.3f}, measured {figures}")
     return measured
 
 
