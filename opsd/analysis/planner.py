@@ -22,7 +22,7 @@ from typing import Any
 
 from rich.table import Table
 
-from opsd.policy.pipeline import bubble_ratio
+from opsd.policy.pipeline import bubble_ratio as bubble_ratio  # the formula, next to the measured bubble
 from opsd.protocol.mesh import MeshSpec
 
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")

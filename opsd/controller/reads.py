@@ -10,6 +10,7 @@ from typing import Any
 
 from opsd.controller.core import ControllerCore
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
+from opsd.policy.pipeline import RunBubble, run_bubble
 from opsd.protocol.states import IncidentKind, IncidentState, RunState
 
 
@@ -50,6 +51,7 @@ class Reads(ControllerCore):
             step = max((r.step for r in ranks), default=run["last_step"])
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
+            bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
         return {
             "run": run_id,
             "state": run["state"],
@@ -74,6 +76,7 @@ class Reads(ControllerCore):
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],
             "open_incidents": sum(1 for i in incidents if i["state"] == IncidentState.OPEN),
+            "pipeline": pipeline_view(bubble),
             **measured(self.store.launches(run_id)),
         }
 
@@ -100,4 +103,21 @@ def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
         }
         if samples
         else None,
+    }
+
+
+def pipeline_view(bubble: RunBubble | None) -> dict[str, Any] | None:
+    """The run's pipeline bubble as ``status`` answers it: measured (the mean of the ranks' last steps, and per
+    stage), the theory of its schedule and the margin the alert allows; None when no rank reports a pipeline."""
+    if bubble is None:
+        return None
+    return {
+        "bubble_ratio": bubble.measured_ratio,
+        "theoretical_ratio": bubble.theoretical_ratio,
+        "margin_ratio": bubble.margin_ratio,
+        "over_theory": bubble.over_theory,
+        "schedule": bubble.schedule,
+        "stages": bubble.stages,
+        "microbatches": bubble.micro_batches,
+        "stage_ratios": {str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
     }
