@@ -188,8 +188,12 @@ def status_table(body: dict[str, Any], wide: bool = False) -> Grid:
         ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
         ("open incidents", str(body["open_incidents"])),
     ]
+    last = body.get("last_measured") or {}
     if body.get("pipeline"):
         rows.append(("pipeline bubble", bubble_text(body["pipeline"], wide)))
+    elif last.get("pipeline"):  # the ranks are gone: the last recorded
+        text = bubble_text(last["pipeline"], wide) + f" (last measured, launch {last['pipeline_launch']})"
+        rows.append(("pipeline bubble", text))
     if wide:
         badput = body.get("badput_s") or {}
         rows += [

@@ -8,9 +8,9 @@ import math
 import statistics
 from typing import Any
 
-from opsd.controller.core import ControllerCore
+from opsd.controller.core import ControllerCore, pipeline_view
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
-from opsd.policy.pipeline import RunBubble, run_bubble
+from opsd.policy.pipeline import run_bubble
 from opsd.protocol.states import IncidentKind, IncidentState, RunState
 
 
@@ -87,12 +87,17 @@ def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
     progressed (``run_average``); None before any sample (a finished run keeps them)."""
     last = next((row for row in reversed(launches) if row["mfu_ratio_last"] is not None), None)
     samples = sum(int(row["samples"]) for row in launches)
+    piped = next((row for row in reversed(launches) if row.get("pipeline") is not None), None)
+    bubble_samples = sum(int(row.get("bubble_samples") or 0) for row in launches)
     return {
         "last_measured": {
             "launch": last["generation"],
             "mfu_ratio": last["mfu_ratio_last"],
             "tokens_per_s": last["tokens_per_s_last"],
             "at_unix_s": last["updated_s"],
+            # the pipeline bubble of the last launch that had one (its launch: ``pipeline_launch``)
+            "pipeline": piped["pipeline"] if piped is not None else None,
+            "pipeline_launch": piped["generation"] if piped is not None else None,
         }
         if last is not None
         else None,
@@ -100,24 +105,10 @@ def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
             "mfu_ratio": math.fsum(row["mfu_ratio_sum"] for row in launches) / samples,
             "tokens_per_s": math.fsum(row["tokens_per_s_sum"] for row in launches) / samples,
             "samples": samples,
+            "bubble_ratio": math.fsum(row.get("bubble_ratio_sum") or 0.0 for row in launches) / bubble_samples
+            if bubble_samples
+            else None,
         }
         if samples
         else None,
-    }
-
-
-def pipeline_view(bubble: RunBubble | None) -> dict[str, Any] | None:
-    """The run's pipeline bubble as ``status`` answers it: measured (the mean of the ranks' last steps, and per
-    stage), the theory of its schedule and the margin the alert allows; None when no rank reports a pipeline."""
-    if bubble is None:
-        return None
-    return {
-        "bubble_ratio": bubble.measured_ratio,
-        "theoretical_ratio": bubble.theoretical_ratio,
-        "margin_ratio": bubble.margin_ratio,
-        "over_theory": bubble.over_theory,
-        "schedule": bubble.schedule,
-        "stages": bubble.stages,
-        "microbatches": bubble.micro_batches,
-        "stage_ratios": {str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
     }
