@@ -23,8 +23,8 @@ from examples.parallelize import build_mesh, parallelize
 from opsd.protocol.mesh import MeshSpec
 from trainer_hooks import Monitor, MonitorConfig
 
-FORWARD_S, BACKWARD_S = 0.020, 0.040  # per micro-batch and stage, as a GPU stage's compute would take
-STEPS, WARMUP = 5, 1
+FORWARD_S, BACKWARD_S = 0.040, 0.080  # per micro-batch and stage (long beside the host's jitter in waking a rank)
+STEPS, WARMUP = 6, 1
 BATCH = 8
 
 
