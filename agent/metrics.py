@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from agent.flight import FlightUploader
 from agent.reporter import Reporter
 from agent.state import NodeState, RankSnapshot
-from opsd.protocol.wire import REASONS
+from opsd.protocol.wire import REASONS, pipeline_bubble_ratio
 
 RANK = ["run", "rank"]
 COMM = [*RANK, "dimension", "op"]
@@ -82,6 +82,11 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
     )
     gauges = {f: GaugeMetricFamily(name, text, labels=RANK) for f, (name, text) in _LAST_STEP_GAUGES.items()}
     loss = GaugeMetricFamily("opsd_loss", "Training loss of the rank's last step (when it reported one).", labels=RANK)
+    bubble = GaugeMetricFamily(
+        "opsd_pipeline_bubble_ratio",
+        "Fraction of the rank's last step spent waiting on the neighbour pipeline stages (0-1; pipeline ranks).",
+        labels=RANK,
+    )
     memory = GaugeMetricFamily("opsd_memory_bytes", "Memory of the rank's last step, by kind.", labels=[*RANK, "kind"])
     seen = GaugeMetricFamily(
         "opsd_rank_last_report_timestamp_seconds", "When the agent last heard from the rank.", labels=RANK
@@ -108,6 +113,9 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             gauge.add_metric(labels, float(getattr(r.last, f)))
         if r.last.loss is not None:
             loss.add_metric(labels, r.last.loss)
+        ratio = pipeline_bubble_ratio(r.last)
+        if ratio is not None:
+            bubble.add_metric(labels, ratio)
         for kind, value in sorted(r.last.memory.items()):
             memory.add_metric([*labels, kind.removesuffix("_bytes")], float(value))
         seen.add_metric(labels, r.last_seen_s)
@@ -128,7 +136,8 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             comm_n.add_metric([*labels, dim, op], totals.count)
     yield info
     yield from gauges.values()
-    yield from (loss, memory, seen, steps, tokens, dropped, errors, comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
+    yield from (loss, bubble, memory, seen, steps, tokens, dropped, errors)
+    yield from (comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
 
 
 class ReporterCollector(Collector):

@@ -30,7 +30,16 @@ from typing import Any
 
 from agent.health import GpuHealth
 from agent.state import NodeState
-from opsd.protocol.heartbeat import VERSION, Heartbeat, HeartbeatEvent, HeartbeatRank, HeartbeatTimeout, encode
+from opsd.protocol.heartbeat import (
+    VERSION,
+    Heartbeat,
+    HeartbeatEvent,
+    HeartbeatPipeline,
+    HeartbeatRank,
+    HeartbeatTimeout,
+    encode,
+)
+from opsd.protocol.wire import StepReport, pipeline_bubble_ratio
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +128,7 @@ class Reporter:
                 last_report_unix_s=r.last_seen_s,
                 coords=r.coords,
                 resumed_from_step=r.last.resumed_from_step,
+                pipeline=_pipeline(r.last),
             )
             for r in self.state.snapshot()
         ]
@@ -194,6 +204,14 @@ class Reporter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s + 2)
+
+
+def _pipeline(report: StepReport) -> HeartbeatPipeline | None:
+    """What the controller needs of a pipeline stage's last step: its bubble ratio and its schedule."""
+    ratio, p = pipeline_bubble_ratio(report), report.pipeline
+    if ratio is None or p is None:
+        return None
+    return HeartbeatPipeline(bubble_ratio=ratio, schedule=p.schedule, stages=p.stages, microbatches=p.microbatches)
 
 
 def write_policy(path: str | Path, policy: dict[str, Any]) -> None:

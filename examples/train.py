@@ -361,6 +361,8 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
             optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0
         )
         monitor = make_monitor(args, cfg, meshes) if args.opsd_monitor else None
+        if monitor is not None and spec.pp > 1:  # the schedule its bubble is compared to
+            monitor.watch_pipeline(args.pp_schedule, stages=spec.pp, microbatches=microbatches)
         ckpt, state = make_checkpointer(args, spec, monitor, model.module, optimizer, data=data, scheduler=scheduler)
         resumed = ckpt.load(state) if ckpt is not None and state is not None and args.resume else None
         rank0 = dist.get_rank() == 0

@@ -222,7 +222,9 @@ def documented_metrics() -> dict[str, str]:
 
 
 def test_every_exposed_metric_is_documented_with_its_type(agent: Agent, tmp_path: Path) -> None:
-    agent.handle(encode(report(checkpoints=[{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}])))
+    pipeline = {"bubble_s": 0.05, "schedule": "1f1b", "stages": 4, "microbatches": 8}
+    checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
+    agent.handle(encode(report(checkpoints=checkpoints, pipeline=pipeline)))
     gpu = GpuHealth(FileGpuSource(tmp_path), load_xid_table(), WatchWindow())
     gpu.samples = [GpuSample(index=0, uuid="GPU-0")]
     gpu.record(0, 79, now_s=0)
@@ -241,10 +243,26 @@ def test_series_budget_per_rank() -> None:
     memory = {"allocated_peak_bytes": 1, "reserved_peak_bytes": 2}
     a = Agent(AgentConfig(socket="/tmp/unused-by-this-test.sock", node="n"))
     checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
-    a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints, loss=2.5)))
+    pipeline = {"bubble_s": 0.05, "schedule": "1f1b", "stages": 4, "microbatches": 8}
+    a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints, loss=2.5, pipeline=pipeline)))
     per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]
     per_rank = [s for s in per_rank if s.labels.get("rank") == "3"]
-    assert len(per_rank) == 21 + 3 * 8
+    assert len(per_rank) == 22 + 3 * 8  # docs/metrics.md, "Series budget"
+
+
+def test_a_pipeline_stage_exports_its_bubble_and_tells_the_controller_its_schedule(agent: Agent) -> None:
+    pipeline = {"bubble_s": 0.05, "schedule": "gpipe", "stages": 2, "microbatches": 8}
+    agent.handle(encode(report(rank=1, step_s=0.2, pipeline=pipeline)))
+    agent.handle(encode(report(rank=2, step_s=0.2, pipeline={"bubble_s": 0.5})))  # a wait longer than its step
+    agent.handle(encode(report(rank=3)))  # not a pipeline stage: no series
+    assert value(agent, "opsd_pipeline_bubble_ratio", run="r", rank="1") == pytest.approx(0.25)
+    assert value(agent, "opsd_pipeline_bubble_ratio", run="r", rank="2") == 1.0
+    assert ("opsd_pipeline_bubble_ratio", (("rank", "3"), ("run", "r"))) not in samples(agent)
+    reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n1", agent.state, None)
+    ranks = {r["rank"]: r.get("pipeline") for r in sent(reporter.heartbeat(1.0))["ranks"]}
+    assert ranks[1] == {"bubble_ratio": pytest.approx(0.25), "schedule": "gpipe", "stages": 2, "microbatches": 8}
+    assert ranks[2] == {"bubble_ratio": 1.0, "schedule": "", "stages": 0, "microbatches": 0}
+    assert ranks[3] is None
 
 
 def test_checkpoints_become_counters_and_last_values(agent: Agent) -> None:

@@ -190,6 +190,37 @@ def test_every_controller_metric_is_documented_with_its_type(client: TestClient,
     assert exposed == documented
 
 
+def metric_samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(client.get("/metrics").text)
+        for s in f.samples
+    }
+
+
+def test_the_pipeline_bubble_of_a_run_is_set_beside_its_theory(client: TestClient) -> None:
+    def rank(n: int, stage: int, ratio: float, microbatches: int = 8) -> dict[str, Any]:
+        pipeline = {"bubble_ratio": ratio, "schedule": "1f1b", "stages": 2, "microbatches": microbatches}
+        return {"run": "job", "rank": n, "step": 3, "step_s": 0.5, "coords": {"pp": stage}, "pipeline": pipeline}
+
+    client.post("/v1/heartbeat", json=heartbeat(ranks=[rank(0, 0, 0.30), rank(1, 1, 0.20)]), headers=AUTH)
+    run = (("run", "job"),)
+    metrics = metric_samples(client)
+    assert metrics[("opsd_run_pipeline_bubble_ratio", run)] == pytest.approx(0.25)
+    assert metrics[("opsd_pipeline_bubble_theoretical_ratio", run)] == pytest.approx(1 / 9)  # (2 - 1) / (8 + 2 - 1)
+    assert metrics[("opsd_pipeline_bubble_margin_ratio", run)] == pytest.approx(0.10)
+    status = client.get("/v1/runs/job", headers=AUTH).json()["pipeline"]
+    assert status["stage_ratios"] == {"0": pytest.approx(0.30), "1": pytest.approx(0.20)}
+    assert status["over_theory"] is True  # 0.25 is more than 0.10 above 0.111
+    assert (status["schedule"], status["stages"], status["microbatches"]) == ("1f1b", 2, 8)
+    # ranks that disagree on their schedule give no theory; the measured bubble stays
+    client.post("/v1/heartbeat", json=heartbeat(ranks=[rank(0, 0, 0.30), rank(1, 1, 0.20, 4)]), headers=AUTH)
+    metrics = metric_samples(client)
+    assert ("opsd_pipeline_bubble_theoretical_ratio", run) not in metrics
+    assert metrics[("opsd_run_pipeline_bubble_ratio", run)] == pytest.approx(0.25)
+    assert client.get("/v1/runs/job", headers=AUTH).json()["pipeline"]["over_theory"] is False
+
+
 def test_an_unreachable_state_store_answers_503_with_retry_after(tmp_path: Path) -> None:
     directory = tmp_path / "state"
     directory.mkdir()

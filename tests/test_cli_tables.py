@@ -381,3 +381,42 @@ def test_a_finished_run_shows_its_last_measured_figures_labelled_and_its_average
     assert on_one_line(listed, [RUN, "completed", "1234567", "0", "0.412 (last)", "51234 (last)"])
     live = render(tables.status_table({**status(RUN, "running", 5), "run_average": finished["run_average"]}), 200)
     assert "0.412; run average 0.398" in live  # the ranks report: their figure, not the last recorded
+
+
+PIPELINE = {
+    "bubble_ratio": 0.412,
+    "theoretical_ratio": 0.273,
+    "margin_ratio": 0.1,
+    "over_theory": True,
+    "schedule": "1f1b",
+    "stages": 4,
+    "microbatches": 8,
+    "stage_ratios": {"0": 0.39, "1": 0.45},
+}
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "wide", "expected"),
+    [
+        (
+            PIPELINE,
+            False,
+            "0.41 measured, theory 0.27 (1f1b, 4 stages x 8 micro-batches), 0.14 over (more than the margin 0.10)",
+        ),
+        ({**PIPELINE, "bubble_ratio": 0.25, "over_theory": False}, False, "0.25 measured, theory 0.27 (1f1b, "),
+        (
+            {**PIPELINE, "theoretical_ratio": None, "over_theory": False},
+            True,
+            "0.41 measured; by stage 0: 0.39, 1: 0.45",
+        ),
+    ],
+    ids=["over-the-margin", "under-the-theory", "no-theory-wide"],
+)
+def test_the_status_shows_the_pipeline_bubble_beside_its_theory(
+    pipeline: dict[str, Any], wide: bool, expected: str
+) -> None:
+    out = render(tables.status_table({**status(RUN, "running", 5), "pipeline": pipeline}, wide), 200)
+    assert expected in out
+    if not pipeline["over_theory"]:
+        assert "margin" not in out
+    assert "pipeline bubble" not in render(tables.status_table(status(RUN, "running", 5)), 200)

@@ -43,6 +43,7 @@ pytestmark = pytest.mark.slow
 SCRAPE_INTERVAL_S = 1.0
 RATE_INTERVAL = "5s"  # what Grafana's $__rate_interval is at this scrape interval (at least 4 scrapes)
 FLAGGED_ONLY = "opsd_run_straggler_slowdown_ratio"  # a series the controller exports for flagged ranks only
+PIPELINE_ONLY = "pipeline_bubble"  # series of pipeline ranks and runs only (test_pipeline_bubble.py measures them)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Demo:
     panels: list[PanelResult] = field(default_factory=list)
     variables: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (dashboard, variable) -> values
     stragglers_flagged: bool = False
+    pipelined: bool = False  # a rank reported a pipeline bubble
     spans: list[ReceivedSpan] = field(default_factory=list)  # what its controller and agents exported
 
     @property
@@ -145,6 +147,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
             run.variables = run_variable_queries(prom, started, ended)
             flagged = prom.query_range(f'max(opsd_run_stragglers{{run="{RUN}"}})', started, ended, 2.0)
             run.stragglers_flagged = any(float(v) > 0 for s in flagged for _, v in s["values"])
+            run.pipelined = bool(prom.query_range(f'opsd_pipeline_bubble_ratio{{run="{RUN}"}}', started, ended, 2.0))
     return run
 
 
@@ -179,6 +182,9 @@ def test_every_panel_of_every_dashboard_returns_data_from_the_demo(demo: Demo) -
         where = f"{r.dashboard} / {r.title}: {r.expr}"
         if r.error:
             failures.append(f"{where}: {r.error}")
+        elif PIPELINE_ONLY in r.expr and not demo.pipelined:
+            if r.samples:  # the demo's mesh has no pipeline: the bubble series must not exist
+                failures.append(f"{where}: {r.series} series although the demo runs no pipeline")
         elif FLAGGED_ONLY in r.expr and not demo.stragglers_flagged:
             if r.samples:  # no rank flagged during the demo: the series must not exist
                 failures.append(f"{where}: {r.series} series although opsd_run_stragglers stayed 0")

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -441,3 +442,68 @@ def test_a_run_without_incidents_or_status(bundle: dict[str, Any]) -> None:
     assert "No straggler warnings." in md
     assert "No checkpoints." in md
     assert "<img" not in to_html(report)  # nothing to plot
+
+
+def test_a_finished_pipelined_run_keeps_its_last_bubble_for_status_and_post_mortem(tmp_path: Path) -> None:
+    """The ranks are gone once the run ends: the bubble recorded with its launches is what status and the
+    post-mortem show, labelled with its launch, with the run's average beside it."""
+    from opsd.cli.tables import status_table
+    from opsd.controller.controller import Controller
+    from opsd.controller.state import LaunchSample, StateStore
+    from opsd.controller.views import postmortem_bundle
+    from tests.test_cli_tables import render as render_table
+
+    def piped(bubble: float) -> dict[str, Any]:
+        return {
+            "bubble_ratio": bubble,
+            "theoretical_ratio": 0.273,
+            "margin_ratio": 0.1,
+            "over_theory": bubble - 0.273 > 0.1,
+            "schedule": "1f1b",
+            "stages": 4,
+            "microbatches": 8,
+            "stage_ratios": {"0": bubble},
+        }
+
+    t0 = 1_800_000_000.0
+    store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+    store.create_run("job", {"nodes": 2}, t0)
+    sample = LaunchSample(ranks=8, progressed=True, mfu_ratio=0.4, tokens_per_s=1000.0)
+    store.record_launch("job", 1, t0 + 10, replace(sample, pipeline=piped(0.30)))
+    store.record_launch("job", 1, t0 + 20, replace(sample, pipeline=piped(0.32)))
+    store.record_launch("job", 2, t0 + 40, replace(sample, pipeline=piped(0.40)))
+    store.record_launch("job", 2, t0 + 50, replace(sample, progressed=False, pipeline=piped(0.90)))  # not counted
+    store.update_run("job", t0 + 60, state="completed")
+    controller = Controller(store)
+
+    status = controller.status("job", t0 + 70)
+    assert status is not None
+    assert status["pipeline"] is None  # no rank reports any more
+    assert status["last_measured"]["pipeline"] == piped(0.40)
+    assert status["last_measured"]["pipeline_launch"] == 2
+    assert status["run_average"]["bubble_ratio"] == pytest.approx((0.30 + 0.32 + 0.40) / 3)
+    shown = render_table(status_table(status), 200)
+    assert "0.40 measured, theory 0.27 (1f1b, 4 stages x 8 micro-batches), 0.13 over" in shown
+    assert "(last measured, launch 2)" in shown
+
+    report = build(json.loads(json.dumps(postmortem_bundle(controller, "job", t0 + 70))))
+    pipeline = report.goodput.pipeline
+    assert pipeline is not None
+    assert (pipeline.bubble_ratio, pipeline.launch, pipeline.stages) == (0.40, 2, 4)
+    expected = "0.40 (last measured, launch 2), theory 0.27 for 1f1b, 4 stages x 8 micro-batches; run average 0.34"
+    assert expected in to_markdown(report)
+
+    store.create_run("flat", {"nodes": 1}, t0)
+    store.record_launch("flat", 1, t0 + 10, sample)
+    flat = build(json.loads(json.dumps(postmortem_bundle(controller, "flat", t0 + 20))))
+    assert flat.goodput.pipeline is None
+    assert "pipeline bubble" not in to_markdown(flat)
+
+
+def test_a_live_bubble_in_the_bundle_is_shown_without_a_launch(bundle: dict[str, Any]) -> None:
+    bundle["status"]["pipeline"] = {"bubble_ratio": 0.2, "theoretical_ratio": None, "schedule": "gpipe"}
+    md = to_markdown(build(bundle))
+    assert "- **pipeline bubble**: 0.20\n" in md  # live, no theory (an interleaved schedule has none)
+    bundle["status"]["pipeline"] = {"bubble_ratio": "high"}
+    with pytest.raises(PermanentError, match=r"status\.pipeline\.bubble_ratio"):
+        build(bundle)

@@ -17,6 +17,7 @@ from opsd.protocol.wire import (
     decode,
     decode_report,
     encode,
+    pipeline_bubble_ratio,
 )
 
 
@@ -135,3 +136,30 @@ def test_every_field_is_required() -> None:
     for name in STEP_FIELDS:
         with pytest.raises(WireError, match=f"missing required field `{name}`"):
             decode(missing(name))
+
+
+def test_a_pipeline_stage_reports_its_bubble_and_schedule_and_older_receivers_ignore_it() -> None:
+    sent = report(pipeline={"bubble_s": 0.05, "schedule": "1f1b", "stages": 4, "microbatches": 8})
+    decoded = decode_report(encode(sent))
+    assert not isinstance(decoded, TimeoutReport)
+    assert decoded.pipeline is not None
+    assert (decoded.pipeline.bubble_s, decoded.pipeline.schedule, decoded.pipeline.stages) == (0.05, "1f1b", 4)
+    assert pipeline_bubble_ratio(decoded) == pytest.approx(0.25)
+    bare = decode_report(encode(report(pipeline={"bubble_s": 0.01})))  # a trainer that did not name its schedule
+    assert not isinstance(bare, TimeoutReport)
+    assert bare.pipeline is not None
+    assert (bare.pipeline.schedule, bare.pipeline.stages, bare.pipeline.microbatches) == ("", 0, 0)
+    without = decode_report(encode(report()))
+    assert not isinstance(without, TimeoutReport)
+    assert without.pipeline is None
+    assert pipeline_bubble_ratio(without) is None
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [{"bubble_s": -0.1}, {"schedule": "1f1b"}, {"bubble_s": 0.1, "stages": -1}, {"bubble_s": 0.1, "schedule": "a b"}],
+)
+def test_a_bad_pipeline_part_is_refused_by_field(pipeline: dict[str, Any]) -> None:
+    with pytest.raises(WireError, match=r"\$\.pipeline") as caught:
+        decode_report(encode(report(pipeline=pipeline)))
+    assert caught.value.reason == "field"

@@ -61,6 +61,7 @@ from trainer_hooks.comm_tables import (
     Key,
     OpStats,
     StepComms,
+    is_pipeline_transfer,
     op_label,
 )
 from trainer_hooks.works import (
@@ -204,7 +205,11 @@ class CollectiveTracer:
             with self._lock:
                 pending = self._gpu_phases.get((group_name, op))
                 phase = pending.popleft() if pending else OTHER
-            self.add_duration((self._labels.get(group_name, OTHER), op, phase), completion_seconds(info))
+            key = (self._labels.get(group_name, OTHER), op, phase)
+            seconds = completion_seconds(info)
+            self.add_duration(key, seconds)
+            if is_pipeline_transfer(key):  # on the GPU a transfer's kernel runs until its peer's side arrives
+                self.add_pipeline_wait(seconds)
         except Exception as exc:
             self._internal_error(exc)
 
@@ -224,6 +229,8 @@ class CollectiveTracer:
                 stats = self._step.phases[key] = OpStats()
             stats.count += 1
             stats.bytes += nbytes
+            if is_pipeline_transfer(key):
+                self._step.pipeline_transfers += 1
             if name in self._gpu_timed:
                 pending = self._gpu_phases.get((name, op))
                 if pending is None:
@@ -235,9 +242,17 @@ class CollectiveTracer:
         with self._lock:
             self._step.phases.setdefault(key, OpStats()).seconds += seconds
 
-    def add_exposed(self, seconds: float) -> None:
+    def add_exposed(self, seconds: float, key: Key | None = None) -> None:
+        """The training thread waited ``seconds`` on the collective ``key`` (None: not known, or timed elsewhere);
+        a wait on a pipeline send or receive is also the stage's bubble."""
         with self._lock:
             self._step.exposed_s += seconds
+            if is_pipeline_transfer(key):
+                self._step.pipeline_wait_s += seconds
+
+    def add_pipeline_wait(self, seconds: float) -> None:
+        with self._lock:
+            self._step.pipeline_wait_s += seconds
 
     def track(self, work: TimedWork) -> None:
         with self._lock:
@@ -347,7 +362,7 @@ class CollectiveTracer:
                 elapsed = time.perf_counter() - start
                 if host_timed:
                     self.add_duration(key, elapsed)
-                self.add_exposed(elapsed)
+                self.add_exposed(elapsed, key if host_timed else None)
                 return work
             try:
                 return TimedWork(work, self, key, start, host_timed=host_timed)
@@ -390,7 +405,7 @@ class CollectiveTracer:
                 with self._lock:
                     pending = self._pending.pop(buffer, None)
                 if pending is not None:
-                    self.add_exposed(end - start)
+                    self.add_exposed(end - start, pending[0] if pending[2] else None)
                     if pending[2]:
                         self.add_duration(pending[0], end - pending[1])
             except Exception as exc:

@@ -85,13 +85,25 @@ class OpStats:
     seconds: float = 0.0
 
 
+#: the pipeline's point-to-point ops: the waits on them are a stage's bubble
+PIPELINE_DIMENSION, PIPELINE_OPS = "pp", ("send", "recv")
+
+
+def is_pipeline_transfer(key: Key | None) -> bool:
+    """Whether ``key`` is a send or receive between pipeline stages."""
+    return key is not None and key[0] == PIPELINE_DIMENSION and key[1] in PIPELINE_OPS
+
+
 @dataclass
 class StepComms:
     """Collectives of one step: per (dimension, op, phase) counts, bytes and issue-to-completion seconds; exposed
-    seconds."""
+    seconds; the seconds the training thread waited on the pipeline's sends and receives (its bubble: on a host-timed
+    group the waits, on one timed by its completion hook the transfers' durations), and how many it issued."""
 
     phases: dict[Key, OpStats] = field(default_factory=dict)
     exposed_s: float = 0.0
+    pipeline_wait_s: float = 0.0
+    pipeline_transfers: int = 0
 
     @property
     def ops(self) -> dict[tuple[str, str], OpStats]:

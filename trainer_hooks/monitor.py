@@ -11,7 +11,10 @@ differ only in tp, pp or cp report the same number). Loops that do not fit a con
 and the trainer marks the rest, e.g. ``with monitor.phase("optimizer"): optimizer.step()`` (see
 ``trainer_hooks.collectives``); unmarked collectives of a step outside backward count as ``forward``.
 ``monitor.record_loss(loss)`` inside a step reports the step's loss with it (a tensor is read at the end of the
-step, after the device has synchronised). Nothing here raises into training or blocks it: failures are counted
+step, after the device has synchronised). A pipeline stage reports its bubble with each step: the time its
+training thread waited on the pipeline's sends and receives (``trainer_hooks.collectives``); with
+``monitor.watch_pipeline("1f1b", stages=4, microbatches=8)`` the schedule goes with it, for the theory it is
+compared to. Nothing here raises into training or blocks it: failures are counted
 (``internal_errors``) and logged once; undeliverable reports are dropped and counted.
 
 A watchdog thread reports a rank that has waited on one collective for longer than ``collective_timeout_s``
@@ -116,6 +119,7 @@ class Monitor:
         self._checkpoints_lock = threading.Lock()
         self._started: float | None = None
         self._loss: float | torch.Tensor | None = None
+        self._pipeline: dict[str, Any] | None = None  # the schedule, told by ``watch_pipeline``
         self._warned = False
         if flops_per_token is not None:
             if not flops_per_token > 0:
@@ -208,6 +212,14 @@ class Monitor:
         """``with monitor.phase("optimizer"):`` the collectives issued inside count under that phase (``forward``,
         ``backward``, ``optimizer``, ``other``); a few hundred nanoseconds."""
         return self.tracer.phase(name)
+
+    def watch_pipeline(self, schedule: str, *, stages: int, microbatches: int) -> None:
+        """This rank is a stage of a pipeline run by ``schedule`` (``gpipe``, ``1f1b``, ...; what its theory is
+        computed for) over ``stages`` stages with ``microbatches`` micro-batches a step: every report says so, with
+        the step's bubble."""
+        if stages < 1 or microbatches < 1:
+            raise ValueError("watch_pipeline: stages and microbatches must be >= 1")
+        self._pipeline = {"schedule": str(schedule), "stages": int(stages), "microbatches": int(microbatches)}
 
     def record_loss(self, loss: float | torch.Tensor) -> None:
         """The loss to send with the next report: inside a step, that step's. A tensor is read at the end of the
@@ -312,6 +324,8 @@ class Monitor:
             "dropped_reports_total": self.dropped_reports,
             "internal_errors_total": self.internal_errors + self.tracer.internal_errors,
         }
+        if self._pipeline is not None or comms.pipeline_transfers:
+            report["pipeline"] = {"bubble_s": min(comms.pipeline_wait_s, step_s), **(self._pipeline or {})}
         loss, self._loss = self._loss, None
         if loss is not None:
             try:

@@ -23,7 +23,7 @@ class WorkObserver(Protocol):
 
     def add_duration(self, key: Key, seconds: float) -> None: ...
 
-    def add_exposed(self, seconds: float) -> None: ...
+    def add_exposed(self, seconds: float, key: Key | None = None) -> None: ...
 
     def blocking(self, key: Key | None) -> AbstractContextManager[None]: ...
 
@@ -97,6 +97,7 @@ class TimedWork(dist.Work):
         self._tracer = tracer
         self._key = key
         self._issued = issued
+        self._host_timed = host_timed
         self.done = not host_timed  # the group's completion hook reports the duration
         if not self.done:
             tracer.track(self)
@@ -118,7 +119,8 @@ class TimedWork(dist.Work):
         with self._tracer.blocking(None if self.done else self._key):
             result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         end = time.perf_counter()
-        self._tracer.add_exposed(end - start)
+        # on a host-timed group the wait is what the training thread lost to the peer (a pipeline stage's bubble)
+        self._tracer.add_exposed(end - start, self._key if self._host_timed else None)
         self.finish(end)
         return bool(result)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.table import Table
 
+from opsd.policy.pipeline import bubble_ratio as bubble_ratio  # the formula, next to the measured bubble
 from opsd.protocol.mesh import MeshSpec
 
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
@@ -262,13 +263,6 @@ def activation_bytes(model: ModelSpec, mesh: Mesh, options: PlanOptions) -> floa
     if options.checkpointing == "full":  # one layer's activations, rebuilt during its backward
         working = layer_activation_bytes(model, mesh, dataclasses.replace(options, checkpointing="none"))
     return max(first, last) + working
-
-
-def bubble_ratio(stages: int, micro_batches: int) -> float:
-    """Idle fraction of a 1F1B or GPipe schedule: (p - 1) / (m + p - 1)."""
-    if stages < 1 or micro_batches < 1:
-        raise ValueError("stages and micro_batches must be >= 1")
-    return (stages - 1) / (micro_batches + stages - 1)
 
 
 def _ring(n: int) -> float:

@@ -103,6 +103,22 @@ def _nodes(nodes: list[dict[str, Any]], wide: bool) -> str:
     return ", ".join(f"{roles[role]} {role}" for role in order) or "-"
 
 
+def bubble_text(pipeline: dict[str, Any], wide: bool = False) -> str:
+    """A run's pipeline bubble beside the theory of its schedule (docs/pipeline.md): ``0.31 measured, theory 0.27
+    (1f1b, 4 stages x 8 micro-batches), 0.04 over``; ``wide`` adds each stage's."""
+    text = f"{pipeline['bubble_ratio']:.2f} measured"
+    theory = pipeline.get("theoretical_ratio")
+    if theory is not None:
+        shape = f"{pipeline['schedule']}, {pipeline['stages']} stages x {pipeline['microbatches']} micro-batches"
+        excess = pipeline["bubble_ratio"] - theory
+        text += f", theory {theory:.2f} ({shape}), {abs(excess):.2f} {'over' if excess > 0 else 'under'}"
+        if pipeline.get("over_theory"):
+            text += f" (more than the margin {pipeline['margin_ratio']:.2f})"
+    if wide and pipeline.get("stage_ratios"):
+        text += "; by stage " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(pipeline["stage_ratios"].items()))
+    return text
+
+
 def _every(cadence: dict[str, Any] | None) -> str:
     return f"every {cadence['every_steps']} steps from step {cadence['from_step']}" if cadence else "-"
 
@@ -172,6 +188,12 @@ def status_table(body: dict[str, Any], wide: bool = False) -> Grid:
         ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
         ("open incidents", str(body["open_incidents"])),
     ]
+    last = body.get("last_measured") or {}
+    if body.get("pipeline"):
+        rows.append(("pipeline bubble", bubble_text(body["pipeline"], wide)))
+    elif last.get("pipeline"):  # the ranks are gone: the last recorded
+        text = bubble_text(last["pipeline"], wide) + f" (last measured, launch {last['pipeline_launch']})"
+        rows.append(("pipeline bubble", text))
     if wide:
         badput = body.get("badput_s") or {}
         rows += [

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig
+from opsd.policy.pipeline import PipelineConfig
 from opsd.policy.stragglers import StragglerConfig
 
 
@@ -14,6 +15,7 @@ class ControllerConfig:
     detection: DetectionConfig = field(default_factory=DetectionConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     cadence: CadenceConfig = field(default_factory=CadenceConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # the bubble alert's margin over the theory
     sample_slot_s: float = 2.0  # compute samples of ranks are compared within slots of this length
     history: int = 64  # heartbeat intervals and step times kept per node / rank
     run_history: int = 4096  # step times kept per run, of any rank: its median step time is theirs

@@ -23,6 +23,7 @@ from opsd.controller.state import LaunchSample, StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.policy.cadence import Cadence
 from opsd.policy.detection import Failure
+from opsd.policy.pipeline import RunBubble, run_bubble
 from opsd.policy.spares import Spare, select_spare
 from opsd.policy.stragglers import StragglerScore
 from opsd.protocol.states import NodeRole
@@ -196,6 +197,9 @@ class ControllerCore:
                 progressed=bool(ranks) and newest > step_then,
                 mfu_ratio=math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0,
                 tokens_per_s=max((r.job_tokens_per_s for r in ranks), default=0.0),
+                pipeline=pipeline_view(
+                    run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
+                ),
             )
             self.recorded[run] = (now_s, max(newest, step_then))
         comm = {";".join(stack): seconds for stack, seconds in self.launch_comm_seconds(run).items()}
@@ -234,3 +238,20 @@ class ControllerCore:
     def spare_pool(self, run: str) -> list[dict[str, Any]]:
         """The spare nodes ``run`` may take: its own, and the shared pool's (nodes of no run)."""
         return [n for n in self.store.nodes() if n["role"] == NodeRole.SPARE and n["run"] in (run, None)]
+
+
+def pipeline_view(bubble: RunBubble | None) -> dict[str, Any] | None:
+    """The run's pipeline bubble as ``status`` answers it: measured (the mean of the ranks' last steps, and per
+    stage), the theory of its schedule and the margin the alert allows; None when no rank reports a pipeline."""
+    if bubble is None:
+        return None
+    return {
+        "bubble_ratio": bubble.measured_ratio,
+        "theoretical_ratio": bubble.theoretical_ratio,
+        "margin_ratio": bubble.margin_ratio,
+        "over_theory": bubble.over_theory,
+        "schedule": bubble.schedule,
+        "stages": bubble.stages,
+        "microbatches": bubble.micro_batches,
+        "stage_ratios": {str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
+    }

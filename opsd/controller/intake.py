@@ -14,6 +14,7 @@ from typing import Any
 from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window
 from opsd.policy.detection import GpuEvent
+from opsd.policy.pipeline import RankBubble
 from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply, HeartbeatTimeout
 from opsd.protocol.states import NodeRole
 from opsd.protocol.xid_table import XidAction
@@ -146,6 +147,10 @@ class Intake(ControllerCore):
         live.mfu_ratio = r.mfu_ratio
         live.job_tokens_per_s = r.job_tokens_per_s
         live.resumed_from_step = r.resumed_from_step
+        p = r.pipeline
+        live.bubble = None
+        if p is not None:
+            live.bubble = RankBubble(rank, live.stage, p.bubble_ratio, p.schedule, p.stages, p.microbatches)
         checkpoints = r.checkpoints
         if checkpoints != live.checkpoints:
             run_live.count_checkpoints(live, checkpoints, r.checkpoint_blocking_s)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from opsd.policy.detection import GpuEvent
+from opsd.policy.pipeline import RankBubble
 
 
 class Window(Sequence[float]):
@@ -153,6 +154,7 @@ class RankLive:
     exit_code: int | None = None
     timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
     resumed_from_step: int | None = None  # the checkpoint its launch resumed from, as its reports say
+    bubble: RankBubble | None = None  # a pipeline stage's last bubble and schedule, as its reports say
 
 
 @dataclass(slots=True)

@@ -83,6 +83,21 @@ class ControllerCollector(Collector):
             labels=["run", "rank", "node"],
         )
         incidents = CounterMetricFamily("opsd_run_incidents", "Incidents by cause.", labels=["run", "cause"])
+        bubble = GaugeMetricFamily(
+            "opsd_run_pipeline_bubble_ratio",
+            "Pipeline bubble: the mean over the ranks of their last step's time waiting on neighbour stages (0-1).",
+            labels=run_labels,
+        )
+        theory = GaugeMetricFamily(
+            "opsd_pipeline_bubble_theoretical_ratio",
+            "Pipeline bubble of the run's schedule, stages and micro-batches by the formula (p - 1) / (m + p - 1).",
+            labels=run_labels,
+        )
+        margin = GaugeMetricFamily(
+            "opsd_pipeline_bubble_margin_ratio",
+            "How far the measured bubble may exceed the theory before the alert (controller.pipeline.margin_ratio).",
+            labels=run_labels,
+        )
         recovery = HistogramMetricFamily(
             "opsd_run_recovery_seconds",
             "Detection to first productive step, per recovered incident.",
@@ -117,6 +132,12 @@ class ControllerCollector(Collector):
             run_incidents = controller.store.incidents(run_id)
             recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
             stragglers.add_metric([run_id], float(len(status["stragglers"])))
+            pipeline = status["pipeline"]
+            if pipeline is not None:
+                bubble.add_metric([run_id], pipeline["bubble_ratio"])
+                margin.add_metric([run_id], pipeline["margin_ratio"])
+                if pipeline["theoretical_ratio"] is not None:
+                    theory.add_metric([run_id], pipeline["theoretical_ratio"])
             for s in status["stragglers"]:
                 slowdown.add_metric([run_id, str(s["rank"]), s["node"]], float(s["slowdown_ratio"]))
             causes: dict[str, int] = {}
@@ -133,7 +154,7 @@ class ControllerCollector(Collector):
         yield from pool_metrics(shared_pool(controller, now))
         yield from gauges.values()
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
-        yield from (incidents, recovery)
+        yield from (bubble, theory, margin, incidents, recovery)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
         rejected = CounterMetricFamily(
             "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]

@@ -8,8 +8,9 @@ import math
 import statistics
 from typing import Any
 
-from opsd.controller.core import ControllerCore
+from opsd.controller.core import ControllerCore, pipeline_view
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
+from opsd.policy.pipeline import run_bubble
 from opsd.protocol.states import IncidentKind, IncidentState, RunState
 
 
@@ -50,6 +51,7 @@ class Reads(ControllerCore):
             step = max((r.step for r in ranks), default=run["last_step"])
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
+            bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
         return {
             "run": run_id,
             "state": run["state"],
@@ -74,6 +76,7 @@ class Reads(ControllerCore):
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],
             "open_incidents": sum(1 for i in incidents if i["state"] == IncidentState.OPEN),
+            "pipeline": pipeline_view(bubble),
             **measured(self.store.launches(run_id)),
         }
 
@@ -84,12 +87,17 @@ def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
     progressed (``run_average``); None before any sample (a finished run keeps them)."""
     last = next((row for row in reversed(launches) if row["mfu_ratio_last"] is not None), None)
     samples = sum(int(row["samples"]) for row in launches)
+    piped = next((row for row in reversed(launches) if row.get("pipeline") is not None), None)
+    bubble_samples = sum(int(row.get("bubble_samples") or 0) for row in launches)
     return {
         "last_measured": {
             "launch": last["generation"],
             "mfu_ratio": last["mfu_ratio_last"],
             "tokens_per_s": last["tokens_per_s_last"],
             "at_unix_s": last["updated_s"],
+            # the pipeline bubble of the last launch that had one (its launch: ``pipeline_launch``)
+            "pipeline": piped["pipeline"] if piped is not None else None,
+            "pipeline_launch": piped["generation"] if piped is not None else None,
         }
         if last is not None
         else None,
@@ -97,6 +105,9 @@ def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
             "mfu_ratio": math.fsum(row["mfu_ratio_sum"] for row in launches) / samples,
             "tokens_per_s": math.fsum(row["tokens_per_s_sum"] for row in launches) / samples,
             "samples": samples,
+            "bubble_ratio": math.fsum(row.get("bubble_ratio_sum") or 0.0 for row in launches) / bubble_samples
+            if bubble_samples
+            else None,
         }
         if samples
         else None,

@@ -129,6 +129,10 @@ launches = Table(
     Column("mfu_ratio_last", Float),
     Column("tokens_per_s_last", Float),
     Column("comm", Text, nullable=False, default="{}"),  # JSON {"phase;dimension;op": seconds}: its collectives
+    # a pipelined launch's bubble: the last sample (JSON, as the run's status has it) and a sum over the samples
+    Column("pipeline", Text),
+    Column("bubble_ratio_sum", Float),
+    Column("bubble_samples", Integer),
 )
 
 

@@ -307,17 +307,26 @@ class StateStore:
                 fields["mfu_ratio_sum"] = (row["mfu_ratio_sum"] if row else 0.0) + sample.mfu_ratio
                 fields["tokens_per_s_sum"] = (row["tokens_per_s_sum"] if row else 0.0) + sample.tokens_per_s
                 fields["mfu_ratio_last"], fields["tokens_per_s_last"] = sample.mfu_ratio, sample.tokens_per_s
+                if sample.pipeline is not None:
+                    fields["pipeline"] = json.dumps(sample.pipeline, sort_keys=True)
+                    sums = (row["bubble_ratio_sum"] or 0.0, row["bubble_samples"] or 0) if row else (0.0, 0)
+                    fields["bubble_ratio_sum"] = sums[0] + float(sample.pipeline["bubble_ratio"])
+                    fields["bubble_samples"] = sums[1] + 1
             if row is None:
                 c.execute(insert(launches).values(run=run, generation=generation, started_s=now_s, **fields))
             else:
                 c.execute(update(launches).where(key).values(**fields))
 
     def launches(self, run: str) -> list[dict[str, Any]]:
-        """What each launch of ``run`` measured, oldest first (``comm``: ``{"phase;dimension;op": seconds}``)."""
+        """What each launch of ``run`` measured, oldest first (``comm``: ``{"phase;dimension;op": seconds}``;
+        ``pipeline``: its last pipeline bubble, or None)."""
         query = select(launches).where(launches.c.run == run).order_by(launches.c.generation)
         with self._tx() as c:
             rows = c.execute(query).mappings().all()
-        return [{**r, "comm": json.loads(r["comm"])} for r in rows]
+        return [
+            {**r, "comm": json.loads(r["comm"]), "pipeline": json.loads(r["pipeline"]) if r["pipeline"] else None}
+            for r in rows
+        ]
 
     # -- Flight Recorder dumps ---------------------------------------------------------------------------------
     def add_flight_dump(
@@ -367,6 +376,7 @@ class LaunchSample:
     mfu_ratio: float = 0.0
     tokens_per_s: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds of this launch
+    pipeline: dict[str, Any] | None = None  # its pipeline bubble now (``pipeline_view``), when its ranks report one
 
 
 def _run_row(row: Any) -> dict[str, Any]:

@@ -71,8 +71,18 @@ def training() -> dict[str, Any]:
             (f"avg(opsd_step_exposed_comm_seconds{{{RANKS}}})", "exposed communication"),
             lo=0,
         ),
+        ts(
+            "Pipeline bubble, measured and theory",
+            "percentunit",
+            (f"opsd_run_pipeline_bubble_ratio{{{RUN}}}", "run, measured"),
+            (f"opsd_pipeline_bubble_theoretical_ratio{{{RUN}}}", "run, theory (p - 1) / (m + p - 1)"),
+            (f"opsd_pipeline_bubble_ratio{{{RANKS}}}", "rank {{rank}}"),
+            lo=0,
+            about="Share of the step each pipeline stage waits on its neighbours; first and last stages wait at "
+            "different ends of the step, a slow stage shows as a larger bubble on the others.",
+        ),
     ]
-    about = "MFU, tokens per second, step time per rank and loss of a run."
+    about = "MFU, tokens per second, step time per rank, loss and pipeline bubble of a run."
     return dashboard("opsd-training", "opsd / Training", about, variables("run", "node", "rank"), panels, 100)
 
 

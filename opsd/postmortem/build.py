@@ -38,6 +38,7 @@ from opsd.postmortem.model import (
     IncidentReport,
     Mtbf,
     Phase,
+    PipelineBubble,
     Report,
     Resume,
     RootCause,
@@ -391,6 +392,28 @@ def _goodput(status: Mapping[str, Any], blocking: Any, mtbf: Any) -> Goodput:
         last_launch=read_int(last.get("launch"), "status.last_measured.launch"),
         mfu_average=read_num(average.get("mfu_ratio"), "status.run_average.mfu_ratio"),
         tokens_per_s_average=read_num(average.get("tokens_per_s"), "status.run_average.tokens_per_s"),
+        pipeline=_pipeline(status, last, average),
+    )
+
+
+def _pipeline(status: Mapping[str, Any], last: Mapping[str, Any], average: Mapping[str, Any]) -> PipelineBubble | None:
+    """The run's pipeline bubble: live while its ranks report, else the last one recorded; None for no pipeline."""
+    live = status.get("pipeline")
+    where = "status.pipeline" if live else "status.last_measured.pipeline"
+    raw = read_obj(live, where) if live else read_obj(last.get("pipeline") or {}, where)
+    if not raw:
+        return None
+    measured = read_num(raw.get("bubble_ratio"), f"{where}.bubble_ratio")
+    if measured is None:
+        raise bad(where, "has no bubble_ratio")
+    return PipelineBubble(
+        bubble_ratio=measured,
+        theoretical_ratio=read_num(raw.get("theoretical_ratio"), f"{where}.theoretical_ratio"),
+        schedule=read_str(raw.get("schedule"), f"{where}.schedule") or "",
+        stages=read_int(raw.get("stages"), f"{where}.stages"),
+        micro_batches=read_int(raw.get("microbatches"), f"{where}.microbatches"),
+        launch=None if live else read_int(last.get("pipeline_launch"), "status.last_measured.pipeline_launch"),
+        average_ratio=read_num(average.get("bubble_ratio"), "status.run_average.bubble_ratio"),
     )
 
 

@@ -203,6 +203,19 @@ class Mtbf:
 
 
 @dataclass(frozen=True)
+class PipelineBubble:
+    """A pipelined run's bubble (docs/pipeline.md): measured, and the theory of its schedule when known."""
+
+    bubble_ratio: float
+    theoretical_ratio: float | None
+    schedule: str
+    stages: int | None
+    micro_batches: int | None
+    launch: int | None  # the launch it was last measured in; None: live, the ranks' last steps
+    average_ratio: float | None  # over every sample recorded while the ranks progressed
+
+
+@dataclass(frozen=True)
 class Goodput:
     ettr: float | None
     badput_s: tuple[tuple[str, float], ...]  # (bucket, seconds), in BADPUT_BUCKETS' order, then any other
@@ -217,6 +230,7 @@ class Goodput:
     last_launch: int | None = None
     mfu_average: float | None = None  # over every sample taken while the ranks progressed
     tokens_per_s_average: float | None = None
+    pipeline: PipelineBubble | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opsd.postmortem.model import XID_ACTION_WORDS, FlightRecorder, IncidentReport, Mtbf, Report, clock, seconds
+from opsd.postmortem.model import (
+    XID_ACTION_WORDS,
+    FlightRecorder,
+    IncidentReport,
+    Mtbf,
+    PipelineBubble,
+    Report,
+    clock,
+    seconds,
+)
 
 
 def _offset(value: float | None) -> str:
@@ -138,6 +147,7 @@ def _sections(report: Report) -> list[_Section]:
                                 g.tokens_per_s, g.tokens_per_s_last, g.tokens_per_s_average, g.last_launch, ",.0f"
                             ),
                         ),
+                        *((("pipeline bubble", _bubble(g.pipeline)),) if g.pipeline is not None else ()),
                     )
                 ),
                 _Table(("badput bucket", "time"), badput),
@@ -210,6 +220,16 @@ def _measured(live: float | None, last: float | None, average: float | None, lau
     else:
         text = "?"
     return text + (f"; run average {format(average, fmt)}" if average is not None else "")
+
+
+def _bubble(p: PipelineBubble) -> str:
+    """``0.41 (last measured, launch 2), theory 0.27 for 1f1b, 4 stages x 8 micro-batches; run average 0.39``."""
+    text = f"{p.bubble_ratio:.2f}" + ("" if p.launch is None else f" (last measured, launch {p.launch})")
+    if p.theoretical_ratio is not None:
+        text += (
+            f", theory {p.theoretical_ratio:.2f} for {p.schedule}, {p.stages} stages x {p.micro_batches} micro-batches"
+        )
+    return text + (f"; run average {p.average_ratio:.2f}" if p.average_ratio is not None else "")
 
 
 def _rank(rank: int | None) -> str:

@@ -30,6 +30,16 @@ TraceId = Annotated[str, Meta(pattern=r"^([0-9a-f]{32})?$(?!\n)")]
 SpanId = Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$(?!\n)")]
 
 
+class HeartbeatPipeline(Struct, kw_only=True):
+    """A pipeline stage's last step: the fraction of it spent waiting on the neighbour stages (its bubble), and the
+    schedule the rank runs (``""`` and 0 when its trainer did not say)."""
+
+    bubble_ratio: Annotated[float, Meta(ge=0, le=1)]
+    schedule: Annotated[str, Meta(max_length=64)] = ""
+    stages: Count = 0
+    microbatches: Count = 0
+
+
 class HeartbeatRank(Struct, kw_only=True):
     """A rank the agent heard from: its last step and the agent's running sums of its reports."""
 
@@ -48,6 +58,7 @@ class HeartbeatRank(Struct, kw_only=True):
     last_report_unix_s: float = 0.0
     coords: dict[str, Count] = {}
     resumed_from_step: Count | None = None  # the checkpoint the rank's launch resumed from (its step reports say)
+    pipeline: HeartbeatPipeline | None = None  # a pipeline stage's bubble and schedule (its step reports say)
 
 
 class HeartbeatEvent(Struct, kw_only=True):

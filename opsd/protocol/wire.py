@@ -49,6 +49,18 @@ class CheckpointReport(Struct, frozen=True):
 
 
 MAX_CHECKPOINTS_PER_REPORT = 4
+#: a schedule's name on the wire: a plain label (``gpipe``, ``1f1b``, ...)
+ScheduleName = Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_.-]*$(?!\n)")]
+
+
+class PipelineReport(Struct, frozen=True):
+    """The rank's part in a pipeline: the seconds its training thread waited on the pipeline's sends and receives
+    in the step (its bubble), and the schedule it runs, when the trainer said (``""`` and 0: not said)."""
+
+    bubble_s: Seconds
+    schedule: ScheduleName = ""
+    stages: Count = 0
+    microbatches: Count = 0
 
 
 class StepReport(Struct, frozen=True):
@@ -79,6 +91,16 @@ class StepReport(Struct, frozen=True):
     checkpoints: Annotated[list[CheckpointReport], Meta(max_length=MAX_CHECKPOINTS_PER_REPORT)] = []
     loss: float | None = None  # the step's training loss, when the trainer reported it
     resumed_from_step: Count | None = None  # the checkpoint this launch of the rank resumed from, if any
+    pipeline: PipelineReport | None = None  # ranks of a pipeline stage: the step's bubble and the schedule
+
+
+def pipeline_bubble_ratio(report: StepReport) -> float | None:
+    """The rank's bubble in its last step as a fraction of the step (0-1); None when it reported no pipeline."""
+    if report.pipeline is None:
+        return None
+    if report.step_s <= 0:
+        return 0.0
+    return min(report.pipeline.bubble_s / report.step_s, 1.0)
 
 
 class TimeoutReport(Struct, frozen=True):
@@ -97,9 +119,8 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-STEP_FIELDS = tuple(
-    f for f in StepReport.__struct_fields__ if f not in ("truncated", "checkpoints", "loss", "resumed_from_step")
-)
+OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline")
+STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
 
 #: the values of ``WireError.reason``
 REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")
