@@ -34,7 +34,8 @@ STEP_S = 15
 
 
 def openmetrics(end_s: int) -> str:
-    """Ten minutes of a 4-rank run, a sample every 15 s; rank 3 computes 30% slower and is flagged."""
+    """Ten minutes of a 4-rank run (two pipeline stages of two ranks), a sample every 15 s; rank 3 computes 30%
+    slower and is flagged."""
     families: dict[str, list[str]] = {}  # OpenMetrics wants each metric's samples together
     times = range(end_s - SPAN_S, end_s + 1, STEP_S)
 
@@ -48,6 +49,8 @@ def openmetrics(end_s: int) -> str:
         series("opsd_run_step", run, 10 * i, t)
         series("opsd_run_state", f'{run}, state="running"', 1, t)
         series("opsd_run_stragglers", run, 1, t)
+        series("opsd_run_pipeline_bubble_ratio", run, 0.2, t)
+        series("opsd_pipeline_bubble_theoretical_ratio", run, 0.2, t)
         for node, rank in RANKS:
             labels = f'{run}, node="{node}", rank="{rank}"'
             slow = 1.3 if rank == "3" else 1.0
@@ -57,6 +60,7 @@ def openmetrics(end_s: int) -> str:
             series("opsd_step_compute_seconds", labels, round(0.4 * slow, 3), t)
             series("opsd_step_exposed_comm_seconds", labels, 0.1, t)
             series("opsd_loss", labels, round(6.0 - 0.05 * i, 3), t)
+            series("opsd_pipeline_bubble_ratio", labels, 0.2 if rank != "3" else 0.1, t)
             series("opsd_steps_total", labels, 10 * i, t)
             series("opsd_memory_bytes", f'{labels}, kind="rss"', 2_000_000_000, t)
             if rank == "3":

@@ -460,7 +460,14 @@ def test_each_launch_keeps_its_collective_time_and_figures_after_the_run_and_a_r
     status = restarted.status("r", 60.0)
     assert status is not None
     assert (status["mfu_ratio"], status["ranks"]) == (0.0, 0)  # nothing live
-    assert status["last_measured"] == {"launch": 2, "mfu_ratio": 0.3, "tokens_per_s": 1e3, "at_unix_s": 50.5}
+    assert status["last_measured"] == {
+        "launch": 2,
+        "mfu_ratio": 0.3,
+        "tokens_per_s": 1e3,
+        "at_unix_s": 50.5,
+        "pipeline": None,  # no stage reported a bubble
+        "pipeline_launch": None,
+    }
     assert status["run_average"]["samples"] == 3
     assert status["run_average"]["mfu_ratio"] == pytest.approx((0.4 + 0.5 + 0.3) / 3)
     (one, two) = store.launches("r")
