@@ -129,6 +129,7 @@ class Reporter:
                 coords=r.coords,
                 resumed_from_step=r.last.resumed_from_step,
                 pipeline=_pipeline(r.last),
+                launch=r.last.launch,
             )
             for r in self.state.snapshot()
         ]

@@ -192,6 +192,7 @@ def play(machines: Machines, store: StateStore, scenario: Scenario, crash: tuple
     try:
         start(controller, scenario)
         if scenario.uncordon:
+            stopped_while_waiting(machines, scenario)
             uncordon(controller, scenario.uncordon)
     except SimulatedCrashError:
         crashed = True
@@ -202,6 +203,7 @@ def play(machines: Machines, store: StateStore, scenario: Scenario, crash: tuple
         assert run is not None
         successor.recovery.take_up(run, time.time(), "the controller died (contract suite)")
         if scenario.uncordon and (store.run(RUN) or {}).get("state") == RunState.WAITING_FOR_SPARE:
+            stopped_while_waiting(machines, scenario)
             uncordon(successor, scenario.uncordon)
     check(machines, store, scenario, incident_of(store))
     machines.invariants()
@@ -224,6 +226,14 @@ def start(controller: Controller, scenario: Scenario) -> int:
     if scenario.failure is None:
         return int(controller.request_restart(RUN, "contract", time.time())["id"])
     return controller.open_failure(run, [scenario.failure], time.time())
+
+
+def stopped_while_waiting(machines: Machines, scenario: Scenario) -> None:
+    """A run waiting for a spare has had its ranks stopped: no rank runs on the failed node (on a cluster, the
+    JobSet may start the pods of its next attempt meanwhile, never there)."""
+    assert scenario.failure is not None
+    placed = machines.placement()
+    assert scenario.failure.node not in placed.values(), f"ranks run on while the run waits: {placed}"
 
 
 def uncordon(controller: Controller, node: str) -> None:

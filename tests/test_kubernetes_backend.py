@@ -277,7 +277,7 @@ def test_stop_evicts_the_running_pods_of_the_current_attempt(cluster: KubeEmulat
 
     outcome = backend.stop_ranks(RUN, "r-1")
 
-    assert outcome == Done({"killed": 2, "restart_attempt": 0})
+    assert outcome == Done({"killed": 2, "restart_attempt": 0, "launch": 0})
     assert sorted(p["metadata"]["name"] for p in cluster.objects("pods", NAMESPACE)) == ["job-done"]
     path = f"/api/v1/namespaces/{NAMESPACE}/pods/job-0/eviction"
     assert cluster.count("POST", path) == 1
@@ -290,15 +290,15 @@ def test_stop_told_again_evicts_nothing_of_the_attempt_the_jobset_started_since(
     cluster: KubeEmulator, backend: KubernetesBackend
 ) -> None:
     cluster.put(pod("job-0", "node-0"))
-    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 1, "restart_attempt": 0})
+    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 1, "restart_attempt": 0, "launch": 0})
     found = cluster.get(JOBSETS, NAMESPACE, RUN)
     assert found is not None
     cluster.put({**found, "status": {"restarts": 1}})  # the JobSet restarted
     cluster.put(pod("job-0-new", "node-0", attempt=1))
 
-    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 0, "restart_attempt": 0})
+    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 0, "restart_attempt": 0, "launch": 0})
     assert cluster.get("pods", NAMESPACE, "job-0-new") is not None
-    assert backend.stop_ranks(RUN, "r-2") == Done({"killed": 1, "restart_attempt": 1})  # a new stop does
+    assert backend.stop_ranks(RUN, "r-2") == Done({"killed": 1, "restart_attempt": 1, "launch": 1})  # a new stop does
 
 
 def test_an_eviction_a_disruption_budget_refuses_is_a_transient_failure(
@@ -312,7 +312,7 @@ def test_an_eviction_a_disruption_budget_refuses_is_a_transient_failure(
     failed(refused, ErrorKind.TRANSIENT)
     assert "429" in failed(refused, ErrorKind.TRANSIENT).message
     assert cluster.get("pods", NAMESPACE, "job-0") is not None
-    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 1, "restart_attempt": 0})
+    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 1, "restart_attempt": 0, "launch": 0})
     assert len(events(cluster, "OpsdEvict")) == 1
 
 
@@ -344,7 +344,7 @@ def test_relaunch_is_pending_until_every_pod_of_the_new_attempt_is_placed(
 
     cluster.put({**unplaced, "spec": {**unplaced["spec"], "nodeName": "node-1"}})
     done = backend.relaunch(RUN, 2, ["node-0", "node-1"], "r-1")
-    assert done == Done({"restart_attempt": 1, "nodes": ["node-0", "node-1"], "pods": 2})
+    assert done == Done({"restart_attempt": 1, "nodes": ["node-0", "node-1"], "pods": 2, "launch": 1})
     assert len(events(cluster, "OpsdRestarted")) == 1
 
 

@@ -42,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from opsd.protocol.env import AGENT_SOCKET_ENV, RUN_ENV
+from opsd.protocol.env import AGENT_SOCKET_ENV, LAUNCH_ENV, RUN_ENV
 from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
 from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
 from trainer_hooks.comm_tables import DIMENSIONS, FORWARD, OTHER, StepComms
@@ -56,12 +56,20 @@ log = logging.getLogger(__name__)
 BATCH_DIMENSIONS = ("dp_replicate", "dp_shard", "ep")
 
 
+def launch_from_env() -> int | None:
+    """The launch the backend says this rank belongs to (``$OPSD_LAUNCH``, a count); None when unset or not one."""
+    value = os.environ.get(LAUNCH_ENV, "").strip()
+    return int(value) if value.isdigit() else None
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     """``run_id`` defaults to ``$OPSD_RUN`` (set by ``opsd run``), else "local"; ``socket_path`` defaults to
-    ``$OPSD_AGENT_SOCKET``; ``jsonl_path`` adds a file sink (both may be set)."""
+    ``$OPSD_AGENT_SOCKET``; ``jsonl_path`` adds a file sink (both may be set); ``launch``, the launch of the run
+    the rank belongs to, defaults to ``$OPSD_LAUNCH`` (set by the backend; reports carry it)."""
 
     run_id: str = field(default_factory=lambda: os.environ.get(RUN_ENV) or "local")
+    launch: int | None = field(default_factory=launch_from_env)
     peak_flops_per_s: float | None = None
     cpu_peak_flops_per_s: float | None = 1e12
     socket_path: str | None = None
@@ -75,6 +83,8 @@ class MonitorConfig:
             raise ValueError("monitor.run_id must not be empty")
         if self.collective_timeout_s < 0:
             raise ValueError("monitor.collective_timeout_s must be >= 0")
+        if self.launch is not None and self.launch < 0:
+            raise ValueError("monitor.launch must be >= 0")
         for name in ("peak_flops_per_s", "cpu_peak_flops_per_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -339,6 +349,8 @@ class Monitor:
                 report["checkpoints"], self._checkpoints = self._checkpoints, []
         if self.resumed_from_step is not None:
             report["resumed_from_step"] = self.resumed_from_step
+        if self.config.launch is not None:
+            report["launch"] = self.config.launch
         return report
 
     def resume_at(self, step: int) -> None:

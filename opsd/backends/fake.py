@@ -56,7 +56,7 @@ class FakeBackend:
             if killed:
                 state.ranks.clear()
                 self._effect("stop_ranks", request_id, run=run)
-            return Done({"killed": killed})
+            return Done({"killed": killed, "launch": state.generation})
 
         return self._once("stop_ranks", request_id, {"run": run}, stop)
 
@@ -102,7 +102,7 @@ class FakeBackend:
             state.ranks = {i * gpn + g: node for i, node in enumerate(nodes) for g in range(gpn)}
             state.resumed_from_step = self.checkpoint_step
             self._effect("relaunch", request_id, run=run, generation=generation, nodes=list(nodes))
-            return Done({"resumed_from_step": self.checkpoint_step, "skipped": []})
+            return Done({"resumed_from_step": self.checkpoint_step, "skipped": [], "launch": generation})
 
         args = {"run": run, "generation": generation, "nodes": list(nodes)}
         return self._once("relaunch", request_id, args, launch)

@@ -62,6 +62,8 @@ class ControllerCore:
         self.stragglers: dict[str, list[StragglerScore]] = {}  # run -> the ranks flagged now
         self.heartbeats_total = 0
         self.launched_s: dict[str, float] = {}  # run -> when its current launch started
+        self.settled: set[str] = set()  # finished runs with nothing left open (the detection pass skips them)
+        self.launch_ids: dict[str, int] = {}  # run -> the launch its ranks report (OPSD_LAUNCH), when the backend said
         self.known_runs: set[str] = set()  # runs the store has (recorded once, not at every heartbeat)
         self.checkpoint_at: dict[str, int] = {}  # run -> a one-off checkpoint step asked for (a graceful restart)
         self.commands: dict[str, list[dict[str, Any]]] = {}  # run -> commands for its ranks (docs/protocol.md)
@@ -148,19 +150,27 @@ class ControllerCore:
             live = self.runs_live.get(run)
             return bool(live is not None and live.exited)
 
-    def launched(self, run: str, now_s: float) -> None:
-        """The backend says the new launch runs: what agents report from before ``now_s`` belongs to the old one.
-        (On a cluster a stopped rank may go on reporting for its grace period, after the relaunch began; the
-        relaunch is done only once the old ranks are gone.)"""
+    def launched(self, run: str, now_s: float, launch: int | None = None) -> None:
+        """The backend says the new launch runs. Its ranks are known by ``launch``, the launch their reports carry,
+        when the backend names one: reports of an earlier launch are ignored, and the new launch's are taken
+        whenever they come (before this call too: its ranks may have stepped, or even finished, while a
+        controller that took over waited for the cluster). Reports without a launch are told apart by time: what
+        agents report from before ``now_s`` belongs to the old one. (On a cluster a stopped rank may go on
+        reporting for its grace period, after the relaunch began; the relaunch is done only once the old ranks are
+        gone.)"""
         with self.lock:
             self.runs_live.pop(run, None)
             self.stragglers.pop(run, None)
             self.recorded.pop(run, None)
             self.launched_s[run] = now_s
+            if launch is not None:
+                self.launch_ids[run] = launch
 
-    def forget_ranks(self, run: str, now_s: float) -> None:
+    def forget_ranks(self, run: str, now_s: float, ended_launch: int | None = None) -> None:
         """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch, whose
-        record is written first); what agents report from before ``now_s`` is ignored."""
+        record is written first); what agents report from before ``now_s`` is ignored. ``ended_launch``: the
+        launch the recovery stopped, when the backend named it: the newest step it made is taken from its own
+        ranks alone (a controller that took over may have heard from the new launch already)."""
         row = self.store.run(run)
         if row is not None and int(row["generation"]) > 0:
             self.record_launch(run, int(row["generation"]), now_s)
@@ -169,9 +179,31 @@ class ControllerCore:
             self.comms_before[run] = held.totals() if held is not None else {}
             self.recorded.pop(run, None)
             ended = self.runs_live.pop(run, None)
-            self.ended_step[run] = ended.newest_step if ended is not None else -1
+            if ended is None:
+                self.ended_step[run] = -1
+            elif ended_launch is None:
+                self.ended_step[run] = ended.newest_step
+            else:
+                ranks = ended.ranks.values()
+                steps = [r.step for r in ranks if r.launch is None or r.launch == ended_launch]
+                self.ended_step[run] = max(steps, default=-1)
             self.stragglers.pop(run, None)
             self.launched_s[run] = now_s
+
+    def final_step(self, run: str) -> int:
+        """The step a run that finished ended at: the newest its last launch reported, and at least the checkpoint
+        that launch resumed from (a launch that resumes from the last step has nothing left to do, and exits before
+        any report); the newest step the run reported when its last launch said nothing."""
+        with self.lock:
+            live = self.runs_live.get(run)
+            newest = live.newest_step if live is not None else -1
+            said = [r.resumed_from_step for r in live.ranks.values() if r.resumed_from_step is not None] if live else []
+        resumed = self.backend.resumed_from(run) if self.backend is not None else None
+        ended = max([newest, *said, *([resumed] if resumed is not None else [])])
+        if ended >= 0:
+            return ended
+        row = self.store.run(run)
+        return int(row["last_step"]) if row is not None else -1
 
     def launch_comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
         """The collective seconds of the run's current launch, by (phase, dimension, op): the totals the agents

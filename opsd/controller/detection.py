@@ -31,6 +31,8 @@ class Detection(Scoring):
                 self._record(run, now_s)
                 if run["state"] == RunState.WAITING_FOR_SPARE:
                     self._retry_waiting(run, now_s)
+                if RunState(run["state"]).finished and run["id"] not in self.settled:
+                    self._settle(run, now_s)
                 if run["state"] != RunState.RUNNING:
                     continue
                 self._progress(run, now_s)
@@ -117,9 +119,7 @@ class Detection(Scoring):
         return incident
 
     def _progress(self, run: dict[str, Any], now_s: float) -> None:
-        """Keep the run's newest step, and close the incidents a relaunch has recovered from: the first progress of
-        the new launch is the first productive step (lost steps: from the checkpoint resumed from to the newest
-        step before the failure)."""
+        """Keep the run's newest step, and close the incidents a relaunch has recovered from."""
         with self.lock:
             live = self.runs_live.get(run["id"])
             newest = live.newest_step if live is not None else -1
@@ -127,48 +127,73 @@ class Detection(Scoring):
             return
         if run.get("first_productive_s") is None:
             self._first_productive(run, now_s)
-        earlier = [
-            i
-            for i in self.store.incidents(run["id"], state=IncidentState.OPEN)
-            if generation_of(i["key"]) < int(run["generation"])
-        ]
-        if earlier:
-            with self.lock:
-                ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
-                first = min((r.step for r in ranks), default=-1)
-                said = [r.resumed_from_step for r in ranks if r.resumed_from_step is not None]
-                resumed_s = min((r.progress_s for r in ranks), default=now_s)
-            if first < 0:
-                return
-            for incident in earlier:
-                # the backend knows (it chose the checkpoint), else the ranks say, else their first step tells
-                resumed_from = self.backend.resumed_from(run["id"]) if self.backend is not None else None
-                if resumed_from is None:
-                    resumed_from = min(said) if said else max(0, first - 1)
-                # the steps the failed launch had made past the checkpoint (not the run's best: an earlier
-                # launch may have got further and lost more, which its own incident counted)
-                before = self.ended_step.get(run["id"], -1)
-                lost = max(0, (before if before >= 0 else int(run["last_step"])) - resumed_from)
-                self.store.update_incident(
-                    incident["id"],
-                    state=IncidentState.RECOVERED,
-                    resumed_s=resumed_s,
-                    resumed_from_step=resumed_from,
-                    lost_steps=lost,
-                )
-                log.info(
-                    "run %s: incident %d recovered: resumed from step %d, %d steps lost, %.1f s after detection",
-                    run["id"],
-                    incident["id"],
-                    resumed_from,
-                    lost,
-                    resumed_s - incident["detected_s"],
-                )
-                if is_failure(incident):  # a straggler warning of the old launch is closed, not traced
-                    self.tracing.trace(self.store, int(incident["id"]))
+        self._close_recovered(run, now_s)
         if newest > int(run["last_step"]):
             self.store.update_run(run["id"], now_s, last_step=newest)
             self.progressed_s[run["id"]] = now_s
+
+    def _settle(self, run: dict[str, Any], now_s: float) -> None:
+        """A finished run: the incidents its last launch recovered from are closed, though the run may have ended
+        before a pass saw that launch progress (it ran to its end while a controller that took over waited for the
+        cluster, or between two passes). A run that failed or was stopped recovered from nothing. Once nothing is
+        left to close, the run is settled (not looked at again)."""
+        if run["state"] == RunState.COMPLETED:
+            current = int(run["generation"])
+            if any(is_failure(i) and generation_of(i["key"]) >= current for i in self._open(run)):
+                return  # its recovery has not relaunched yet (a leader that took over goes on with it)
+            self._close_recovered(run, now_s, ended=True)
+        self.settled.add(run["id"])
+
+    def _open(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.store.incidents(run["id"], state=IncidentState.OPEN)
+
+    def _close_recovered(self, run: dict[str, Any], now_s: float, *, ended: bool = False) -> None:
+        """Close the incidents of earlier launches: the first progress of the new launch is the first productive
+        step (lost steps: from the checkpoint resumed from to the newest step before the failure). ``ended``: the
+        run finished, and an incident of an earlier launch is closed even when nothing of the last launch was
+        heard (then when and where it resumed are not known)."""
+        earlier = [i for i in self._open(run) if generation_of(i["key"]) < int(run["generation"])]
+        if not earlier:
+            return
+        with self.lock:
+            live = self.runs_live.get(run["id"])
+            ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+            first = min((r.step for r in ranks), default=-1)
+            said = [r.resumed_from_step for r in ranks if r.resumed_from_step is not None]
+            resumed_s = min((r.progress_s for r in ranks), default=now_s)
+        if first < 0 and not ended:
+            return
+        # the backend knows (it chose the checkpoint), else the ranks say, else their first step tells
+        resumed_from = self.backend.resumed_from(run["id"]) if self.backend is not None else None
+        if resumed_from is None and first >= 0:
+            resumed_from = min(said) if said else max(0, first - 1)
+        lost: int | None = None
+        if resumed_from is not None:
+            # the steps the failed launch had made past the checkpoint (not the run's best: an earlier launch may
+            # have got further and lost more, which its own incident counted)
+            before = self.ended_step.get(run["id"], -1)
+            lost = max(0, (before if before >= 0 else int(run["last_step"])) - resumed_from)
+        if first < 0:
+            resumed_s = float(run["updated_s"])  # no later than the run's end
+        for incident in earlier:
+            self.store.update_incident(
+                incident["id"],
+                state=IncidentState.RECOVERED,
+                resumed_s=resumed_s,
+                resumed_from_step=resumed_from,
+                lost_steps=lost,
+            )
+            log.info(
+                "run %s: incident %d recovered: resumed from step %s, %s steps lost, %.1f s after detection%s",
+                run["id"],
+                incident["id"],
+                resumed_from,
+                lost,
+                resumed_s - incident["detected_s"],
+                "" if first >= 0 else " (the run ended before its last launch was heard from)",
+            )
+            if is_failure(incident):  # a straggler warning of the old launch is closed, not traced
+                self.tracing.trace(self.store, int(incident["id"]))
 
     def _first_productive(self, run: dict[str, Any], now_s: float) -> None:
         """The run's first progress ends its launch and initialisation (the ``startup`` badput): when its ranks

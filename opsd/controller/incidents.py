@@ -48,12 +48,12 @@ def is_failure(incident: dict[str, Any]) -> bool:
 def unfinished_incident(store: StateStore, run: str) -> dict[str, Any] | None:
     """The open failure incident of ``run`` whose recovery has not relaunched the ranks yet, if any."""
     for incident in reversed(store.incidents(run, state=IncidentState.OPEN)):
-        if not is_failure(incident):
-            continue
-        launched = any(
-            a.kind == ActionKind.LAUNCH and a.state == ActionState.DONE
-            for a in store.actions(incident_id=incident["id"])
-        )
-        if not launched:
+        if is_failure(incident) and not took_step(store, int(incident["id"]), ActionKind.LAUNCH):
             return dict(incident)
     return None
+
+
+def took_step(store: StateStore, incident_id: int, kind: ActionKind, *, begun: bool = False) -> bool:
+    """Whether the recovery of the incident has done a step of ``kind`` (``begun``: or recorded it, about to)."""
+    actions = store.actions(incident_id=incident_id)
+    return any(a.kind == kind and (begun or a.state == ActionState.DONE) for a in actions)

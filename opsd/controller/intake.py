@@ -115,7 +115,11 @@ class Intake(ControllerCore):
 
     def _rank(self, r: HeartbeatRank, node: str, now_s: float) -> None:
         run, rank = r.run, r.rank
-        if r.last_report_unix_s < self.launched_s.get(run, 0.0):
+        launch = self.launch_ids.get(run)
+        if r.launch is not None and launch is not None:
+            if r.launch < launch:
+                return  # a rank of an earlier launch (on a cluster: stopping, or remembered by its agent)
+        elif r.last_report_unix_s < self.launched_s.get(run, 0.0):
             return  # the agent still remembers a rank of an earlier launch
         run_live = self._run_live(run)
         live = run_live.ranks.get(rank)
@@ -147,6 +151,7 @@ class Intake(ControllerCore):
         live.mfu_ratio = r.mfu_ratio
         live.job_tokens_per_s = r.job_tokens_per_s
         live.resumed_from_step = r.resumed_from_step
+        live.launch = r.launch
         p = r.pipeline
         live.bubble = None
         if p is not None:

@@ -155,6 +155,7 @@ class RankLive:
     timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
     resumed_from_step: int | None = None  # the checkpoint its launch resumed from, as its reports say
     bubble: RankBubble | None = None  # a pipeline stage's last bubble and schedule, as its reports say
+    launch: int | None = None  # the launch of the run it belongs to, as its reports say (OPSD_LAUNCH)
 
 
 @dataclass(slots=True)

@@ -107,7 +107,8 @@ class Backend(Protocol):
         ...
 
     def stop_ranks(self, run: str, request_id: str) -> Outcome:
-        """Stop every rank of the run's current launch. Done: ``{"killed": n}``, the ranks still running."""
+        """Stop every rank of the run's current launch. Done: ``{"killed": n}``, the ranks still running, and
+        ``"launch"``, the launch stopped, where the backend names its launches (see ``relaunch``)."""
         ...
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
@@ -125,7 +126,9 @@ class Backend(Protocol):
     def relaunch(self, run: str, generation: int, nodes: Sequence[str], request_id: str) -> Outcome:
         """Launch ``generation`` of the run's ranks on ``nodes`` (what still runs of an earlier one is stopped
         first); the ranks resume from their newest committed checkpoint. Done: ``{"generation", "nodes",
-        "resumed_from_step", "skipped"}`` (newer checkpoints that could not be resumed from, and why)."""
+        "resumed_from_step", "skipped"}`` (newer checkpoints that could not be resumed from, and why), and
+        ``"launch"`` where the backend tells its ranks which launch they belong to (``OPSD_LAUNCH``: their reports
+        carry it, and the controller takes the reports of that launch and no earlier one, whenever they come)."""
         ...
 
     def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:

@@ -48,10 +48,12 @@ class Reads(ControllerCore):
             ranks = list(live.ranks.values()) if live is not None else []
             cadence = self.cadences.get(run_id)
             stragglers = list(self.stragglers.get(run_id, []))
-            step = max((r.step for r in ranks), default=run["last_step"])
+            step = max((r.step for r in ranks if r.step >= 0), default=run["last_step"])
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
             bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
+        if run["final_step"] is not None and RunState(run["state"]).finished:
+            step = int(run["final_step"])  # where it ended, whatever its last launch reported
         return {
             "run": run_id,
             "state": run["state"],

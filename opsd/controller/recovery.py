@@ -10,7 +10,8 @@ generation and state) is written so that a repeat finds it done.
 Recoveries run on a thread per run (``start``); one at a time per run. A step the backend answers ``Pending`` (under
 way: a cluster's scheduler placing pods) is asked again after ``retry_after_s`` until it is done, for at most
 ``step_timeout_s``; one it answers ``Failed`` with a transient error is tried again after ``retry_after_s`` (at most
-``step_attempts`` in all, each wait at most ``step_retry_max_s``); any other failure fails the run.
+``step_attempts`` in all, each wait at most ``step_retry_max_s``); any other failure fails the run. A swap that
+finds no spare (and may not shrink) stops the ranks before the run waits (``_stop_to_wait``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     DUMP_KINDS,
     OnNoSpare,
+    PlannedStep,
     Quarantine,
     hang_strikes,
     plan_recovery,
@@ -159,34 +161,52 @@ class Recovery:
         while seq + 1 < len(steps):
             seq += 1
             step = steps[seq]
-            action = store.record_action(
-                request_id(incident_id, seq, step.kind),
-                run=run,
-                incident_id=incident_id,
-                seq=seq,
-                kind=step.kind,
-                args=dict(step.args),
-                now_s=now_s,
-            )
-            self._passed(RECORDED, action)
-            if action.state == ActionState.DONE:
-                result = action.result or {}
-            else:
-                try:
-                    result = self._carry_out(run, incident_id, failure, action)
-                except WaitForSpare:
-                    store.update_run(run, time.time(), state=RunState.WAITING_FOR_SPARE)
-                    log.warning("run %s: no spare left; waiting for one", run)
-                    return  # the detection pass goes on once a node is uncordoned or added
-                self._passed(CARRIED_OUT, action)
-                store.complete_action(action.request_id, time.time(), result)
-                self._passed(COMPLETED, action)
+            try:
+                action, result = self._step(run, incident_id, failure, seq, step, now_s)
+            except WaitForSpare:
+                self._stop_to_wait(run, incident_id, failure, steps, seq, now_s)
+                return  # the detection pass goes on once a node is uncordoned or added
             quarantine = result.get("quarantine") if action.kind == ActionKind.DUMP else None
             if quarantine:  # the dumps blamed a node that hung before: the rest of the plan swaps it
                 why = Quarantine(str(quarantine["node"]), str(quarantine["reason"]))
                 steps = plan_recovery(
                     failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step, quarantine=why
                 )
+
+    def _step(
+        self, run: str, incident_id: int, failure: Failure, seq: int, step: PlannedStep, now_s: float
+    ) -> tuple[Action, dict[str, Any]]:
+        """Step ``seq`` of the plan: recorded under its request id, then carried out and recorded done (skipped when
+        a record says it was done); the action and its result."""
+        store = self.core.store
+        action = store.record_action(
+            request_id(incident_id, seq, step.kind),
+            run=run,
+            incident_id=incident_id,
+            seq=seq,
+            kind=step.kind,
+            args=dict(step.args),
+            now_s=now_s,
+        )
+        self._passed(RECORDED, action)
+        if action.state == ActionState.DONE:
+            return action, action.result or {}
+        result = self._carry_out(run, incident_id, failure, action)
+        self._passed(CARRIED_OUT, action)
+        store.complete_action(action.request_id, time.time(), result)
+        self._passed(COMPLETED, action)
+        return action, result
+
+    def _stop_to_wait(
+        self, run: str, incident_id: int, failure: Failure, steps: list[PlannedStep], seq: int, now_s: float
+    ) -> None:
+        """No spare for step ``seq``: the plan's ``stop`` is done now, ahead of its turn (under its own request id,
+        so that the recovery skips it when it goes on), and the run waits with no rank running: a rank on a failed
+        GPU would hang or fail in its next collective, and a waiting run holds no GPUs."""
+        stop = next(i for i in range(seq + 1, len(steps)) if steps[i].kind is ActionKind.STOP)
+        _, stopped = self._step(run, incident_id, failure, stop, steps[stop], now_s)
+        self.core.store.update_run(run, time.time(), state=RunState.WAITING_FOR_SPARE)
+        log.warning("run %s: no spare left; its ranks stopped (%s), it waits for one", run, stopped.get("killed", "?"))
 
     def _passed(self, point: str, action: Action) -> None:
         if self.on_step is not None:
@@ -216,7 +236,7 @@ class Recovery:
             return self._take_spare(run, incident_id, str(args["for"]), action)
         if kind is ActionKind.LAUNCH:
             generation = int(args["after_generation"]) + 1  # the record's: a repeat launches the same
-            return self._launch(run, generation, rid, time.time())
+            return self._launch(run, generation, rid, time.time(), self._stopped_launch(incident_id))
         raise StepFailedError(f"run {run}: unknown recovery step {kind!r}")
 
     def _blame(self, run: str, incident_id: int, trigger: str, expected: list[int]) -> dict[str, Any]:
@@ -268,16 +288,28 @@ class Recovery:
         log.info("run %s: %s replaces %s", run, chosen, failed)
         return {"spare": chosen}
 
-    def _launch(self, run: str, generation: int, rid: str, now_s: float) -> dict[str, Any]:
-        """Launch ``generation`` on the run's active nodes: the controller forgets the old launch's ranks, the
-        backend starts the new one, the run is running again."""
+    def _stopped_launch(self, incident_id: int) -> int | None:
+        """The launch the incident's ``stop`` stopped, as its record says (when the backend named it)."""
+        stops = [a for a in self.core.store.actions(incident_id=incident_id) if a.kind == ActionKind.STOP]
+        launch = (stops[-1].result or {}).get("launch") if stops else None
+        return launch if isinstance(launch, int) else None
+
+    def _launch(self, run: str, generation: int, rid: str, now_s: float, stopped: int | None = None) -> dict[str, Any]:
+        """Launch ``generation`` on the run's active nodes: the controller forgets the old launch's ranks (the
+        launch ``stopped``, when the record of the stop names it), the backend starts the new one, the run is
+        running again."""
         store = self.core.store
         nodes = sorted(store.node_names(run, NodeRole.ACTIVE))
-        self.core.forget_ranks(run, now_s)
+        self.core.forget_ranks(run, now_s, stopped)
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
-        self.core.launched(run, time.time())
-        store.update_run(run, time.time(), state=RunState.RUNNING, generation=generation)  # then detection watches
+        launch = done.get("launch")
+        self.core.launched(run, time.time(), int(launch) if isinstance(launch, int) else None)
+        row = store.run(run)
+        if row is not None and RunState(row["state"]).finished:  # it ran to its end before this controller looked
+            store.update_run(run, time.time(), generation=generation)
+        else:
+            store.update_run(run, time.time(), state=RunState.RUNNING, generation=generation)  # detection watches
         log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.get("nodes", nodes)))
         return {"generation": generation, "nodes": nodes, **done}
 

@@ -20,7 +20,9 @@ recorded ones are what a repeat uses.
 - every recovery ends by relaunching the ranks, who resume from the newest committed checkpoint (``launch``).
 
 With no spare left, the run waits for one (a node uncordoned or added) or, when its spec allows it, shrinks: it
-relaunches on the nodes it has left, down to ``min_nodes``.
+relaunches on the nodes it has left, down to ``min_nodes``. A run that waits has its ranks stopped first: the plan's
+``stop`` is carried out ahead of its turn, under its own request id (so the recovery skips it when it goes on), and
+nothing of the run holds a GPU or trains on the failed node meanwhile.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ local nodes, a Kubernetes pod template) to the ranks' hooks and the node agent.
 |---|---|---|---|
 | ``OPSD_RUN`` | the backend | the ranks' ``Monitor`` | the run the ranks belong to |
 | ``OPSD_NODE`` | the backend | (the ranks' logs) | the node the ranks run on |
+| ``OPSD_LAUNCH`` | the backend | the ranks' ``Monitor`` | the launch of the run the ranks belong to (a count) |
 | ``OPSD_AGENT_SOCKET`` | the backend | the ranks, ``opsd agent`` | the node agent's datagram socket |
 | ``OPSD_POLICY_FILE`` | the backend | the ranks, ``opsd agent`` | where the agent writes the controller's policy |
 | ``OPSD_FLIGHT_DIR`` | the backend | the ranks, ``opsd agent`` | where ranks write Flight Recorder dumps |
@@ -13,12 +14,16 @@ local nodes, a Kubernetes pod template) to the ranks' hooks and the node agent.
 And the operator's side (the CLI, and the controller's settings, docs/configuration.md): ``OPSD_URL``,
 ``OPSD_TOKEN``, ``OPSD_STATE_DIR``, ``OPSD_STATE_URL``, ``OPSD_CONFIG`` (the client's config file) and
 ``OPSD_GRAFANA_TOKEN``.
+
+``OPSD_LAUNCH`` is the local backend's generation; on Kubernetes, the JobSet's restart attempt (the pod's label
+``jobset.sigs.k8s.io/restart-attempt``, through the downward API).
 """
 
 from __future__ import annotations
 
 RUN_ENV = "OPSD_RUN"
 NODE_ENV = "OPSD_NODE"
+LAUNCH_ENV = "OPSD_LAUNCH"
 AGENT_SOCKET_ENV = "OPSD_AGENT_SOCKET"
 POLICY_FILE_ENV = "OPSD_POLICY_FILE"
 FLIGHT_DIR_ENV = "OPSD_FLIGHT_DIR"

@@ -59,6 +59,7 @@ class HeartbeatRank(Struct, kw_only=True):
     coords: dict[str, Count] = {}
     resumed_from_step: Count | None = None  # the checkpoint the rank's launch resumed from (its step reports say)
     pipeline: HeartbeatPipeline | None = None  # a pipeline stage's bubble and schedule (its step reports say)
+    launch: Count | None = None  # the launch of the run the rank belongs to, when its step reports say
 
 
 class HeartbeatEvent(Struct, kw_only=True):

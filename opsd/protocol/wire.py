@@ -92,6 +92,7 @@ class StepReport(Struct, frozen=True):
     loss: float | None = None  # the step's training loss, when the trainer reported it
     resumed_from_step: Count | None = None  # the checkpoint this launch of the rank resumed from, if any
     pipeline: PipelineReport | None = None  # ranks of a pipeline stage: the step's bubble and the schedule
+    launch: Count | None = None  # the launch of the run this rank belongs to ($OPSD_LAUNCH), when the backend says
 
 
 def pipeline_bubble_ratio(report: StepReport) -> float | None:
@@ -119,7 +120,7 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline")
+OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline", "launch")
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
 
 #: the values of ``WireError.reason``

@@ -3,7 +3,8 @@
 - ``ProcessKubelet``: each pod the JobSet player (``tests.kube.jobset``) starts runs one rank of the reference
   trainer as a process on this machine, its rank the pod's index in the restart attempt, a fresh rendezvous port
   for each attempt, and the environment of the node it was placed on (its agent's socket, policy file and Flight
-  Recorder directory: what a JobSet pod template mounts from the node's ``/run/opsd``). A pod removed from the API
+  Recorder directory: what a JobSet pod template mounts from the node's ``/run/opsd``) and of its attempt
+  (``OPSD_LAUNCH``, which the docs' JobSet takes from the pod's restart-attempt label). A pod removed from the API
   server has its process killed, as a kubelet does.
 - ``NodeAgents``: one real ``opsd agent`` per node, its GPUs the file source an XID is written into.
 - ``ControllerProcess``: ``opsd serve --backend kubernetes`` as a subprocess, on a kubeconfig that points at the
@@ -34,6 +35,7 @@ from typing import Any
 from opsd.backends.local.processes import free_port, kill_group, rank_env, start_agent, start_rank
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.protocol.cluster import LEADER, ROLE_LABEL
+from opsd.protocol.env import LAUNCH_ENV
 from tests.kube.emulator import KubeEmulator
 
 Json = dict[str, Any]
@@ -55,6 +57,7 @@ class ProcessKubelet:
                 return
             port = self.ports.setdefault(attempt, free_port())
             env = rank_env(self.spec, node, rank=index, local_rank=0, world=self.world, group_rank=index, port=port)
+            env[LAUNCH_ENV] = str(attempt)  # the docs' JobSet: the pod's restart-attempt label, by the downward API
             self.procs[name] = start_rank(self.spec, node, env, f"{name}.log")
             self.placed.append((attempt, index, node))
 

@@ -12,8 +12,10 @@ and onto a spare it promoted. The port's steps, here:
   node back in the spare pool;
 - ``stop_ranks``: every running pod of the run evicted (a 429 from a PodDisruptionBudget: ``Failed``, transient);
 - ``relaunch``: nothing to start (the JobSet does): it checks that the JobSet restarted, that every pod of the new
-  restart attempt is placed, and on no quarantined node, and answers ``Pending`` until then; a pod of an earlier
-  attempt stuck Terminating (its node does not answer) is force-deleted after ``force_delete_after_s``;
+  restart attempt is placed (or ran to its end already), and on no quarantined node, and answers ``Pending`` until
+  then; a pod of an earlier attempt stuck Terminating (its node does not answer) is force-deleted after
+  ``force_delete_after_s``. Its ranks report the restart attempt as their launch (``OPSD_LAUNCH``, from the pod's
+  label through the downward API);
 - ``request_dump``: nothing: the controller knows the run's ranks from their heartbeats;
 - ``inject``: not here (``UNSUPPORTED``).
 
@@ -65,6 +67,10 @@ def terminating(pod: Json) -> bool:
 
 def finished(pod: Json) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def succeeded(pod: Json) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Succeeded"
 
 
 def expected_pods(jobset: Json) -> int:
@@ -167,7 +173,7 @@ class KubernetesBackend:
                 self.api.evict(ref.namespace, pod["metadata"]["name"])
             except NotFoundError:
                 continue  # gone meanwhile
-        return Done({"killed": len(running), "restart_attempt": attempt})
+        return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
 
     def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
         current = self.api.node(node)
@@ -213,7 +219,10 @@ class KubernetesBackend:
         old = [p for p in pods if attempt_of(p) < restarts and not finished(p)]
         for pod in old:
             self._force_if_stuck(ref, pod, now)
-        current = [p for p in pods if attempt_of(p) == restarts and not terminating(p) and not finished(p)]
+        # a pod of the attempt that ran to its end was launched (its ranks may finish before a new leader looks)
+        current = [
+            p for p in pods if attempt_of(p) == restarts and not terminating(p) and (succeeded(p) or not finished(p))
+        ]
         wanted = expected_pods(jobset)
         placed = {p["metadata"]["name"]: (p.get("spec") or {}).get("nodeName") for p in current}
         where = sorted({n for n in placed.values() if n})
@@ -227,7 +236,7 @@ class KubernetesBackend:
             return Pending(why, retry_after_s=1.0)
         message = f"restart attempt {restarts}: {len(current)} pods on {', '.join(where)}"
         self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
-        return Done({"restart_attempt": restarts, "nodes": where, "pods": len(current)})
+        return Done({"restart_attempt": restarts, "nodes": where, "pods": len(current), "launch": restarts})
 
     def _force_if_stuck(self, ref: RunRef, pod: Json, now_s: float) -> None:
         """A pod still Terminating ``force_delete_after_s`` past the end of its grace period (its

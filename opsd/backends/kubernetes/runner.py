@@ -27,10 +27,10 @@ from opsd.backends.kubernetes.lease import elect
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.controller import Controller
-from opsd.controller.incidents import failure_of, unfinished_incident
+from opsd.controller.incidents import failure_of, took_step, unfinished_incident
 from opsd.errors import OpsError
 from opsd.protocol.cluster import JOBSET_NAME_LABEL, LEADER, ROLE_LABEL, STANDBY
-from opsd.protocol.states import RunState
+from opsd.protocol.states import ActionKind, RunState
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ class KubernetesController:
             timeout_s=timeout,
             namespace=config.watch_namespace,
         )
-        self.reconciler = Reconciler(controller.store, backend, self.jobsets, self.pods, self.nodes)
+        self.reconciler = Reconciler(
+            controller.store, backend, self.jobsets, self.pods, self.nodes, final_step=controller.final_step
+        )
         self.stop = threading.Event()
 
     def lead(self) -> None:
@@ -86,12 +88,20 @@ class KubernetesController:
 
     def take_up(self, now_s: float) -> None:
         """Go on with the recoveries a previous leader left unfinished; a run left recovering with nothing to do
-        (its relaunch was done) is running again."""
+        (its relaunch was done) is running again. A run whose JobSet completed after its recovery began to stop the
+        ranks (its new pods ran to their end before this leader led) has the recovery's last steps carried out too:
+        they find what the cluster did (nothing left to evict, the restart attempt that completed) and record it."""
         store = self.controller.store
         for run in store.runs():
-            if run["state"] not in (RunState.RECOVERING, RunState.WAITING_FOR_SPARE):
+            state = RunState(run["state"])
+            if state not in (RunState.RECOVERING, RunState.WAITING_FOR_SPARE, RunState.COMPLETED):
                 continue
             incident = unfinished_incident(store, run["id"])
+            if state == RunState.COMPLETED:
+                if incident is not None and took_step(store, int(incident["id"]), ActionKind.STOP, begun=True):
+                    log.warning("run %s completed during the recovery of incident %d", run["id"], incident["id"])
+                    self.controller.recovery.start(run["id"], int(incident["id"]), failure_of(incident), now_s)
+                continue
             if incident is None:
                 store.update_run(run["id"], now_s, state=RunState.RUNNING)
                 continue

@@ -11,6 +11,7 @@ controller's business. A JobSet that completed or failed ends its run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
@@ -77,12 +78,16 @@ class Reconciler:
         jobsets: Informer,
         pods: Informer,
         nodes: Informer,
+        final_step: Callable[[str], int] | None = None,
     ) -> None:
+        """``final_step``: where a run whose JobSet finished ended (the controller's ``final_step``: what its
+        last launch reported); without it, the newest step the store has."""
         self.store = store
         self.backend = backend
         self.jobsets = jobsets
         self.pods = pods
         self.nodes = nodes
+        self.final_step = final_step
 
     def runs(self) -> dict[str, Json]:
         """run -> its JobSet: the annotated ones, and the ones attached (recorded in the store)."""
@@ -117,7 +122,8 @@ class Reconciler:
             ended = jobset_state(jobset)
             row = self.store.run(name)
             if ended is not None and row is not None and not RunState(row["state"]).finished:
-                self.store.update_run(name, now_s, state=ended, final_step=row["last_step"])
+                final = self.final_step(name) if self.final_step is not None else int(row["last_step"])
+                self.store.update_run(name, now_s, state=ended, final_step=final)
                 log.info("run %s: its JobSet is %s", name, ended)
         self._nodes(runs, now_s)
 

@@ -122,7 +122,7 @@ class LocalBackend:
             killed = self.kill_ranks()
             if killed:
                 self._effect(request_id, "stop_ranks", {"killed": killed, "generation": self.generation})
-            return Done({"killed": killed})
+            return Done({"killed": killed, "launch": self.generation})
 
         return self._once(run, request_id, stop)
 
@@ -149,7 +149,7 @@ class LocalBackend:
             pids = [r.proc.pid for r in self.ranks]
             self._effect(request_id, "relaunch", {"generation": generation, "nodes": list(nodes), "pids": pids})
             log.info("run %s: generation %d started on %s (%d ranks)", run, generation, ", ".join(nodes), len(pids))
-            return Done({"resumed_from_step": self.resumed_from_step, "skipped": self.skipped})
+            return Done({"resumed_from_step": self.resumed_from_step, "skipped": self.skipped, "launch": generation})
 
         return self._once(run, request_id, launch)
 

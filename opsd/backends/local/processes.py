@@ -33,6 +33,7 @@ from opsd.protocol.env import (
     AGENT_SOCKET_ENV,
     CONTROLLER_TOKEN_ENV,
     FLIGHT_DIR_ENV,
+    LAUNCH_ENV,
     NODE_ENV,
     POLICY_FILE_ENV,
     RUN_ENV,
@@ -101,6 +102,7 @@ def start_ranks(spec: LocalRunSpec, nodes: list[str], generation: int) -> list[R
         for local in range(gpn):
             rank = i * gpn + local
             env = rank_env(spec, node, rank=rank, local_rank=local, world=world, group_rank=i, port=port)
+            env[LAUNCH_ENV] = str(generation)
             proc = start_rank(spec, node, env, f"rank{rank}.gen{generation}.log")
             ranks.append(RankProcess(rank, node, proc))
     return ranks

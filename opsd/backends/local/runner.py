@@ -132,10 +132,10 @@ def run_local(
                 controller.rank_exited(spec.run, rank, node, code, now)
             if done:
                 _last_reports(controller, spec)
-                final = controller.store.run(spec.run)
-                assert final is not None
-                controller.store.update_run(spec.run, now, state=RunState.COMPLETED, final_step=final["last_step"])
-                log.info("run %s: completed at step %d", spec.run, final["last_step"])
+                final = controller.final_step(spec.run)
+                controller.store.update_run(spec.run, now, state=RunState.COMPLETED, final_step=final)
+                log.info("run %s: completed at step %d", spec.run, final)
+                controller.tick(time.time())  # its incidents settled (a last launch may have said nothing)
                 break
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 controller.store.update_run(spec.run, now, state=RunState.FAILED)

@@ -1,0 +1,97 @@
+"""A swap that finds no spare, and where a finished run ended, driven step by step on the in-memory backend (no
+process, no wall-clock race: the heartbeats and the passes are given their times).
+
+- With no spare left, the run waits, and its ranks are stopped before it does: none of them trains on the failed
+  node meanwhile, whatever the machine's speed. The stop is the plan's own (its request id): when a spare comes,
+  the recovery goes on without stopping again.
+- A finished run's step is where its last launch ended: the newest step it reported, and at least the checkpoint it
+  resumed from (a launch that resumes from its last checkpoint has nothing left to do and reports nothing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opsd.backends.fake import FakeBackend
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.state import StateStore
+from opsd.policy.detection import Failure, FailureKind
+from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
+from opsd.protocol.states import NodeRole, RunState
+
+RUN = "job"
+XID = Failure(FailureKind.FATAL_XID, "node-1", None, "XID 79 on GPU 0: fallen off the bus")
+
+
+def two_nodes(tmp_path: Path, *, checkpoint_step: int | None = None) -> tuple[Controller, FakeBackend]:
+    """A run on node-0 and node-1 (a rank each), no spare; its first launch made at t=0."""
+    backend = FakeBackend(["node-0", "node-1"], checkpoint_step=checkpoint_step)
+    c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), ControllerConfig(), backend)
+    c.recovery.threaded = False
+    c.store.create_run(RUN, {"backend": "fake"}, 0.0)
+    for node in ("node-0", "node-1"):
+        c.store.upsert_node(node, 0.0, run=RUN, role=NodeRole.ACTIVE)
+    c.recovery.launch_first(RUN, 0.0)
+    return c, backend
+
+
+def beat(c: Controller, step: int, now_s: float, resumed_from_step: int | None = None) -> None:
+    for rank, node in enumerate(("node-0", "node-1")):
+        r = HeartbeatRank(
+            run=RUN, rank=rank, step=step, step_s=0.1, last_report_unix_s=now_s, resumed_from_step=resumed_from_step
+        )
+        c.heartbeat(Heartbeat(v=1, node=node, time_unix_s=now_s, ranks=[r]), now_s)
+
+
+def test_with_no_spare_the_ranks_are_stopped_before_the_run_waits(tmp_path: Path) -> None:
+    c, backend = two_nodes(tmp_path)
+    beat(c, 22, 1e10)
+    run = c.store.run(RUN)
+    assert run is not None
+
+    incident = c.open_failure(run, [XID], 1e10)
+
+    run = c.store.run(RUN)
+    assert run is not None
+    assert run["state"] == RunState.WAITING_FOR_SPARE
+    assert backend.runs[RUN].ranks == {}  # nothing of the run trains on node-1 while it waits
+    stops = [e for e in backend.effects if e.step == "stop_ranks"]
+    assert [e.request_id for e in stops] == [f"incident-{incident}-2-stop"]  # the plan's own stop, ahead of its turn
+
+    c.set_node_role("node-1", NodeRole.SPARE, "", 1e10 + 5)  # an operator puts it back
+    c.tick(1e10 + 5)
+
+    actions = [(a.kind, a.state) for a in c.store.actions(incident_id=incident)]
+    assert actions == [("cordon", "done"), ("take_spare", "done"), ("stop", "done"), ("launch", "done")]
+    assert [e.step for e in backend.effects].count("stop_ranks") == 1  # not stopped twice
+    assert backend.runs[RUN].ranks == {0: "node-0", 1: "node-1"}
+    run = c.store.run(RUN)
+    assert run is not None
+    assert (run["state"], run["generation"]) == (RunState.RUNNING, 2)
+
+
+def test_a_run_whose_last_launch_resumed_from_its_last_step_ended_there(tmp_path: Path) -> None:
+    """Launch 1 reported step 22 and saved step 60 before it was stopped; launch 2 resumes from 60 and exits at
+    once, reporting nothing."""
+    c, _ = two_nodes(tmp_path, checkpoint_step=60)
+    beat(c, 22, 1e10)
+    c.tick(1e10)
+    run = c.store.run(RUN)
+    assert run is not None
+    c.open_failure(run, [Failure(FailureKind.PROCESS_EXIT, "node-1", 1, "rank 1 exited with -9")], 1e10 + 1)
+    for rank, node in enumerate(("node-0", "node-1")):
+        c.rank_exited(RUN, rank, node, 0, 1e10 + 2)
+
+    assert c.final_step(RUN) == 60
+    c.store.update_run(RUN, 1e10 + 3, state=RunState.COMPLETED, final_step=c.final_step(RUN))
+    status = c.status(RUN, 1e10 + 3)
+    assert status is not None
+    assert (status["state"], status["step"]) == ("completed", 60)
+
+
+def test_a_finished_run_ends_at_its_last_launchs_newest_step(tmp_path: Path) -> None:
+    c, _ = two_nodes(tmp_path, checkpoint_step=20)
+    beat(c, 30, 1e10, resumed_from_step=20)
+    beat(c, 41, 1e10 + 1, resumed_from_step=20)
+    assert c.final_step(RUN) == 41
