@@ -4,6 +4,7 @@ banned SDKs, and each fails on a deliberate breach (in a copy of the tree)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -82,3 +83,38 @@ def test_an_sdk_outside_its_adapter_is_refused(tree: Path) -> None:
         "`kubernetes`",
         "`torch`",
     ]
+
+
+def contract_modules(tree: Path) -> set[str]:
+    """The modules import-linter's graph holds, built as ``lint-imports`` builds it (grimp, from the contracts'
+    root packages)."""
+    code = (
+        "import grimp, json, sys; sys.path.insert(0, sys.argv[1]);"
+        f"print(json.dumps(sorted(grimp.build_graph(*{list(PACKAGES)!r}, cache_dir=None).modules)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tree)], cwd=tree, capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(json.loads(result.stdout))
+
+
+def source_modules(tree: Path) -> set[str]:
+    """Every Python module of the packages' trees, as a dotted name (a package by its ``__init__``)."""
+    found = set()
+    for name in PACKAGES:
+        for path in (tree / name).rglob("*.py"):
+            parts = path.relative_to(tree).with_suffix("").parts
+            found.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+def test_the_contracts_see_every_module() -> None:
+    """A folder without ``__init__.py`` is invisible to import-linter: no contract would check its imports."""
+    missing = source_modules(ROOT) - contract_modules(ROOT)
+    assert not missing, f"modules the import contracts never check (a package without __init__.py?): {sorted(missing)}"
+
+
+def test_a_package_without_init_is_found(tree: Path) -> None:
+    (tree / "opsd" / "backends" / "kubernetes" / "__init__.py").unlink()
+    missing = source_modules(tree) - contract_modules(tree)
+    assert "opsd.backends.kubernetes.backend" in missing
