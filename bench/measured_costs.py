@@ -121,18 +121,20 @@ def parse_checkpoint_stall(text: str) -> dict[str, float]:
 def demo_costs(workdir: Path, run: str = "demo") -> dict[str, float]:
     """The XID incident's delays, from the demo's state store: detection, the controller's steps, the start-up."""
     store = StateStore.open(f"sqlite:///{workdir / 'state' / 'opsd.db'}")
-    incidents = [i for i in store.incidents(run) if i["kind"] == IncidentKind.FATAL_XID and i["resumed_s"]]
+    incidents = [i for i in store.incidents(run) if i.kind == IncidentKind.FATAL_XID and i.resumed_s]
     if not incidents:
         raise ValueError(f"the demo in {workdir} has no recovered XID incident")
     incident = incidents[0]
-    launches = [a for a in store.actions(run=run, incident_id=incident["id"]) if a.kind == ActionKind.LAUNCH]
+    resumed_s = incident.resumed_s
+    assert resumed_s is not None
+    launches = [a for a in store.actions(run=run, incident_id=incident.id) if a.kind == ActionKind.LAUNCH]
     if not launches or launches[-1].done_s is None:
         raise ValueError(f"the XID incident of the demo in {workdir} has no completed launch")
     launched_s = launches[-1].done_s
     return {
-        "xid_detection_s": round(incident["detected_s"] - incident["failed_s"], 3),
-        "controller_steps_s": round(launched_s - incident["detected_s"], 3),
-        "rank_startup_s": round(incident["resumed_s"] - launched_s, 3),
+        "xid_detection_s": round(incident.detected_s - incident.failed_s, 3),
+        "controller_steps_s": round(launched_s - incident.detected_s, 3),
+        "rank_startup_s": round(resumed_s - launched_s, 3),
     }
 
 

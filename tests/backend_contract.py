@@ -29,10 +29,12 @@ from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
 from opsd.controller.recovery import CARRIED_OUT, COMPLETED, RECORDED
+from opsd.controller.rows import IncidentRow
 from opsd.controller.state import Action, StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
 from opsd.protocol.states import ActionState, IncidentState, NodeRole, RunState
+from tests.rows import stored
 
 RUN = "job"
 CONFIG = ControllerConfig(flight_wait_s=0.2, restart_checkpoint_wait_s=1.0, step_retry_max_s=0.1)
@@ -202,7 +204,7 @@ def play(machines: Machines, store: StateStore, scenario: Scenario, crash: tuple
         run = store.run(RUN)
         assert run is not None
         successor.recovery.take_up(run, time.time(), "the controller died (contract suite)")
-        if scenario.uncordon and (store.run(RUN) or {}).get("state") == RunState.WAITING_FOR_SPARE:
+        if scenario.uncordon and stored(store.run(RUN)).state == RunState.WAITING_FOR_SPARE:
             stopped_while_waiting(machines, scenario)
             uncordon(successor, scenario.uncordon)
     check(machines, store, scenario, incident_of(store))
@@ -224,7 +226,7 @@ def start(controller: Controller, scenario: Scenario) -> int:
     run = controller.store.run(RUN)
     assert run is not None
     if scenario.failure is None:
-        return int(controller.request_restart(RUN, "contract", time.time())["id"])
+        return controller.request_restart(RUN, "contract", time.time()).id
     return controller.open_failure(run, [scenario.failure], time.time())
 
 
@@ -240,7 +242,7 @@ def uncordon(controller: Controller, node: str) -> None:
     """The run waits for a spare; an operator puts ``node`` back and the detection pass goes on with the recovery."""
     run = controller.store.run(RUN)
     assert run is not None
-    assert run["state"] == RunState.WAITING_FOR_SPARE, run
+    assert run.state == RunState.WAITING_FOR_SPARE, run
     controller.set_node_role(node, NodeRole.SPARE, "", time.time())
     controller.tick(time.time())
 
@@ -253,13 +255,13 @@ def crash_at(point: str, seq: int) -> Callable[[str, Action], None]:
     return on_step
 
 
-def incident_of(store: StateStore) -> dict[str, Any]:
+def incident_of(store: StateStore) -> IncidentRow:
     (incident,) = store.incidents(RUN)
     return incident
 
 
-def check(machines: Machines, store: StateStore, scenario: Scenario, incident: dict[str, Any]) -> None:
-    actions = store.actions(incident_id=incident["id"])
+def check(machines: Machines, store: StateStore, scenario: Scenario, incident: IncidentRow) -> None:
+    actions = store.actions(incident_id=incident.id)
     seen = [(a.kind, a.args, stable(a.result, r)) for a, (_, _, r) in zip(actions, scenario.actions, strict=False)]
     assert seen == [(k, a, r) for k, a, r in scenario.actions], (scenario.name, [(a.kind, a.result) for a in actions])
     assert all(a.state == ActionState.DONE for a in actions), actions
@@ -271,10 +273,10 @@ def check(machines: Machines, store: StateStore, scenario: Scenario, incident: d
     assert not twice, f"{scenario.name}: steps that changed the machines more than once: {twice}"
     run = store.run(RUN)
     assert run is not None
-    assert (run["state"], run["generation"]) == (RunState.RUNNING, 2), run
-    roles = {n["name"]: n["role"] for n in store.nodes() if n["run"] in (RUN, None)}  # None: a shared spare pool
+    assert (run.state, run.generation) == (RunState.RUNNING, 2), run
+    roles = {n.name: n.role for n in store.nodes() if n.run in (RUN, None)}  # None: a shared spare pool
     assert roles == scenario.roles, roles
-    assert incident["state"] == IncidentState.OPEN  # recovered once the new launch steps (the detection pass)
+    assert incident.state == IncidentState.OPEN  # recovered once the new launch steps (the detection pass)
     launch = actions[-1].result or {}
     assert launch["nodes"] == scenario.nodes
     assert machines.placement() == dict(enumerate(scenario.nodes)), machines.placement()  # one rank per node

@@ -19,6 +19,7 @@ from opsd.backends.local.runner import start_run
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.protocol.states import NodeRole
 from tests.backend_contract import (
@@ -49,7 +50,7 @@ class FakeMachines:
         store, now = controller.store, time.time()
         names = [f"node-{i}" for i in range(nodes + spares)]
         self.backend.nodes = dict.fromkeys(names, "ready")
-        store.create_run(RUN, {"backend": "fake", "nodes": nodes, "spares": spares, "checkpoint_url": ""}, now)
+        store.create_run(RUN, RunSpec(backend="fake", nodes=nodes, spares=spares, checkpoint_url=""), now)
         for i, node in enumerate(names):
             role = NodeRole.ACTIVE if i < nodes else NodeRole.SPARE
             store.upsert_node(node, now, run=RUN, role=role, domain=f"rack{i % 2}")
@@ -104,7 +105,7 @@ class LocalMachines:
         successor.lock_run()
         run = store.run(RUN)
         assert run is not None
-        successor.take_up_machines(int(run["generation"]))
+        successor.take_up_machines(int(run.generation))
         self.backends.append(successor)
         return successor
 

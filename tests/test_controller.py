@@ -10,6 +10,7 @@ import pytest
 
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig
@@ -75,7 +76,7 @@ def test_a_runs_launch_and_initialisation_are_startup_badput(tmp_path: Path) -> 
     controller started again on the same state store keeps them."""
     url = f"sqlite:///{tmp_path / 'opsd.db'}"
     controller = Controller(StateStore.open(url), CONFIG)
-    controller.store.create_run("job", {"observed": True}, 0.0)
+    controller.store.create_run("job", RunSpec(observed=True), 0.0)
     for t in range(7):
         controller.tick(float(t))
     starting = controller.status("job", 5.0)
@@ -104,8 +105,8 @@ def test_a_fatal_xid_opens_one_incident_and_is_acknowledged_after(controller: Co
     assert reply.ack_events_up_to == 1
     controller.tick(5.6)
     (incident,) = controller.store.incidents("job")
-    assert (incident["kind"], incident["node"], incident["state"]) == ("fatal_xid", "n1", "open")
-    assert "XID 79 on GPU 1" in incident["detail"]
+    assert (incident.kind, incident.node, incident.state) == ("fatal_xid", "n1", "open")
+    assert "XID 79 on GPU 1" in incident.detail
 
 
 def test_events_needing_no_action_are_acknowledged_at_once(controller: Controller) -> None:
@@ -124,7 +125,7 @@ def test_a_silent_node_is_lost_after_5_intervals_or_the_floor(controller: Contro
     assert [(f.kind.value, f.node) for f in failures] == [("heartbeat_loss", "n1")]
     assert t == 15.0
     (incident,) = controller.store.incidents("job")
-    assert incident["failed_s"] == 9.0  # the last sign of life
+    assert incident.failed_s == 9.0  # the last sign of life
 
 
 def test_a_hang_is_detected_after_the_floor(controller: Controller) -> None:
@@ -146,7 +147,7 @@ def test_a_slow_rank_is_flagged_and_recorded_once(controller: Controller) -> Non
     assert [(s["rank"], s["node"]) for s in status["stragglers"]] == [(2, "n1")]
     assert status["stragglers"][0]["slowdown_ratio"] == pytest.approx(1.3)
     (incident,) = controller.store.incidents("job")
-    assert (incident["kind"], incident["rank"], incident["state"]) == ("straggler", 2, "warned")
+    assert (incident.kind, incident.rank, incident.state) == ("straggler", 2, "warned")
 
 
 def test_collective_timeouts_name_the_rank_that_does_not_wait(controller: Controller) -> None:
@@ -160,8 +161,8 @@ def test_collective_timeouts_name_the_rank_that_does_not_wait(controller: Contro
     controller.heartbeat(beat("n1", [rank(2, 5), rank(3, 5)], timeouts=waits[2:]), 5.5)
     controller.tick(5.6)
     (incident,) = controller.store.incidents("job")
-    assert (incident["kind"], incident["node"], incident["rank"]) == ("collective_timeout", "n1", 3)
-    assert "rank 0 waited 30 s in all_reduce on dp_shard" in incident["detail"]
+    assert (incident.kind, incident.node, incident.rank) == ("collective_timeout", "n1", 3)
+    assert "rank 0 waited 30 s in all_reduce on dp_shard" in incident.detail
 
 
 def test_a_timeout_of_a_rank_that_stepped_on_is_no_failure(controller: Controller) -> None:
@@ -222,7 +223,7 @@ def test_a_relaunch_recovers_its_incident_from_the_step_the_ranks_resumed_from(
 ) -> None:
     """A controller that first hears of the new launch at step 37 (it took over while the ranks ran on)."""
     store = controller.store
-    store.create_run("job", {"observed": True}, 0.0)
+    store.create_run("job", RunSpec(observed=True), 0.0)
     store.update_run("job", 0.0, generation=1, last_step=35)
     incident, _ = store.open_incident(
         key="job/gen1", run="job", kind="fatal_xid", node="n1", rank=None, detail="XID 79", failed_s=1.0, detected_s=2.0
@@ -235,4 +236,4 @@ def test_a_relaunch_recovers_its_incident_from_the_step_the_ranks_resumed_from(
 
     found = store.incident(incident)
     assert found is not None
-    assert (found["state"], found["resumed_from_step"], found["lost_steps"]) == ("recovered", resumed_from, lost)
+    assert (found.state, found.resumed_from_step, found.lost_steps) == ("recovered", resumed_from, lost)

@@ -212,14 +212,14 @@ def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_step
     try:
         url = f"http://127.0.0.1:{port}"
         until_up(url)
-        (incident,) = [i for i in controller.store.incidents(RUN) if i["kind"] == "fatal_xid"]
+        (incident,) = [i for i in controller.store.incidents(RUN) if i.kind == "fatal_xid"]
         runner = CliRunner()
-        md = runner.invoke(app, ["postmortem", RUN, str(incident["id"]), "--url", url])
+        md = runner.invoke(app, ["postmortem", RUN, str(incident.id), "--url", url])
         assert md.exit_code == 0, md.output
         text = md.stdout
         assert "XID 79 (GPU has fallen off the bus) on GPU 0 of node-1" in text
         assert "took spare node-2" in text
-        delay_s = incident["detected_s"] - incident["failed_s"]
+        delay_s = incident.detected_s - incident.failed_s
         assert 0 < delay_s <= 5.0  # from the agent's time of the XID event to its incident
         assert f"**detection delay**: {seconds(delay_s)}" in text
         assert f"**lost steps**: {result['lost_steps']}" in text
@@ -256,8 +256,8 @@ def test_the_demos_incident_is_one_trace_of_its_recovery_steps_linked_to_the_xid
     assert re.fullmatch(r"[0-9a-f]{32}", trace_id or ""), demo.result
     assert f"trace id {trace_id}" in demo.stdout
     store = StateStore.open(f"sqlite:///{demo.work / 'state' / 'opsd.db'}")
-    (incident,) = [i for i in store.incidents(RUN) if i["kind"] == "fatal_xid"]
-    assert incident["trace_id"] == trace_id
+    (incident,) = [i for i in store.incidents(RUN) if i.kind == "fatal_xid"]
+    assert incident.trace_id == trace_id
     controller = [s for s in demo.spans if s.service == "opsd-controller"]
     assert {s.trace_id for s in controller} == {trace_id}  # the one incident, one trace
     root, *steps = sorted(controller, key=lambda s: (s.start_ns, -s.end_ns))
@@ -270,14 +270,15 @@ def test_the_demos_incident_is_one_trace_of_its_recovery_steps_linked_to_the_xid
         "resume",
     ]
     assert all(s.parent_span_id == root.span_id for s in steps)
-    assert (root.start_ns, root.end_ns) == (int(incident["detected_s"] * 1e9), int(incident["resumed_s"] * 1e9))
-    recovery_s = incident["resumed_s"] - incident["detected_s"]
+    assert incident.resumed_s is not None
+    assert (root.start_ns, root.end_ns) == (int(incident.detected_s * 1e9), int(incident.resumed_s * 1e9))
+    recovery_s = incident.resumed_s - incident.detected_s
     assert sum(s.duration_s for s in steps) == pytest.approx(recovery_s, abs=1e-5)
     assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(steps))
     assert (root.attributes["opsd.node"], root.attributes["opsd.spare"]) == ("node-1", "node-2")
     assert steps[1].attributes["opsd.spare"] == "node-2"
     assert [s.attributes["opsd.request_id"] for s in steps[:-1]] == [
-        a.request_id for a in store.actions(incident_id=incident["id"])
+        a.request_id for a in store.actions(incident_id=incident.id)
     ]
     (xid,) = [s for s in demo.spans if s.service == "opsd-agent" and s.name == "gpu.xid"]
     assert xid.attributes["gpu.xid"] == 79

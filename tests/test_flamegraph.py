@@ -30,6 +30,7 @@ from opsd.api.app import create_app
 from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.controller.views import flame_stacks
 from opsd.errors import BodyError, PermanentError
@@ -437,7 +438,7 @@ def launch_beat(at_s: float, step_: int, comms: list[tuple[str, str, str, float]
 
 def test_each_launch_keeps_its_collective_time_and_figures_after_the_run_and_a_restart(tmp_path: Path) -> None:
     store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
-    store.create_run("r", {}, 0.0)
+    store.create_run("r", RunSpec(), 0.0)
     store.update_run("r", 0.0, generation=1)
     controller = Controller(store)
     controller.heartbeat(launch_beat(10.0, 5, [("forward", "tp", "all_reduce", 1.0)], mfu=0.4), 10.0)
@@ -471,7 +472,7 @@ def test_each_launch_keeps_its_collective_time_and_figures_after_the_run_and_a_r
     assert status["run_average"]["samples"] == 3
     assert status["run_average"]["mfu_ratio"] == pytest.approx((0.4 + 0.5 + 0.3) / 3)
     (one, two) = store.launches("r")
-    assert (one["first_step"], one["last_step"], two["first_step"], two["last_step"]) == (5, 9, 8, 8)
+    assert (one.first_step, one.last_step, two.first_step, two.last_step) == (5, 9, 8, 8)
     client = TestClient(create_app(restarted, TOKEN))
     answer = client.get("/v1/runs/r/flamegraph", params={"launch": 2})
     assert parse_folded(answer.text) == {("step", "backward", "tp", "all_reduce"): 2_000_000}

@@ -32,6 +32,7 @@ from opsd.backends.local.runner import start_api
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.flight import collect_dumps
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
 from tests.launch import run_module
@@ -113,7 +114,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Dumps:
 @pytest.fixture
 def controller(tmp_path: Path) -> Controller:
     store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
-    store.create_run(RUN, {"backend": "test"}, time.time())
+    store.create_run(RUN, RunSpec(backend="test"), time.time())
     return Controller(store, ControllerConfig())
 
 

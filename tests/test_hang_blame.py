@@ -16,6 +16,7 @@ import pytest
 from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import Action, StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
@@ -36,7 +37,7 @@ def controller(tmp_path: Path, **config: float) -> Controller:
     assert isinstance(backend, FakeBackend)
     backend.nodes = dict.fromkeys(["node-0", "node-1", "node-2"], "ready")
     now = time.time()
-    c.store.create_run(RUN, {"backend": "fake"}, now)
+    c.store.create_run(RUN, RunSpec(backend="fake"), now)
     for node in ("node-0", "node-1"):
         c.store.upsert_node(node, now, run=RUN, role=NodeRole.ACTIVE)
     c.store.upsert_node("node-2", now, run=RUN, role=NodeRole.SPARE)
@@ -82,9 +83,9 @@ def test_the_dumps_culprit_becomes_the_incidents_and_a_second_hang_swaps_its_nod
 
     incident = c.store.incident(first)
     assert incident is not None
-    assert (incident["node"], incident["rank"]) == ("node-0", 0)
-    assert "the Flight Recorder names rank 0 on node-0" in incident["detail"]
-    assert "first blamed: rank 1 on node-1" in incident["detail"]
+    assert (incident.node, incident.rank) == ("node-0", 0)
+    assert "the Flight Recorder names rank 0 on node-0" in incident.detail
+    assert "first blamed: rank 1 on node-1" in incident.detail
     kinds = [a.kind for a in c.store.actions(incident_id=first)]
     assert kinds == ["dump", "stop", "launch"]  # one hang: a warning, no swap
     (dump,) = [a for a in c.store.actions(incident_id=first) if a.kind == "dump"]
@@ -103,7 +104,7 @@ def test_the_dumps_culprit_becomes_the_incidents_and_a_second_hang_swaps_its_nod
         ("launch", None),
     ]
     assert "hung 2 times within 24 h" in actions[1].args["reason"]
-    roles = {n["name"]: n["role"] for n in c.store.nodes(RUN)}
+    roles = {n.name: n.role for n in c.store.nodes(RUN)}
     assert roles == {"node-0": NodeRole.CORDONED, "node-1": NodeRole.ACTIVE, "node-2": NodeRole.ACTIVE}
     backend = c.backend
     assert isinstance(backend, FakeBackend)
@@ -116,7 +117,7 @@ def test_below_the_threshold_or_with_none_a_hang_swaps_nothing(tmp_path: Path, t
     hang(c)
     second = hang(c)
     assert [a.kind for a in c.store.actions(incident_id=second)] == ["dump", "stop", "launch"]
-    assert {n["role"] for n in c.store.nodes(RUN) if n["name"] != "node-2"} == {NodeRole.ACTIVE}
+    assert {n.role for n in c.store.nodes(RUN) if n.name != "node-2"} == {NodeRole.ACTIVE}
 
 
 def test_a_controller_that_takes_the_recovery_up_after_the_dump_makes_the_same_plan(tmp_path: Path) -> None:

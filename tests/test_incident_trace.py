@@ -24,6 +24,7 @@ from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import ErrorKind, Failed
 from opsd.controller.recovery import COMPLETED
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.controller.tracing import ENDPOINT_VARIABLES, IncidentTracing
 from opsd.controller.views import postmortem_bundle
@@ -37,6 +38,7 @@ from opsd.protocol.states import IncidentState, NodeRole
 from opsd.protocol.xid_table import load_xid_table
 from tests.backend_contract import XID, SimulatedCrashError, crash_at
 from tests.otlp import OtlpReceiver, ReceivedSpan
+from tests.rows import stored
 
 RUN = "job"
 CONFIG = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=30, hang_floor_s=30), step_retry_max_s=0.1)
@@ -70,9 +72,9 @@ def xid_incident(tmp_path: Path, tracing: IncidentTracing, agent_tracing: Tracin
     controller.heartbeat(beat("node-1", {1: 6}, [HeartbeatEvent(**asdict(seen))]), time.time())
     (_failure,) = controller.tick(time.time())  # detected: the recovery runs before the pass returns
     (incident,) = store.incidents(RUN)
-    assert store.run(RUN)["generation"] == 2, store.actions(run=RUN)  # type: ignore[index]
+    assert stored(store.run(RUN)).generation == 2, store.actions(run=RUN)
     first_step(controller)
-    return controller, int(incident["id"])
+    return controller, int(incident.id)
 
 
 def running(tmp_path: Path, tracing: IncidentTracing, backend: FakeBackend) -> Controller:
@@ -81,7 +83,7 @@ def running(tmp_path: Path, tracing: IncidentTracing, backend: FakeBackend) -> C
     controller = Controller(store, CONFIG, backend, tracing=tracing)
     controller.recovery.threaded = False
     now = time.time()
-    store.create_run(RUN, {"backend": "fake", "nodes": 2, "spares": 1, "checkpoint_url": ""}, now)
+    store.create_run(RUN, RunSpec(backend="fake", nodes=2, spares=1, checkpoint_url=""), now)
     for i, node in enumerate(["node-0", "node-1", "node-2"]):
         store.upsert_node(node, now, run=RUN, role=NodeRole.ACTIVE if i < 2 else NodeRole.SPARE, domain="rack0")
     controller.recovery.launch_first(RUN, now)
@@ -115,11 +117,11 @@ def test_an_xid_incident_is_one_trace_from_detection_to_the_first_productive_ste
         received = receiver.spans()
     incident = controller.store.incident(incident_id)
     assert incident is not None
-    assert incident["state"] == IncidentState.RECOVERED, incident
+    assert incident.state == IncidentState.RECOVERED, incident
 
     (xid,) = [s for s in received if s.service == "opsd-agent"]
     spans = in_order([s for s in received if s.service == "opsd-controller"])
-    assert {s.trace_id for s in spans} == {incident["trace_id"]}  # one trace, the one the store names
+    assert {s.trace_id for s in spans} == {incident.trace_id}  # one trace, the one the store names
     root, *children = spans
     assert root.name == "incident"
     assert root.parent_span_id == ""
@@ -127,8 +129,9 @@ def test_an_xid_incident_is_one_trace_from_detection_to_the_first_productive_ste
     assert all(c.parent_span_id == root.span_id for c in children)
 
     # the root: detection to the first productive step; linked to the agent's span of the XID
-    assert root.start_ns == int(incident["detected_s"] * 1e9)
-    assert root.end_ns == int(incident["resumed_s"] * 1e9)
+    assert incident.resumed_s is not None
+    assert root.start_ns == int(incident.detected_s * 1e9)
+    assert root.end_ns == int(incident.resumed_s * 1e9)
     assert root.links == ((xid.trace_id, xid.span_id, {"opsd.link": "caused_by"}),)
     assert (xid.name, xid.attributes["gpu.xid"]) == ("gpu.xid", 79)
     assert root.status_code == 1  # ok
@@ -137,7 +140,7 @@ def test_an_xid_incident_is_one_trace_from_detection_to_the_first_productive_ste
     assert (root.attributes["opsd.node"], root.attributes["opsd.spare"]) == ("node-1", "node-2")
 
     # the steps: each within the root, one after the other, their durations adding up to the recovery time
-    recovery_s = incident["resumed_s"] - incident["detected_s"]
+    recovery_s = incident.resumed_s - incident.detected_s
     assert sum(c.duration_s for c in children) == pytest.approx(recovery_s, abs=1e-5)
     assert all(root.start_ns <= c.start_ns <= c.end_ns <= root.end_ns for c in children)
     assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(children))
@@ -173,8 +176,8 @@ def test_without_an_endpoint_nothing_is_traced_and_the_recovery_is_the_same(
     tracing.shutdown()
     incident = controller.store.incident(incident_id)
     assert incident is not None
-    assert incident["state"] == IncidentState.RECOVERED
-    assert (incident["trace_id"], incident["gpu_trace_id"], incident["gpu_span_id"]) == (None, None, None)
+    assert incident.state == IncidentState.RECOVERED
+    assert (incident.trace_id, incident.gpu_trace_id, incident.gpu_span_id) == (None, None, None)
     assert "trace id" not in to_markdown(build(postmortem_bundle(controller, RUN, time.time()), incident_id))
 
 
@@ -190,7 +193,7 @@ def test_an_endpoint_that_refuses_is_counted_and_the_recovery_goes_on(
         assert receiver.requests  # it was tried
     incident = controller.store.incident(incident_id)
     assert incident is not None
-    assert incident["state"] == IncidentState.RECOVERED
+    assert incident.state == IncidentState.RECOVERED
     assert controller.tracing.errors["export"] >= 1
     exposed = {
         s.labels["stage"]: s.value
@@ -211,7 +214,7 @@ def test_a_recovery_that_fails_ends_its_trace_with_an_error(tmp_path: Path, monk
         controller = Controller(store, CONFIG, backend, tracing=IncidentTracing.from_environment())
         controller.recovery.threaded = False
         now = time.time()
-        store.create_run(RUN, {"backend": "fake", "nodes": 2, "spares": 0, "checkpoint_url": ""}, now)
+        store.create_run(RUN, RunSpec(backend="fake", nodes=2, spares=0, checkpoint_url=""), now)
         for node in ("node-0", "node-1"):
             store.upsert_node(node, now, run=RUN, role=NodeRole.ACTIVE)
         controller.recovery.launch_first(RUN, now)
@@ -221,7 +224,7 @@ def test_a_recovery_that_fails_ends_its_trace_with_an_error(tmp_path: Path, monk
         spans = in_order([s for s in receiver.spans() if s.service == "opsd-controller"])
     assert [s.name for s in spans] == ["incident", "checkpoint", "stop", "relaunch"]
     root, relaunch = spans[0], spans[-1]
-    assert root.trace_id == (store.incident(int(incident["id"])) or {})["trace_id"]
+    assert root.trace_id == stored(store.incident(incident.id)).trace_id
     assert (root.status_code, relaunch.status_code) == (2, 2)  # error
     assert "no quota" in root.attributes["opsd.result"]
     assert relaunch.end_ns == root.end_ns
@@ -238,16 +241,16 @@ def test_a_recovery_taken_up_by_another_controller_is_still_one_trace(
         first = running(tmp_path, IncidentTracing.from_environment(), backend)
         first.recovery.on_step = crash_at(COMPLETED, 1)
         with pytest.raises(SimulatedCrashError):
-            first.open_failure(first.store.run(RUN) or {}, [XID], time.time())
+            first.open_failure(stored(first.store.run(RUN)), [XID], time.time())
         (incident,) = first.store.incidents(RUN)
         successor = Controller(first.store, CONFIG, backend, tracing=IncidentTracing.from_environment())
         successor.recovery.threaded = False
-        successor.recovery.take_up(first.store.run(RUN) or {}, time.time(), "the controller died (test)")
+        successor.recovery.take_up(stored(first.store.run(RUN)), time.time(), "the controller died (test)")
         first_step(successor)
         first.tracing.shutdown()  # nothing of its own to export: the incident had not ended
         successor.tracing.shutdown()
         spans = in_order(receiver.spans())
-    assert {s.trace_id for s in spans} == {incident["trace_id"]}
+    assert {s.trace_id for s in spans} == {incident.trace_id}
     assert [s.name for s in spans] == ["incident", *STEPS]
     root, *children = spans
     assert all(root.start_ns <= c.start_ns <= c.end_ns <= root.end_ns for c in children)
@@ -265,9 +268,9 @@ def test_a_store_of_an_earlier_version_gets_the_trace_columns(tmp_path: Path) ->
     again = StateStore.open(url)
     try:
         (incident,) = again.incidents()
-        assert incident["trace_id"] is None
-        again.update_incident(incident["id"], trace_id="ab" * 16)
-        assert (again.incident(incident["id"]) or {})["trace_id"] == "ab" * 16
+        assert incident.trace_id is None
+        again.update_incident(incident.id, trace_id="ab" * 16)
+        assert stored(again.incident(incident.id)).trace_id == "ab" * 16
     finally:
         again.engine.dispose()
 

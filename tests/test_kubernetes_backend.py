@@ -19,7 +19,9 @@ from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_na
 from opsd.backends.kubernetes.runner import label_self
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome, Pending
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
+from opsd.policy.recovery import OnNoSpare
 from opsd.protocol.cluster import (
     CHECKPOINT_URL_ANNOTATION,
     CORDONED_BY_OPSD_ANNOTATION,
@@ -38,6 +40,7 @@ from opsd.protocol.states import NodeRole, RunState
 from tests.backend_contract import BY_NAME, RUN, play
 from tests.kube.emulator import KubeEmulator
 from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist, wait_until
+from tests.rows import stored
 
 XID_REASON = "fatal_xid: XID 79 on GPU 0: fallen off the bus"
 OTHER_TAINT = {"key": "nvidia.com/gpu-xid-error", "value": "true", "effect": "NoSchedule"}
@@ -510,27 +513,27 @@ def test_the_reconciler_finds_runs_and_node_roles(cluster: KubeEmulator, store: 
 
     listed_reconciler(backend_on(cluster, clock), store, clock())
 
-    assert {r["id"] for r in store.runs()} == {RUN, "other"}
+    assert {r.id for r in store.runs()} == {RUN, "other"}
     other = store.run("other")
     assert other is not None
-    assert other["generation"] == 1
-    assert other["state"] == RunState.RUNNING
-    assert other["spec"] == {
-        "backend": "kubernetes",
-        "namespace": NAMESPACE,
-        "jobset": "other",
-        "checkpoint_url": "s3://ckpt/other",
-        "on_no_spare": "shrink",
-        "min_nodes": 1,
-    }
-    roles = {n["name"]: (n["role"], n["run"]) for n in store.nodes()}
+    assert other.generation == 1
+    assert other.state == RunState.RUNNING
+    assert other.spec == RunSpec(
+        backend="kubernetes",
+        namespace=NAMESPACE,
+        jobset="other",
+        checkpoint_url="s3://ckpt/other",
+        on_no_spare=OnNoSpare.SHRINK,
+        min_nodes=1,
+    )
+    roles = {n.name: (n.role, n.run) for n in store.nodes()}
     assert roles == {
         "node-0": (NodeRole.ACTIVE, RUN),
         "node-1": (NodeRole.CORDONED, None),  # quarantined before this store knew it: of no run now
         "node-2": (NodeRole.SPARE, None),
         "node-5": (NodeRole.ACTIVE, "other"),  # no run label: it runs one of the run's pods
     }
-    assert store.node("node-1")["reason"] == XID_REASON  # type: ignore[index]
+    assert stored(store.node("node-1")).reason == XID_REASON
 
 
 def test_the_reconciler_follows_releases_attachments_and_endings(
@@ -540,34 +543,34 @@ def test_the_reconciler_follows_releases_attachments_and_endings(
     backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1")
     cluster.put(jobset("plain", 1, opsd=False))
     reconciler = listed_reconciler(backend, store, clock())
-    assert store.node("node-1")["role"] == NodeRole.CORDONED  # type: ignore[index]
+    assert stored(store.node("node-1")).role == NodeRole.CORDONED
 
     backend.release_node("node-1", "r-2")
-    attached = {"backend": "kubernetes", "namespace": NAMESPACE, "jobset": "plain", "attached": True}
+    attached = RunSpec(backend="kubernetes", namespace=NAMESPACE, jobset="plain", attached=True)
     store.create_run("attached", attached, clock())
     found = cluster.get(JOBSETS, NAMESPACE, RUN)
     assert found is not None
     cluster.put({**found, "status": {"conditions": [{"type": "Completed", "status": "True"}]}})
     relist(reconciler, clock())
 
-    assert store.node("node-1")["role"] == NodeRole.SPARE  # type: ignore[index]
+    assert stored(store.node("node-1")).role == NodeRole.SPARE
     assert reconciler.backend.runs["attached"] == RunRef(NAMESPACE, "plain")
-    assert store.run(RUN)["state"] == RunState.COMPLETED  # type: ignore[index]
-    assert store.run("attached")["state"] == RunState.RUNNING  # type: ignore[index]
+    assert stored(store.run(RUN)).state == RunState.COMPLETED
+    assert stored(store.run("attached")).state == RunState.RUNNING
 
 
 def test_a_run_first_seen_in_a_heartbeat_takes_its_jobsets_spec(
     cluster: KubeEmulator, store: StateStore, clock: Clock
 ) -> None:
-    store.create_run(RUN, {"observed": True}, clock())  # a rank's report came before the JobSet was listed
+    store.create_run(RUN, RunSpec(observed=True), clock())  # a rank's report came before the JobSet was listed
 
     listed_reconciler(backend_on(cluster, clock), store, clock())
 
     row = store.run(RUN)
     assert row is not None
-    assert row["spec"]["backend"] == "kubernetes"
-    assert (row["spec"]["namespace"], row["spec"]["jobset"]) == (NAMESPACE, RUN)
-    assert row["generation"] == 1
+    assert row.spec.backend == "kubernetes"
+    assert (row.spec.namespace, row.spec.jobset) == (NAMESPACE, RUN)
+    assert row.generation == 1
 
 
 # -- the controller's own pod ------------------------------------------------------------------------------------

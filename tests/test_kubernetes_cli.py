@@ -29,6 +29,7 @@ from opsd.protocol.cluster import QUARANTINE_TAINT, SPARE_TAINT
 from opsd.protocol.states import NodeRole
 from tests.kube.emulator import KubeEmulator
 from tests.kube.machines import NAMESPACE, jobset, listed_reconciler, node, relist
+from tests.rows import stored
 
 TOKEN = "k8s-cli"
 RUN = "job"
@@ -74,8 +75,8 @@ def test_attach_makes_an_unannotated_jobset_a_run(served: Served) -> None:
     assert served.reconciler.backend.runs["llama"] == RunRef(NAMESPACE, "trainjob-7")
     run = served.controller.store.run("llama")
     assert run is not None
-    assert run["generation"] == 1
-    assert run["spec"]["attached"] is True
+    assert run.generation == 1
+    assert run.spec.attached is True
     again = served.opsd("runs", "attach", f"{NAMESPACE}/trainjob-7", "--name", "llama", "--json")
     assert again.exit_code == 0, again.output  # idempotent
     assert json.loads(again.stdout)["id"] == "llama"
@@ -127,7 +128,7 @@ def test_cordon_and_uncordon_act_on_the_node(served: Served, kube: KubeEmulator)
     assert found is not None
     assert not found["spec"].get("unschedulable")
     assert {t["key"] for t in found["spec"]["taints"]} == {SPARE_TAINT}  # back in the spare pool
-    assert served.controller.store.node("node-1")["role"] == NodeRole.SPARE  # type: ignore[index]
+    assert stored(served.controller.store.node("node-1")).role == NodeRole.SPARE
 
 
 def test_spares_and_metrics_show_the_clusters_shared_pool(served: Served) -> None:

@@ -22,6 +22,7 @@ from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.runner import KubernetesController
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
@@ -98,8 +99,8 @@ def completed(machines: KubeMachines) -> bool:
 def check_recovered(store: StateStore, incident_id: int) -> None:
     incident = store.incident(incident_id)
     assert incident is not None
-    assert (incident["state"], incident["spare"]) == (IncidentState.RECOVERED, "node-2")
-    assert (incident["resumed_from_step"], incident["lost_steps"]) == (20, 5)  # the new launch's reports said 20
+    assert (incident.state, incident.spare) == (IncidentState.RECOVERED, "node-2")
+    assert (incident.resumed_from_step, incident.lost_steps) == (20, 5)  # the new launch's reports said 20
     kinds = [(a.kind, a.state) for a in store.actions(incident_id=incident_id)]
     assert kinds == [("cordon", "done"), ("take_spare", "done"), ("stop", "done"), ("launch", "done")]
 
@@ -125,10 +126,10 @@ def test_the_new_pods_ran_to_their_end_before_the_successor_led(kube: KubeEmulat
         finally:
             leader.close()
         (incident,) = store.incidents(RUN)
-        check_recovered(store, int(incident["id"]))
+        check_recovered(store, int(incident.id))
         run = store.run(RUN)
         assert run is not None
-        assert (run["state"], run["generation"], run["final_step"]) == (RunState.COMPLETED, 2, 60)
+        assert (run.state, run.generation, run.final_step) == (RunState.COMPLETED, 2, 60)
     finally:
         machines.player.stop()
 
@@ -153,7 +154,7 @@ def test_the_new_launch_reported_before_the_successor_confirmed_it(kube: KubeEmu
         finally:
             leader.close()
         (incident,) = store.incidents(RUN)
-        check_recovered(store, int(incident["id"]))
+        check_recovered(store, int(incident.id))
         assert status is not None
         assert (status["state"], status["step"], status["generation"]) == ("running", 31, 2)
         assert controller.rank_node(RUN, 1) == "node-2"
@@ -164,7 +165,7 @@ def test_the_new_launch_reported_before_the_successor_confirmed_it(kube: KubeEmu
 def test_a_run_that_ends_between_a_report_and_a_pass_has_its_incident_closed(store: StateStore) -> None:
     """The relaunch's ranks reported, and the run was marked completed (its JobSet finished) before any detection
     pass saw them progress."""
-    store.create_run(RUN, {"backend": "kubernetes"}, 0.0)
+    store.create_run(RUN, RunSpec(backend="kubernetes"), 0.0)
     store.update_run(RUN, 0.0, generation=1, last_step=25)
     incident, _ = store.open_incident(
         key=f"{RUN}/gen1",
@@ -187,4 +188,4 @@ def test_a_run_that_ends_between_a_report_and_a_pass_has_its_incident_closed(sto
 
     found = store.incident(incident)
     assert found is not None
-    assert (found["state"], found["resumed_from_step"], found["lost_steps"]) == ("recovered", 20, 5)
+    assert (found.state, found.resumed_from_step, found.lost_steps) == ("recovered", 20, 5)

@@ -14,13 +14,14 @@ from opsd.backends.local.processes import kill_orphans, start_time
 from opsd.backends.local.runner import start_run
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.controller.controller import Controller
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import PermanentError
 
 
 def test_a_run_name_is_not_taken_twice(tmp_path: Path) -> None:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    controller.store.create_run("job", {}, now_s=1.0)
+    controller.store.create_run("job", RunSpec(), now_s=1.0)
     controller.store.update_run("job", 2.0, state="completed")
     backend = LocalBackend(LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs")))
     with pytest.raises(PermanentError, match=r"run 'job' is completed in this state store"):
@@ -44,7 +45,7 @@ def test_spec_validates_itself(kwargs: dict[str, object], message: str) -> None:
 
 def test_a_second_controller_of_a_run_is_refused(tmp_path: Path) -> None:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    controller.store.create_run("job", {"nodes": 2, "spares": 1}, now_s=1.0)  # running: a candidate to take up
+    controller.store.create_run("job", RunSpec(nodes=2, spares=1), now_s=1.0)  # running: a candidate to take up
     spec = LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs"))
     first = LocalBackend(spec)
     first.lock_run()

@@ -19,6 +19,7 @@ from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.cli.client import UnreachableError
 from opsd.cli.offline import Reader, StoreClient, store_url
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import PermanentError
 
@@ -117,7 +118,7 @@ class Refusing:
 def test_the_store_answers_as_the_controller_would_and_only_when_none_answers(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'opsd.db'}"
     store = StateStore.open(url)
-    store.create_run("r", {"nodes": 1}, 1.0)
+    store.create_run("r", RunSpec(nodes=1), 1.0)
     said: list[str] = []
     dead = Refusing(UnreachableError("refused"))
     down = Reader(dead, url, said.append)

@@ -36,6 +36,7 @@ from opsd.cli.app import app
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
+from opsd.controller.rows import IncidentRow
 from opsd.errors import PermanentError
 from opsd.policy.detection import DetectionConfig
 from tests.faults import inject
@@ -71,22 +72,22 @@ class Scenario:
         if self.phase == "clean":
             if status["step"] > 0:
                 self.times.setdefault("clean", now_s)
-            self.clean_flags += status["stragglers"] + [i for i in incidents if i["kind"] == "straggler"]
+            self.clean_flags += status["stragglers"] + [i for i in incidents if i.kind == "straggler"]
             if not self.cli and status["step"] >= 45:  # past the second checkpoint
                 self.cli = operator_reads(self.url, self.state_dir)
             if now_s - self.times.get("clean", now_s) >= CLEAN_S:
                 self._next("slow", now_s, lambda: inject(backend, FaultKind.SLOW, rank=1, factor=1.3))
         elif self.phase == "slow":
-            if any(i["kind"] == "straggler" for i in incidents):
+            if any(i.kind == "straggler" for i in incidents):
                 self.times["flagged"] = now_s
                 steps = [t for r in controller.ranks[RUN].values() for t in r.step_times_s]
                 self.median_step_s = statistics.median(steps)
                 self._next("hang", now_s, lambda: inject(backend, FaultKind.HANG, rank=0))
         elif self.phase == "hang":
             if _recovered(incidents, "hang"):
-                hang = next(i for i in incidents if i["kind"] == "hang")
+                hang = next(i for i in incidents if i.kind == "hang")
                 self.cli["postmortem"] = cli_json(self.url, self.state_dir, "postmortem", RUN)
-                md = CliRunner().invoke(app, ["postmortem", RUN, str(hang["id"]), "--url", self.url])
+                md = CliRunner().invoke(app, ["postmortem", RUN, str(hang.id), "--url", self.url])
                 self.cli["postmortem_md"] = md.stdout
                 self._next("kill", now_s, lambda: inject(backend, FaultKind.KILL, rank=1))
         elif self.phase == "kill" and _recovered(incidents, "process_exit"):
@@ -139,8 +140,8 @@ READS = {
 }
 
 
-def _recovered(incidents: list[dict[str, Any]], kind: str) -> bool:
-    return any(i["kind"] == kind and i["state"] == "recovered" for i in incidents)
+def _recovered(incidents: list[IncidentRow], kind: str) -> bool:
+    return any(i.kind == kind and i.state == "recovered" for i in incidents)
 
 
 def two_nodes(
@@ -267,7 +268,7 @@ def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) 
             inject(backend, FaultKind.HANG, rank=0)
             stopped_at["hang"] = now_s
         if (
-            any(i["state"] == "recovered" for i in controller.store.incidents(RUN))
+            any(i.state == "recovered" for i in controller.store.incidents(RUN))
             or now_s - stopped_at.get("hang", now_s) > 50
         ):
             stop.set()

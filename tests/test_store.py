@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import ConfigError
+from tests.rows import stored
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -35,16 +37,16 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore
 
 
 def test_runs(store: StateStore) -> None:
-    assert store.create_run("r1", {"nodes": 2}, now_s=10.0)
-    assert not store.create_run("r1", {"nodes": 3}, now_s=11.0)  # exists: unchanged
+    assert store.create_run("r1", RunSpec(nodes=2), now_s=10.0)
+    assert not store.create_run("r1", RunSpec(nodes=3), now_s=11.0)  # exists: unchanged
     store.update_run("r1", 12.0, state="recovering", generation=2, last_step=40)
     run = store.run("r1")
     assert run is not None
-    assert (run["state"], run["generation"], run["last_step"], run["spec"]) == ("recovering", 2, 40, {"nodes": 2})
-    assert [r["id"] for r in store.runs()] == ["r1"]
+    assert (run.state, run.generation, run.last_step, run.spec) == ("recovering", 2, 40, RunSpec(nodes=2))
+    assert [r.id for r in store.runs()] == ["r1"]
     assert store.run("nope") is None
-    store.update_run("r1", 13.0, spec={"nodes": 3})
-    assert (store.run("r1") or {})["spec"] == {"nodes": 3}
+    store.update_run("r1", 13.0, spec=RunSpec(nodes=3))
+    assert stored(store.run("r1")).spec == RunSpec(nodes=3)
     with pytest.raises(ValueError, match="unknown fields"):
         store.update_run("r1", 13.0, created_s=1.0)
 
@@ -55,8 +57,8 @@ def test_nodes(store: StateStore) -> None:
     store.upsert_node("n0", 2.0, role="cordoned", reason="XID 79")
     n0 = store.node("n0")
     assert n0 is not None
-    assert (n0["role"], n0["reason"], n0["domain"], n0["updated_s"]) == ("cordoned", "XID 79", "rack1", 2.0)
-    assert [n["name"] for n in store.nodes("r1")] == ["n0", "n2"]
+    assert (n0.role, n0.reason, n0.domain, n0.updated_s) == ("cordoned", "XID 79", "rack1", 2.0)
+    assert [n.name for n in store.nodes("r1")] == ["n0", "n2"]
     assert store.nodes("other") == []
     assert store.node_names("r1", "spare") == {"n2"}
 
@@ -69,7 +71,7 @@ def test_node_rows_kept_in_memory_are_those_of_the_database(store: StateStore) -
     store.ack_events("n9", 2, 4.0)  # a node not seen yet
     again = StateStore(store.engine)
     assert again.nodes() == store.nodes()
-    assert [(n["name"], n["events_acked"], n["role"]) for n in again.nodes()] == [
+    assert [(n.name, n.events_acked, n.role) for n in again.nodes()] == [
         ("n0", 5, "active"),
         ("n9", 2, "spare"),
     ]
@@ -79,9 +81,9 @@ def test_a_reload_reads_what_another_replica_wrote(store: StateStore) -> None:
     store.upsert_node("n0", 1.0, run="r1", role="active")
     other = StateStore(store.engine)  # another controller replica on the same database
     other.upsert_node("n0", 2.0, role="cordoned", reason="XID 79")
-    assert store.node("n0")["role"] == "active"  # type: ignore[index]  # its copy in memory
+    assert stored(store.node("n0")).role == "active"  # its copy in memory
     store.reload()
-    assert store.node("n0")["role"] == "cordoned"  # type: ignore[index]
+    assert stored(store.node("n0")).role == "cordoned"
 
 
 def test_replicas_that_start_together_create_the_tables_once(postgres_url: str) -> None:
@@ -93,8 +95,8 @@ def test_replicas_that_start_together_create_the_tables_once(postgres_url: str) 
     try:
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             stores = list(pool.map(lambda _: StateStore.open(url), range(6)))
-        assert stores[0].create_run("r1", {}, 1.0)
-        assert [r["id"] for r in stores[-1].runs()] == ["r1"]
+        assert stores[0].create_run("r1", RunSpec(), 1.0)
+        assert [r.id for r in stores[-1].runs()] == ["r1"]
         for s in stores:
             s.engine.dispose()
     finally:
@@ -112,7 +114,7 @@ def test_the_same_failure_opens_one_incident(store: StateStore) -> None:
     assert first == again
     store.update_incident(first, state="recovered", resumed_s=30.0, resumed_from_step=10, lost_steps=3, spare="n2")
     (incident,) = store.incidents("r1")
-    assert (incident["state"], incident["lost_steps"], incident["spare"], incident["detected_s"]) == (
+    assert (incident.state, incident.lost_steps, incident.spare, incident.detected_s) == (
         "recovered",
         3,
         "n2",
@@ -143,8 +145,8 @@ def test_actions_are_recorded_once_and_completed_once(store: StateStore) -> None
 
 def test_state_survives_a_new_store_on_the_same_database(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'opsd.db'}"
-    StateStore.open(url).create_run("r1", {}, now_s=1.0)
-    assert [r["id"] for r in StateStore.open(url).runs()] == ["r1"]
+    StateStore.open(url).create_run("r1", RunSpec(), now_s=1.0)
+    assert [r.id for r in StateStore.open(url).runs()] == ["r1"]
     with sa.create_engine(url).connect() as c:
         assert c.execute(sa.text("PRAGMA journal_mode")).scalar() == "wal"
 
@@ -152,7 +154,7 @@ def test_state_survives_a_new_store_on_the_same_database(tmp_path: Path) -> None
 def test_a_store_of_an_earlier_version_gets_the_columns_added_since(store: StateStore) -> None:
     """A runs table without ``first_productive_s`` (as an earlier version created it), a run in it: opened again,
     the column is added and the run reads and updates as a new one does."""
-    store.create_run("r1", {"nodes": 2}, now_s=10.0)
+    store.create_run("r1", RunSpec(nodes=2), now_s=10.0)
     with store.engine.begin() as c:
         c.execute(sa.text("ALTER TABLE runs DROP COLUMN first_productive_s"))
     url = store.engine.url.render_as_string(hide_password=False)
@@ -161,9 +163,9 @@ def test_a_store_of_an_earlier_version_gets_the_columns_added_since(store: State
     again = StateStore.open(url)
     try:
         assert "first_productive_s" in {c["name"] for c in sa.inspect(again.engine).get_columns("runs")}
-        assert (again.run("r1") or {})["first_productive_s"] is None
+        assert stored(again.run("r1")).first_productive_s is None
         again.update_run("r1", 12.0, first_productive_s=11.5)
-        assert (again.run("r1") or {})["first_productive_s"] == 11.5
+        assert stored(again.run("r1")).first_productive_s == 11.5
     finally:
         again.engine.dispose()
 

@@ -146,8 +146,8 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
 
     store = StateStore.open(f"sqlite:///{state / 'opsd.db'}")
     (incident,) = store.incidents("job")
-    assert (incident["kind"], incident["state"], incident["node"]) == ("fatal_xid", "open", "node-1")
-    assert [(a.kind, a.state) for a in store.actions(incident_id=incident["id"])] == [("cordon", "done")]
+    assert (incident.kind, incident.state, incident.node) == ("fatal_xid", "open", "node-1")
+    assert [(a.kind, a.state) for a in store.actions(incident_id=incident.id)] == [("cordon", "done")]
     left = json.loads((state / "runs" / "job" / "processes.json").read_text())
     orphans = [pid for pid, _ in left["agents"].values()]
     assert all(alive(pid) for pid in orphans)  # the dead controller's agents run on
@@ -159,10 +159,10 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
 
     run = store.run("job")
     assert run is not None
-    assert (run["state"], run["final_step"], run["generation"]) == ("completed", STEPS, 2)  # relaunched once
-    (incident,) = [i for i in store.incidents("job") if i["kind"] != "straggler"]  # once in the history
-    assert (incident["kind"], incident["state"], incident["spare"]) == ("fatal_xid", "recovered", "node-2")
-    actions = store.actions(incident_id=incident["id"])
+    assert (run.state, run.final_step, run.generation) == ("completed", STEPS, 2)  # relaunched once
+    (incident,) = [i for i in store.incidents("job") if i.kind != "straggler"]  # once in the history
+    assert (incident.kind, incident.state, incident.spare) == ("fatal_xid", "recovered", "node-2")
+    actions = store.actions(incident_id=incident.id)
     assert [(a.kind, a.state) for a in actions] == [
         ("cordon", "done"),
         ("take_spare", "done"),
@@ -172,7 +172,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
     assert actions[1].result == {"spare": "node-2"}
     assert actions[3].result is not None
     assert (actions[3].result["generation"], actions[3].result["nodes"]) == (2, ["node-0", "node-2"])
-    assert {n["name"]: n["role"] for n in store.nodes("job")} == {
+    assert {n.name: n.role for n in store.nodes("job")} == {
         "node-0": "active",
         "node-1": "cordoned",
         "node-2": "active",
@@ -218,7 +218,7 @@ def test_without_a_spare_the_run_waits_until_a_node_is_uncordoned(tmp_path: Path
     def on_poll(controller: Controller, backend: LocalBackend, now_s: float) -> None:
         xid(controller, backend, now_s)
         run = controller.store.run("job")
-        if run is not None and run["state"] == "waiting_for_spare":
+        if run is not None and run.state == "waiting_for_spare":
             waited.append(now_s)
             if len(waited) == 8:  # two seconds of waiting: the operator puts node-1 back
                 url = backend.spec.controller_url.removesuffix("/v1/heartbeat")

@@ -15,6 +15,7 @@ from pathlib import Path
 from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
@@ -29,7 +30,7 @@ def two_nodes(tmp_path: Path, *, checkpoint_step: int | None = None) -> tuple[Co
     backend = FakeBackend(["node-0", "node-1"], checkpoint_step=checkpoint_step)
     c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), ControllerConfig(), backend)
     c.recovery.threaded = False
-    c.store.create_run(RUN, {"backend": "fake"}, 0.0)
+    c.store.create_run(RUN, RunSpec(backend="fake"), 0.0)
     for node in ("node-0", "node-1"):
         c.store.upsert_node(node, 0.0, run=RUN, role=NodeRole.ACTIVE)
     c.recovery.launch_first(RUN, 0.0)
@@ -54,7 +55,7 @@ def test_with_no_spare_the_ranks_are_stopped_before_the_run_waits(tmp_path: Path
 
     run = c.store.run(RUN)
     assert run is not None
-    assert run["state"] == RunState.WAITING_FOR_SPARE
+    assert run.state == RunState.WAITING_FOR_SPARE
     assert backend.runs[RUN].ranks == {}  # nothing of the run trains on node-1 while it waits
     stops = [e for e in backend.effects if e.step == "stop_ranks"]
     assert [e.request_id for e in stops] == [f"incident-{incident}-2-stop"]  # the plan's own stop, ahead of its turn
@@ -68,7 +69,7 @@ def test_with_no_spare_the_ranks_are_stopped_before_the_run_waits(tmp_path: Path
     assert backend.runs[RUN].ranks == {0: "node-0", 1: "node-1"}
     run = c.store.run(RUN)
     assert run is not None
-    assert (run["state"], run["generation"]) == (RunState.RUNNING, 2)
+    assert (run.state, run.generation) == (RunState.RUNNING, 2)
 
 
 def test_a_run_whose_last_launch_resumed_from_its_last_step_ended_there(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint, token_o
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import Fault, FaultKind
+from opsd.controller.rows import Action, IncidentRow, NodeRow, RunRow
 from opsd.controller.views import cadence_view, checkpoints_view, flame_stacks, postmortem_bundle, spares_view
 from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
 from opsd.protocol.heartbeat import PATH
@@ -90,7 +91,7 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     app.include_router(flight_router(controller, authorized, stats.reject, clock))
 
     @app.get("/v1/runs")
-    def runs() -> list[dict[str, Any]]:
+    def runs() -> list[RunRow]:
         return controller.store.runs()
 
     @app.get("/v1/runs/{run}")
@@ -101,16 +102,16 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         return status
 
     @app.get("/v1/runs/{run}/incidents")
-    def incidents(run: str) -> list[dict[str, Any]]:
+    def incidents(run: str) -> list[IncidentRow]:
         if controller.store.run(run) is None:
             raise HTTPException(404, f"no run {run!r}")
         return controller.store.incidents(run)
 
     @app.get("/v1/runs/{run}/actions")
-    def actions(run: str) -> list[dict[str, Any]]:
+    def actions(run: str) -> list[Action]:
         if controller.store.run(run) is None:
             raise HTTPException(404, f"no run {run!r}")
-        return [a.__dict__ for a in controller.store.actions(run=run)]
+        return controller.store.actions(run=run)
 
     @app.get("/v1/runs/{run}/flamegraph", response_class=PlainTextResponse)
     def flamegraph(run: str, launch: Annotated[int | None, Query(ge=1)] = None) -> PlainTextResponse:
@@ -121,16 +122,16 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         return PlainTextResponse(to_folded(stacks))
 
     @app.post("/v1/runs/attach", dependencies=[Depends(authorized)])
-    def attach(body: AttachIn) -> dict[str, Any]:
+    def attach(body: AttachIn) -> RunRow:
         """Make a JobSet a run (one without the ``opsd.io/run`` annotation); answers the run."""
         return _answer(lambda: controller.attach_run(body.namespace, body.jobset, body.run or body.jobset, clock()))
 
     @app.get("/v1/incidents")
-    def all_incidents() -> list[dict[str, Any]]:
+    def all_incidents() -> list[IncidentRow]:
         return controller.store.incidents()
 
     @app.post("/v1/runs/{run}/restart", dependencies=[Depends(authorized)])
-    def restart(run: str, body: RestartIn) -> dict[str, Any]:
+    def restart(run: str, body: RestartIn) -> IncidentRow:
         """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
         that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
         return _answer(lambda: controller.request_restart(run, body.reason, clock()))
@@ -152,15 +153,15 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         return spares_view(controller, clock())
 
     @app.get("/v1/nodes")
-    def nodes() -> list[dict[str, Any]]:
+    def nodes() -> list[NodeRow]:
         return controller.store.nodes()
 
     @app.post("/v1/nodes/{node}/cordon", dependencies=[Depends(authorized)])
-    def cordon(node: str, body: CordonIn) -> dict[str, Any]:
+    def cordon(node: str, body: CordonIn) -> NodeRow:
         return _answer(lambda: controller.set_node_role(node, NodeRole.CORDONED, body.reason, clock()))
 
     @app.post("/v1/nodes/{node}/uncordon", dependencies=[Depends(authorized)])
-    def uncordon(node: str) -> dict[str, Any]:
+    def uncordon(node: str) -> NodeRow:
         return _answer(lambda: controller.set_node_role(node, NodeRole.SPARE, "", clock()))
 
     @app.post("/v1/runs/{run}/inject", dependencies=[Depends(authorized)])

@@ -146,7 +146,7 @@ def flight_router(
         match = INCIDENT_TRIGGER.match(dump.trigger)
         if match:
             incident = store.incident(int(match.group(1)))
-            incident_id = int(incident["id"]) if incident is not None and incident["run"] == run else None
+            incident_id = int(incident.id) if incident is not None and incident.run == run else None
         stored = store.add_flight_dump(
             run=run, trigger=dump.trigger, rank=dump.rank, incident_id=incident_id, received_s=clock(), body=body
         )
@@ -165,7 +165,7 @@ def flight_router(
         row = store.flight_dump(run, trigger, rank)
         if row is None:
             raise HTTPException(404, f"no dump of rank {rank} for {trigger!r} in run {run!r}")
-        return Response(row["body"], media_type="application/json")
+        return Response(row.body, media_type="application/json")
 
     return router
 

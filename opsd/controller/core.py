@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from opsd.controller.config import ControllerConfig
 from opsd.controller.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Window
 from opsd.controller.port import Backend
+from opsd.controller.rows import NodeRow
 from opsd.controller.state import LaunchSample, StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.policy.cadence import Cadence
@@ -172,8 +173,8 @@ class ControllerCore:
         launch the recovery stopped, when the backend named it: the newest step it made is taken from its own
         ranks alone (a controller that took over may have heard from the new launch already)."""
         row = self.store.run(run)
-        if row is not None and int(row["generation"]) > 0:
-            self.record_launch(run, int(row["generation"]), now_s)
+        if row is not None and int(row.generation) > 0:
+            self.record_launch(run, int(row.generation), now_s)
         with self.lock:
             held = self.comms.get(run)
             self.comms_before[run] = held.totals() if held is not None else {}
@@ -203,7 +204,7 @@ class ControllerCore:
         if ended >= 0:
             return ended
         row = self.store.run(run)
-        return int(row["last_step"]) if row is not None else -1
+        return int(row.last_step) if row is not None else -1
 
     def launch_comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
         """The collective seconds of the run's current launch, by (phase, dimension, op): the totals the agents
@@ -260,16 +261,17 @@ class ControllerCore:
     def choose_spare(self, run: str, failed_node: str) -> str | None:
         """A healthy spare of ``run``'s pool (its own spares, and the cluster's pool: spares of no run), in the
         failed node's domain first; None when the pool is empty."""
-        domain = (self.store.node(failed_node) or {}).get("domain", "")
+        failed = self.store.node(failed_node)
+        domain = failed.domain if failed is not None else ""
         with self.lock:  # a spare whose GPUs reported an event that calls for an action is not healthy
             faulty = {name for name, live in self.nodes.items() if live.events}
-        spares = [Spare(n["name"], n["name"] not in faulty, n["domain"]) for n in self.spare_pool(run)]
+        spares = [Spare(n.name, n.name not in faulty, n.domain) for n in self.spare_pool(run)]
         chosen = select_spare(spares, domain)
         return None if chosen is None else chosen.node
 
-    def spare_pool(self, run: str) -> list[dict[str, Any]]:
+    def spare_pool(self, run: str) -> list[NodeRow]:
         """The spare nodes ``run`` may take: its own, and the shared pool's (nodes of no run)."""
-        return [n for n in self.store.nodes() if n["role"] == NodeRole.SPARE and n["run"] in (run, None)]
+        return [n for n in self.store.nodes() if n.role == NodeRole.SPARE and n.run in (run, None)]
 
 
 def pipeline_view(bubble: RunBubble | None) -> dict[str, Any] | None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 from opsd.controller.incidents import failure_key, failure_of, generation_of, is_failure, unfinished_incident
 from opsd.controller.live import RankLive
+from opsd.controller.rows import IncidentRow, RunRow
 from opsd.controller.scoring import Scoring
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, detect_failures
 from opsd.protocol.states import IncidentState, NodeRole, RunState
@@ -29,29 +29,29 @@ class Detection(Scoring):
         with self.ticking:
             for run in self.store.runs():
                 self._record(run, now_s)
-                if run["state"] == RunState.WAITING_FOR_SPARE:
+                if run.state == RunState.WAITING_FOR_SPARE:
                     self._retry_waiting(run, now_s)
-                if RunState(run["state"]).finished and run["id"] not in self.settled:
+                if RunState(run.state).finished and run.id not in self.settled:
                     self._settle(run, now_s)
-                if run["state"] != RunState.RUNNING:
+                if run.state != RunState.RUNNING:
                     continue
                 self._progress(run, now_s)
-                failures = self._detect(run["id"], now_s)
+                failures = self._detect(run.id, now_s)
                 if failures:
                     found.extend(failures)
                     self.open_failure(run, failures, now_s)
                     continue
-                self._score(run["id"], now_s)
+                self._score(run.id, now_s)
                 self._plan(run, now_s)
         return found
 
-    def _record(self, run: dict[str, Any], now_s: float) -> None:
+    def _record(self, run: RunRow, now_s: float) -> None:
         """Write the record of a running run's launch now and then, and a finished run's once more at its end."""
-        run_id, state = run["id"], RunState(run["state"])
+        run_id, state = run.id, RunState(run.state)
         due = self.launch_record_due(run_id, now_s) if state == RunState.RUNNING else False
-        ended = state.finished and self.last_recorded_s(run_id) < float(run["updated_s"])
+        ended = state.finished and self.last_recorded_s(run_id) < float(run.updated_s)
         if due or ended:
-            self.record_launch(run_id, int(run["generation"]), now_s)
+            self.record_launch(run_id, int(run.generation), now_s)
 
     def _detect(self, run: str, now_s: float) -> list[Failure]:
         active = self.store.node_names(run, NodeRole.ACTIVE)
@@ -83,15 +83,15 @@ class Detection(Scoring):
                 config=self.config.detection,
             )
 
-    def open_failure(self, run: dict[str, Any], failures: list[Failure], now_s: float) -> int:
+    def open_failure(self, run: RunRow, failures: list[Failure], now_s: float) -> int:
         """One incident per launch: the first failure (a swap first) is the cause; the rest are its consequences.
         The incident is recorded (once: the same failure seen again finds it) and, with a backend, recovered from;
         returns its id."""
         cause = failures[0]
-        failed_s = self._failed_at(run["id"], cause, now_s)
+        failed_s = self._failed_at(run.id, cause, now_s)
         incident, new = self.store.open_incident(
-            key=failure_key(run["id"], int(run["generation"])),
-            run=run["id"],
+            key=failure_key(run.id, int(run.generation)),
+            run=run.id,
             kind=cause.kind.value,
             node=cause.node,
             rank=cause.rank,
@@ -104,7 +104,7 @@ class Detection(Scoring):
             others = "; ".join(f"{f.kind.value} on {f.node}" for f in failures[1:]) or "none"
             log.warning(
                 "run %s: incident %d: %s on %s (rank %s): %s; also seen: %s",
-                run["id"],
+                run.id,
                 incident,
                 cause.kind.value,
                 cause.node,
@@ -114,49 +114,49 @@ class Detection(Scoring):
             )
         self._handled_events(cause, now_s)
         if self.backend is not None:
-            self.store.update_run(run["id"], now_s, state=RunState.RECOVERING)
-            self.recovery.start(run["id"], incident, cause, now_s)
+            self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
+            self.recovery.start(run.id, incident, cause, now_s)
         return incident
 
-    def _progress(self, run: dict[str, Any], now_s: float) -> None:
+    def _progress(self, run: RunRow, now_s: float) -> None:
         """Keep the run's newest step, and close the incidents a relaunch has recovered from."""
         with self.lock:
-            live = self.runs_live.get(run["id"])
+            live = self.runs_live.get(run.id)
             newest = live.newest_step if live is not None else -1
         if newest < 0:
             return
-        if run.get("first_productive_s") is None:
+        if run.first_productive_s is None:
             self._first_productive(run, now_s)
         self._close_recovered(run, now_s)
-        if newest > int(run["last_step"]):
-            self.store.update_run(run["id"], now_s, last_step=newest)
-            self.progressed_s[run["id"]] = now_s
+        if newest > int(run.last_step):
+            self.store.update_run(run.id, now_s, last_step=newest)
+            self.progressed_s[run.id] = now_s
 
-    def _settle(self, run: dict[str, Any], now_s: float) -> None:
+    def _settle(self, run: RunRow, now_s: float) -> None:
         """A finished run: the incidents its last launch recovered from are closed, though the run may have ended
         before a pass saw that launch progress (it ran to its end while a controller that took over waited for the
         cluster, or between two passes). A run that failed or was stopped recovered from nothing. Once nothing is
         left to close, the run is settled (not looked at again)."""
-        if run["state"] == RunState.COMPLETED:
-            current = int(run["generation"])
-            if any(is_failure(i) and generation_of(i["key"]) >= current for i in self._open(run)):
+        if run.state == RunState.COMPLETED:
+            current = int(run.generation)
+            if any(is_failure(i) and generation_of(i.key) >= current for i in self._open(run)):
                 return  # its recovery has not relaunched yet (a leader that took over goes on with it)
             self._close_recovered(run, now_s, ended=True)
-        self.settled.add(run["id"])
+        self.settled.add(run.id)
 
-    def _open(self, run: dict[str, Any]) -> list[dict[str, Any]]:
-        return self.store.incidents(run["id"], state=IncidentState.OPEN)
+    def _open(self, run: RunRow) -> list[IncidentRow]:
+        return self.store.incidents(run.id, state=IncidentState.OPEN)
 
-    def _close_recovered(self, run: dict[str, Any], now_s: float, *, ended: bool = False) -> None:
+    def _close_recovered(self, run: RunRow, now_s: float, *, ended: bool = False) -> None:
         """Close the incidents of earlier launches: the first progress of the new launch is the first productive
         step (lost steps: from the checkpoint resumed from to the newest step before the failure). ``ended``: the
         run finished, and an incident of an earlier launch is closed even when nothing of the last launch was
         heard (then when and where it resumed are not known)."""
-        earlier = [i for i in self._open(run) if generation_of(i["key"]) < int(run["generation"])]
+        earlier = [i for i in self._open(run) if generation_of(i.key) < int(run.generation)]
         if not earlier:
             return
         with self.lock:
-            live = self.runs_live.get(run["id"])
+            live = self.runs_live.get(run.id)
             ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
             first = min((r.step for r in ranks), default=-1)
             said = [r.resumed_from_step for r in ranks if r.resumed_from_step is not None]
@@ -164,20 +164,20 @@ class Detection(Scoring):
         if first < 0 and not ended:
             return
         # the backend knows (it chose the checkpoint), else the ranks say, else their first step tells
-        resumed_from = self.backend.resumed_from(run["id"]) if self.backend is not None else None
+        resumed_from = self.backend.resumed_from(run.id) if self.backend is not None else None
         if resumed_from is None and first >= 0:
             resumed_from = min(said) if said else max(0, first - 1)
         lost: int | None = None
         if resumed_from is not None:
             # the steps the failed launch had made past the checkpoint (not the run's best: an earlier launch may
             # have got further and lost more, which its own incident counted)
-            before = self.ended_step.get(run["id"], -1)
-            lost = max(0, (before if before >= 0 else int(run["last_step"])) - resumed_from)
+            before = self.ended_step.get(run.id, -1)
+            lost = max(0, (before if before >= 0 else int(run.last_step)) - resumed_from)
         if first < 0:
-            resumed_s = float(run["updated_s"])  # no later than the run's end
+            resumed_s = float(run.updated_s)  # no later than the run's end
         for incident in earlier:
             self.store.update_incident(
-                incident["id"],
+                incident.id,
                 state=IncidentState.RECOVERED,
                 resumed_s=resumed_s,
                 resumed_from_step=resumed_from,
@@ -185,26 +185,26 @@ class Detection(Scoring):
             )
             log.info(
                 "run %s: incident %d recovered: resumed from step %s, %s steps lost, %.1f s after detection%s",
-                run["id"],
-                incident["id"],
+                run.id,
+                incident.id,
                 resumed_from,
                 lost,
-                resumed_s - incident["detected_s"],
+                resumed_s - incident.detected_s,
                 "" if first >= 0 else " (the run ended before its last launch was heard from)",
             )
             if is_failure(incident):  # a straggler warning of the old launch is closed, not traced
-                self.tracing.trace(self.store, int(incident["id"]))
+                self.tracing.trace(self.store, int(incident.id))
 
-    def _first_productive(self, run: dict[str, Any], now_s: float) -> None:
+    def _first_productive(self, run: RunRow, now_s: float) -> None:
         """The run's first progress ends its launch and initialisation (the ``startup`` badput): when its ranks
         first stepped, as the first progress after a relaunch ends a recovery."""
         with self.lock:
-            live = self.runs_live.get(run["id"])
+            live = self.runs_live.get(run.id)
             ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
             first_s = min((r.progress_s for r in ranks), default=now_s)
-        first_s = max(first_s, float(run["created_s"]))
-        self.store.update_run(run["id"], now_s, first_productive_s=first_s)
-        log.info("run %s: first productive step %.1f s after its start", run["id"], first_s - float(run["created_s"]))
+        first_s = max(first_s, float(run.created_s))
+        self.store.update_run(run.id, now_s, first_productive_s=first_s)
+        log.info("run %s: first productive step %.1f s after its start", run.id, first_s - float(run.created_s))
 
     def _failed_at(self, run: str, cause: Failure, now_s: float) -> float:
         """When the failure happened, as well as the controller can tell: the last sign of life."""
@@ -247,13 +247,13 @@ class Detection(Scoring):
             for seq in [seq for seq in live.events if seq <= newest]:
                 del live.events[seq]
 
-    def _retry_waiting(self, run: dict[str, Any], now_s: float) -> None:
+    def _retry_waiting(self, run: RunRow, now_s: float) -> None:
         """A run waits for a spare: once one is there (a node uncordoned or added), go on with its recovery."""
-        if self.backend is None or self.choose_spare(run["id"], "") is None:
+        if self.backend is None or self.choose_spare(run.id, "") is None:
             return
-        incident = unfinished_incident(self.store, run["id"])
+        incident = unfinished_incident(self.store, run.id)
         if incident is None:
             return
-        log.info("run %s: a spare is available; incident %d's recovery goes on", run["id"], incident["id"])
-        self.store.update_run(run["id"], now_s, state=RunState.RECOVERING)
-        self.recovery.start(run["id"], int(incident["id"]), failure_of(incident), now_s)
+        log.info("run %s: a spare is available; incident %d's recovery goes on", run.id, incident.id)
+        self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
+        self.recovery.start(run.id, int(incident.id), failure_of(incident), now_s)

@@ -18,6 +18,7 @@ from typing import Any
 
 from opsd.analysis.flight_recorder import analyze
 from opsd.controller.core import ControllerCore
+from opsd.controller.rows import FlightDumpRow
 from opsd.protocol.policy_file import DUMP_COMMAND
 from opsd.protocol.states import ActionKind
 
@@ -29,17 +30,17 @@ TIMEOUT_PREFIX = "timeout-"
 
 def analyses(controller: ControllerCore, run: str) -> dict[str, dict[str, Any]]:
     """``{trigger: analysis}`` of the dumps kept for ``run`` (what ``GET /v1/runs/{run}/flight-recorder`` answers)."""
-    by_trigger: dict[str, list[dict[str, Any]]] = {}
+    by_trigger: dict[str, list[FlightDumpRow]] = {}
     for row in controller.store.flight_dumps(run):
-        by_trigger.setdefault(row["trigger"], []).append(row)
+        by_trigger.setdefault(row.trigger, []).append(row)
     return {trigger: _analysis(controller, trigger, rows) for trigger, rows in sorted(by_trigger.items())}
 
 
-def _analysis(controller: ControllerCore, trigger: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow]) -> dict[str, Any]:
     """The analysis of one trigger's kept dumps. The ranks expected: for a rank's own timeout, that rank; else every
     rank of the world the dumps name, and those the recovery's ``dump`` action asked."""
-    dumps = {int(r["rank"]): json.loads(r["body"]) for r in rows}
-    incident_id = next((int(r["incident_id"]) for r in rows if r["incident_id"] is not None), None)
+    dumps = {r.rank: json.loads(r.body) for r in rows}
+    incident_id = next((r.incident_id for r in rows if r.incident_id is not None), None)
     if trigger.startswith(TIMEOUT_PREFIX):
         expected = set(dumps)
     else:
@@ -55,7 +56,7 @@ def _analysis(controller: ControllerCore, trigger: str, rows: list[dict[str, Any
 def culprits(controller: ControllerCore, run: str, trigger: str, ranks_expected: list[int]) -> list[dict[str, Any]]:
     """The culprits the analysis of ``trigger``'s kept dumps names (``rank``, ``reason``, ...), first the likeliest;
     ``ranks_expected``: the ranks asked for a dump (with the world the dumps name)."""
-    dumps = {int(r["rank"]): json.loads(r["body"]) for r in controller.store.flight_dumps(run, trigger)}
+    dumps = {r.rank: json.loads(r.body) for r in controller.store.flight_dumps(run, trigger)}
     world = max((int(d.get("world_size", 0)) for d in dumps.values()), default=0)
     expected = sorted(set(ranks_expected) | set(range(world)))
     found: list[dict[str, Any]] = analyze(dumps, expected, trigger, None)["culprits"]

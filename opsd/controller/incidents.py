@@ -8,8 +8,7 @@ rank and launch (``run/genN/straggler/R``).
 
 from __future__ import annotations
 
-from typing import Any
-
+from opsd.controller.rows import IncidentRow
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState
@@ -35,21 +34,21 @@ def generation_of(key: str) -> int:
     return -1
 
 
-def failure_of(incident: dict[str, Any]) -> Failure:
+def failure_of(incident: IncidentRow) -> Failure:
     """The failure an incident row records (to go on with its recovery)."""
-    return Failure(FailureKind(incident["kind"]), incident["node"], incident["rank"], incident["detail"])
+    return Failure(FailureKind(incident.kind), incident.node, incident.rank, incident.detail)
 
 
-def is_failure(incident: dict[str, Any]) -> bool:
+def is_failure(incident: IncidentRow) -> bool:
     """Whether an incident records a failure (a straggler is a warning)."""
-    return incident["kind"] in FAILURE_KINDS
+    return incident.kind in FAILURE_KINDS
 
 
-def unfinished_incident(store: StateStore, run: str) -> dict[str, Any] | None:
+def unfinished_incident(store: StateStore, run: str) -> IncidentRow | None:
     """The open failure incident of ``run`` whose recovery has not relaunched the ranks yet, if any."""
     for incident in reversed(store.incidents(run, state=IncidentState.OPEN)):
-        if is_failure(incident) and not took_step(store, int(incident["id"]), ActionKind.LAUNCH):
-            return dict(incident)
+        if is_failure(incident) and not took_step(store, incident.id, ActionKind.LAUNCH):
+            return incident
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window
+from opsd.controller.rows import RunSpec
 from opsd.policy.detection import GpuEvent
 from opsd.policy.pipeline import RankBubble
 from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply, HeartbeatTimeout
@@ -34,15 +35,15 @@ class Intake(ControllerCore):
         # the store first, without the lock (written only when something is new: a run, a node, events)
         for run in runs:
             if run not in self.known_runs:
-                if self.store.create_run(run, {"observed": True}, now_s):
+                if self.store.create_run(run, RunSpec(observed=True), now_s):
                     log.info("run %s first seen in a heartbeat from node %s", run, node)
                 self.known_runs.add(run)
         known = self.store.node(node)
-        if runs and (known is None or known["run"] is None):
+        if runs and (known is None or known.run is None):
             self.store.upsert_node(node, now_s, run=runs[0], role=NodeRole.ACTIVE)
             known = self.store.node(node)
-        acked = int(known["events_acked"]) if known else 0
-        run_of_node = known["run"] if known else None
+        acked = int(known.events_acked) if known else 0
+        run_of_node = known.run if known else None
         with self.lock:
             self.heartbeats_total += 1
             live = self.nodes.get(node)
@@ -73,7 +74,7 @@ class Intake(ControllerCore):
         """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);
         the others are taken in memory alone."""
         known = self.store.node(body.node)
-        if known is None or known["run"] is None or body.events:
+        if known is None or known.run is None or body.events:
             return True
         return any(r.run not in self.known_runs for r in body.ranks)
 

@@ -104,14 +104,14 @@ class ControllerCollector(Collector):
             labels=run_labels,
         )
         for run in controller.store.runs():
-            run_id = run["id"]
+            run_id = run.id
             status = controller.status(run_id, now)
             if status is None:
                 continue
             for key, family in gauges.items():
                 family.add_metric([run_id], float(status[key]))
             for name in RunState:
-                state.add_metric([run_id, name], 1.0 if run["state"] == name else 0.0)
+                state.add_metric([run_id, name], 1.0 if run.state == name else 0.0)
             if status["mtbf_s"] is not None:
                 mtbf.add_metric([run_id], float(status["mtbf_s"]))
             if status["cadence"] is not None:
@@ -127,7 +127,7 @@ class ControllerCollector(Collector):
                 progressed_s = controller.progressed_s.get(run_id)
             if committed_s is not None:
                 last_commit.add_metric([run_id], committed_s)
-            progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run["created_s"]))
+            progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run.created_s))
             active = sum(1 for n in status["nodes"] if n["role"] == NodeRole.ACTIVE)
             run_incidents = controller.store.incidents(run_id)
             recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
@@ -143,9 +143,9 @@ class ControllerCollector(Collector):
             causes: dict[str, int] = {}
             recovered: list[float] = []
             for i in run_incidents:
-                causes[i["kind"]] = causes.get(i["kind"], 0) + 1
-                if i["resumed_s"] is not None:
-                    recovered.append(float(i["resumed_s"]) - float(i["detected_s"]))
+                causes[i.kind] = causes.get(i.kind, 0) + 1
+                if i.resumed_s is not None:
+                    recovered.append(float(i.resumed_s) - float(i.detected_s))
             for cause, n in sorted(causes.items()):
                 incidents.add_metric([run_id, cause], n)
             buckets = [(_le(b), float(sum(1 for r in recovered if r <= b))) for b in RECOVERY_BUCKETS_S]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import Any
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.incidents import failure_key
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
+from opsd.controller.rows import IncidentRow, NodeRow, RunRow, RunSpec
 from opsd.errors import BodyError, NotFoundError, PermanentError, TransientError
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.states import NodeRole, RunState
@@ -36,7 +36,7 @@ def raise_failed(outcome: Failed, what: str) -> None:
 
 
 class Operations(ControllerCore):
-    def request_restart(self, run_id: str, reason: str, now_s: float) -> dict[str, Any]:
+    def request_restart(self, run_id: str, reason: str, now_s: float) -> IncidentRow:
         """An operator's restart of every rank of a running run: recorded as a ``manual_restart`` incident and
         carried out by the recovery executor (a checkpoint first, when the ranks are progressing). Raises
         ``NotFoundError`` for an unknown run, ``PermanentError`` when it is not running, a recovery is under way, or
@@ -46,11 +46,11 @@ class Operations(ControllerCore):
             raise NotFoundError(f"no run {run_id!r}")
         if self.backend is None:
             raise PermanentError("this controller has no backend to restart ranks with")
-        if run["state"] != RunState.RUNNING:
-            raise PermanentError(f"run {run_id!r} is {run['state']}: only a running run can be restarted")
+        if run.state != RunState.RUNNING:
+            raise PermanentError(f"run {run_id!r} is {run.state}: only a running run can be restarted")
         cause = Failure(FailureKind.MANUAL_RESTART, "", None, f"restart asked: {reason}")
         incident, new = self.store.open_incident(
-            key=failure_key(run_id, int(run["generation"])),
+            key=failure_key(run_id, int(run.generation)),
             run=run_id,
             kind=cause.kind.value,
             node="",
@@ -69,7 +69,7 @@ class Operations(ControllerCore):
         assert found is not None
         return found
 
-    def set_node_role(self, node: str, role: NodeRole, reason: str, now_s: float) -> dict[str, Any]:
+    def set_node_role(self, node: str, role: NodeRole, reason: str, now_s: float) -> NodeRow:
         """An operator takes a node out of service (``cordoned``) or puts it back in its run's spare pool
         (``spare``): the backend acts on the machine first, then the state store follows. Raises ``NotFoundError``
         for an unknown node, and the backend's error when it refuses."""
@@ -77,10 +77,10 @@ class Operations(ControllerCore):
             raise NotFoundError(f"no node {node!r}")
         if self.backend is not None:
             request_id = f"operator-{uuid.uuid4().hex}"
-            known = self.store.node(node) or {}
+            known = self.store.node(node)
             outcome: Outcome
             if role is NodeRole.CORDONED:
-                outcome = self.backend.quarantine_node(str(known.get("run") or ""), node, reason, request_id)
+                outcome = self.backend.quarantine_node((known.run if known else None) or "", node, reason, request_id)
             else:
                 outcome = self.backend.release_node(node, request_id)
             if isinstance(outcome, Failed):
@@ -91,7 +91,7 @@ class Operations(ControllerCore):
         assert found is not None
         return found
 
-    def attach_run(self, namespace: str, jobset: str, run: str, now_s: float) -> dict[str, Any]:
+    def attach_run(self, namespace: str, jobset: str, run: str, now_s: float) -> RunRow:
         """Make the JobSet ``namespace/jobset`` a run named ``run`` (a JobSet without the ``opsd.io/run``
         annotation: one a user cannot edit, such as a Kubeflow TrainJob's); its backend finds it at its next pass.
         Idempotent. Raises ``BodyError`` for a bad name, a run of that name that is another JobSet's, or a
@@ -103,10 +103,10 @@ class Operations(ControllerCore):
                 raise BodyError(f"{what} {value!r} is not a Kubernetes object name")
         if not RUN_NAME.match(run):
             raise BodyError(f"run name {run!r}: letters, digits, '-', '_' and '.', at most 63, alphanumeric ends")
-        spec = {"backend": "kubernetes", "namespace": namespace, "jobset": jobset, "attached": True}
+        spec = RunSpec(backend="kubernetes", namespace=namespace, jobset=jobset, attached=True)
         if not self.store.create_run(run, spec, now_s):
-            known = (self.store.run(run) or {}).get("spec") or {}
-            if (known.get("namespace"), known.get("jobset")) != (namespace, jobset):
+            known = self.store.run(run)
+            if known is None or (known.spec.namespace, known.spec.jobset) != (namespace, jobset):
                 raise BodyError(f"run {run!r} exists already and is not JobSet {namespace}/{jobset}: choose --name")
         else:
             log.info("run %s: JobSet %s/%s attached", run, namespace, jobset)

@@ -9,29 +9,30 @@ import statistics
 from typing import Any
 
 from opsd.controller.core import ControllerCore, pipeline_view
+from opsd.controller.rows import IncidentRow, LaunchRow, RunRow
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
 from opsd.protocol.states import IncidentKind, IncidentState, RunState
 
 
 class Reads(ControllerCore):
-    def goodput(self, run: dict[str, Any], now_s: float, incidents: list[dict[str, Any]] | None = None) -> Goodput:
+    def goodput(self, run: RunRow, now_s: float, incidents: list[IncidentRow] | None = None) -> Goodput:
         """Where the run's wall time went, from its start (its launch and initialisation up to its first productive
         step are ``startup`` badput); ``incidents``: its incidents, when the caller has them already."""
         if incidents is None:
-            incidents = self.store.incidents(run["id"])
+            incidents = self.store.incidents(run.id)
         with self.lock:
-            live = self.runs_live.get(run["id"])
+            live = self.runs_live.get(run.id)
             ranks = live.ranks.values() if live is not None else ()
             blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
             step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
         interruptions = [
-            Interruption(i["failed_s"], i["detected_s"], i["resumed_s"], int(i["lost_steps"] or 0), step)
+            Interruption(i.failed_s, i.detected_s, i.resumed_s, int(i.lost_steps or 0), step)
             for i in incidents
-            if i["kind"] != IncidentKind.STRAGGLER and i["resumed_s"] is not None
+            if i.kind != IncidentKind.STRAGGLER and i.resumed_s is not None
         ]
-        end = float(run["updated_s"]) if run["state"] in (RunState.COMPLETED, RunState.FAILED) else now_s
-        startup = Startup(float(run["created_s"]), run.get("first_productive_s"))
+        end = float(run.updated_s) if run.state in (RunState.COMPLETED, RunState.FAILED) else now_s
+        startup = Startup(float(run.created_s), run.first_productive_s)
         return account(max(0.0, end - startup.started_s), blocking, interruptions, startup)
 
     def status(self, run_id: str, now_s: float) -> dict[str, Any] | None:
@@ -48,16 +49,16 @@ class Reads(ControllerCore):
             ranks = list(live.ranks.values()) if live is not None else []
             cadence = self.cadences.get(run_id)
             stragglers = list(self.stragglers.get(run_id, []))
-            step = max((r.step for r in ranks if r.step >= 0), default=run["last_step"])
+            step = max((r.step for r in ranks if r.step >= 0), default=run.last_step)
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
             bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
-        if run["final_step"] is not None and RunState(run["state"]).finished:
-            step = int(run["final_step"])  # where it ended, whatever its last launch reported
+        if run.final_step is not None and RunState(run.state).finished:
+            step = int(run.final_step)  # where it ended, whatever its last launch reported
         return {
             "run": run_id,
-            "state": run["state"],
-            "generation": run["generation"],
+            "state": run.state,
+            "generation": run.generation,
             "step": step,
             "ranks": len(ranks),
             "mfu_ratio": mfu_ratio,
@@ -72,42 +73,42 @@ class Reads(ControllerCore):
             }
             if cadence
             else None,
-            "nodes": [{"name": n["name"], "role": n["role"], "reason": n["reason"]} for n in nodes],
+            "nodes": [{"name": n.name, "role": n.role, "reason": n.reason} for n in nodes],
             "spares_available": len(self.spare_pool(run_id)),  # its own and the shared pool's
             "stragglers": [
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],
-            "open_incidents": sum(1 for i in incidents if i["state"] == IncidentState.OPEN),
+            "open_incidents": sum(1 for i in incidents if i.state == IncidentState.OPEN),
             "pipeline": pipeline_view(bubble),
             **measured(self.store.launches(run_id)),
         }
 
 
-def measured(launches: list[dict[str, Any]]) -> dict[str, Any]:
+def measured(launches: list[LaunchRow]) -> dict[str, Any]:
     """What the run's launches measured, as recorded: the last sample of the job's MFU and tokens/s
     (``last_measured``: of which launch, and when), and their averages over every sample taken while the ranks
     progressed (``run_average``); None before any sample (a finished run keeps them)."""
-    last = next((row for row in reversed(launches) if row["mfu_ratio_last"] is not None), None)
-    samples = sum(int(row["samples"]) for row in launches)
-    piped = next((row for row in reversed(launches) if row.get("pipeline") is not None), None)
-    bubble_samples = sum(int(row.get("bubble_samples") or 0) for row in launches)
+    last = next((row for row in reversed(launches) if row.mfu_ratio_last is not None), None)
+    samples = sum(int(row.samples) for row in launches)
+    piped = next((row for row in reversed(launches) if row.pipeline is not None), None)
+    bubble_samples = sum(int(row.bubble_samples or 0) for row in launches)
     return {
         "last_measured": {
-            "launch": last["generation"],
-            "mfu_ratio": last["mfu_ratio_last"],
-            "tokens_per_s": last["tokens_per_s_last"],
-            "at_unix_s": last["updated_s"],
+            "launch": last.generation,
+            "mfu_ratio": last.mfu_ratio_last,
+            "tokens_per_s": last.tokens_per_s_last,
+            "at_unix_s": last.updated_s,
             # the pipeline bubble of the last launch that had one (its launch: ``pipeline_launch``)
-            "pipeline": piped["pipeline"] if piped is not None else None,
-            "pipeline_launch": piped["generation"] if piped is not None else None,
+            "pipeline": piped.pipeline if piped is not None else None,
+            "pipeline_launch": piped.generation if piped is not None else None,
         }
         if last is not None
         else None,
         "run_average": {
-            "mfu_ratio": math.fsum(row["mfu_ratio_sum"] for row in launches) / samples,
-            "tokens_per_s": math.fsum(row["tokens_per_s_sum"] for row in launches) / samples,
+            "mfu_ratio": math.fsum(row.mfu_ratio_sum for row in launches) / samples,
+            "tokens_per_s": math.fsum(row.tokens_per_s_sum for row in launches) / samples,
             "samples": samples,
-            "bubble_ratio": math.fsum(row.get("bubble_ratio_sum") or 0.0 for row in launches) / bubble_samples
+            "bubble_ratio": math.fsum(row.bubble_ratio_sum or 0.0 for row in launches) / bubble_samples
             if bubble_samples
             else None,
         }

@@ -28,12 +28,12 @@ from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
 from opsd.controller.port import Done, ErrorKind, Outcome, Pending
+from opsd.controller.rows import RunRow, RunSpec
 from opsd.controller.state import Action
 from opsd.errors import OpsError
 from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     DUMP_KINDS,
-    OnNoSpare,
     PlannedStep,
     Quarantine,
     hang_strikes,
@@ -108,38 +108,38 @@ class Recovery:
             self.core.store.update_run(run, time.time(), state=RunState.FAILED)
             self.core.tracing.trace(self.core.store, incident_id, ended_s=time.time(), error=str(exc))
 
-    def take_up(self, run: dict[str, Any], now_s: float, why: str) -> int:
+    def take_up(self, run: RunRow, now_s: float, why: str) -> int:
         """A controller takes up a run its predecessor left unfinished: the recovery under way goes on, or, when
         none was, one is recorded as a ``controller_restart`` incident (``why``) and carried out. Returns the
         incident; the recovery runs on its thread."""
         store = self.core.store
-        store.update_run(run["id"], now_s, state=RunState.RECOVERING)
-        incident = unfinished_incident(store, run["id"])
+        store.update_run(run.id, now_s, state=RunState.RECOVERING)
+        incident = unfinished_incident(store, run.id)
         if incident is None:
             failure = Failure(FailureKind.CONTROLLER_RESTART, "", None, why)
             incident_id, new = store.open_incident(
-                key=failure_key(run["id"], int(run["generation"])),
-                run=run["id"],
+                key=failure_key(run.id, int(run.generation)),
+                run=run.id,
                 kind=failure.kind.value,
                 node="",
                 rank=None,
                 detail=failure.detail,
-                failed_s=float(run["updated_s"]),  # the last thing the old controller wrote
+                failed_s=float(run.updated_s),  # the last thing the old controller wrote
                 detected_s=now_s,
             )
             if new:
                 self.core.tracing.assign(store, incident_id)
         else:
-            incident_id, failure = int(incident["id"]), failure_of(incident)
+            incident_id, failure = int(incident.id), failure_of(incident)
         log.warning(
             "run %s: taken up (was %s, generation %d); recovery of incident %d (%s) goes on",
-            run["id"],
-            run["state"],
-            run["generation"],
+            run.id,
+            run.state,
+            run.generation,
             incident_id,
             failure.kind.value,
         )
-        self.start(run["id"], incident_id, failure, now_s)
+        self.start(run.id, incident_id, failure, now_s)
         return incident_id
 
     def launch_first(self, run: str, now_s: float) -> dict[str, Any]:
@@ -155,7 +155,7 @@ class Recovery:
         if row is None:
             raise StepFailedError(f"run {run!r} is not in the state store")
         at_step = self.core.checkpoint_step_ahead(run) if failure.kind is FailureKind.MANUAL_RESTART else None
-        generation = int(row["generation"])
+        generation = int(row.generation)
         steps = plan_recovery(failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step)
         seq = -1
         while seq + 1 < len(steps):
@@ -249,10 +249,10 @@ class Recovery:
         incident = self.core.store.incident(incident_id)
         if rank is None or node is None or incident is None:
             return {"culprit": None}
-        first = {"rank": incident["rank"], "node": incident["node"]}
+        first = {"rank": incident.rank, "node": incident.node}
         if (first["rank"], first["node"]) != (rank, node):
             detail = (
-                f"{incident['detail']}; the Flight Recorder names rank {rank} on {node} ({named[0]['reason']});"
+                f"{incident.detail}; the Flight Recorder names rank {rank} on {node} ({named[0]['reason']});"
                 f" first blamed: rank {first['rank']} on {first['node']}"
             )
             self.core.store.update_incident(incident_id, node=node, rank=rank, detail=detail[:4000])
@@ -261,8 +261,8 @@ class Recovery:
             )
         config = self.core.config
         window_s = config.hang_window_h * 3600.0
-        hangs = [(i["node"], float(i["detected_s"])) for i in self.core.store.incidents() if i["kind"] in HANG_KINDS]
-        strikes = hang_strikes(node, hangs, float(incident["detected_s"]), window_s)
+        hangs = [(i.node, float(i.detected_s)) for i in self.core.store.incidents() if i.kind in HANG_KINDS]
+        strikes = hang_strikes(node, hangs, float(incident.detected_s), window_s)
         out: dict[str, Any] = {"culprit": {"rank": rank, "node": node, "first_blamed": first}, "strikes": strikes}
         if quarantine_after_hangs(strikes, config.hang_quarantine_after):
             reason = f"its ranks hung {strikes} times within {config.hang_window_h:g} h (the Flight Recorder's culprit)"
@@ -273,12 +273,13 @@ class Recovery:
         """The incident's spare: the one chosen before (a repeat) or a new one, written to the incident before the
         node becomes active, so that a repeat never takes a second."""
         store = self.core.store
-        chosen = (store.incident(incident_id) or {}).get("spare") or self.core.choose_spare(run, failed)
+        incident = store.incident(incident_id)
+        chosen = (incident.spare if incident is not None else None) or self.core.choose_spare(run, failed)
         if chosen is None:
-            spec = (store.run(run) or {}).get("spec") or {}
+            row = store.run(run)
+            spec = row.spec if row is not None else RunSpec()
             left = len(store.node_names(run, NodeRole.ACTIVE))
-            on_no_spare = OnNoSpare(spec.get("on_no_spare", OnNoSpare.WAIT))
-            if shrinks_without_spare(on_no_spare, left, int(spec.get("min_nodes", 1))):
+            if shrinks_without_spare(spec.on_no_spare, left, spec.min_nodes):
                 log.warning("run %s: no spare left; going on with %d nodes", run, left)
                 return {"spare": None, "shrunk_to_nodes": left}
             raise WaitForSpare
@@ -306,7 +307,7 @@ class Recovery:
         launch = done.get("launch")
         self.core.launched(run, time.time(), int(launch) if isinstance(launch, int) else None)
         row = store.run(run)
-        if row is not None and RunState(row["state"]).finished:  # it ran to its end before this controller looked
+        if row is not None and RunState(row.state).finished:  # it ran to its end before this controller looked
             store.update_run(run, time.time(), generation=generation)
         else:
             store.update_run(run, time.time(), state=RunState.RUNNING, generation=generation)  # detection watches
@@ -316,8 +317,8 @@ class Recovery:
     def _checkpoint_now(self, run: str, at_step: int | None) -> dict[str, Any]:
         """Ask the ranks for a checkpoint at ``at_step`` and wait until it is committed, a rank ends, or
         ``restart_checkpoint_wait_s`` passes; what happened, for the action's result."""
-        spec = (self.core.store.run(run) or {}).get("spec") or {}
-        url = str(spec.get("checkpoint_url") or "")
+        row = self.core.store.run(run)
+        url = row.spec.checkpoint_url if row is not None else ""
         if at_step is None or not url:
             why = "no checkpoint store" if not url else "the ranks were not progressing"
             return {"checkpoint_step": None, "why": why}

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.incidents import NOT_FAILURES, straggler_key
 from opsd.controller.live import Samples
+from opsd.controller.rows import RunRow
 from opsd.policy.cadence import plan_cadence
 from opsd.policy.stragglers import is_straggler, peer_ratios, score_rank
 from opsd.protocol.states import IncidentKind, IncidentState
@@ -77,7 +77,8 @@ class Scoring(ControllerCore):
                 s.slowdown_ratio,
                 s.samples,
             )
-            generation = int((self.store.run(run) or {}).get("generation", 0))
+            row = self.store.run(run)
+            generation = row.generation if row is not None else 0
             incident, _ = self.store.open_incident(
                 key=straggler_key(run, generation, s.rank),
                 run=run,
@@ -90,18 +91,18 @@ class Scoring(ControllerCore):
             )
             self.store.update_incident(incident, state=IncidentState.WARNED)  # a warning: nothing to recover
 
-    def _plan(self, run: dict[str, Any], now_s: float) -> None:
+    def _plan(self, run: RunRow, now_s: float) -> None:
         with self.lock:
-            live = self.runs_live.get(run["id"])
+            live = self.runs_live.get(run.id)
             if live is None or not live.step_times_s or not live.checkpoints:
                 return  # nothing measured yet: the ranks keep their local cadence
             cost_s = live.checkpoint_blocking_s / live.checkpoints
             nodes = max(1, len(live.rank_nodes))
             step_time_s = statistics.median(live.step_times_s)
             current_step = live.newest_step
-            previous = self.cadences.get(run["id"])
-        failures = [i for i in self.store.incidents(run["id"]) if i["kind"] not in NOT_FAILURES]
-        node_hours = nodes * max(0.0, now_s - float(run["created_s"])) / 3600.0
+            previous = self.cadences.get(run.id)
+        failures = [i for i in self.store.incidents(run.id) if i.kind not in NOT_FAILURES]
+        node_hours = nodes * max(0.0, now_s - float(run.created_s)) / 3600.0
         cadence = plan_cadence(
             checkpoint_cost_s=cost_s,
             step_time_s=step_time_s,
@@ -115,12 +116,12 @@ class Scoring(ControllerCore):
         if cadence is not previous:
             log.info(
                 "run %s: checkpoint every %d steps from step %d: %s",
-                run["id"],
+                run.id,
                 cadence.every_steps,
                 cadence.from_step,
                 cadence.reason,
             )
             with self.lock:
-                self.cadences[run["id"]] = cadence
+                self.cadences[run.id] = cadence
                 if previous is not None:
-                    self.previous_cadences[run["id"]] = previous
+                    self.previous_cadences[run.id] = previous

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -34,31 +34,30 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from opsd.controller.rows import (
+    Action,
+    FlightDumpRow,
+    IncidentRow,
+    LaunchRow,
+    NodeRow,
+    RunRow,
+    RunSpec,
+    decode_spec,
+    encode_spec,
+)
 from opsd.controller.schema import actions, flight_dumps, incidents, launches, nodes, open_engine, runs
 from opsd.errors import TransientError
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Action:
-    request_id: str
-    incident_id: int | None
-    run: str
-    seq: int
-    kind: ActionKind
-    args: dict[str, Any]
-    state: ActionState
-    created_s: float
-    done_s: float | None
-    result: dict[str, Any] | None = None
+__all__ = ["Action", "LaunchSample", "StateStore"]
 
 
 class StateStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._nodes: dict[str, dict[str, Any]] | None = None  # name -> row, once loaded
+        self._nodes: dict[str, NodeRow] | None = None  # name -> row, once loaded
         self._nodes_lock = threading.Lock()
         self._launches_lock = threading.Lock()  # a launch's record is read, added to and written back
 
@@ -75,9 +74,9 @@ class StateStore:
             raise TransientError(f"state store: {exc.orig}", retry_after_s=1.0) from exc
 
     # -- runs --------------------------------------------------------------------------------------------------
-    def create_run(self, run: str, spec: dict[str, Any], now_s: float) -> bool:
+    def create_run(self, run: str, spec: RunSpec, now_s: float) -> bool:
         """Record a run (running, generation 0); False when it exists already (nothing changed)."""
-        row = {"id": run, "state": RunState.RUNNING, "spec": json.dumps(spec), "created_s": now_s, "updated_s": now_s}
+        row = {"id": run, "state": RunState.RUNNING, "spec": encode_spec(spec), "created_s": now_s, "updated_s": now_s}
         try:
             with self._tx() as c:
                 c.execute(insert(runs).values(generation=0, last_step=0, **row))
@@ -85,12 +84,12 @@ class StateStore:
             return False
         return True
 
-    def run(self, run: str) -> dict[str, Any] | None:
+    def run(self, run: str) -> RunRow | None:
         with self._tx() as c:
             row = c.execute(select(runs).where(runs.c.id == run)).mappings().first()
         return _run_row(row) if row else None
 
-    def runs(self) -> list[dict[str, Any]]:
+    def runs(self) -> list[RunRow]:
         with self._tx() as c:
             rows = c.execute(select(runs).order_by(runs.c.created_s)).mappings().all()
         return [_run_row(r) for r in rows]
@@ -100,7 +99,7 @@ class StateStore:
         if not set(fields) <= allowed:
             raise ValueError(f"update_run: unknown fields {sorted(set(fields) - allowed)}")
         if "spec" in fields:
-            fields["spec"] = json.dumps(fields["spec"])
+            fields["spec"] = encode_spec(fields["spec"])
         with self._tx() as c:
             c.execute(update(runs).where(runs.c.id == run).values(updated_s=now_s, **fields))
 
@@ -119,11 +118,12 @@ class StateStore:
             with self._tx() as c:
                 if row is not None:
                     c.execute(update(nodes).where(nodes.c.name == name).values(updated_s=now_s, **fields))
-                    row = {**row, **fields, "updated_s": now_s}
+                    row = replace(row, **fields, updated_s=now_s)
                 else:
                     defaults = {"run": None, "role": NodeRole.SPARE, "domain": "", "reason": "", "events_acked": 0}
-                    row = {"name": name, **defaults, **fields, "updated_s": now_s}
-                    c.execute(insert(nodes).values(**row))
+                    values = {"name": name, **defaults, **fields, "updated_s": now_s}
+                    c.execute(insert(nodes).values(**values))
+                    row = NodeRow(**values)
             cached[name] = row  # committed: the copy in memory follows
 
     def ack_events(self, name: str, seq: int, now_s: float) -> None:
@@ -132,31 +132,30 @@ class StateStore:
         with self._nodes_lock:
             row = self._node_rows().get(name)
             if row is not None:
-                if row["events_acked"] < seq:
+                if row.events_acked < seq:
                     with self._tx() as c:
                         c.execute(
                             update(nodes)
                             .where(nodes.c.name == name, nodes.c.events_acked < seq)
                             .values(events_acked=seq, updated_s=now_s)
                         )
-                    self._node_rows()[name] = {**row, "events_acked": seq, "updated_s": now_s}
+                    self._node_rows()[name] = replace(row, events_acked=seq, updated_s=now_s)
                 return
         self.upsert_node(name, now_s, events_acked=seq)
 
-    def node(self, name: str) -> dict[str, Any] | None:
+    def node(self, name: str) -> NodeRow | None:
         with self._nodes_lock:
-            row = self._node_rows().get(name)
-            return dict(row) if row else None
+            return self._node_rows().get(name)
 
-    def nodes(self, run: str | None = None) -> list[dict[str, Any]]:
+    def nodes(self, run: str | None = None) -> list[NodeRow]:
         with self._nodes_lock:
             rows = self._node_rows()
-            return [dict(rows[n]) for n in sorted(rows) if run is None or rows[n]["run"] == run]
+            return [rows[n] for n in sorted(rows) if run is None or rows[n].run == run]
 
     def node_names(self, run: str, role: str) -> set[str]:
-        """The names of the nodes of ``run`` in ``role`` (no copies of their rows)."""
+        """The names of the nodes of ``run`` in ``role``."""
         with self._nodes_lock:
-            return {n for n, row in self._node_rows().items() if row["run"] == run and row["role"] == role}
+            return {n for n, row in self._node_rows().items() if row.run == run and row.role == role}
 
     def reload(self) -> None:
         """Forget the node rows kept in memory: the next read is the database's (a replica that becomes the leader:
@@ -164,7 +163,7 @@ class StateStore:
         with self._nodes_lock:
             self._nodes = None
 
-    def _node_rows(self) -> dict[str, dict[str, Any]]:
+    def _node_rows(self) -> dict[str, NodeRow]:
         """The node rows, read from the database the first time (the caller holds ``_nodes_lock``)."""
         if self._nodes is None:
             with self._tx() as c:
@@ -215,12 +214,12 @@ class StateStore:
         with self._tx() as c:
             c.execute(update(incidents).where(incidents.c.id == incident_id).values(**fields))
 
-    def incident(self, incident_id: int) -> dict[str, Any] | None:
+    def incident(self, incident_id: int) -> IncidentRow | None:
         with self._tx() as c:
             row = c.execute(select(incidents).where(incidents.c.id == incident_id)).mappings().first()
         return _incident_row(row) if row else None
 
-    def incidents(self, run: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+    def incidents(self, run: str | None = None, state: str | None = None) -> list[IncidentRow]:
         query = select(incidents).order_by(incidents.c.id)
         if run is not None:
             query = query.where(incidents.c.run == run)
@@ -317,14 +316,19 @@ class StateStore:
             else:
                 c.execute(update(launches).where(key).values(**fields))
 
-    def launches(self, run: str) -> list[dict[str, Any]]:
-        """What each launch of ``run`` measured, oldest first (``comm``: ``{"phase;dimension;op": seconds}``;
-        ``pipeline``: its last pipeline bubble, or None)."""
+    def launches(self, run: str) -> list[LaunchRow]:
+        """What each launch of ``run`` measured, oldest first."""
         query = select(launches).where(launches.c.run == run).order_by(launches.c.generation)
         with self._tx() as c:
             rows = c.execute(query).mappings().all()
         return [
-            {**r, "comm": json.loads(r["comm"]), "pipeline": json.loads(r["pipeline"]) if r["pipeline"] else None}
+            LaunchRow(
+                **{
+                    **r,
+                    "comm": json.loads(r["comm"]),
+                    "pipeline": json.loads(r["pipeline"]) if r["pipeline"] else None,
+                }
+            )
             for r in rows
         ]
 
@@ -341,22 +345,21 @@ class StateStore:
             return False
         return True
 
-    def flight_dumps(self, run: str, trigger: str | None = None) -> list[dict[str, Any]]:
-        """The dumps of ``run`` (of one trigger), by trigger and rank: ``run``, ``trigger``, ``rank``,
-        ``incident_id``, ``received_s`` and ``body`` (the JSON text)."""
+    def flight_dumps(self, run: str, trigger: str | None = None) -> list[FlightDumpRow]:
+        """The dumps of ``run`` (of one trigger), by trigger and rank."""
         query = select(flight_dumps).where(flight_dumps.c.run == run)
         if trigger is not None:
             query = query.where(flight_dumps.c.trigger == trigger)
         with self._tx() as c:
             rows = c.execute(query.order_by(flight_dumps.c.trigger, flight_dumps.c.rank)).mappings().all()
-        return [{k: v for k, v in r.items() if k != "id"} for r in rows]
+        return [_dump_row(r) for r in rows]
 
-    def flight_dump(self, run: str, trigger: str, rank: int) -> dict[str, Any] | None:
+    def flight_dump(self, run: str, trigger: str, rank: int) -> FlightDumpRow | None:
         c_ = flight_dumps.c
         query = select(flight_dumps).where(c_.run == run, c_.trigger == trigger, c_.rank == rank)
         with self._tx() as c:
             row = c.execute(query).mappings().first()
-        return {k: v for k, v in row.items() if k != "id"} if row else None
+        return _dump_row(row) if row else None
 
     def flight_ranks(self, run: str, trigger: str) -> set[int]:
         """The ranks with a dump kept for ``trigger`` (their bodies are not read)."""
@@ -379,23 +382,20 @@ class LaunchSample:
     pipeline: dict[str, Any] | None = None  # its pipeline bubble now (``pipeline_view``), when its ranks report one
 
 
-def _run_row(row: Any) -> dict[str, Any]:
-    out = dict(row)
-    out["spec"] = json.loads(out["spec"])
-    out["state"] = RunState(out["state"])
-    return out
+def _run_row(row: Any) -> RunRow:
+    return RunRow(**{**row, "spec": decode_spec(row["spec"]), "state": RunState(row["state"])})
 
 
-def _node_row(row: Any) -> dict[str, Any]:
-    out = dict(row)
-    out["role"] = NodeRole(out["role"])
-    return out
+def _node_row(row: Any) -> NodeRow:
+    return NodeRow(**{**row, "role": NodeRole(row["role"])})
 
 
-def _incident_row(row: Any) -> dict[str, Any]:
-    out = dict(row)
-    out["kind"], out["state"] = IncidentKind(out["kind"]), IncidentState(out["state"])
-    return out
+def _incident_row(row: Any) -> IncidentRow:
+    return IncidentRow(**{**row, "kind": IncidentKind(row["kind"]), "state": IncidentState(row["state"])})
+
+
+def _dump_row(row: Any) -> FlightDumpRow:
+    return FlightDumpRow(**{k: v for k, v in row.items() if k != "id"})
 
 
 def _action_row(row: Any) -> Action:

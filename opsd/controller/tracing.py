@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -33,7 +33,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
 
-from opsd.controller.state import Action, StateStore
+from opsd.controller.rows import Action, IncidentRow
+from opsd.controller.state import StateStore
 from opsd.protocol.states import ActionKind, ActionState
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class IncidentTracing:
             incident = store.incident(incident_id)
             if incident is None:
                 return
-            trace_id = incident.get("trace_id") or ""
+            trace_id = incident.trace_id or ""
             if not _is_hex(trace_id, 32):  # opened by a controller that did not trace, or an earlier version
                 trace_id = self.new_trace_id() or ""
                 store.update_incident(incident_id, trace_id=trace_id)
@@ -162,15 +163,15 @@ class IncidentTracing:
 
     def export(
         self,
-        incident: Mapping[str, Any],
+        incident: IncidentRow,
         actions: Sequence[Action],
         trace_id: int,
         ended_s: float | None = None,
         error: str = "",
     ) -> None:
         """Build the incident's spans with their recorded times and queue them for export."""
-        detected_s = float(incident["detected_s"])
-        resumed_s = incident.get("resumed_s")
+        detected_s = incident.detected_s
+        resumed_s = incident.resumed_s
         end_s = max(detected_s, float(resumed_s) if resumed_s is not None else (ended_s or detected_s))
 
         def at(t: float | None) -> int:  # within the root span, in ns
@@ -179,16 +180,17 @@ class IncidentTracing:
         common = _common(incident)
         root_attributes = {
             **common,
-            "opsd.run": str(incident["run"]),
-            "opsd.incident.id": int(incident["id"]),
-            "opsd.incident.kind": str(incident["kind"]),
-            "opsd.detail": str(incident["detail"]),
-            "opsd.detection_delay_s": detected_s - float(incident["failed_s"]),
+            "opsd.run": incident.run,
+            "opsd.incident.id": incident.id,
+            "opsd.incident.kind": str(incident.kind),
+            "opsd.detail": incident.detail,
+            "opsd.detection_delay_s": detected_s - incident.failed_s,
             "opsd.result": "recovered" if resumed_s is not None else f"failed: {error}" if error else "not recovered",
         }
         for key in ("spare", "resumed_from_step", "lost_steps"):
-            if incident.get(key) is not None:
-                root_attributes[f"opsd.{key}"] = incident[key]
+            value = getattr(incident, key)
+            if value is not None:
+                root_attributes[f"opsd.{key}"] = value
         with self._lock:
             self._ids.trace_id = trace_id
             try:
@@ -214,7 +216,7 @@ class IncidentTracing:
             if done and action.done_s is not None:
                 previous_s = max(previous_s, action.done_s)
         if resumed_s is not None:
-            step = incident.get("resumed_from_step")
+            step = incident.resumed_from_step
             resume = self._tracer.start_span(
                 RESUME_SPAN,
                 context=parent,
@@ -228,7 +230,7 @@ class IncidentTracing:
             resume.end(end_time=at(resumed_s))
         root.set_status(Status(StatusCode.OK) if resumed_s is not None else Status(StatusCode.ERROR, error or None))
         root.end(end_time=at(end_s))
-        log.info("incident %d: trace %032x queued for export", incident["id"], trace_id)
+        log.info("incident %d: trace %032x queued for export", incident.id, trace_id)
 
     def shutdown(self) -> None:
         """Export the spans still queued, then stop (the controller stops)."""
@@ -241,11 +243,11 @@ class IncidentTracing:
             log.exception("the incident traces could not be flushed")
 
 
-def _common(incident: Mapping[str, Any]) -> dict[str, Any]:
+def _common(incident: IncidentRow) -> dict[str, Any]:
     """What every span of an incident carries: the node it failed on, and its rank when one is named."""
-    out: dict[str, Any] = {"opsd.node": str(incident["node"] or "")}
-    if incident.get("rank") is not None:
-        out["opsd.rank"] = int(incident["rank"])
+    out: dict[str, Any] = {"opsd.node": incident.node or ""}
+    if incident.rank is not None:
+        out["opsd.rank"] = incident.rank
     return out
 
 
@@ -264,9 +266,9 @@ def _step_attributes(action: Action) -> dict[str, Any]:
     return out
 
 
-def _cause_links(incident: Mapping[str, Any]) -> list[Link]:
+def _cause_links(incident: IncidentRow) -> list[Link]:
     """A link to the agent's span of the GPU event that caused the incident, when it sent one."""
-    trace_id, span_id = incident.get("gpu_trace_id") or "", incident.get("gpu_span_id") or ""
+    trace_id, span_id = incident.gpu_trace_id or "", incident.gpu_span_id or ""
     if not (_is_hex(trace_id, 32) and _is_hex(span_id, 16)):
         return []
     context = SpanContext(

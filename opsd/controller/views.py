@@ -14,6 +14,7 @@ from opsd.checkpoints.store import open_store
 from opsd.controller.controller import Controller
 from opsd.controller.flight import analyses
 from opsd.controller.incidents import NOT_FAILURES
+from opsd.controller.rows import IncidentRow, NodeRow, RunRow, as_json
 from opsd.errors import NotFoundError, OpsError
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
 from opsd.policy.spares import spare_pool_size
@@ -47,28 +48,28 @@ def node_health(controller: Controller, node: str, now_s: float) -> tuple[str, s
 
 def node_mtbf_h(
     controller: Controller,
-    run: dict[str, Any],
+    run: RunRow,
     nodes: int,
     now_s: float,
-    incidents: list[dict[str, Any]] | None = None,
+    incidents: list[IncidentRow] | None = None,
 ) -> tuple[float, int, float]:
     """(node MTBF in hours, failures, node-hours) of ``run``: the cadence's posterior (prior + the run's failures);
     ``incidents``: the run's, when the caller has them already. A finished run's node-hours end with it."""
     if incidents is None:
-        incidents = controller.store.incidents(run["id"])
-    failures = sum(1 for i in incidents if i["kind"] not in NOT_FAILURES)
-    end_s = float(run["updated_s"]) if RunState(run["state"]).finished else now_s
-    node_hours = max(1, nodes) * max(0.0, end_s - float(run["created_s"])) / 3600.0
+        incidents = controller.store.incidents(run.id)
+    failures = sum(1 for i in incidents if i.kind not in NOT_FAILURES)
+    end_s = float(run.updated_s) if RunState(run.state).finished else now_s
+    node_hours = max(1, nodes) * max(0.0, end_s - float(run.created_s)) / 3600.0
     rate = node_failure_rate_per_h(failures, node_hours, controller.config.cadence)
     return 1.0 / rate, failures, node_hours
 
 
 def recommended_spares(
     controller: Controller,
-    run: dict[str, Any],
+    run: RunRow,
     active_nodes: int,
     now_s: float,
-    incidents: list[dict[str, Any]] | None = None,
+    incidents: list[IncidentRow] | None = None,
 ) -> tuple[int, str]:
     """The spare pool size for ``run`` (``opsd.policy.spares``) and why, in one line."""
     config = controller.config
@@ -82,9 +83,9 @@ def recommended_spares(
     return size, why
 
 
-def pool_entry(controller: Controller, node: dict[str, Any], now_s: float) -> dict[str, Any]:
-    health, why = node_health(controller, node["name"], now_s)
-    return {"name": node["name"], "domain": node["domain"], "health": health, "why": why}
+def pool_entry(controller: Controller, node: NodeRow, now_s: float) -> dict[str, Any]:
+    health, why = node_health(controller, node.name, now_s)
+    return {"name": node.name, "domain": node.domain, "health": health, "why": why}
 
 
 def shared_pool(controller: Controller, now_s: float) -> dict[str, Any] | None:
@@ -93,14 +94,14 @@ def shared_pool(controller: Controller, now_s: float) -> dict[str, Any] | None:
     node MTBF of their failures and node-hours together. None when no run draws from such a pool."""
     runs = controller.store.runs()
     nodes = controller.store.nodes()
-    spares = [n for n in nodes if n["role"] == NodeRole.SPARE and n["run"] is None]
-    if not spares and not any(r["spec"].get("backend") == "kubernetes" for r in runs):
+    spares = [n for n in nodes if n.role == NodeRole.SPARE and n.run is None]
+    if not spares and not any(r.spec.backend == "kubernetes" for r in runs):
         return None
-    going = [r for r in runs if not RunState(r["state"]).finished]
-    active = sum(1 for n in nodes if n["role"] == NodeRole.ACTIVE and n["run"] in {r["id"] for r in going})
+    going = [r for r in runs if not RunState(r.state).finished]
+    active = sum(1 for n in nodes if n.role == NodeRole.ACTIVE and n.run in {r.id for r in going})
     failures, node_hours = 0, 0.0
     for run in going:
-        run_active = sum(1 for n in nodes if n["role"] == NodeRole.ACTIVE and n["run"] == run["id"])
+        run_active = sum(1 for n in nodes if n.role == NodeRole.ACTIVE and n.run == run.id)
         _, run_failures, run_hours = node_mtbf_h(controller, run, run_active, now_s)
         failures, node_hours = failures + run_failures, node_hours + run_hours
     config = controller.config
@@ -125,31 +126,23 @@ def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
     cluster's shared pool, when runs draw from one (``shared``: None otherwise)."""
     out = []
     for run in controller.store.runs():
-        nodes = controller.store.nodes(run["id"])
-        active = [n for n in nodes if n["role"] == NodeRole.ACTIVE]
-        pool = [pool_entry(controller, n, now_s) for n in nodes if n["role"] == NodeRole.SPARE]
+        nodes = controller.store.nodes(run.id)
+        active = [n for n in nodes if n.role == NodeRole.ACTIVE]
+        pool = [pool_entry(controller, n, now_s) for n in nodes if n.role == NodeRole.SPARE]
         recommended, why = recommended_spares(controller, run, len(active), now_s)
         out.append(
             {
-                "run": run["id"],
-                "state": run["state"],
+                "run": run.id,
+                "state": run.state,
                 "active_nodes": len(active),
                 "spares": pool,
                 "available": sum(1 for s in pool if s["health"] in USABLE),
                 "recommended": recommended,
                 "why": why,
-                "cordoned": [
-                    {"name": n["name"], "reason": n["reason"]} for n in nodes if n["role"] == NodeRole.CORDONED
-                ],
+                "cordoned": [{"name": n.name, "reason": n.reason} for n in nodes if n.role == NodeRole.CORDONED],
             }
         )
     return {"runs": out, "shared": shared_pool(controller, now_s)}
-
-
-def checkpoint_url(run: dict[str, Any]) -> str:
-    """Where the run's ranks checkpoint, as its spec records it ("" when it does not say)."""
-    url = run["spec"].get("checkpoint_url") if isinstance(run.get("spec"), dict) else None
-    return str(url or "")
 
 
 def checkpoints_view(controller: Controller, run_id: str) -> dict[str, Any]:
@@ -157,7 +150,7 @@ def checkpoints_view(controller: Controller, run_id: str) -> dict[str, Any]:
     run = controller.store.run(run_id)
     if run is None:
         raise NotFoundError(f"no run {run_id!r}")
-    url = checkpoint_url(run)
+    url = run.spec.checkpoint_url
     if not url:
         return {"run": run_id, "url": None, "checkpoints": [], "why": "the run has no checkpoint store"}
     store = open_store(url)
@@ -267,14 +260,14 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
         checkpoints = []
     blocking = [c["blocking_s"] for c in checkpoints if c["blocking_s"] is not None]
     per_launch = launch_stacks(controller, run_id)
-    codes = {int(word) for i in incidents for word in _xid_codes(i["detail"])}
+    codes = {int(word) for i in incidents for word in _xid_codes(i.detail)}
     table = xid_meanings()
     return {
         "generated_unix_s": now_s,
-        "run": run,
+        "run": as_json(run),
         "status": status,
-        "incidents": incidents,
-        "actions": [a.__dict__ for a in controller.store.actions(run=run_id)],
+        "incidents": as_json(incidents),
+        "actions": as_json(controller.store.actions(run=run_id)),
         "checkpoints": checkpoints,
         "checkpoint_blocking_s": {
             "count": len(blocking),
@@ -285,9 +278,8 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
         "xid_table": {str(code): table[code] for code in sorted(codes) if code in table},
         "mtbf": {k: v for k, v in cadence_view(controller, run_id, now_s).items() if k in MTBF_KEYS},
         "launches": [
-            {**{k: v for k, v in row.items() if k in LAUNCH_KEYS}, "comm": dict(top_stacks(per_launch.get(g, {})))}
+            {**{k: getattr(row, k) for k in LAUNCH_KEYS}, "comm": dict(top_stacks(per_launch.get(row.generation, {})))}
             for row in controller.store.launches(run_id)
-            for g in [int(row["generation"])]
         ],
     }
 
@@ -317,12 +309,12 @@ def launch_stacks(controller: Controller, run_id: str) -> dict[int, dict[tuple[s
     if run is None:
         raise NotFoundError(f"no run {run_id!r}")
     out = {
-        int(row["generation"]): {tuple(k.split(";")): v for k, v in row["comm"].items()}
+        int(row.generation): {tuple(k.split(";")): v for k, v in row.comm.items()}
         for row in controller.store.launches(run_id)
     }
     live = controller.launch_comm_seconds(run_id)
     if live:
-        current = out.setdefault(int(run["generation"]), {})
+        current = out.setdefault(int(run.generation), {})
         for stack, seconds in live.items():
             current[stack] = max(seconds, current.get(stack, 0.0))
     return out

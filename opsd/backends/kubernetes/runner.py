@@ -93,20 +93,20 @@ class KubernetesController:
         they find what the cluster did (nothing left to evict, the restart attempt that completed) and record it."""
         store = self.controller.store
         for run in store.runs():
-            state = RunState(run["state"])
+            state = RunState(run.state)
             if state not in (RunState.RECOVERING, RunState.WAITING_FOR_SPARE, RunState.COMPLETED):
                 continue
-            incident = unfinished_incident(store, run["id"])
+            incident = unfinished_incident(store, run.id)
             if state == RunState.COMPLETED:
-                if incident is not None and took_step(store, int(incident["id"]), ActionKind.STOP, begun=True):
-                    log.warning("run %s completed during the recovery of incident %d", run["id"], incident["id"])
-                    self.controller.recovery.start(run["id"], int(incident["id"]), failure_of(incident), now_s)
+                if incident is not None and took_step(store, int(incident.id), ActionKind.STOP, begun=True):
+                    log.warning("run %s completed during the recovery of incident %d", run.id, incident.id)
+                    self.controller.recovery.start(run.id, int(incident.id), failure_of(incident), now_s)
                 continue
             if incident is None:
-                store.update_run(run["id"], now_s, state=RunState.RUNNING)
+                store.update_run(run.id, now_s, state=RunState.RUNNING)
                 continue
-            log.warning("run %s: the recovery of incident %d goes on under this leader", run["id"], incident["id"])
-            self.controller.recovery.start(run["id"], int(incident["id"]), failure_of(incident), now_s)
+            log.warning("run %s: the recovery of incident %d goes on under this leader", run.id, incident.id)
+            self.controller.recovery.start(run.id, int(incident.id), failure_of(incident), now_s)
 
     def _sync_forever(self) -> None:
         while not self.stop.wait(self.config.resync_interval_s):

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.nodes import has_taint
 from opsd.backends.kubernetes.watch import Informer
+from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.policy.recovery import OnNoSpare
 from opsd.protocol.cluster import (
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 Json = dict[str, Any]
 
 
-def run_spec(jobset: Json) -> dict[str, Any]:
+def run_spec(jobset: Json) -> RunSpec:
     """What the state store keeps of a run found in a JobSet."""
     meta = jobset.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -48,14 +50,14 @@ def run_spec(jobset: Json) -> dict[str, Any]:
         min_nodes = max(1, int(annotations.get(MIN_NODES_ANNOTATION, "1")))
     except ValueError:
         min_nodes = 1
-    return {
-        "backend": "kubernetes",
-        "namespace": meta.get("namespace", ""),
-        "jobset": meta.get("name", ""),
-        "checkpoint_url": annotations.get(CHECKPOINT_URL_ANNOTATION, ""),
-        "on_no_spare": on_no_spare if on_no_spare in tuple(OnNoSpare) else OnNoSpare.WAIT,
-        "min_nodes": min_nodes,
-    }
+    return RunSpec(
+        backend="kubernetes",
+        namespace=meta.get("namespace", ""),
+        jobset=meta.get("name", ""),
+        checkpoint_url=annotations.get(CHECKPOINT_URL_ANNOTATION, ""),
+        on_no_spare=OnNoSpare(on_no_spare) if on_no_spare in tuple(OnNoSpare) else OnNoSpare.WAIT,
+        min_nodes=min_nodes,
+    )
 
 
 def run_name(jobset: Json) -> str | None:
@@ -93,13 +95,13 @@ class Reconciler:
         """run -> its JobSet: the annotated ones, and the ones attached (recorded in the store)."""
         found: dict[str, Json] = {}
         attached = {
-            (r["spec"].get("namespace"), r["spec"].get("jobset")): r["id"]
+            (r.spec.namespace, r.spec.jobset): r.id
             for r in self.store.runs()
-            if r["spec"].get("backend") == "kubernetes" and r["spec"].get("attached")
+            if r.spec.backend == "kubernetes" and r.spec.attached
         }
         for jobset in self.jobsets.objects():
             meta = jobset.get("metadata") or {}
-            name = run_name(jobset) or attached.get((meta.get("namespace"), meta.get("name")))
+            name = run_name(jobset) or attached.get((meta.get("namespace", ""), meta.get("name", "")))
             if name:
                 found[name] = jobset
         return found
@@ -112,17 +114,17 @@ class Reconciler:
             row = self.store.run(name)
             if row is None and self.store.create_run(name, spec, now_s):
                 self.store.update_run(name, now_s, generation=1)  # the JobSet's first launch
-                log.info("run %s found: JobSet %s/%s", name, spec["namespace"], spec["jobset"])
+                log.info("run %s found: JobSet %s/%s", name, spec.namespace, spec.jobset)
             elif row is not None:
-                spec = {**spec, **({"attached": True} if row["spec"].get("attached") else {})}
-                if row["spec"] != spec:  # first seen in a heartbeat, or its annotations changed
-                    self.store.update_run(name, now_s, spec=spec, generation=max(1, int(row["generation"])))
-                    log.info("run %s: the spec of JobSet %s/%s", name, spec["namespace"], spec["jobset"])
-            self.backend.runs[name] = RunRef(spec["namespace"], spec["jobset"])
+                spec = replace(spec, attached=row.spec.attached)
+                if row.spec != spec or row.generation < 1:  # first seen in a heartbeat or attached, or edited
+                    self.store.update_run(name, now_s, spec=spec, generation=max(1, row.generation))
+                    log.info("run %s: the spec of JobSet %s/%s", name, spec.namespace, spec.jobset)
+            self.backend.runs[name] = RunRef(spec.namespace, spec.jobset)
             ended = jobset_state(jobset)
             row = self.store.run(name)
-            if ended is not None and row is not None and not RunState(row["state"]).finished:
-                final = self.final_step(name) if self.final_step is not None else int(row["last_step"])
+            if ended is not None and row is not None and not RunState(row.state).finished:
+                final = self.final_step(name) if self.final_step is not None else int(row.last_step)
                 self.store.update_run(name, now_s, state=ended, final_step=final)
                 log.info("run %s: its JobSet is %s", name, ended)
         self._nodes(runs, now_s)
@@ -144,7 +146,7 @@ class Reconciler:
             labels = node["metadata"].get("labels") or {}
             annotations = node["metadata"].get("annotations") or {}
             known = self.store.node(name)
-            run = labels.get(RUN_LABEL) or hosting.get(name) or (known or {}).get("run")
+            run = labels.get(RUN_LABEL) or hosting.get(name) or (known.run if known is not None else None)
             if has_taint(node, QUARANTINE_TAINT) or labels.get(STATE_LABEL) == "quarantined":
                 fields: dict[str, Any] = {"role": NodeRole.CORDONED, "reason": annotations.get(REASON_ANNOTATION, "")}
             elif labels.get(POOL_LABEL) == SPARE_POOL:
@@ -155,5 +157,5 @@ class Reconciler:
                 continue
             if "run" not in fields and run in runs:
                 fields["run"] = run
-            if known is None or any(known.get(k) != v for k, v in fields.items()):
+            if known is None or any(getattr(known, k) != v for k, v in fields.items()):
                 self.store.upsert_node(name, now_s, **fields)

@@ -27,6 +27,7 @@ from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.controller.controller import Controller
 from opsd.controller.recovery import COMPLETED
+from opsd.controller.rows import as_json
 from opsd.controller.state import Action
 from opsd.errors import OpsError, PermanentError
 from opsd.protocol.states import NodeRole, RunState
@@ -53,20 +54,20 @@ def start_run(controller: Controller, backend: LocalBackend, now_s: float) -> No
     when the state store has it unfinished (its controller stopped)."""
     spec, store = backend.spec, controller.store
     existing = store.run(spec.run)
-    if existing is not None and RunState(existing["state"]).finished:
+    if existing is not None and RunState(existing.state).finished:
         raise PermanentError(
-            f"run {spec.run!r} is {existing['state']} in this state store; give another --run or --state-dir"
+            f"run {spec.run!r} is {existing.state} in this state store; give another --run or --state-dir"
         )
     backend.lock_run()
     if existing is not None:
-        recorded = existing["spec"]
-        if (recorded.get("nodes"), recorded.get("spares")) != (spec.nodes, spec.spares):
+        recorded = existing.spec
+        if (recorded.nodes, recorded.spares) != (spec.nodes, spec.spares):
             raise PermanentError(
-                f"run {spec.run!r} was started with --nodes {recorded.get('nodes')} --spares {recorded.get('spares')};"
+                f"run {spec.run!r} was started with --nodes {recorded.nodes} --spares {recorded.spares};"
                 " take it up with the same"
             )
         store.update_run(spec.run, now_s, state=RunState.RECOVERING)  # before the first detection pass
-        generation = int(existing["generation"])
+        generation = int(existing.generation)
         killed = backend.take_up_machines(generation)
         why = f"the run's controller stopped during generation {generation}; {killed} processes it left killed"
         controller.recovery.take_up(existing, now_s, why)
@@ -125,9 +126,9 @@ def run_local(
                 on_poll(controller, backend, now)
             run = controller.store.run(spec.run)
             assert run is not None
-            if run["state"] == RunState.FAILED:
+            if run.state == RunState.FAILED:
                 break
-            exits, done = backend.supervise() if run["state"] == RunState.RUNNING else ([], False)
+            exits, done = backend.supervise() if run.state == RunState.RUNNING else ([], False)
             for rank, node, code in exits:
                 controller.rank_exited(spec.run, rank, node, code, now)
             if done:
@@ -143,11 +144,11 @@ def run_local(
                 break
         ended = controller.store.run(spec.run)
         assert ended is not None
-        controller.record_launch(spec.run, int(ended["generation"]), time.time())  # what it measured, kept
+        controller.record_launch(spec.run, int(ended.generation), time.time())  # what it measured, kept
         status = controller.status(spec.run, time.time())
         assert status is not None
-        status["incidents"] = controller.store.incidents(spec.run)
-        status["actions"] = [a.__dict__ for a in controller.store.actions(run=spec.run)]
+        status["incidents"] = as_json(controller.store.incidents(spec.run))
+        status["actions"] = as_json(controller.store.actions(run=spec.run))
         return status
     finally:
         ticking.set()
@@ -164,7 +165,7 @@ def _last_reports(controller: Controller, spec: LocalRunSpec) -> None:
         time.sleep(spec.heartbeat_interval_s * 1.5)
         controller.tick(time.time())
         run = controller.store.run(spec.run)
-        step = int(run["last_step"]) if run else -1
+        step = int(run.last_step) if run else -1
         if step == seen:
             return
         seen = step

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from opsd.controller.rows import RunSpec
 from opsd.policy.recovery import OnNoSpare
 from opsd.protocol.states import ActionKind
 
@@ -56,15 +56,15 @@ class LocalRunSpec:
         """The run's nodes, then its spares: ``node-0`` ... ``node-{nodes + spares - 1}``."""
         return [f"node-{i}" for i in range(self.nodes + self.spares)]
 
-    def recorded(self) -> dict[str, Any]:
+    def recorded(self) -> RunSpec:
         """What the state store keeps of the run's spec (a controller that takes the run up checks it; the recovery
         reads ``checkpoint_url``, ``on_no_spare`` and ``min_nodes`` from it)."""
-        return {
-            "backend": "local",
-            "nodes": self.nodes,
-            "spares": self.spares,
-            "gpus_per_node": self.gpus_per_node,
-            "checkpoint_url": self.checkpoint_url,
-            "on_no_spare": str(self.on_no_spare),
-            "min_nodes": self.min_nodes,
-        }
+        return RunSpec(
+            backend="local",
+            nodes=self.nodes,
+            spares=self.spares,
+            gpus_per_node=self.gpus_per_node,
+            checkpoint_url=self.checkpoint_url,
+            on_no_spare=self.on_no_spare,
+            min_nodes=self.min_nodes,
+        )

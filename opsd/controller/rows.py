@@ -1,0 +1,160 @@
+"""The rows of the controller's state store, typed: a run and its spec, a node, an incident, a recovery action, a
+launch's record, a Flight Recorder dump. The store (``opsd.controller.state``) reads and writes them; the
+controller, the backends' runners and the API take them as they are (the API answers them as JSON: every field is a
+JSON value, enums as their strings).
+
+Frozen: a row is what the store held when it was read. To change one, the store is told (``update_run``,
+``upsert_node``, ...) and read again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from opsd.policy.recovery import OnNoSpare
+from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """What a run was started with, as the state store keeps it (JSON; fields unknown to this version are ignored,
+    missing ones take their defaults). Each backend records what its runs need:
+
+    - ``local`` (``opsd run``): ``nodes``, ``spares``, ``gpus_per_node``, ``checkpoint_url``, ``on_no_spare``,
+      ``min_nodes`` (a controller that takes the run up checks ``nodes`` and ``spares``);
+    - ``kubernetes``: the JobSet's ``namespace`` and ``jobset`` (``attached``: made a run by ``opsd runs
+      attach``), its ``checkpoint_url``, ``on_no_spare`` and ``min_nodes`` annotations;
+    - a run first heard of in a heartbeat, with no backend: ``observed``."""
+
+    backend: str = ""
+    nodes: int | None = None
+    spares: int | None = None
+    gpus_per_node: int | None = None
+    checkpoint_url: str = ""
+    on_no_spare: OnNoSpare = OnNoSpare.WAIT
+    min_nodes: int = 1
+    namespace: str = ""
+    jobset: str = ""
+    attached: bool = False
+    observed: bool = False
+
+
+_SPEC_DECODER = msgspec.json.Decoder(RunSpec)
+
+
+def decode_spec(data: str | bytes) -> RunSpec:
+    """A spec as the store keeps it; one that does not fit (a hand-edited store) reads as an empty spec rather than
+    failing every read of its run."""
+    try:
+        return _SPEC_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        log.warning("a run's spec in the state store does not fit (%r): read as empty", data[:200])
+        return RunSpec()
+
+
+def encode_spec(spec: RunSpec) -> str:
+    return msgspec.json.encode(spec).decode()
+
+
+def as_json(value: Any) -> Any:
+    """Rows (and what holds them) as JSON values: dataclasses as objects, enums as their strings."""
+    return msgspec.to_builtins(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    id: str
+    state: RunState
+    spec: RunSpec
+    created_s: float
+    updated_s: float
+    generation: int  # launches so far (0: not launched)
+    last_step: int  # the newest step its ranks reported, of any launch
+    final_step: int | None  # where a finished run ended
+    first_productive_s: float | None  # its first productive step (the end of its launch and initialisation)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    name: str
+    run: str | None  # the run it serves (active or spare), or None (a shared spare, or no run's)
+    role: NodeRole
+    domain: str
+    reason: str  # why it was cordoned
+    events_acked: int  # GPU events handled, up to this seq
+    updated_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentRow:
+    id: int
+    key: str  # unique: the same failure reported again finds it (``opsd.controller.incidents``)
+    run: str
+    kind: IncidentKind
+    node: str
+    rank: int | None
+    detail: str
+    state: IncidentState
+    failed_s: float
+    detected_s: float
+    resumed_s: float | None = None
+    resumed_from_step: int | None = None
+    lost_steps: int | None = None
+    spare: str | None = None
+    trace_id: str | None = None  # its OpenTelemetry trace (W3C hex), when the controller exports traces
+    gpu_trace_id: str | None = None  # the agent's span of the GPU event that caused it, which the trace links to
+    gpu_span_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """A step of a recovery, recorded before it is carried out (``opsd.controller.recovery``)."""
+
+    request_id: str
+    incident_id: int | None
+    run: str
+    seq: int
+    kind: ActionKind
+    args: dict[str, Any]
+    state: ActionState
+    created_s: float
+    done_s: float | None
+    result: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRow:
+    """What a launch of a run measured (``StateStore.record_launch``)."""
+
+    run: str
+    generation: int
+    started_s: float  # first recorded
+    updated_s: float
+    first_step: int | None  # the first and newest steps its ranks reported
+    last_step: int | None
+    ranks: int  # heard from, at most
+    samples: int  # samples taken while it progressed: the sums below are over them
+    mfu_ratio_sum: float
+    tokens_per_s_sum: float
+    mfu_ratio_last: float | None
+    tokens_per_s_last: float | None
+    comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds: its collectives
+    pipeline: dict[str, Any] | None = None  # its last pipeline bubble, as the run's status has it
+    bubble_ratio_sum: float | None = None
+    bubble_samples: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlightDumpRow:
+    run: str
+    trigger: str  # incident-<id>, timeout-<rank>-<step>, or a command's id
+    rank: int
+    incident_id: int | None
+    received_s: float
+    body: str  # the dump as the rank wrote it (JSON; docs/flight-recorder.md)
