@@ -175,10 +175,10 @@ def test_every_controller_metric_is_documented_with_its_type(client: TestClient,
     text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text().split("\n# Controller\n")[1]
     documented = dict(re.findall(r"^\| `(opsd_\w+)` \| (gauge|counter|histogram) \|", text, flags=re.M))
     client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
-    controller.cadences["job"] = Cadence(10, 20, 100.0, 3600.0, "test")  # so that the cadence series exist
+    controller.remember("job").cadence = Cadence(10, 20, 100.0, 3600.0, "test")  # so that the cadence series exist
     saved = heartbeat(ranks=[{**heartbeat()["ranks"][0], "checkpoints": 1, "checkpoint_blocking_s": 0.5}])
     client.post("/v1/heartbeat", json=saved, headers=AUTH)  # and those of checkpoints
-    controller.stragglers["job"] = [StragglerScore(0, "n0", 0, 1.3, 30, True)]  # and of a flagged rank
+    controller.remember("job").stragglers = [StragglerScore(0, "n0", 0, 1.3, 30, True)]  # and of a flagged rank
     controller.store.open_incident(
         key="doc", run="job", kind="hang", node="n0", rank=0, detail="d", failed_s=0.0, detected_s=0.0
     )

@@ -60,6 +60,7 @@ FROZEN_KEYS = [
     "controller.step_attempts",
     "controller.step_retry_max_s",
     "controller.step_timeout_s",
+    "controller.forget_finished_s",
     "controller.backend",
     "controller.kubernetes.namespace",
     "controller.kubernetes.watch_namespace",

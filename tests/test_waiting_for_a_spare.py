@@ -20,6 +20,7 @@ from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
 from opsd.protocol.states import NodeRole, RunState
+from tests.rows import stored
 
 RUN = "job"
 XID = Failure(FailureKind.FATAL_XID, "node-1", None, "XID 79 on GPU 0: fallen off the bus")
@@ -96,3 +97,40 @@ def test_a_finished_run_ends_at_its_last_launchs_newest_step(tmp_path: Path) -> 
     beat(c, 30, 1e10, resumed_from_step=20)
     beat(c, 41, 1e10 + 1, resumed_from_step=20)
     assert c.final_step(RUN) == 41
+
+
+def test_a_recovery_takes_its_time_from_the_controllers_clock(tmp_path: Path) -> None:
+    """Every time a recovery writes (its steps done, the node cordoned, the relaunch) is the controller's clock's."""
+    backend = FakeBackend(["node-0", "node-1", "node-2"])
+    c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), ControllerConfig(), backend, clock=lambda: 5e9)
+    c.recovery.threaded = False
+    c.store.create_run(RUN, RunSpec(backend="fake"), 0.0)
+    for node in ("node-0", "node-1"):
+        c.store.upsert_node(node, 0.0, run=RUN, role=NodeRole.ACTIVE)
+    c.store.upsert_node("node-2", 0.0, run=RUN, role=NodeRole.SPARE)
+    c.recovery.launch_first(RUN, 0.0)
+
+    incident = c.open_failure(stored(c.store.run(RUN)), [XID], 4e9)
+
+    assert {a.done_s for a in c.store.actions(incident_id=incident)} == {5e9}
+    assert {stored(c.store.node(n)).updated_s for n in ("node-1", "node-2")} == {5e9}
+    assert stored(c.store.run(RUN)).updated_s == 5e9
+
+
+def test_a_finished_runs_memory_is_dropped_a_while_after_it_settled(tmp_path: Path) -> None:
+    c, _ = two_nodes(tmp_path)
+    beat(c, 30, 1e10)
+    c.store.update_run(RUN, 1e10, state=RunState.COMPLETED, final_step=30)
+
+    c.tick(1e10 + 1)  # settled: kept for reads a while
+    status = c.status(RUN, 1e10 + 1)
+    assert status is not None
+    assert (RUN in c.memory, status["ranks"]) == (True, 2)
+
+    c.tick(1e10 + 1 + c.config.forget_finished_s)
+    beat(c, 30, 1e10 + 2 + c.config.forget_finished_s)  # an agent still remembers the run's ranks
+
+    assert RUN not in c.memory
+    status = c.status(RUN, 1e10 + 3 + c.config.forget_finished_s)
+    assert status is not None
+    assert (status["state"], status["step"], status["ranks"]) == ("completed", 30, 0)

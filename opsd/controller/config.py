@@ -30,6 +30,7 @@ class ControllerConfig:
     step_attempts: int = 5  # a recovery step that fails transiently is tried this many times in all
     step_retry_max_s: float = 30.0  # the longest wait between two attempts of a step
     step_timeout_s: float = 600.0  # how long a step under way (a cluster restarting a job) is waited for
+    forget_finished_s: float = 3600.0  # a finished run's memory (its ranks, cadence) is kept this long for reads
 
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:
@@ -44,5 +45,7 @@ class ControllerConfig:
             raise ValueError("controller.hang_quarantine_after must be >= 0 and controller.hang_window_h > 0")
         if self.spare_window_h <= 0 or not 0 < self.spare_risk < 1:
             raise ValueError("controller.spare_window_h must be > 0 and controller.spare_risk between 0 and 1")
+        if self.forget_finished_s < 0:
+            raise ValueError("controller.forget_finished_s must be >= 0")
         if self.step_attempts < 1 or self.step_retry_max_s < 0 or self.step_timeout_s <= 0:
             raise ValueError("controller.step_attempts must be >= 1, step_retry_max_s >= 0 and step_timeout_s > 0")

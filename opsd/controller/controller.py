@@ -11,6 +11,9 @@ controller's wall clock), so tests drive it.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from opsd.controller.config import ControllerConfig
 from opsd.controller.detection import Detection
 from opsd.controller.intake import Intake
@@ -29,6 +32,7 @@ class Controller(Intake, Detection, Operations, Reads):
         config: ControllerConfig | None = None,
         backend: Backend | None = None,
         tracing: IncidentTracing | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(store, config, backend, tracing)
+        super().__init__(store, config, backend, tracing, clock)
         self.recovery: Recovery = Recovery(self)

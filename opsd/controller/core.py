@@ -2,7 +2,8 @@
 memory. The controller's parts (``intake``, ``detection``, ``operations``, ``reads``) are mixins over this core.
 
 Durable state is in the ``StateStore``; what the heartbeats say (liveness, progress, compute samples, checkpoint
-costs) is kept in memory and rebuilt within seconds after a restart. Heartbeats come in on the API's threads,
+costs) is kept in memory and rebuilt within seconds after a restart: per node (``NodeLive``) and per run, one record
+(``RunMemory``) dropped ``forget_finished_s`` after the run ended. Heartbeats come in on the API's threads,
 detection passes on a thread of their own, recoveries on theirs: ``lock`` guards what is in memory, and is held
 only while it is read or changed, never while the store or the backend is waited on, so that heartbeats are not
 held up by a pass.
@@ -13,20 +14,20 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
 from opsd.controller.config import ControllerConfig
-from opsd.controller.live import NodeLive, RankLive, Ratios, RunComms, RunLive, Window
+from opsd.controller.live import NodeLive, RankLive, Ratios, RunLive, RunMemory, Window
 from opsd.controller.port import Backend
 from opsd.controller.rows import NodeRow
 from opsd.controller.state import LaunchSample, StateStore
 from opsd.controller.tracing import IncidentTracing
-from opsd.policy.cadence import Cadence
 from opsd.policy.detection import Failure
 from opsd.policy.pipeline import RunBubble, run_bubble
 from opsd.policy.spares import Spare, select_spare
-from opsd.policy.stragglers import StragglerScore
 from opsd.protocol.states import NodeRole
 
 LAUNCH_RECORD_S = 10.0  # a launch's record is written at most this often while it progresses (6x: while it does not)
@@ -49,62 +50,91 @@ class ControllerCore:
         config: ControllerConfig | None = None,
         backend: Backend | None = None,
         tracing: IncidentTracing | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``clock``: the controller's wall clock, for what it does on its own threads (a recovery's steps); the
+        passes and the heartbeats are given their time (``now_s``)."""
         self.store = store
         self.config = config or ControllerConfig()
         self.backend = backend
         self.tracing = tracing or IncidentTracing()  # the incidents' traces (none exported by default)
+        self.clock = clock
         self.lock = threading.RLock()
         self.ticking = threading.Lock()  # one detection pass at a time
         self.nodes: dict[str, NodeLive] = {}
-        self.runs_live: dict[str, RunLive] = {}
-        self.cadences: dict[str, Cadence] = {}
-        self.previous_cadences: dict[str, Cadence] = {}  # in force before the current one's from_step
-        self.stragglers: dict[str, list[StragglerScore]] = {}  # run -> the ranks flagged now
-        self.heartbeats_total = 0
-        self.launched_s: dict[str, float] = {}  # run -> when its current launch started
-        self.settled: set[str] = set()  # finished runs with nothing left open (the detection pass skips them)
-        self.launch_ids: dict[str, int] = {}  # run -> the launch its ranks report (OPSD_LAUNCH), when the backend said
+        self.memory: dict[str, RunMemory] = {}  # run -> what is kept of it in memory (dropped after it ended)
+        self.forgotten: set[str] = set()  # finished runs whose memory was dropped: heartbeats naming them are ignored
         self.known_runs: set[str] = set()  # runs the store has (recorded once, not at every heartbeat)
-        self.checkpoint_at: dict[str, int] = {}  # run -> a one-off checkpoint step asked for (a graceful restart)
-        self.commands: dict[str, list[dict[str, Any]]] = {}  # run -> commands for its ranks (docs/protocol.md)
-        self.progressed_s: dict[str, float] = {}  # run -> when its newest step last advanced
-        self.ended_step: dict[str, int] = {}  # run -> the newest step of its previous launch (-1: unknown)
-        self.checkpointed_s: dict[str, float] = {}  # run -> when every rank had finished one more checkpoint
-        self.comms: dict[str, RunComms] = {}  # run -> its collective seconds per node and stack (the flame graph)
-        self.comms_before: dict[str, dict[tuple[str, str, str], float]] = {}  # run -> its totals when its launch began
-        self.recorded: dict[str, tuple[float, int]] = {}  # run -> when its launch was last recorded, and its step then
+        self.heartbeats_total = 0
+
+    def remember(self, run: str) -> RunMemory:
+        """The record of ``run`` in memory, made when there is none (the caller holds ``lock``)."""
+        memory = self.memory.get(run)
+        if memory is None:
+            memory = self.memory[run] = RunMemory()
+        return memory
+
+    def live_of(self, run: str) -> RunLive | None:
+        """The current launch's ranks of ``run``, as heard so far (the caller holds ``lock``)."""
+        memory = self.memory.get(run)
+        return memory.live if memory is not None else None
 
     @property
     def ranks(self) -> dict[str, dict[int, RankLive]]:
         """run -> rank -> what its heartbeats say."""
-        return {run: live.ranks for run, live in self.runs_live.items()}
+        return {run: m.live.ranks for run, m in self.memory.items() if m.live is not None}
 
     def _run_live(self, run: str) -> RunLive:
-        live = self.runs_live.get(run)
-        if live is None:
+        memory = self.remember(run)
+        if memory.live is None:
             stragglers = self.config.stragglers
-            live = RunLive(Window(self.config.run_history), Ratios(stragglers.window, stragglers.threshold_ratio))
-            self.runs_live[run] = live
-        return live
+            memory.live = RunLive(
+                Window(self.config.run_history), Ratios(stragglers.window, stragglers.threshold_ratio)
+            )
+        return memory.live
+
+    def settle(self, run: str, now_s: float) -> None:
+        """``run`` ended with nothing left to close: its memory is dropped ``forget_finished_s`` later."""
+        with self.lock:
+            self.remember(run).settled_s = now_s
+
+    def settled(self, run: str) -> bool:
+        """Whether ``run`` ended with nothing left to close (or was forgotten since)."""
+        with self.lock:
+            memory = self.memory.get(run)
+            return run in self.forgotten or (memory is not None and memory.settled_s is not None)
+
+    def forget_settled(self, now_s: float) -> None:
+        """Drop the memory of the runs settled more than ``forget_finished_s`` ago."""
+        with self.lock:
+            due = [
+                run
+                for run, m in self.memory.items()
+                if m.settled_s is not None and now_s - m.settled_s >= self.config.forget_finished_s
+            ]
+            for run in due:
+                del self.memory[run]
+                self.forgotten.add(run)
 
     # -- the ranks' policy -------------------------------------------------------------------------------------
     def add_command(self, run: str, command: dict[str, Any]) -> None:
         """Put ``command`` (``{"id", "name"[, "ranks"]}``) in the policy of ``run``'s ranks, once per id."""
         with self.lock:
-            commands = self.commands.setdefault(run, [])
+            memory = self.remember(run)
+            commands = memory.commands if memory.commands is not None else []
             if all(c["id"] != command["id"] for c in commands):
-                commands.append(dict(command))
+                memory.commands = [*commands, dict(command)]
 
     def remove_command(self, run: str, command_id: str) -> None:
         with self.lock:
-            self.commands[run] = [c for c in self.commands.get(run, []) if c["id"] != command_id]
+            memory = self.remember(run)
+            memory.commands = [c for c in memory.commands or [] if c["id"] != command_id]
 
     def checkpoint_step_ahead(self, run: str) -> int | None:
         """A step far enough ahead that every rank has read a policy naming it before it gets there (the one-off
         checkpoint of a graceful restart); None when the run's ranks are not progressing."""
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             if live is None or not live.step_times_s or live.newest_step < 0:
                 return None
             step_s = statistics.median(live.step_times_s)
@@ -115,10 +145,7 @@ class ControllerCore:
     def ask_checkpoint(self, run: str, step: int | None) -> None:
         """Publish (or, with None, withdraw) a one-off checkpoint at ``step`` in the policy of ``run``."""
         with self.lock:
-            if step is None:
-                self.checkpoint_at.pop(run, None)
-            else:
-                self.checkpoint_at[run] = step
+            self.remember(run).checkpoint_at = step
 
     # -- ranks and launches ------------------------------------------------------------------------------------
     def rank_exited(self, run: str, rank: int, node: str, exit_code: int, now_s: float) -> None:
@@ -135,20 +162,20 @@ class ControllerCore:
     def rank_node(self, run: str, rank: int) -> str | None:
         """The node the current launch's ``rank`` runs on, as its heartbeats say (None: not heard from)."""
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             found = live.ranks.get(rank) if live is not None else None
             return found.node if found is not None else None
 
     def running_ranks(self, run: str) -> list[int]:
         """The ranks of the run's current launch heard from and not exited."""
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             return sorted(r for r in live.ranks if r not in live.exited) if live is not None else []
 
     def ranks_ended(self, run: str) -> bool:
         """Whether a rank of the run's current launch has exited (the backend said so)."""
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             return bool(live is not None and live.exited)
 
     def launched(self, run: str, now_s: float, launch: int | None = None) -> None:
@@ -160,12 +187,11 @@ class ControllerCore:
         reporting for its grace period, after the relaunch began; the relaunch is done only once the old ranks are
         gone.)"""
         with self.lock:
-            self.runs_live.pop(run, None)
-            self.stragglers.pop(run, None)
-            self.recorded.pop(run, None)
-            self.launched_s[run] = now_s
+            memory = self.remember(run)
+            memory.live, memory.stragglers, memory.recorded = None, [], None
+            memory.launched_s = now_s
             if launch is not None:
-                self.launch_ids[run] = launch
+                memory.launch = launch
 
     def forget_ranks(self, run: str, now_s: float, ended_launch: int | None = None) -> None:
         """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch, whose
@@ -173,30 +199,33 @@ class ControllerCore:
         launch the recovery stopped, when the backend named it: the newest step it made is taken from its own
         ranks alone (a controller that took over may have heard from the new launch already)."""
         row = self.store.run(run)
-        if row is not None and int(row.generation) > 0:
-            self.record_launch(run, int(row.generation), now_s)
+        if row is not None and row.generation > 0:
+            self.record_launch(run, row.generation, now_s)
         with self.lock:
-            held = self.comms.get(run)
-            self.comms_before[run] = held.totals() if held is not None else {}
-            self.recorded.pop(run, None)
-            ended = self.runs_live.pop(run, None)
+            memory = self.remember(run)
+            memory.comms_before = memory.comms.totals() if memory.comms is not None else {}
+            ended, memory.live, memory.recorded, memory.stragglers = memory.live, None, None, []
             if ended is None:
-                self.ended_step[run] = -1
+                memory.ended_step = -1
             elif ended_launch is None:
-                self.ended_step[run] = ended.newest_step
+                memory.ended_step = ended.newest_step
             else:
-                ranks = ended.ranks.values()
-                steps = [r.step for r in ranks if r.launch is None or r.launch == ended_launch]
-                self.ended_step[run] = max(steps, default=-1)
-            self.stragglers.pop(run, None)
-            self.launched_s[run] = now_s
+                steps = [r.step for r in ended.ranks.values() if r.launch is None or r.launch == ended_launch]
+                memory.ended_step = max(steps, default=-1)
+            memory.launched_s = now_s
+
+    def ended_step(self, run: str) -> int:
+        """The newest step the launch before the current one made (-1: not known)."""
+        with self.lock:
+            memory = self.memory.get(run)
+            return memory.ended_step if memory is not None else -1
 
     def final_step(self, run: str) -> int:
         """The step a run that finished ended at: the newest its last launch reported, and at least the checkpoint
         that launch resumed from (a launch that resumes from the last step has nothing left to do, and exits before
         any report); the newest step the run reported when its last launch said nothing."""
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             newest = live.newest_step if live is not None else -1
             said = [r.resumed_from_step for r in live.ranks.values() if r.resumed_from_step is not None] if live else []
         resumed = self.backend.resumed_from(run) if self.backend is not None else None
@@ -204,24 +233,26 @@ class ControllerCore:
         if ended >= 0:
             return ended
         row = self.store.run(run)
-        return int(row.last_step) if row is not None else -1
+        return row.last_step if row is not None else -1
 
     def launch_comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
         """The collective seconds of the run's current launch, by (phase, dimension, op): the totals the agents
         report less those at the launch's start (after a controller restart: all they report)."""
         with self.lock:
-            held = self.comms.get(run)
-            totals = held.totals() if held is not None else {}
-            before = self.comms_before.get(run, {})
+            memory = self.memory.get(run)
+            if memory is None or memory.comms is None:
+                return {}
+            totals, before = memory.comms.totals(), memory.comms_before
         return {k: v - before.get(k, 0.0) for k, v in totals.items() if v - before.get(k, 0.0) > 0}
 
     def record_launch(self, run: str, generation: int, now_s: float) -> None:
         """Write what the current launch of ``run`` measured (``StateStore.record_launch``): what ``opsd status``
         shows of a finished run, and its flame graph after the run or a controller restart."""
         with self.lock:
-            live = self.runs_live.get(run)
+            memory = self.remember(run)
+            live = memory.live
             ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
-            _, step_then = self.recorded.get(run, (0.0, -1))
+            _, step_then = memory.recorded or (0.0, -1)
             newest = live.newest_step if live is not None else -1
             sample = LaunchSample(
                 first_step=min((r.step for r in ranks), default=None) if step_then < 0 else None,
@@ -234,7 +265,7 @@ class ControllerCore:
                     run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
                 ),
             )
-            self.recorded[run] = (now_s, max(newest, step_then))
+            memory.recorded = (now_s, max(newest, step_then))
         comm = {";".join(stack): seconds for stack, seconds in self.launch_comm_seconds(run).items()}
         if ranks or comm:  # else nothing was heard of it
             self.store.record_launch(run, generation, now_s, replace(sample, comm=comm))
@@ -242,20 +273,21 @@ class ControllerCore:
     def last_recorded_s(self, run: str) -> float:
         """When the current launch of ``run`` was last recorded (inf when it has no ranks to record)."""
         with self.lock:
-            live = self.runs_live.get(run)
-            if live is None or not live.ranks:
+            memory = self.memory.get(run)
+            if memory is None or memory.live is None or not memory.live.ranks:
                 return math.inf
-            return self.recorded.get(run, (-math.inf, -1))[0]
+            return memory.recorded[0] if memory.recorded is not None else -math.inf
 
     def launch_record_due(self, run: str, now_s: float) -> bool:
         """Whether the current launch of ``run`` has news to record: ranks heard from, and ``LAUNCH_RECORD_S``
         since its last record (or none yet)."""
         with self.lock:
-            live = self.runs_live.get(run)
-            if live is None or not live.ranks:
+            memory = self.memory.get(run)
+            if memory is None or memory.live is None or not memory.live.ranks:
                 return False
-            at_s, step = self.recorded.get(run, (-math.inf, -1))
-            return (now_s - at_s >= LAUNCH_RECORD_S and live.newest_step != step) or now_s - at_s >= 6 * LAUNCH_RECORD_S
+            at_s, step = memory.recorded or (-math.inf, -1)
+            news = memory.live.newest_step != step
+            return (now_s - at_s >= LAUNCH_RECORD_S and news) or now_s - at_s >= 6 * LAUNCH_RECORD_S
 
     # -- spares ------------------------------------------------------------------------------------------------
     def choose_spare(self, run: str, failed_node: str) -> str | None:

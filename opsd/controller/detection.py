@@ -31,7 +31,7 @@ class Detection(Scoring):
                 self._record(run, now_s)
                 if run.state == RunState.WAITING_FOR_SPARE:
                     self._retry_waiting(run, now_s)
-                if RunState(run.state).finished and run.id not in self.settled:
+                if run.state.finished and not self.settled(run.id):
                     self._settle(run, now_s)
                 if run.state != RunState.RUNNING:
                     continue
@@ -43,6 +43,7 @@ class Detection(Scoring):
                     continue
                 self._score(run.id, now_s)
                 self._plan(run, now_s)
+            self.forget_settled(now_s)
         return found
 
     def _record(self, run: RunRow, now_s: float) -> None:
@@ -56,7 +57,7 @@ class Detection(Scoring):
     def _detect(self, run: str, now_s: float) -> list[Failure]:
         active = self.store.node_names(run, NodeRole.ACTIVE)
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             names = active | live.rank_nodes.keys() if live is not None else active
             nodes = [self.nodes[n] for n in names if n in self.nodes]
             events = [e for n in nodes for e in n.events.values()]
@@ -121,7 +122,7 @@ class Detection(Scoring):
     def _progress(self, run: RunRow, now_s: float) -> None:
         """Keep the run's newest step, and close the incidents a relaunch has recovered from."""
         with self.lock:
-            live = self.runs_live.get(run.id)
+            live = self.live_of(run.id)
             newest = live.newest_step if live is not None else -1
         if newest < 0:
             return
@@ -130,7 +131,8 @@ class Detection(Scoring):
         self._close_recovered(run, now_s)
         if newest > int(run.last_step):
             self.store.update_run(run.id, now_s, last_step=newest)
-            self.progressed_s[run.id] = now_s
+            with self.lock:
+                self.remember(run.id).progressed_s = now_s
 
     def _settle(self, run: RunRow, now_s: float) -> None:
         """A finished run: the incidents its last launch recovered from are closed, though the run may have ended
@@ -142,7 +144,7 @@ class Detection(Scoring):
             if any(is_failure(i) and generation_of(i.key) >= current for i in self._open(run)):
                 return  # its recovery has not relaunched yet (a leader that took over goes on with it)
             self._close_recovered(run, now_s, ended=True)
-        self.settled.add(run.id)
+        self.settle(run.id, now_s)
 
     def _open(self, run: RunRow) -> list[IncidentRow]:
         return self.store.incidents(run.id, state=IncidentState.OPEN)
@@ -156,7 +158,7 @@ class Detection(Scoring):
         if not earlier:
             return
         with self.lock:
-            live = self.runs_live.get(run.id)
+            live = self.live_of(run.id)
             ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
             first = min((r.step for r in ranks), default=-1)
             said = [r.resumed_from_step for r in ranks if r.resumed_from_step is not None]
@@ -171,7 +173,7 @@ class Detection(Scoring):
         if resumed_from is not None:
             # the steps the failed launch had made past the checkpoint (not the run's best: an earlier launch may
             # have got further and lost more, which its own incident counted)
-            before = self.ended_step.get(run.id, -1)
+            before = self.ended_step(run.id)
             lost = max(0, (before if before >= 0 else int(run.last_step)) - resumed_from)
         if first < 0:
             resumed_s = float(run.updated_s)  # no later than the run's end
@@ -199,7 +201,7 @@ class Detection(Scoring):
         """The run's first progress ends its launch and initialisation (the ``startup`` badput): when its ranks
         first stepped, as the first progress after a relaunch ends a recovery."""
         with self.lock:
-            live = self.runs_live.get(run.id)
+            live = self.live_of(run.id)
             ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
             first_s = min((r.progress_s for r in ranks), default=now_s)
         first_s = max(first_s, float(run.created_s))
@@ -216,7 +218,7 @@ class Detection(Scoring):
                 # the agent's time of the event, within reason (a node's clock may be off; an old event resent)
                 return max(min(min(seen, default=now_s), now_s), now_s - XID_CLOCK_SLACK_S)
             if cause.kind is FailureKind.HANG:
-                live = self.runs_live.get(run)
+                live = self.live_of(run)
                 return max((r.progress_s for r in live.ranks.values()), default=now_s) if live else now_s
             return now_s
 

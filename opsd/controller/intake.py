@@ -81,17 +81,20 @@ class Intake(ControllerCore):
     def _policy(self, run: str) -> dict[str, Any]:
         """The policy for the ranks of ``run`` (docs/protocol.md); called with the lock held."""
         policy: dict[str, Any] = {}
-        if run in self.cadences:
-            c = self.cadences[run]
+        memory = self.memory.get(run)
+        if memory is None:
+            return policy
+        c = memory.cadence
+        if c is not None:
             checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
-            if run in self.previous_cadences:
-                p = self.previous_cadences[run]
+            p = memory.previous_cadence
+            if p is not None:
                 checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
             policy["checkpoint"] = checkpoint
-        if run in self.checkpoint_at:
-            policy["checkpoint_at_step"] = self.checkpoint_at[run]
-        if run in self.commands:  # once a run had one, an empty list: agents then rewrite a file that held one
-            policy["commands"] = list(self.commands[run])
+        if memory.checkpoint_at is not None:
+            policy["checkpoint_at_step"] = memory.checkpoint_at
+        if memory.commands is not None:  # once a run had one, an empty list: agents then rewrite a file that held one
+            policy["commands"] = list(memory.commands)
         return policy
 
     def _comms(self, rows: list[CommRow], node: str) -> None:
@@ -101,26 +104,28 @@ class Intake(ControllerCore):
         for row in rows:
             by_run.setdefault(row[0], []).append(row)
         for run, of_run in by_run.items():
-            if run in self.known_runs:
-                held = self.comms.get(run)
-                if held is None:
-                    held = self.comms[run] = RunComms()
-                held.update(node, of_run)
+            if run in self.known_runs and run not in self.forgotten:
+                memory = self.remember(run)
+                if memory.comms is None:
+                    memory.comms = RunComms()
+                memory.comms.update(node, of_run)
 
     def comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
         """The run's collective seconds by (phase, dimension, op), summed over its nodes since their agents
         started (docs/flamegraph.md)."""
         with self.lock:
-            held = self.comms.get(run)
-            return held.totals() if held is not None else {}
+            memory = self.memory.get(run)
+            return memory.comms.totals() if memory is not None and memory.comms is not None else {}
 
     def _rank(self, r: HeartbeatRank, node: str, now_s: float) -> None:
         run, rank = r.run, r.rank
-        launch = self.launch_ids.get(run)
-        if r.launch is not None and launch is not None:
-            if r.launch < launch:
+        if run in self.forgotten:
+            return  # an agent still remembers a rank of a run that ended a while ago
+        memory = self.remember(run)
+        if r.launch is not None and memory.launch is not None:
+            if r.launch < memory.launch:
                 return  # a rank of an earlier launch (on a cluster: stopping, or remembered by its agent)
-        elif r.last_report_unix_s < self.launched_s.get(run, 0.0):
+        elif r.last_report_unix_s < memory.launched_s:
             return  # the agent still remembers a rank of an earlier launch
         run_live = self._run_live(run)
         live = run_live.ranks.get(rank)
@@ -162,13 +167,14 @@ class Intake(ControllerCore):
             run_live.count_checkpoints(live, checkpoints, r.checkpoint_blocking_s)
             if run_live.checkpoints >= len(run_live.ranks) * (run_live.checkpoints_done + 1):
                 run_live.checkpoints_done = run_live.checkpoints // len(run_live.ranks)
-                self.checkpointed_s[run] = now_s  # the last rank finished its save: the checkpoint is committed
+                memory.checkpointed_s = now_s  # the last rank finished its save: the checkpoint is committed
 
     def _timeout(self, t: HeartbeatTimeout, node: str) -> None:
         run, rank = t.run, t.rank
-        run_live = self.runs_live.get(run)
+        memory = self.memory.get(run)
+        run_live = memory.live if memory is not None else None
         live = run_live.ranks.get(rank) if run_live is not None else None
-        if run_live is None or live is None or live.node != node or t.time_unix_s < self.launched_s.get(run, 0.0):
+        if memory is None or run_live is None or live is None or live.node != node or t.time_unix_s < memory.launched_s:
             return  # a rank of an earlier launch, or one not heard from yet
         if t.step >= live.step:  # still waiting in the step after its last report
             live.timeout = f"rank {rank} waited {t.waited_s:.0f} s in {t.op} on {t.dim}"

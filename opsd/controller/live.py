@@ -16,8 +16,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from opsd.policy.cadence import Cadence
 from opsd.policy.detection import GpuEvent
 from opsd.policy.pipeline import RankBubble
+from opsd.policy.stragglers import StragglerScore
 
 
 class Window(Sequence[float]):
@@ -285,3 +287,26 @@ class RunComms:
                 for i, value in enumerate(values):
                     sums[i] += value
         return {stack: sums[column] for stack, column in self.stacks.items() if sums[column] > 0}
+
+
+@dataclass
+class RunMemory:
+    """All the controller keeps of one run in memory, in one record, dropped a while after the run ended (a
+    finished run is answered from the state store): its current launch's ranks, what it publishes to them, and
+    what it measured. Nothing here is durable; after a restart it is rebuilt from the heartbeats."""
+
+    live: RunLive | None = None  # the ranks of the current launch (None: none heard from since it began)
+    cadence: Cadence | None = None  # the checkpoint cadence published to its ranks
+    previous_cadence: Cadence | None = None  # in force before the current one's from_step
+    stragglers: list[StragglerScore] = field(default_factory=list)  # the ranks flagged now
+    launched_s: float = 0.0  # when its current launch started
+    launch: int | None = None  # the launch its ranks report (OPSD_LAUNCH), when the backend named it
+    checkpoint_at: int | None = None  # a one-off checkpoint step asked for (a graceful restart)
+    commands: list[dict[str, Any]] | None = None  # commands for its ranks (docs/protocol.md); None: never had one
+    progressed_s: float | None = None  # when its newest step last advanced
+    ended_step: int = -1  # the newest step of its previous launch (-1: unknown)
+    checkpointed_s: float | None = None  # when every rank had finished one more checkpoint
+    comms: RunComms | None = None  # its collective seconds per node and stack (the flame graph)
+    comms_before: dict[tuple[str, str, str], float] = field(default_factory=dict)  # its totals when its launch began
+    recorded: tuple[float, int] | None = None  # when its launch was last recorded, and its newest step then
+    settled_s: float | None = None  # it finished with nothing left to close (forgotten some time after)

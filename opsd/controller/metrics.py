@@ -120,11 +120,12 @@ class ControllerCollector(Collector):
             if seconds is not None:
                 every_s.add_metric([run_id], seconds)
             with controller.lock:
-                live = controller.runs_live.get(run_id)
+                live = controller.live_of(run_id)
                 if live is not None and live.checkpoints:
                     cost.add_metric([run_id], live.checkpoint_blocking_s / live.checkpoints)
-                committed_s = controller.checkpointed_s.get(run_id)
-                progressed_s = controller.progressed_s.get(run_id)
+                memory = controller.memory.get(run_id)
+                committed_s = memory.checkpointed_s if memory is not None else None
+                progressed_s = memory.progressed_s if memory is not None else None
             if committed_s is not None:
                 last_commit.add_metric([run_id], committed_s)
             progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run.created_s))

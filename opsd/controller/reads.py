@@ -22,7 +22,7 @@ class Reads(ControllerCore):
         if incidents is None:
             incidents = self.store.incidents(run.id)
         with self.lock:
-            live = self.runs_live.get(run.id)
+            live = self.live_of(run.id)
             ranks = live.ranks.values() if live is not None else ()
             blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
             step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
@@ -45,10 +45,11 @@ class Reads(ControllerCore):
         incidents = self.store.incidents(run_id)
         goodput = self.goodput(run, now_s, incidents)
         with self.lock:
-            live = self.runs_live.get(run_id)
+            live = self.live_of(run_id)
             ranks = list(live.ranks.values()) if live is not None else []
-            cadence = self.cadences.get(run_id)
-            stragglers = list(self.stragglers.get(run_id, []))
+            memory = self.memory.get(run_id)
+            cadence = memory.cadence if memory is not None else None
+            stragglers = list(memory.stragglers) if memory is not None else []
             step = max((r.step for r in ranks if r.step >= 0), default=run.last_step)
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)

@@ -27,7 +27,7 @@ from opsd.checkpoints.store import open_store
 from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
-from opsd.controller.port import Done, ErrorKind, Outcome, Pending
+from opsd.controller.port import Backend, Done, ErrorKind, Outcome, Pending
 from opsd.controller.rows import RunRow, RunSpec
 from opsd.controller.state import Action
 from opsd.errors import OpsError
@@ -105,8 +105,8 @@ class Recovery:
             self.run_now(run, incident_id, failure, now_s)
         except Exception as exc:
             log.exception("run %s: recovery from incident %d failed", run, incident_id)
-            self.core.store.update_run(run, time.time(), state=RunState.FAILED)
-            self.core.tracing.trace(self.core.store, incident_id, ended_s=time.time(), error=str(exc))
+            self.core.store.update_run(run, self.core.clock(), state=RunState.FAILED)
+            self.core.tracing.trace(self.core.store, incident_id, ended_s=self.core.clock(), error=str(exc))
 
     def take_up(self, run: RunRow, now_s: float, why: str) -> int:
         """A controller takes up a run its predecessor left unfinished: the recovery under way goes on, or, when
@@ -193,7 +193,7 @@ class Recovery:
             return action, action.result or {}
         result = self._carry_out(run, incident_id, failure, action)
         self._passed(CARRIED_OUT, action)
-        store.complete_action(action.request_id, time.time(), result)
+        store.complete_action(action.request_id, self.core.clock(), result)
         self._passed(COMPLETED, action)
         return action, result
 
@@ -205,7 +205,7 @@ class Recovery:
         GPU would hang or fail in its next collective, and a waiting run holds no GPUs."""
         stop = next(i for i in range(seq + 1, len(steps)) if steps[i].kind is ActionKind.STOP)
         _, stopped = self._step(run, incident_id, failure, stop, steps[stop], now_s)
-        self.core.store.update_run(run, time.time(), state=RunState.WAITING_FOR_SPARE)
+        self.core.store.update_run(run, self.core.clock(), state=RunState.WAITING_FOR_SPARE)
         log.warning("run %s: no spare left; its ranks stopped (%s), it waits for one", run, stopped.get("killed", "?"))
 
     def _passed(self, point: str, action: Action) -> None:
@@ -230,13 +230,13 @@ class Recovery:
         if kind is ActionKind.CORDON:
             node, reason = str(args["node"]), str(args["reason"])
             done = self._call(lambda: backend.quarantine_node(run, node, reason, rid), action)
-            store.upsert_node(node, time.time(), role=NodeRole.CORDONED, reason=reason)
+            store.upsert_node(node, self.core.clock(), role=NodeRole.CORDONED, reason=reason)
             return {"node": node, **done}
         if kind is ActionKind.TAKE_SPARE:
             return self._take_spare(run, incident_id, str(args["for"]), action)
         if kind is ActionKind.LAUNCH:
             generation = int(args["after_generation"]) + 1  # the record's: a repeat launches the same
-            return self._launch(run, generation, rid, time.time(), self._stopped_launch(incident_id))
+            return self._launch(run, generation, rid, self.core.clock(), self._stopped_launch(incident_id))
         raise StepFailedError(f"run {run}: unknown recovery step {kind!r}")
 
     def _blame(self, run: str, incident_id: int, trigger: str, expected: list[int]) -> dict[str, Any]:
@@ -285,7 +285,7 @@ class Recovery:
             raise WaitForSpare
         store.update_incident(incident_id, spare=chosen)
         self._call(lambda: self._backend().promote_spare(run, str(chosen), failed, action.request_id), action)
-        store.upsert_node(chosen, time.time(), role=NodeRole.ACTIVE, run=run)  # a spare of the pool: the run's now
+        store.upsert_node(chosen, self.core.clock(), role=NodeRole.ACTIVE, run=run)  # a pool spare: the run's now
         log.info("run %s: %s replaces %s", run, chosen, failed)
         return {"spare": chosen}
 
@@ -305,12 +305,12 @@ class Recovery:
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
         launch = done.get("launch")
-        self.core.launched(run, time.time(), int(launch) if isinstance(launch, int) else None)
+        self.core.launched(run, self.core.clock(), int(launch) if isinstance(launch, int) else None)
         row = store.run(run)
         if row is not None and RunState(row.state).finished:  # it ran to its end before this controller looked
-            store.update_run(run, time.time(), generation=generation)
+            store.update_run(run, self.core.clock(), generation=generation)
         else:
-            store.update_run(run, time.time(), state=RunState.RUNNING, generation=generation)  # detection watches
+            store.update_run(run, self.core.clock(), state=RunState.RUNNING, generation=generation)  # detection watches
         log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.get("nodes", nodes)))
         return {"generation": generation, "nodes": nodes, **done}
 
@@ -337,7 +337,7 @@ class Recovery:
             self.core.ask_checkpoint(run, None)
         return {"checkpoint_step": None, "asked_step": at_step, "why": "not committed in time"}
 
-    def _backend(self) -> Any:
+    def _backend(self) -> Backend:
         backend = self.core.backend
         if backend is None:
             raise StepFailedError("this controller has no backend to recover with")

@@ -32,7 +32,7 @@ class Scoring(ControllerCore):
         samples are in), and flag the ranks persistently slower than their peers."""
         current = int(now_s // self.config.sample_slot_s)
         with self.lock:
-            live = self.runs_live.get(run)
+            live = self.live_of(run)
             if live is None or not live.slot_ended(current):
                 return
             ranks = list(live.ranks.values())
@@ -61,10 +61,11 @@ class Scoring(ControllerCore):
                 flagged.append(score_rank(rank, r.node, r.stage, series, config))
         flagged.sort(key=lambda x: (-x.slowdown_ratio, x.rank))
         with self.lock:
-            if self.runs_live.get(run) is not live:
+            if self.live_of(run) is not live:
                 return  # relaunched meanwhile: these ranks are gone
-            before = {s.rank for s in self.stragglers.get(run, [])}
-            self.stragglers[run] = flagged
+            memory = self.remember(run)
+            before = {s.rank for s in memory.stragglers}
+            memory.stragglers = flagged
         for s in flagged:
             if s.rank in before:
                 continue
@@ -93,14 +94,14 @@ class Scoring(ControllerCore):
 
     def _plan(self, run: RunRow, now_s: float) -> None:
         with self.lock:
-            live = self.runs_live.get(run.id)
+            live = self.live_of(run.id)
             if live is None or not live.step_times_s or not live.checkpoints:
                 return  # nothing measured yet: the ranks keep their local cadence
             cost_s = live.checkpoint_blocking_s / live.checkpoints
             nodes = max(1, len(live.rank_nodes))
             step_time_s = statistics.median(live.step_times_s)
             current_step = live.newest_step
-            previous = self.cadences.get(run.id)
+            previous = self.remember(run.id).cadence
         failures = [i for i in self.store.incidents(run.id) if i.kind not in NOT_FAILURES]
         node_hours = nodes * max(0.0, now_s - float(run.created_s)) / 3600.0
         cadence = plan_cadence(
@@ -122,6 +123,7 @@ class Scoring(ControllerCore):
                 cadence.reason,
             )
             with self.lock:
-                self.cadences[run.id] = cadence
+                memory = self.remember(run.id)
+                memory.cadence = cadence
                 if previous is not None:
-                    self.previous_cadences[run.id] = previous
+                    memory.previous_cadence = previous

@@ -185,9 +185,10 @@ def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str,
     if run is None:
         raise NotFoundError(f"no run {run_id!r}")
     with controller.lock:
-        live = controller.runs_live.get(run_id)
-        cadence = controller.cadences.get(run_id)
-        previous = controller.previous_cadences.get(run_id)
+        live = controller.live_of(run_id)
+        memory = controller.memory.get(run_id)
+        cadence = memory.cadence if memory is not None else None
+        previous = memory.previous_cadence if memory is not None else None
         step_s = statistics.median(live.step_times_s) if live is not None and live.step_times_s else None
         saves = live.checkpoints if live is not None else 0
         cost_s = live.checkpoint_blocking_s / saves if live is not None and saves else None
@@ -237,8 +238,9 @@ def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str,
 def cadence_interval_s(controller: Controller, run_id: str) -> float | None:
     """The published cadence in seconds (its steps times the median step time), for the checkpoint-age alert."""
     with controller.lock:
-        cadence = controller.cadences.get(run_id)
-        live = controller.runs_live.get(run_id)
+        memory = controller.memory.get(run_id)
+        cadence = memory.cadence if memory is not None else None
+        live = controller.live_of(run_id)
         if cadence is None:
             return None
         if live is not None and live.step_times_s:
