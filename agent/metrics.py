@@ -15,11 +15,11 @@ from prometheus_client.registry import Collector
 from agent.flight import FlightUploader
 from agent.reporter import Reporter
 from agent.state import NodeState, RankSnapshot
+from opsd.protocol.mesh import DIM_NAMES as MESH_DIMENSIONS
 from opsd.protocol.wire import REASONS, pipeline_bubble_ratio
 
 RANK = ["run", "rank"]
 COMM = [*RANK, "dimension", "op"]
-MESH_DIMENSIONS = ("pp", "dp_replicate", "ep", "dp_shard", "cp", "tp")
 
 # report field -> (metric name, help)
 _LAST_STEP_GAUGES = {

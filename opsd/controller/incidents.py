@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from opsd.controller.rows import IncidentRow
 from opsd.controller.state import StateStore
-from opsd.policy.detection import Failure, FailureKind
-from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState
+from opsd.policy.detection import Failure
+from opsd.protocol.states import FAILURE_KINDS, ActionKind, ActionState, IncidentKind, IncidentState
 
-FAILURE_KINDS = frozenset(k.value for k in FailureKind)
 #: incident kinds that are no failure of the machines (the MTBF estimate leaves them out)
 NOT_FAILURES = frozenset({IncidentKind.STRAGGLER, IncidentKind.MANUAL_RESTART})
 
@@ -36,7 +35,7 @@ def generation_of(key: str) -> int:
 
 def failure_of(incident: IncidentRow) -> Failure:
     """The failure an incident row records (to go on with its recovery)."""
-    return Failure(FailureKind(incident.kind), incident.node, incident.rank, incident.detail)
+    return Failure(incident.kind, incident.node, incident.rank, incident.detail)
 
 
 def is_failure(incident: IncidentRow) -> bool:

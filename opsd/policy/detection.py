@@ -23,19 +23,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
+from opsd.protocol.states import FAILURE_KINDS, IncidentKind
 
-class FailureKind(StrEnum):
-    HEARTBEAT_LOSS = "heartbeat_loss"
-    FATAL_XID = "fatal_xid"
-    APPLICATION_XID = "application_xid"
-    PROCESS_EXIT = "process_exit"
-    HANG = "hang"
-    COLLECTIVE_TIMEOUT = "collective_timeout"
-    CONTROLLER_RESTART = "controller_restart"  # not detected here: a controller taking up a run whose own stopped
-    MANUAL_RESTART = "manual_restart"  # not detected here: an operator asked for a restart (`opsd restart`)
+#: a failure's kind is an incident's (one definition: ``opsd.protocol.states.IncidentKind``), any but ``STRAGGLER``;
+#: ``CONTROLLER_RESTART`` and ``MANUAL_RESTART`` are not detected here (a controller that takes up a run, ``opsd
+#: restart``)
+FailureKind = IncidentKind
 
 
 SWAP_KINDS = frozenset({FailureKind.HEARTBEAT_LOSS, FailureKind.FATAL_XID})
@@ -122,6 +117,10 @@ class Failure:
     node: str
     rank: int | None
     detail: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAILURE_KINDS:
+            raise ValueError(f"failure: {self.kind!r} is a warning, not a failure")
 
     @property
     def swap(self) -> bool:

@@ -37,18 +37,22 @@ class IncidentState(StrEnum):
 
 
 class IncidentKind(StrEnum):
-    """What an incident records: a failure (``opsd.policy.detection.FailureKind`` has the same values), or a
-    straggler warning."""
+    """What an incident records: a failure (every kind but ``STRAGGLER``: ``FAILURE_KINDS``; the kinds
+    ``opsd.policy.detection`` names a ``Failure`` with), or a straggler warning."""
 
-    HEARTBEAT_LOSS = "heartbeat_loss"
-    FATAL_XID = "fatal_xid"
-    APPLICATION_XID = "application_xid"
-    PROCESS_EXIT = "process_exit"
-    HANG = "hang"
-    COLLECTIVE_TIMEOUT = "collective_timeout"
-    CONTROLLER_RESTART = "controller_restart"
-    MANUAL_RESTART = "manual_restart"
-    STRAGGLER = "straggler"
+    HEARTBEAT_LOSS = "heartbeat_loss"  # a node stopped sending heartbeats
+    FATAL_XID = "fatal_xid"  # a GPU error that calls for the node to be swapped
+    APPLICATION_XID = "application_xid"  # a GPU error that calls for the job to be restarted
+    PROCESS_EXIT = "process_exit"  # a rank exited
+    HANG = "hang"  # no step progress
+    COLLECTIVE_TIMEOUT = "collective_timeout"  # ranks waited on a collective past its timeout
+    CONTROLLER_RESTART = "controller_restart"  # a controller took up a run whose own controller stopped
+    MANUAL_RESTART = "manual_restart"  # an operator asked for a restart
+    STRAGGLER = "straggler"  # a warning: a rank persistently slower than its peers
+
+
+#: the incident kinds that record a failure (the others are warnings)
+FAILURE_KINDS = frozenset(k for k in IncidentKind if k is not IncidentKind.STRAGGLER)
 
 
 class ActionState(StrEnum):
