@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome
+from opsd.controller.steps import Once, Step
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class FakeBackend:
         self.effects: list[Call] = []
         self.faults: list[tuple[str, Fault]] = []
         self.fail_next: dict[str, list[Failed]] = {}  # step -> the errors its next calls answer
-        self._done: dict[str, Outcome] = {}
+        self._once_per_request = Once()
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
@@ -128,19 +129,15 @@ class FakeBackend:
         return state.resumed_from_step if state is not None else None
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Any) -> Outcome:
+    def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Step) -> Outcome:
         with self._lock:
             self.calls.append(Call(step, request_id, args))
-            done = self._done.get(request_id)
-            if done is not None:
-                return done
-            failures = self.fail_next.get(step)
-            if failures:
-                return failures.pop(0)
-            outcome: Outcome = carry_out()
-            if isinstance(outcome, Done):
-                self._done[request_id] = outcome
-            return outcome
+
+            def attempt() -> Outcome:
+                failures = self.fail_next.get(step)
+                return failures.pop(0) if failures else carry_out()
+
+            return self._once_per_request(request_id, attempt)
 
     def _effect(self, step: str, request_id: str, **args: Any) -> None:
         self.effects.append(Call(step, request_id, args))

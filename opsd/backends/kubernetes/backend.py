@@ -37,7 +37,8 @@ from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import Target, recorded, tell
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
-from opsd.errors import NotFoundError, OpsError, TransientError
+from opsd.controller.steps import Step, as_outcome
+from opsd.errors import NotFoundError
 from opsd.protocol.cluster import JOBSET_NAME_LABEL, QUARANTINE_TAINT, RESTART_ATTEMPT_LABEL
 
 log = logging.getLogger(__name__)
@@ -265,14 +266,8 @@ class KubernetesBackend:
     ) -> None:
         tell(self.api, targets, reason, message, request_id, self.clock(), warning=warning, annotations=annotations)
 
-    def _step(self, what: str, step: Callable[[], Outcome]) -> Outcome:
-        """A step's outcome, opsd's errors as data (the port's contract)."""
-        try:
-            with self._lock:
-                return step()
-        except NotFoundError as exc:
-            return Failed(ErrorKind.NOT_FOUND, str(exc))
-        except TransientError as exc:
-            return Failed(ErrorKind.TRANSIENT, str(exc), exc.retry_after_s)
-        except OpsError as exc:
-            return Failed(ErrorKind.PERMANENT, f"{what}: {exc}")
+    def _step(self, what: str, step: Step) -> Outcome:
+        """A step's outcome, opsd's errors as data (the port's contract); one step at a time. Idempotent on the
+        cluster's own state (the request id is in each step's Event), not in memory."""
+        with self._lock:
+            return as_outcome(what, step)

@@ -41,6 +41,7 @@ from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
+from opsd.controller.steps import Once, Step, as_outcome
 from opsd.errors import BodyError, OpsError
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class LocalBackend:
         self.skipped: list[dict[str, Any]] = []  # checkpoints newer than the one resumed from, and why
         self.lock_fd: int | None = None
         self.instance = uuid.uuid4().hex[:12]  # names this backend's lines in backend.jsonl
-        self._done: dict[str, Outcome] = {}  # request id -> what the step answered
+        self._once_per_request = Once()
 
     # -- the machines ------------------------------------------------------------------------------------------
     def lock_run(self) -> None:
@@ -176,18 +177,13 @@ class LocalBackend:
         return self.resumed_from_step if run == self.spec.run else None
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def _once(self, run: str, request_id: str, step: Any) -> Outcome:
-        """``step()`` once per request id (a repeat answers the first outcome; a failure may be tried again)."""
+    def _once(self, run: str, request_id: str, step: Step) -> Outcome:
+        """``step()`` once per request id (a repeat answers the first outcome; a failure may be tried again), opsd's
+        errors as data."""
         if run != self.spec.run:
             return Failed(ErrorKind.NOT_FOUND, f"run {run!r} is not run by this controller")
         with self.lock:
-            done = self._done.get(request_id)
-            if done is not None:
-                return done
-            outcome: Outcome = step()
-            if isinstance(outcome, Done):
-                self._done[request_id] = outcome
-            return outcome
+            return self._once_per_request(request_id, lambda: as_outcome(request_id, step))
 
     def _known_node(self, node: str) -> Failed | None:
         if node in self.spec.node_names():
