@@ -2,10 +2,11 @@
 
     python -m examples.ft_launch --nproc-per-group 2 -- --mesh dp_replicate=2,dp_shard=2 --steps 50
 
-Each replica group (``dp_replicate`` of ``--mesh``) is a job of its own: a torchrun of ``--nproc-per-group`` ranks
-(a plain process when it is one rank), with ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and
-the Manager's timeouts in its environment (``opsd.protocol.ft``). The functions are what the tests use to start,
-kill and restart groups and the Lighthouse one by one; the command line starts them all and waits (docs/ft.md).
+Each replica group (``dp_replicate`` of ``--mesh``) is a job of its own: a world of ``--nproc-per-group`` ranks,
+started as torchrun would (one process per rank with torchrun's variables), with ``REPLICA_GROUP_ID``,
+``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and the Manager's timeouts in its environment (``opsd.protocol.ft``).
+The functions are what the tests use to start, kill and restart groups and the Lighthouse one by one; the command
+line starts them all and waits (docs/ft.md).
 """
 
 from __future__ import annotations
@@ -98,24 +99,50 @@ def start_lighthouse(
 
 @dataclass
 class ReplicaGroup:
-    """One replica group's job: its launcher (torchrun, or the rank itself) and what it was started with."""
+    """One replica group's job: its rank processes (each a session of its own) and what it was started with."""
 
     replica: ReplicaGroupEnv
-    nproc: int
-    proc: subprocess.Popen[bytes]
+    ranks: list[subprocess.Popen[bytes]]
     started_unix_s: float
 
+    def poll(self) -> int | None:
+        """None while any rank runs; then the group's exit status: the first rank's that is not 0, else 0."""
+        codes = [rank.poll() for rank in self.ranks]
+        if any(code is None for code in codes):
+            return None
+        return next((code for code in codes if code), 0)
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Wait for every rank (``subprocess.TimeoutExpired`` past ``timeout_s``); the group's exit status."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for rank in self.ranks:
+            rank.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        code = self.poll()
+        assert code is not None
+        return code
+
     def kill(self) -> None:
-        """SIGKILL every process of the group (torchrun and its ranks) and reap them."""
-        _kill(self.proc)
+        """SIGKILL every rank of the group (and whatever it started) and reap them."""
+        for rank in self.ranks:
+            _kill(rank)
 
 
-def group_command(nproc: int, train_args: Sequence[str]) -> list[str]:
-    """The command of one replica group's job: torchrun of ``nproc`` ranks of ``examples.train --ft``."""
-    module = ["-m", "examples.train", "--ft", *train_args]
-    if nproc == 1:
-        return [sys.executable, *module]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *module]
+def group_env(replica: ReplicaGroupEnv, rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The environment of one rank of a replica group: torchrun's for its group's world (rank 0 serves the
+    group's store on ``port``) and the fault-tolerant job's (``opsd.protocol.ft``)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's servers log every quorum at info
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    env.update(replica.env())
+    return env
 
 
 def start_group(
@@ -125,23 +152,25 @@ def start_group(
     *,
     log: IO[bytes] | None = None,
     env: dict[str, str] | None = None,
-    cwd: Path | None = None,
 ) -> ReplicaGroup:
-    """Start replica group ``replica.group`` as a job of ``nproc`` ranks (a session of its own)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(name, None)  # the group's own world, not the launcher's
-    full_env.update(replica.env())
+    """Start replica group ``replica.group`` as a world of ``nproc`` ranks of ``examples.train --ft``: one process
+    per rank with torchrun's variables (as ``opsd run``'s local backend starts ranks), each in a session of its
+    own. A rank that fails leaves the others to fail in their turn (their group's collectives, or the quorum's
+    timeout): a launcher that must stop the group at once kills it."""
+    port = free_port()
     out = log if log is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        group_command(nproc, train_args),
-        env=full_env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    return ReplicaGroup(replica, nproc, proc, time.time())
+    command = [sys.executable, "-m", "examples.train", "--ft", *train_args]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env={**group_env(replica, rank, nproc, port), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank in range(nproc)
+    ]
+    return ReplicaGroup(replica, ranks, time.time())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,13 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for group in range(groups):
             replica = ReplicaGroupEnv(group, groups, lighthouse.address, args.min_replicas, manager)
             jobs.append(start_group(replica, args.nproc_per_group, train_args, log=sys.stdout.buffer))
-        codes = [job.proc.wait() for job in jobs]
+        codes = [job.wait() for job in jobs]
         for job, code in zip(jobs, codes, strict=True):
             print(f"replica group {job.replica.group}: exit {code}", file=sys.stderr)
         return max(codes, key=abs)
     finally:
         for job in jobs:
-            if job.proc.poll() is None:
+            if job.poll() is None:
                 job.kill()
         lighthouse.kill()
 

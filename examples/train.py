@@ -121,7 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE set; docs/ft.md)",
     )
     p.add_argument("--ft-kill-while-healing", action="store_true", help=argparse.SUPPRESS)  # fault injection (tests)
-    p.add_argument("--state-digests", action="store_true", help=argparse.SUPPRESS)  # each step's state hashes (tests)
+    # tests: the hashes of each rank's state after each step, in --losses-out
+    p.add_argument("--state-digests", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)  # tests: the last step, once written there
     p.add_argument(
         "--losses-out",
@@ -456,7 +457,8 @@ def train(
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
             # the cadence's steps, and the last one: a completed run's final state is always checkpointed
             saves = ft is None or ft.saves_checkpoints()  # with --ft, one replica group writes the checkpoints
-            if ckpt is not None and state is not None and saves and (ckpt.due(step + 1) or step + 1 == args.steps):
+            last = step + 1 == last_step(args)
+            if ckpt is not None and state is not None and saves and (ckpt.due(step + 1) or last):
                 ckpt.save(step + 1, state)
             if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
                 if ckpt is not None:
@@ -472,8 +474,11 @@ def train(
                 extra.update(
                     resumed_from_step=resumed, resume_problems=ckpt.resume_problems, state_hashes=state_hashes(state)
                 )
+            if args.state_digests:  # every rank did the same steps: one gather each
+                extra["step_digests"] = {str(s): gather_digests(d) for s, d in sorted(digests.items())}
             if ft is not None:
-                extra.update(ft_report(ft, model, optimizer, digests))
+                hashes = gather_digests(state_digest(model.module, optimizer))
+                extra.update(replica_group=ft.replica.group, heals=ft.heals, state_hashes=hashes)
             path = Path(str(args.losses_out).replace("{replica_group}", str(replica.group if replica else 0)))
             write_report(path, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len, **extra)
         dist.barrier()
@@ -493,22 +498,6 @@ def last_step(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError, ValueError):
             return int(args.steps_file.read_text())
     return int(args.steps)
-
-
-def ft_report(
-    ft: FaultTolerance, model: ParallelModel, optimizer: torch.optim.Optimizer, digests: dict[int, bytes]
-) -> dict[str, Any]:
-    """What a replica group adds to ``--losses-out``: its group, its heals, the hashes of its final state and, with
-    ``--state-digests``, those after each of its steps (``{step: [hash of each rank]}``)."""
-    per_step = {}
-    for step in sorted(digests):  # every rank did the same steps: one gather each
-        per_step[str(step)] = gather_digests(digests[step])
-    return {
-        "replica_group": ft.replica.group,
-        "heals": ft.heals,
-        "state_hashes": gather_digests(state_digest(model.module, optimizer)),
-        "step_digests": per_step,
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
