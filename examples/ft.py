@@ -7,7 +7,7 @@ at every step, rank 0 of each group asks the Lighthouse for a quorum of the grou
 
 - gradients are averaged over the groups of the step's quorum: FSDP reduce-scatters within the group, then its
   all-reduce hook averages each shard over the groups through the Manager's reconfigurable process group (what
-  HSDP does across replicas, made fault tolerant);
+  HSDP does across replicas, made fault tolerant); the monitor counts it as the ``dp_replicate`` all-reduce;
 - a group behind the quorum's step (a restarted one) heals: each of its ranks fetches the model, optimizer and LR
   schedule of the same rank of a group at the quorum's step, over HTTP, and loads them before its optimizer step;
   its own gradients count as zero in that step, and it ends the step with its peers' weights;
@@ -44,6 +44,7 @@ from examples.data import TokenSource
 from examples.parallelize import ParallelModel
 from opsd.protocol.ft import ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
+from trainer_hooks.collectives import TRACER
 from trainer_hooks.monitor import Monitor
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,9 @@ class FaultTolerance:
         """FSDP's all-reduce hook: average this rank's reduce-scattered gradient shard over the quorum's groups (a
         group that heals contributes zeros). Errors are the Manager's to handle: the step is then not committed."""
         if self._await_quorum():
+            start = time.perf_counter()
             self.manager.allreduce(grad).wait()
+            TRACER.record("dp_replicate", "all_reduce", grad.numel() * grad.element_size(), time.perf_counter() - start)
 
     def finish_step(self, local_loss: torch.Tensor | None, pp: int) -> float | None:
         """After forward and backward: the step's mean loss over the quorum's groups, the commit vote, and the
@@ -220,7 +223,9 @@ class FaultTolerance:
             raise NoQuorumError(f"no quorum within {self.replica.timeouts.quorum_timeout_s} s: {self._no_quorum}")
         total = torch.zeros((), device=self._device) if local_loss is None else local_loss.detach().clone()
         dist.all_reduce(total)  # the group's sum; then summed over the groups (zero from a healing one)
+        start = time.perf_counter()
         self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
+        TRACER.record("dp_replicate", "all_reduce", total.element_size(), time.perf_counter() - start)
         committed = bool(self.manager.should_commit())
         loss = None
         if committed:
