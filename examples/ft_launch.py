@@ -1,18 +1,21 @@
 """Start a fault-tolerant run of the reference trainer on this machine: a Lighthouse and one job per replica group.
 
     python -m examples.ft_launch --nproc-per-group 2 -- --mesh dp_replicate=2,dp_shard=2 --steps 50
+    python -m examples.ft_launch --group 1 --lighthouse http://localhost:29510 --nproc-per-group 2 -- --mesh ...
 
 Each replica group (``dp_replicate`` of ``--mesh``) is a job of its own: a world of ``--nproc-per-group`` ranks,
 started as torchrun would (one process per rank with torchrun's variables), with ``REPLICA_GROUP_ID``,
 ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and the Manager's timeouts in its environment (``opsd.protocol.ft``).
 The functions are what the tests use to start, kill and restart groups and the Lighthouse one by one; the command
-line starts them all and waits (docs/ft.md).
+line starts a Lighthouse and every group and waits, or (``--group``, ``--lighthouse``) one group joining a running
+job, as a relaunch would (docs/ft.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -20,13 +23,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
 from examples import lighthouse
 from opsd.protocol.ft import LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
+from opsd.protocol.wire import StepReport, decode_report
 
 READY_TIMEOUT_S = 60.0
 
@@ -173,9 +177,30 @@ def start_group(
     return ReplicaGroup(replica, ranks, time.time())
 
 
+def step_reports(path: Path) -> list[StepReport]:
+    """The step reports a rank has written to its JSONL file so far (``--opsd-jsonl``), each validated as on the
+    wire; a line still being written is left for the next read."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    decoded = [decode_report(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+    return [r for r in decoded if isinstance(r, StepReport)]
+
+
+def longest_gap(steps: Sequence[StepReport], start: float, end: float) -> float:
+    """The longest time between two committed steps of a rank (``ft.committed``), over the gaps that overlap
+    [``start``, ``end``] (unix seconds): how long it stalled around something that happened then."""
+    times = [r.time_unix_s for r in steps if r.ft is None or r.ft.committed]
+    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
+    return max(gaps, default=0.0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="examples.ft_launch", description=__doc__.splitlines()[0])
     p.add_argument("--nproc-per-group", type=int, default=1, help="ranks of each replica group")
+    p.add_argument("--group", type=int, help="start this replica group only (default: every group)")
+    p.add_argument("--lighthouse", help="a running Lighthouse's address, http://host:port (default: start one)")
     defaults, timeouts = LighthouseConfig(), ManagerTimeouts()
     p.add_argument("--min-replicas", type=int, default=defaults.min_replicas)
     p.add_argument("--quorum-tick-ms", type=int, default=defaults.quorum_tick_ms)
@@ -188,25 +213,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- and the trainer's arguments (--mesh ...)")
     args = p.parse_args(argv)
     train_args = [a for a in args.train_args if a != "--"]
+    lighthouse: Lighthouse | None = None
     try:
         mesh = train_args[train_args.index("--mesh") + 1] if "--mesh" in train_args else ""
         groups = MeshSpec.parse(mesh).dp_replicate if "-1" not in mesh else 0
         if groups < 1:
             raise ValueError("--mesh must name dp_replicate (the replica groups) and no dp_shard=-1")
-        config = LighthouseConfig(
-            args.min_replicas, args.quorum_tick_ms, args.join_timeout_ms, args.heartbeat_timeout_ms
-        )
         manager = ManagerTimeouts(
             timeout_s=args.timeout_s, quorum_timeout_s=args.quorum_timeout_s, quorum_retries=args.quorum_retries
         )
-        lighthouse = start_lighthouse(config, args.port)
+        chosen = range(groups) if args.group is None else [args.group]
+        replicas = [
+            ReplicaGroupEnv(g, groups, args.lighthouse or "http://-", args.min_replicas, manager) for g in chosen
+        ]
+        if args.lighthouse is None:
+            config = LighthouseConfig(
+                args.min_replicas, args.quorum_tick_ms, args.join_timeout_ms, args.heartbeat_timeout_ms
+            )
+            lighthouse = start_lighthouse(config, args.port)
+            replicas = [replace(r, lighthouse=lighthouse.address) for r in replicas]
     except (ValueError, RuntimeError) as exc:
         print(f"examples.ft_launch: error: {exc}", file=sys.stderr)
         return 2
     jobs: list[ReplicaGroup] = []
     try:
-        for group in range(groups):
-            replica = ReplicaGroupEnv(group, groups, lighthouse.address, args.min_replicas, manager)
+        for replica in replicas:
             jobs.append(start_group(replica, args.nproc_per_group, train_args, log=sys.stdout.buffer))
         codes = [job.wait() for job in jobs]
         for job, code in zip(jobs, codes, strict=True):
@@ -216,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for job in jobs:
             if job.poll() is None:
                 job.kill()
-        lighthouse.kill()
+        if lighthouse is not None:
+            lighthouse.kill()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ the machine is.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import random
@@ -32,9 +31,16 @@ from typing import Any
 
 import pytest
 
-from examples.ft_launch import Lighthouse, ReplicaGroup, start_group, start_lighthouse
+from examples.ft_launch import (
+    Lighthouse,
+    ReplicaGroup,
+    longest_gap,
+    start_group,
+    start_lighthouse,
+    step_reports,
+)
 from opsd.protocol.ft import EXIT_NO_QUORUM, LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
-from opsd.protocol.wire import StepReport, decode_report
+from opsd.protocol.wire import StepReport
 from tests.launch import run_module
 
 pytestmark = pytest.mark.slow
@@ -48,15 +54,6 @@ QUORUM_TIMEOUT_S = 20  # the survivors' bound: beyond it a group gives up (exit 
 WAIT_S = 180.0  # how long the test waits for anything before it fails: a hang, not a slow machine
 # a float32 sum of 4 positive losses in another order: at most 3 roundings of 2^-24 apart
 LOSS_RTOL = 3 * 2.0**-24
-
-
-def reports(path: Path) -> list[StepReport]:
-    """The complete lines of a rank's JSONL reports, each decoded and validated as on the wire."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    decoded = [decode_report(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
-    return [r for r in decoded if isinstance(r, StepReport)]
 
 
 @dataclass
@@ -86,7 +83,7 @@ class Job:
 
     def last(self, group: int) -> StepReport | None:
         """The last report of the group's rank 0."""
-        found = reports(self.root / f"rank{2 * group}.jsonl")
+        found = step_reports(self.root / f"rank{2 * group}.jsonl")
         return found[-1] if found else None
 
     def step(self, group: int) -> int:
@@ -124,14 +121,7 @@ def job(root: Path, config: LighthouseConfig, timeouts: ManagerTimeouts) -> Iter
 
 
 def steps_of(root: Path, rank: int) -> list[StepReport]:
-    return reports(root / f"rank{rank}.jsonl")
-
-
-def longest_gap(steps: list[StepReport], start: float, end: float) -> float:
-    """The longest time between two committed steps of a rank, over the gaps that overlap [start, end]."""
-    times = [r.time_unix_s for r in steps if r.ft is not None and r.ft.committed]
-    gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
-    return max(gaps, default=0.0)
+    return step_reports(root / f"rank{rank}.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +145,8 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         j.start(0)
         j.start(1)
         j.wait("both groups past the parity steps", lambda: min(j.step(0), j.step(1)) > PARITY_STEPS)
-        j.lighthouse.kill()
         j.events["lighthouse_killed"] = time.time()
+        j.lighthouse.kill()
         j.lighthouse = start_lighthouse(
             LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS),
             j.lighthouse.port,
@@ -169,8 +159,8 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         kill_at = j.step(1) + rng.randint(2, 12)
         print(f"seed {SEED}: group 1 is killed at step {kill_at}")
         j.wait(f"group 1 at step {kill_at}", lambda: j.step(1) >= kill_at)
+        j.events["killed"] = time.time()  # before the kill: group 0's step in flight fails as soon as it is done
         j.groups[1].kill()
-        j.events["killed"] = time.time()
         j.events["killed_at_step"] = j.step(1)
         j.events["restarted_1"] = time.time()
         healing = j.start(1, "--ft-kill-while-healing")
@@ -269,8 +259,8 @@ def test_without_enough_groups_a_survivor_exits_75_after_a_whole_job_restart(
             j.groups[g] = start_group(replica, 1, argv, log=(j.root / f"group{g}.log").open("wb"))
         step = lambda g: steps_of(j.root, g)[-1].step if steps_of(j.root, g) else 0  # noqa: E731
         j.wait("both groups resumed", lambda: min(step(0), step(1)) >= resumed_from + 3)
-        j.groups[1].kill()
         killed = time.time()
+        j.groups[1].kill()
         assert j.groups[0].wait(WAIT_S) == EXIT_NO_QUORUM
         gave_up_s = time.time() - killed
         assert "no quorum within 3 s" in (j.root / "group0.log").read_text()
