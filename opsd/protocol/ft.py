@@ -94,12 +94,14 @@ class ManagerTimeouts:
     a peer that hangs instead of dying. ``quorum_timeout_s``: how long a group waits for a quorum (the window for a
     restarted group to come back before fewer than ``min_replicas`` groups give up). ``connect_timeout_s``: reaching
     the Lighthouse and the other groups' managers. ``quorum_retries``: a failed quorum request (the Lighthouse
-    down) is tried again this many times, spread over the quorum timeout."""
+    down) is tried again this many times, spread over the quorum timeout: 60, about one a second at the default
+    quorum timeout, so that the groups ride out a Lighthouse restart (torchft's default, 0, makes every group wait
+    its quorum timeout and give up; docs/ft.md)."""
 
     timeout_s: int = 60
     quorum_timeout_s: int = 60
     connect_timeout_s: int = 10
-    quorum_retries: int = 0
+    quorum_retries: int = 60
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
