@@ -1,7 +1,7 @@
 """Fault-tolerant replica groups on torchft (docs/ft.md), in real multi-process runs on gloo.
 
-One job of 2 replica groups x 2 ranks (``--mesh dp_replicate=2,dp_shard=2 --ft``, each group its own torchrun) goes
-through, in order:
+One job of 2 replica groups x 2 ranks (``--mesh dp_replicate=2,dp_shard=2 --ft``, each group a world of its own,
+its ranks started as torchrun would by ``examples.ft_launch``) goes through, in order:
 
 1. a start in step: a Lighthouse of ``min_replicas=2`` holds the first quorum until both groups are there, so the
    first steps are those of the plain HSDP job of the same layout, which runs beside it for the comparison;
