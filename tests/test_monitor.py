@@ -200,7 +200,8 @@ def test_a_replica_group_rank_reports_as_the_job_and_each_step_with_its_quorum(t
     m.close()
     first, second, third = lines(tmp_path)
     assert (first["rank"], first["world_size"], first["coords"]) == (5, 6, {"dp_shard": 1, "dp_replicate": 2})
-    assert first["job_tokens_per_s"] == pytest.approx(6 * first["tokens_per_s"])  # 2 shards x 3 groups
+    assert first["job_tokens_per_s"] == pytest.approx(4 * first["tokens_per_s"])  # 2 shards x 2 groups that trained
+    assert third["job_tokens_per_s"] == pytest.approx(6 * third["tokens_per_s"])  # no quorum told: all 3 groups
     assert m.flight.rank == 5
     assert [r["step"] for r in (first, second, third)] == [41, 41, 42]
     assert first["ft"] == {

@@ -266,7 +266,8 @@ class Monitor:
         id, the replica groups in it and how many of them trained (a healing group does not), whether the step's
         update was committed, the seconds spent healing from a peer and waiting for the quorum. ``step`` is the
         job's step once this one is done (the steps committed): the report carries it, so that a group that healed
-        reports its peers' step and a discarded step is not counted twice."""
+        reports its peers' step and a discarded step is not counted twice. The job's tokens per second (and MFU)
+        count the data-parallel shards of the groups that trained."""
         try:
             self._quorum = {
                 **(self._replica_group or {"replica_group": 0, "replica_groups": 1}),
@@ -348,7 +349,10 @@ class Monitor:
             comms = StepComms()
         exposed = min(comms.exposed_s, step_s)
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
-        job_tokens_per_s = tokens_per_s * self.batch_shards
+        shards = self.batch_shards
+        if self._quorum is not None and self._quorum["replica_groups"] > 0:  # the groups that trained in the step
+            shards = shards // self._quorum["replica_groups"] * self._quorum["participants"]
+        job_tokens_per_s = tokens_per_s * shards
         mfu = 0.0
         if self.peak_flops_per_s > 0 and self.flops_per_token > 0:
             mfu = mfu_ratio(job_tokens_per_s, self.flops_per_token, self.peak_flops_per_s * self.world_size)
