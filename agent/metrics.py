@@ -82,6 +82,16 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
     )
     gauges = {f: GaugeMetricFamily(name, text, labels=RANK) for f, (name, text) in _LAST_STEP_GAUGES.items()}
     loss = GaugeMetricFamily("opsd_loss", "Training loss of the rank's last step (when it reported one).", labels=RANK)
+    quorum = GaugeMetricFamily(
+        "opsd_ft_quorum_replica_groups",
+        "Replica groups in the quorum of the rank's last step (ranks of fault-tolerant replica groups).",
+        labels=RANK,
+    )
+    healing = CounterMetricFamily(
+        "opsd_ft_healing_seconds",
+        "Seconds the rank spent healing from a live peer (fetching and loading its state).",
+        labels=RANK,
+    )
     bubble = GaugeMetricFamily(
         "opsd_pipeline_bubble_ratio",
         "Fraction of the rank's last step spent waiting on the neighbour pipeline stages (0-1; pipeline ranks).",
@@ -116,6 +126,9 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
         ratio = pipeline_bubble_ratio(r.last)
         if ratio is not None:
             bubble.add_metric(labels, ratio)
+        if r.last.ft is not None and r.ft is not None:
+            quorum.add_metric(labels, r.last.ft.quorum_replicas)
+            healing.add_metric(labels, r.ft.healing_s)
         for kind, value in sorted(r.last.memory.items()):
             memory.add_metric([*labels, kind.removesuffix("_bytes")], float(value))
         seen.add_metric(labels, r.last_seen_s)
@@ -136,7 +149,7 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             comm_n.add_metric([*labels, dim, op], totals.count)
     yield info
     yield from gauges.values()
-    yield from (loss, bubble, memory, seen, steps, tokens, dropped, errors)
+    yield from (loss, bubble, quorum, healing, memory, seen, steps, tokens, dropped, errors)
     yield from (comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
 
 

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from agent.health import GpuHealth
-from agent.state import NodeState
+from agent.state import NodeState, RankSnapshot
 from opsd.protocol.heartbeat import (
     VERSION,
     Heartbeat,
     HeartbeatEvent,
+    HeartbeatFt,
     HeartbeatPipeline,
     HeartbeatRank,
     HeartbeatTimeout,
@@ -130,6 +131,7 @@ class Reporter:
                 resumed_from_step=r.last.resumed_from_step,
                 pipeline=_pipeline(r.last),
                 launch=r.last.launch,
+                ft=_ft(r),
             )
             for r in self.state.snapshot()
         ]
@@ -213,6 +215,25 @@ def _pipeline(report: StepReport) -> HeartbeatPipeline | None:
     if ratio is None or p is None:
         return None
     return HeartbeatPipeline(bubble_ratio=ratio, schedule=p.schedule, stages=p.stages, microbatches=p.microbatches)
+
+
+def _ft(rank: RankSnapshot) -> HeartbeatFt | None:
+    """What the controller needs of a fault-tolerant replica group's rank: its last quorum and its sums."""
+    q, f = rank.last.ft, rank.ft
+    if q is None or f is None:
+        return None
+    return HeartbeatFt(
+        replica_group=q.replica_group,
+        replica_groups=q.replica_groups,
+        quorum_id=q.quorum_id,
+        quorum_replicas=q.quorum_replicas,
+        participants=q.participants,
+        committed=q.committed,
+        heals=f.heals,
+        healing_total_s=f.healing_s,
+        quorum_wait_total_s=f.quorum_wait_s,
+        discarded_steps=f.discarded_steps,
+    )
 
 
 def write_policy(path: str | Path, policy: dict[str, Any]) -> None:

@@ -55,6 +55,17 @@ class CheckpointTotals:
 
 
 @dataclass
+class FtTotals:
+    """A rank of a fault-tolerant replica group: its heals, the seconds they took, the seconds it waited for a
+    quorum, and the steps whose update was discarded, summed over its reports."""
+
+    heals: int = 0
+    healing_s: float = 0.0
+    quorum_wait_s: float = 0.0
+    discarded_steps: int = 0
+
+
+@dataclass
 class RankState:
     run: str
     rank: int
@@ -65,6 +76,7 @@ class RankState:
     comms: dict[tuple[str, str], CommTotals] = field(default_factory=dict)
     last_seen_s: float = 0.0
     checkpoints: CheckpointTotals = field(default_factory=lambda: CheckpointTotals())
+    ft: FtTotals | None = None  # once it reported a quorum
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,7 @@ class RankSnapshot:
     comms: dict[tuple[str, str], CommTotals]
     last_seen_s: float
     checkpoints: CheckpointTotals
+    ft: FtTotals | None = None
 
 
 class NodeState:
@@ -128,6 +141,12 @@ class NodeState:
                 c.staging_s += ckpt.staging_s
                 c.total_s += ckpt.total_s
                 c.bytes += ckpt.bytes
+            if report.ft is not None:
+                f = state.ft = state.ft or FtTotals()
+                f.heals += report.ft.healing_s > 0
+                f.healing_s += report.ft.healing_s
+                f.quorum_wait_s += report.ft.quorum_wait_s
+                f.discarded_steps += not report.ft.committed
             run_comms = self._run_comms.setdefault(report.run, {}) if report.comms else {}
             for entry in report.comms:
                 dim, op, count, nbytes, seconds = entry.dimension, entry.op, entry.count, entry.bytes, entry.seconds
@@ -184,6 +203,7 @@ class NodeState:
                     comms={k: CommTotals(v.count, v.bytes, v.seconds) for k, v in s.comms.items()},
                     last_seen_s=s.last_seen_s,
                     checkpoints=replace(s.checkpoints),
+                    ft=replace(s.ft) if s.ft is not None else None,
                 )
                 for _, s in sorted(self._ranks.items())
             ]

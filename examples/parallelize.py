@@ -131,8 +131,11 @@ def parallelize(
     *,
     microbatches: int,
     schedule: str = "1f1b",
+    shard_always: bool = False,
 ) -> ParallelModel:
-    """Build the model with ``build`` (seeded by the caller) and apply every parallelism of ``spec``."""
+    """Build the model with ``build`` (seeded by the caller) and apply every parallelism of ``spec``.
+    ``shard_always``: FSDP wraps the model even on a single data-parallel rank (a fault-tolerant replica group
+    averages its gradients with the other groups in FSDP's all-reduce hook, ``examples.ft``)."""
     mesh = meshes.world
     coords = mesh_coordinates(mesh)
     model = build().to(device)
@@ -145,8 +148,8 @@ def parallelize(
         for block in model.blocks():
             assert isinstance(block.feed_forward, MoE)
             block.feed_forward.shard_experts(mesh["ep"].get_group())
-    if spec.data_parallel_size > 1:
-        _apply_fsdp(model, spec, meshes)
+    if spec.data_parallel_size > 1 or shard_always:
+        _apply_fsdp(model, spec, meshes, shard_always=shard_always)
     pipeline = None
     if spec.pp > 1:
         stage = PipelineStage(model, coords["pp"], spec.pp, device, group=mesh["pp"].get_group())
@@ -193,11 +196,11 @@ def _apply_context_parallel(model: Transformer, cp_group: dist.ProcessGroup, cp_
             block.feed_forward.cp_group = cp_group
 
 
-def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes) -> None:
+def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes, *, shard_always: bool = False) -> None:
     """FSDP2 per block and at the root; HSDP (replicate x shard) when dp_replicate > 1.
 
     Expert weights differ across ep ranks, so they are sharded over their own data-parallel mesh
-    (dp_replicate x dp_shard x cp), or left to this rank when that mesh is a single rank.
+    (dp_replicate x dp_shard x cp), or left to this rank when that mesh is a single rank (unless ``shard_always``).
     """
     expert_dp = spec.dp_replicate * spec.dp_shard * spec.cp
     reshard = spec.pp == 1  # pipelining runs several micro-batches per step: keep weights gathered
@@ -205,7 +208,7 @@ def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes) -> None:
     for block in model.blocks():
         moe = block.feed_forward
         if spec.ep > 1 and isinstance(moe, MoE):
-            if expert_dp > 1:
+            if expert_dp > 1 or shard_always:
                 fully_shard(moe.experts, mesh=meshes.expert, reshard_after_forward=reshard)
             else:
                 ignored |= set(moe.experts.parameters())

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import signal
@@ -23,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
-from torch.distributed.tensor import DTensor
 
 from examples.config import ModelConfig
 from examples.data import TokenSource, TokenSourceConfig
@@ -37,13 +34,16 @@ from examples.parallelize import (
     lm_loss,
     parallelize,
 )
+from examples.report import gather_digests, state_digest, state_hashes, write_report
 from opsd.protocol.env import POLICY_FILE_ENV
+from opsd.protocol.ft import EXIT_NO_QUORUM, ReplicaGroupEnv, group_layout
 from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy_reader import PolicyReader
 
 if TYPE_CHECKING:
+    from examples.ft import FaultTolerance
     from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 
 log = logging.getLogger("examples.train")
@@ -112,7 +112,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=0, help=argparse.SUPPRESS)
     # fault injection (tests): rank 0 is SIGKILLed in the save of this step, after the shards, before the manifest
     p.add_argument("--kill-before-commit-step", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--losses-out", type=Path, help="write the per-step global losses as JSON (rank 0)")
+    p.add_argument(
+        "--ft",
+        action="store_true",
+        help="this job is one dp_replicate replica group of a fault-tolerant job (torchft; REPLICA_GROUP_ID, "
+        "NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE set; docs/ft.md)",
+    )
+    p.add_argument("--ft-kill-while-healing", action="store_true", help=argparse.SUPPRESS)  # fault injection (tests)
+    # tests: the hashes of each rank's state after each step, in --losses-out
+    p.add_argument("--state-digests", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)  # tests: the last step, once written there
+    p.add_argument(
+        "--losses-out",
+        type=Path,
+        help="write the per-step global losses as JSON (rank 0; {replica_group} is replaced by the group with --ft)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
@@ -209,13 +223,14 @@ def measured_flops_per_token(cfg: ModelConfig) -> float:
         return measure_flops_per_token(model, tokens[:, :-1], tokens[:, 1:], lm_loss)
 
 
-def make_monitor(args: argparse.Namespace, cfg: ModelConfig, meshes: Meshes) -> Monitor:
-    """The opsd monitor of this rank: every mesh dimension labelled, the FSDP groups labelled ``dp_shard``."""
+def make_monitor(args: argparse.Namespace, cfg: ModelConfig, meshes: Meshes, first_rank: int = 0) -> Monitor:
+    """The opsd monitor of this rank: every mesh dimension labelled, the FSDP groups labelled ``dp_shard``.
+    ``first_rank``: the job's rank of this world's rank 0 (a replica group's, with ``--ft``)."""
     with torch.device("meta"):
         full = Transformer(cfg)  # shape only: no memory, no draw from the seeded generator
     shape = model_shape(full)
     measured = measured_flops_per_token(cfg) if args.opsd_flops == "measured" else None
-    jsonl = args.opsd_jsonl.replace("{rank}", str(dist.get_rank())) if args.opsd_jsonl else None
+    jsonl = args.opsd_jsonl.replace("{rank}", str(first_rank + dist.get_rank())) if args.opsd_jsonl else None
     config = MonitorConfig(
         peak_flops_per_s=args.peak_flops, jsonl_path=jsonl, collective_timeout_s=args.opsd_collective_timeout_s
     )
@@ -225,11 +240,6 @@ def make_monitor(args: argparse.Namespace, cfg: ModelConfig, meshes: Meshes) -> 
         for name in names:
             monitor.label(mesh.get_group(name), "dp_replicate" if name == "dp_replicate" else "dp_shard")
     return monitor
-
-
-def local_numel(module: torch.nn.Module) -> int:
-    """Parameter elements held by this rank (the local shard of a DTensor)."""
-    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
@@ -278,75 +288,28 @@ def make_checkpointer(
     return checkpointer, TrainState(model, optimizer, **extra)
 
 
-def state_hashes(state: TrainState) -> list[str]:
-    """SHA-256 of each rank's part of the model and optimizer state (DTensors by their local shard), gathered:
-    two runs with the same layout ended in the same state exactly when the lists are equal."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    digest = hashlib.sha256()
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-    flat: list[tuple[str, Any]] = []
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key in sorted(value, key=str):
-                walk(f"{prefix}/{key}", value[key])
-        else:
-            flat.append((prefix, value))
-
-    walk("model", model_sd)
-    walk("optim", optim_sd)
-    for key, value in flat:
-        digest.update(key.encode())
-        if isinstance(value, DTensor):
-            value = value.to_local()
-        if isinstance(value, torch.Tensor):
-            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            digest.update(repr(value).encode())
-    mine = torch.tensor(list(digest.digest()), dtype=torch.uint8)
-    gathered = torch.zeros(dist.get_world_size() * 32, dtype=torch.uint8)
-    dist.all_gather_into_tensor(gathered, mine)
-    return [bytes(row.tolist()).hex() for row in gathered.view(-1, 32)]
-
-
-def write_report(
-    path: Path,
-    model: ParallelModel,
+def train(
+    args: argparse.Namespace,
+    spec: MeshSpec,
     cfg: ModelConfig,
-    losses: list[float],
-    tokens_per_step: int,
-    **extra: Any,
-) -> None:
-    """Rank 0 writes the losses and what every rank holds: proof that each dimension splits work or weights."""
-    names = list(model.coords)
-    mine = [dist.get_rank(), local_numel(model.module), model.local_tokens, *model.coords.values()]
-    gathered = torch.zeros(dist.get_world_size() * len(mine), dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, torch.tensor(mine, dtype=torch.int64))
-    ranks = [
-        {"rank": row[0], "params": row[1], "tokens_per_step": row[2], "coords": dict(zip(names, row[3:], strict=True))}
-        for row in gathered.view(dist.get_world_size(), len(mine)).tolist()
-    ]
-    if dist.get_rank() == 0:
-        full = sum(p.numel() for p in Transformer(cfg).parameters())
-        report = {
-            "layout": str(model.spec),
-            "losses": losses,
-            "full_params": full,
-            "global_tokens_per_step": tokens_per_step,
-            "ranks": ranks,
-            **extra,
-        }
-        path.write_text(json.dumps(report, indent=1))
-
-
-def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatches: int) -> list[float]:
+    microbatches: int,
+    replica: ReplicaGroupEnv | None = None,
+) -> list[float]:
+    """Train; with ``replica`` (``--ft``) this process is a rank of one replica group of ``spec``."""
     device = init_distributed()
+    ft: FaultTolerance | None = None
     try:
-        meshes = build_mesh(spec, device.type)
+        group = spec if replica is None else group_layout(spec, replica)
+        meshes = build_mesh(group, device.type)
         torch.manual_seed(args.seed)
         model = parallelize(
-            lambda: Transformer(cfg), spec, meshes, device, microbatches=microbatches, schedule=args.pp_schedule
+            lambda: Transformer(cfg),
+            group,
+            meshes,
+            device,
+            microbatches=microbatches,
+            schedule=args.pp_schedule,
+            shard_always=replica is not None,
         )
         optimizer = torch.optim.AdamW(
             model.module.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False
@@ -360,11 +323,25 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0
         )
-        monitor = make_monitor(args, cfg, meshes) if args.opsd_monitor else None
+        first_rank = replica.group * dist.get_world_size() if replica is not None else 0
+        monitor = make_monitor(args, cfg, meshes, first_rank) if args.opsd_monitor else None
         if monitor is not None and spec.pp > 1:  # the schedule its bubble is compared to
             monitor.watch_pipeline(args.pp_schedule, stages=spec.pp, microbatches=microbatches)
-        ckpt, state = make_checkpointer(args, spec, monitor, model.module, optimizer, data=data, scheduler=scheduler)
+        ckpt, state = make_checkpointer(args, group, monitor, model.module, optimizer, data=data, scheduler=scheduler)
         resumed = ckpt.load(state) if ckpt is not None and state is not None and args.resume else None
+        if replica is not None:  # last before the first step: from here on the Lighthouse counts the group alive
+            from examples.ft import FaultTolerance, in_job
+
+            model = in_job(model, spec, replica.group)
+            ft = FaultTolerance(
+                replica,
+                model,
+                optimizer,
+                scheduler,
+                data,
+                monitor=monitor,
+                kill_while_healing=args.ft_kill_while_healing,
+            )
         rank0 = dist.get_rank() == 0
         if rank0:
             print(f"layout {spec} on {spec.world_size} rank(s), {device.type}/{dist.get_backend()}", flush=True)
@@ -374,22 +351,36 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         if monitor is not None:
             monitor.resume_at(first_step)  # reports number steps as training does
         losses: list[float] = []
-        while data.position < args.steps:
-            step = data.position
+        digests: dict[int, bytes] = {}
+        ft_loss: float | None = None
+        while data.position < last_step(args):
+            if ft is not None:
+                ft.start_step()  # the quorum is asked for; the data position is the job's step
             inputs, targets = local_batch(model, *data.next_batch(), device)
             with monitor.step(tokens=model.local_tokens * spec.cp) if monitor else contextlib.nullcontext():
                 local = model.forward_backward(inputs, targets)
                 if monitor is not None and local is not None:
                     monitor.record_loss(local)  # this rank's shard of the batch: no collective in the step
                 with monitor.phase("optimizer") if monitor else contextlib.nullcontext():
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
-            losses.append(global_loss(local, spec, device))
+                    if ft is None:
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        scheduler.step()
+                    else:
+                        ft_loss = ft.finish_step(local, spec.pp)  # None: discarded, the same batch comes again
+            loss = global_loss(local, spec, device) if ft is None else ft_loss
+            if loss is None:
+                continue
+            losses.append(loss)
+            step = data.position - 1  # the step just done (a group that healed has its peers' step)
+            if args.state_digests:
+                digests[step + 1] = state_digest(model.module, optimizer)
             if rank0:
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
             # the cadence's steps, and the last one: a completed run's final state is always checkpointed
-            if ckpt is not None and state is not None and (ckpt.due(step + 1) or step + 1 == args.steps):
+            saves = ft is None or ft.saves_checkpoints()  # with --ft, one replica group writes the checkpoints
+            last = step + 1 == last_step(args)
+            if ckpt is not None and state is not None and saves and (ckpt.due(step + 1) or last):
                 ckpt.save(step + 1, state)
             if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
                 if ckpt is not None:
@@ -405,14 +396,30 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
                 extra.update(
                     resumed_from_step=resumed, resume_problems=ckpt.resume_problems, state_hashes=state_hashes(state)
                 )
-            write_report(args.losses_out, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len, **extra)
+            if args.state_digests:  # every rank did the same steps: one gather each
+                extra["step_digests"] = {str(s): gather_digests(d) for s, d in sorted(digests.items())}
+            if ft is not None:
+                hashes = gather_digests(state_digest(model.module, optimizer))
+                extra.update(replica_group=ft.replica.group, heals=ft.heals, state_hashes=hashes)
+            path = Path(str(args.losses_out).replace("{replica_group}", str(replica.group if replica else 0)))
+            write_report(path, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len, **extra)
         dist.barrier()
         return losses
     finally:
+        if ft is not None:
+            ft.close()
         # No barrier here: after an error on this rank its peers may never reach one, and waiting for them
         # would hide the error behind a hang. torchrun sees the exit code and stops the other ranks.
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def last_step(args: argparse.Namespace) -> int:
+    """``--steps``, or the step written in ``--steps-file`` once it is there (a test ends a run when it chooses)."""
+    if args.steps_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            return int(args.steps_file.read_text())
+    return int(args.steps)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -420,11 +427,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        spec, cfg, microbatches = check_layout(args, world_size)
+        replica = ReplicaGroupEnv.from_env(os.environ) if args.ft else None
+        spec, cfg, microbatches = check_layout(args, world_size * (replica.groups if replica else 1))
+        if replica is not None:
+            group_layout(spec, replica)
     except (MeshError, ValueError) as exc:
         print(f"examples.train: error: {exc}", file=sys.stderr)
         return 2
-    train(args, spec, cfg, microbatches)
+    if replica is None:
+        train(args, spec, cfg, microbatches)
+        return 0
+    from examples.ft import NoQuorumError
+
+    try:
+        train(args, spec, cfg, microbatches, replica)
+    except NoQuorumError as exc:
+        print(f"examples.train: replica group {replica.group}: {exc}", file=sys.stderr)
+        return EXIT_NO_QUORUM
     return 0
 
 

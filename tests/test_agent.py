@@ -26,11 +26,11 @@ from agent.reporter import Reporter, ReporterConfig
 from agent.state import OVERFLOW, NodeState
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.gpu_files import GpuSample
-from opsd.protocol.heartbeat import Heartbeat
+from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import REASONS, StepReport, decode_report, encode
 from opsd.protocol.xid_table import load_xid_table
-from tests.test_wire import report, timeout_report
+from tests.test_wire import FT, report, timeout_report
 
 
 def sent(heartbeat: Heartbeat) -> dict[str, Any]:
@@ -224,7 +224,7 @@ def documented_metrics() -> dict[str, str]:
 def test_every_exposed_metric_is_documented_with_its_type(agent: Agent, tmp_path: Path) -> None:
     pipeline = {"bubble_s": 0.05, "schedule": "1f1b", "stages": 4, "microbatches": 8}
     checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
-    agent.handle(encode(report(checkpoints=checkpoints, pipeline=pipeline)))
+    agent.handle(encode(report(checkpoints=checkpoints, pipeline=pipeline, ft=FT)))
     gpu = GpuHealth(FileGpuSource(tmp_path), load_xid_table(), WatchWindow())
     gpu.samples = [GpuSample(index=0, uuid="GPU-0")]
     gpu.record(0, 79, now_s=0)
@@ -244,10 +244,11 @@ def test_series_budget_per_rank() -> None:
     a = Agent(AgentConfig(socket="/tmp/unused-by-this-test.sock", node="n"))
     checkpoints = [{"step": 1, "blocking_s": 0.1, "total_s": 1.0, "bytes": 10}]
     pipeline = {"bubble_s": 0.05, "schedule": "1f1b", "stages": 4, "microbatches": 8}
-    a.handle(encode(report(comms=pairs, memory=memory, checkpoints=checkpoints, loss=2.5, pipeline=pipeline)))
+    every_part = {"checkpoints": checkpoints, "loss": 2.5, "pipeline": pipeline, "ft": FT}
+    a.handle(encode(report(comms=pairs, memory=memory, **every_part)))
     per_rank = [s for family in text_string_to_metric_families(a.metrics_text().decode()) for s in family.samples]
     per_rank = [s for s in per_rank if s.labels.get("rank") == "3"]
-    assert len(per_rank) == 22 + 3 * 8  # docs/metrics.md, "Series budget"
+    assert len(per_rank) == 24 + 3 * 8  # docs/metrics.md, "Series budget"
 
 
 def test_a_pipeline_stage_exports_its_bubble_and_tells_the_controller_its_schedule(agent: Agent) -> None:
@@ -263,6 +264,34 @@ def test_a_pipeline_stage_exports_its_bubble_and_tells_the_controller_its_schedu
     assert ranks[1] == {"bubble_ratio": pytest.approx(0.25), "schedule": "gpipe", "stages": 2, "microbatches": 8}
     assert ranks[2] == {"bubble_ratio": 1.0, "schedule": "", "stages": 0, "microbatches": 0}
     assert ranks[3] is None
+
+
+def test_a_replica_group_rank_exports_its_quorum_and_tells_the_controller_its_sums(agent: Agent) -> None:
+    healed = {**FT, "quorum_replicas": 2, "participants": 1, "healing_s": 0.25, "quorum_wait_s": 1.0}
+    agent.handle(encode(report(rank=5, step=40, ft=healed)))
+    agent.handle(encode(report(rank=5, step=40, ft={**FT, "committed": False, "quorum_wait_s": 0.5})))
+    agent.handle(encode(report(rank=5, step=41, ft={**FT, "quorum_id": 5, "quorum_replicas": 1, "healing_s": 0.0})))
+    agent.handle(encode(report(rank=6)))  # not in a replica group: no series
+    r = {"run": "r", "rank": "5"}
+    assert value(agent, "opsd_ft_quorum_replica_groups", **r) == 1  # the last step's quorum
+    assert value(agent, "opsd_ft_healing_seconds_total", **r) == pytest.approx(0.28)  # 0.25 + 0.03 + 0
+    assert ("opsd_ft_quorum_replica_groups", (("rank", "6"), ("run", "r"))) not in samples(agent)
+    reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n1", agent.state, None)
+    ranks = {r["rank"]: r.get("ft") for r in sent(reporter.heartbeat(1.0))["ranks"]}
+    assert ranks[5] == {
+        "replica_group": 1,
+        "replica_groups": 2,
+        "quorum_id": 5,
+        "quorum_replicas": 1,
+        "participants": 1,
+        "committed": True,
+        "heals": 2,
+        "healing_total_s": pytest.approx(0.28),
+        "quorum_wait_total_s": pytest.approx(2.0),
+        "discarded_steps": 1,
+    }
+    assert ranks[6] is None
+    assert decode_heartbeat(encode_heartbeat(reporter.heartbeat(1.0))).ranks[0].ft is not None  # the controller's
 
 
 def test_checkpoints_become_counters_and_last_values(agent: Agent) -> None:

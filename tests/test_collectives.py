@@ -63,6 +63,22 @@ def test_sync_collective_is_counted_with_bytes_and_fully_exposed(tracer: Collect
     assert tracer.take_step().ops == {}  # a step's collectives are taken once
 
 
+def test_a_collective_timed_by_its_caller_is_counted_and_exposed() -> None:
+    tracer = CollectiveTracer()  # torchft's process group is out of the tracer's sight: the caller tells it
+    tracer.record("dp_replicate", "all_reduce", 4096, 0.25)
+    with tracer.phase("optimizer"):
+        tracer.record("dp_replicate", "all_reduce", 4, 0.05)
+    tracer.record("nonsense", "all_reduce", 8, 0.125)
+    step = tracer.take_step()
+    backward_or_other = step.phases[("dp_replicate", "all_reduce", tracer.default_phase)]
+    assert (backward_or_other.count, backward_or_other.bytes, backward_or_other.seconds) == (1, 4096, 0.25)
+    assert step.phases[("dp_replicate", "all_reduce", "optimizer")].bytes == 4
+    assert step.ops[("other", "all_reduce")].bytes == 8
+    assert step.exposed_s == pytest.approx(0.425)
+    tracer.record("dp_replicate", "all_reduce", "many", 0.1)  # type: ignore[arg-type]
+    assert tracer.internal_errors == 1
+
+
 def test_unlabelled_group_is_other(tracer: CollectiveTracer) -> None:
     dist.all_reduce(torch.ones(3))
     assert tracer.take_step().ops[("other", "all_reduce")].bytes == 12

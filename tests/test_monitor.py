@@ -179,6 +179,49 @@ def test_steps_are_numbered_from_the_step_resumed_from(tmp_path: Path) -> None:
         m.resume_at(-1)
 
 
+def test_a_replica_group_rank_reports_as_the_job_and_each_step_with_its_quorum(tmp_path: Path) -> None:
+    m = Monitor(
+        SHAPE,
+        MonitorConfig(jsonl_path=str(tmp_path / "steps.jsonl"), cpu_peak_flops_per_s=1e9),
+        coords={"dp_shard": 1},
+        batch_shards=2,
+        tracer=CollectiveTracer(),
+    )
+    m.world_size, m.rank, m.flight.rank = 2, 1, 1  # rank 1 of a group of 2
+    m.watch_replica_group(2, 3)
+    with m.step(tokens=10):  # healed: the job's step, from its peers
+        m.record_quorum(
+            step=41, quorum_id=7, quorum_replicas=3, participants=2, committed=True, healing_s=0.2, quorum_wait_s=1.5
+        )
+    with m.step(tokens=10):  # discarded: the same step again
+        m.record_quorum(step=41, quorum_id=8, quorum_replicas=2, participants=2, committed=False)
+    with m.step(tokens=10):  # no quorum told: no ft part
+        pass
+    m.close()
+    first, second, third = lines(tmp_path)
+    assert (first["rank"], first["world_size"], first["coords"]) == (5, 6, {"dp_shard": 1, "dp_replicate": 2})
+    assert first["job_tokens_per_s"] == pytest.approx(4 * first["tokens_per_s"])  # 2 shards x 2 groups that trained
+    assert third["job_tokens_per_s"] == pytest.approx(6 * third["tokens_per_s"])  # no quorum told: all 3 groups
+    assert m.flight.rank == 5
+    assert [r["step"] for r in (first, second, third)] == [41, 41, 42]
+    assert first["ft"] == {
+        "replica_group": 2,
+        "replica_groups": 3,
+        "quorum_id": 7,
+        "quorum_replicas": 3,
+        "participants": 2,
+        "committed": True,
+        "healing_s": 0.2,
+        "quorum_wait_s": 1.5,
+    }
+    assert (second["ft"]["committed"], second["ft"]["healing_s"], second["ft"]["quorum_id"]) == (False, 0.0, 8)
+    assert "ft" not in third
+    with pytest.raises(ValueError, match="already told"):
+        m.watch_replica_group(0, 3)
+    with pytest.raises(ValueError, match=r"group 3 must be in \[0, 3\)"):
+        Monitor(SHAPE, MonitorConfig(), tracer=CollectiveTracer()).watch_replica_group(3, 3)
+
+
 class Waiting(CollectiveTracer):
     """A tracer whose training thread waits on a tp all-reduce (``since`` names the wait)."""
 

@@ -58,3 +58,34 @@ def test_bad_checkpoint_arguments_exit_2(capsys: pytest.CaptureFixture[str], arg
     assert err.count("\n") == 1
     assert message in err
     assert not dist.is_initialized()
+
+
+FT_ENV = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2"}
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({}, ["--mesh", "dp_replicate=2"], "TORCHFT_LIGHTHOUSE is not set"),
+        ({**FT_ENV, "REPLICA_GROUP_ID": "x"}, ["--mesh", "dp_replicate=2"], "REPLICA_GROUP_ID must be an integer"),
+        (FT_ENV, ["--mesh", "dp_replicate=2,dp_shard=2"], "must equal the world size 2"),  # a group of one rank
+        (FT_ENV, ["--mesh", "dp_shard=2"], "dp_replicate=1 must equal NUM_REPLICA_GROUPS=2"),
+    ],
+    ids=["no-lighthouse", "group-not-a-number", "group-world-too-small", "no-replicas"],
+)
+def test_bad_fault_tolerant_settings_exit_2(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    argv: list[str],
+    message: str,
+) -> None:
+    for name in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--ft", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert message in err
+    assert not dist.is_initialized()

@@ -163,3 +163,46 @@ def test_a_bad_pipeline_part_is_refused_by_field(pipeline: dict[str, Any]) -> No
     with pytest.raises(WireError, match=r"\$\.pipeline") as caught:
         decode_report(encode(report(pipeline=pipeline)))
     assert caught.value.reason == "field"
+
+
+FT = {
+    "replica_group": 1,
+    "replica_groups": 2,
+    "quorum_id": 4,
+    "quorum_replicas": 2,
+    "participants": 1,
+    "committed": True,
+    "healing_s": 0.03,
+    "quorum_wait_s": 0.5,
+}
+
+
+def test_a_replica_group_rank_reports_its_quorum_and_older_receivers_ignore_it() -> None:
+    decoded = decode_report(encode(report(ft=FT)))
+    assert not isinstance(decoded, TimeoutReport)
+    assert decoded.ft is not None
+    assert (decoded.ft.replica_group, decoded.ft.quorum_replicas, decoded.ft.participants) == (1, 2, 1)
+    assert (decoded.ft.healing_s, decoded.ft.quorum_wait_s, decoded.ft.committed) == (0.03, 0.5, True)
+    bare = decode_report(encode(report(ft={k: v for k, v in FT.items() if k not in ("committed", "healing_s")})))
+    assert not isinstance(bare, TimeoutReport)
+    assert bare.ft is not None
+    assert (bare.ft.committed, bare.ft.healing_s, bare.ft.quorum_wait_s) == (True, 0.0, 0.5)
+    without = decode_report(encode(report()))
+    assert not isinstance(without, TimeoutReport)
+    assert without.ft is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"healing_s": -0.1},
+        {"quorum_replicas": -1},
+        {"committed": "yes"},
+        {"replica_group": None},
+        {"quorum_wait_s": "1"},
+    ],
+)
+def test_a_bad_quorum_is_refused_by_field(change: dict[str, Any]) -> None:
+    with pytest.raises(WireError, match=r"\$\.ft") as caught:
+        decode_report(encode(report(ft={**FT, **change})))
+    assert caught.value.reason == "field"

@@ -238,6 +238,22 @@ class CollectiveTracer:
                 pending.append(key[2])
         return key
 
+    def record(self, dimension: str, op: str, nbytes: int, seconds: float) -> None:
+        """A collective issued outside ``torch.distributed``'s functions and waited for by its caller, who timed it
+        (torchft's process group across replica groups): counted under ``dimension`` (``other`` when unknown) and
+        the current phase, its time exposed. Never raises."""
+        try:
+            key = (dimension if dimension in DIMENSIONS else OTHER, op, self.current_phase())
+            nbytes, seconds = int(nbytes), float(seconds)
+            with self._lock:
+                stats = self._step.phases.setdefault(key, OpStats())
+                stats.count += 1
+                stats.bytes += nbytes
+                stats.seconds += seconds
+                self._step.exposed_s += seconds
+        except Exception as exc:
+            self._internal_error(exc)
+
     def add_duration(self, key: Key, seconds: float) -> None:
         with self._lock:
             self._step.phases.setdefault(key, OpStats()).seconds += seconds

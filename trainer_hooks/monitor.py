@@ -14,8 +14,10 @@ and the trainer marks the rest, e.g. ``with monitor.phase("optimizer"): optimize
 step, after the device has synchronised). A pipeline stage reports its bubble with each step: the time its
 training thread waited on the pipeline's sends and receives (``trainer_hooks.collectives``); with
 ``monitor.watch_pipeline("1f1b", stages=4, microbatches=8)`` the schedule goes with it, for the theory it is
-compared to. Nothing here raises into training or blocks it: failures are counted
-(``internal_errors``) and logged once; undeliverable reports are dropped and counted.
+compared to. A rank of a fault-tolerant replica group (torchft, one world per group) says so once with
+``watch_replica_group(group, groups)`` and reports each step's quorum with ``record_quorum(...)``. Nothing here
+raises into training or blocks it: failures are counted (``internal_errors``) and logged once; undeliverable
+reports are dropped and counted.
 
 A watchdog thread reports a rank that has waited on one collective for longer than ``collective_timeout_s``
 (one ``collective_timeout`` message per wait, naming the dimension and the op): its peers are most likely stopped,
@@ -130,6 +132,8 @@ class Monitor:
         self._started: float | None = None
         self._loss: float | torch.Tensor | None = None
         self._pipeline: dict[str, Any] | None = None  # the schedule, told by ``watch_pipeline``
+        self._replica_group: dict[str, int] | None = None  # told by ``watch_replica_group``
+        self._quorum: dict[str, Any] | None = None  # the step's, told by ``record_quorum``
         self._warned = False
         if flops_per_token is not None:
             if not flops_per_token > 0:
@@ -231,6 +235,53 @@ class Monitor:
             raise ValueError("watch_pipeline: stages and microbatches must be >= 1")
         self._pipeline = {"schedule": str(schedule), "stages": int(stages), "microbatches": int(microbatches)}
 
+    def watch_replica_group(self, group: int, groups: int) -> None:
+        """This rank is in replica group ``group`` of ``groups``, each group a world of its own (torchft's
+        fault-tolerant replicas): its reports name it by its rank in the whole job (``group`` x the group's world
+        size + its rank in the group), count the job's ranks and data-parallel shards, and carry ``group`` as its
+        ``dp_replicate`` coordinate. Call once, before the first step."""
+        if not 0 <= group < groups:
+            raise ValueError(f"watch_replica_group: group {group} must be in [0, {groups})")
+        if self._replica_group is not None:
+            raise ValueError("watch_replica_group: already told")
+        self._replica_group = {"replica_group": int(group), "replica_groups": int(groups)}
+        self.rank += group * self.world_size
+        self.world_size *= groups
+        self.batch_shards *= groups
+        self.coords["dp_replicate"] = int(group)
+        self.flight.rank, self.flight.world_size = self.rank, self.world_size
+
+    def record_quorum(
+        self,
+        *,
+        step: int,
+        quorum_id: int,
+        quorum_replicas: int,
+        participants: int,
+        committed: bool,
+        healing_s: float = 0.0,
+        quorum_wait_s: float = 0.0,
+    ) -> None:
+        """The quorum of the step in progress, sent with its report (``watch_replica_group`` first): the quorum's
+        id, the replica groups in it and how many of them trained (a healing group does not), whether the step's
+        update was committed, the seconds spent healing from a peer and waiting for the quorum. ``step`` is the
+        job's step once this one is done (the steps committed): the report carries it, so that a group that healed
+        reports its peers' step and a discarded step is not counted twice. The job's tokens per second (and MFU)
+        count the data-parallel shards of the groups that trained."""
+        try:
+            self._quorum = {
+                **(self._replica_group or {"replica_group": 0, "replica_groups": 1}),
+                "quorum_id": int(quorum_id),
+                "quorum_replicas": int(quorum_replicas),
+                "participants": int(participants),
+                "committed": bool(committed),
+                "healing_s": max(float(healing_s), 0.0),
+                "quorum_wait_s": max(float(quorum_wait_s), 0.0),
+            }
+            self.steps = int(step) - 1  # ``end_step`` counts the step
+        except Exception as exc:
+            self._error(exc)
+
     def record_loss(self, loss: float | torch.Tensor) -> None:
         """The loss to send with the next report: inside a step, that step's. A tensor is read at the end of the
         step, after the device has synchronised; a loss that is not a finite number is not sent."""
@@ -298,7 +349,10 @@ class Monitor:
             comms = StepComms()
         exposed = min(comms.exposed_s, step_s)
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
-        job_tokens_per_s = tokens_per_s * self.batch_shards
+        shards = self.batch_shards
+        if self._quorum is not None and self._quorum["replica_groups"] > 0:  # the groups that trained in the step
+            shards = shards // self._quorum["replica_groups"] * self._quorum["participants"]
+        job_tokens_per_s = tokens_per_s * shards
         mfu = 0.0
         if self.peak_flops_per_s > 0 and self.flops_per_token > 0:
             mfu = mfu_ratio(job_tokens_per_s, self.flops_per_token, self.peak_flops_per_s * self.world_size)
@@ -336,6 +390,8 @@ class Monitor:
         }
         if self._pipeline is not None or comms.pipeline_transfers:
             report["pipeline"] = {"bubble_s": min(comms.pipeline_wait_s, step_s), **(self._pipeline or {})}
+        if self._quorum is not None:
+            report["ft"], self._quorum = self._quorum, None
         loss, self._loss = self._loss, None
         if loss is not None:
             try:

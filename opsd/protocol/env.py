@@ -15,6 +15,9 @@ And the operator's side (the CLI, and the controller's settings, docs/configurat
 ``OPSD_TOKEN``, ``OPSD_STATE_DIR``, ``OPSD_STATE_URL``, ``OPSD_CONFIG`` (the client's config file) and
 ``OPSD_GRAFANA_TOKEN``.
 
+A fault-tolerant job's replica groups get theirs from ``opsd.protocol.ft`` (``TORCHFT_LIGHTHOUSE``,
+``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``OPSD_FT_MIN_REPLICAS`` and torchft's timeouts).
+
 ``OPSD_LAUNCH`` is the local backend's generation; on Kubernetes, the JobSet's restart attempt (the pod's label
 ``jobset.sigs.k8s.io/restart-attempt``, through the downward API).
 """

@@ -40,6 +40,22 @@ class HeartbeatPipeline(Struct, kw_only=True):
     microbatches: Count = 0
 
 
+class HeartbeatFt(Struct, kw_only=True):
+    """A rank of a fault-tolerant replica group: the quorum of its last step, and the agent's running sums of its
+    reports (heals and their seconds, seconds waiting for a quorum, steps whose update was discarded)."""
+
+    replica_group: Count
+    replica_groups: Count
+    quorum_id: Count
+    quorum_replicas: Count  # replica groups in the last step's quorum
+    participants: Count  # of which trained in it (a healing group does not)
+    committed: bool = True  # the last step's update was applied
+    heals: Count = 0
+    healing_total_s: NonNegative = 0.0
+    quorum_wait_total_s: NonNegative = 0.0
+    discarded_steps: Count = 0
+
+
 class HeartbeatRank(Struct, kw_only=True):
     """A rank the agent heard from: its last step and the agent's running sums of its reports."""
 
@@ -60,6 +76,7 @@ class HeartbeatRank(Struct, kw_only=True):
     resumed_from_step: Count | None = None  # the checkpoint the rank's launch resumed from (its step reports say)
     pipeline: HeartbeatPipeline | None = None  # a pipeline stage's bubble and schedule (its step reports say)
     launch: Count | None = None  # the launch of the run the rank belongs to, when its step reports say
+    ft: HeartbeatFt | None = None  # a rank of a fault-tolerant replica group: its quorum (its step reports say)
 
 
 class HeartbeatEvent(Struct, kw_only=True):

@@ -63,6 +63,23 @@ class PipelineReport(Struct, frozen=True):
     microbatches: Count = 0
 
 
+class FtReport(Struct, frozen=True):
+    """A rank of a fault-tolerant replica group (torchft): the quorum of its step. ``replica_groups`` is what the
+    job was laid out for, ``quorum_replicas`` the groups in the step's quorum, ``participants`` those of them that
+    trained (a healing group does not); ``committed`` is false when the step's update was discarded (the same
+    batch is trained again); ``healing_s`` the seconds the step spent fetching and loading a peer's state,
+    ``quorum_wait_s`` those the training thread waited for the quorum."""
+
+    replica_group: Count
+    replica_groups: Count
+    quorum_id: Count
+    quorum_replicas: Count
+    participants: Count
+    committed: bool = True
+    healing_s: Seconds = 0.0
+    quorum_wait_s: Seconds = 0.0
+
+
 class StepReport(Struct, frozen=True):
     """Version 1 of the step report; every field is required, unknown fields are ignored."""
 
@@ -93,6 +110,7 @@ class StepReport(Struct, frozen=True):
     resumed_from_step: Count | None = None  # the checkpoint this launch of the rank resumed from, if any
     pipeline: PipelineReport | None = None  # ranks of a pipeline stage: the step's bubble and the schedule
     launch: Count | None = None  # the launch of the run this rank belongs to ($OPSD_LAUNCH), when the backend says
+    ft: FtReport | None = None  # a rank of a fault-tolerant replica group: the step's quorum
 
 
 def pipeline_bubble_ratio(report: StepReport) -> float | None:
@@ -120,7 +138,7 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline", "launch")
+OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline", "launch", "ft")
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
 
 #: the values of ``WireError.reason``

@@ -1,0 +1,325 @@
+"""The reference trainer's fault-tolerant replica groups (``--ft``), on torchft (docs/ft.md).
+
+With ``--ft`` each ``dp_replicate`` replica group is a job of its own: its own torchrun world holding the other
+mesh dimensions (FSDP shards the weights within the group), started with ``REPLICA_GROUP_ID``,
+``NUM_REPLICA_GROUPS`` and ``TORCHFT_LIGHTHOUSE`` (``opsd.protocol.ft``). The groups meet in torchft's Manager:
+at every step, rank 0 of each group asks the Lighthouse for a quorum of the groups alive, and
+
+- gradients are averaged over the groups of the step's quorum: FSDP reduce-scatters within the group, then its
+  all-reduce hook averages each shard over the groups through the Manager's reconfigurable process group (what
+  HSDP does across replicas, made fault tolerant); the monitor counts it as the ``dp_replicate`` all-reduce;
+- a group behind the quorum's step (a restarted one) heals: each of its ranks fetches the model, optimizer and LR
+  schedule of the same rank of a group at the quorum's step, over HTTP, and loads them before its optimizer step;
+  its own gradients count as zero in that step, and it ends the step with its peers' weights;
+- a step is committed when every rank of the group votes for it and at least ``min_replicas`` groups took part;
+  otherwise its update is discarded and the same batch is trained again;
+- a step's batch is the job's step (sequence indices of ``TokenSource``), so the groups train their shares of one
+  global batch, and a healed group goes on with its peers' next batch.
+
+A quorum that does not form within the quorum timeout (fewer than ``min_replicas`` groups alive) raises
+``NoQuorumError``: the trainer exits with ``EXIT_NO_QUORUM`` rather than train on alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+from examples.data import TokenSource
+from examples.parallelize import ParallelModel
+from opsd.protocol.ft import ReplicaGroupEnv
+from opsd.protocol.mesh import MeshSpec
+from trainer_hooks.collectives import TRACER
+from trainer_hooks.monitor import Monitor
+
+log = logging.getLogger(__name__)
+
+
+class NoQuorumError(RuntimeError):
+    """No quorum of ``min_replicas`` replica groups formed within the quorum timeout (or the Lighthouse could not
+    be reached for as long)."""
+
+
+def in_job(model: ParallelModel, spec: MeshSpec, group: int) -> ParallelModel:
+    """The group's model seen in the job's layout: its batch shards and coordinates are those of replica
+    ``group`` of ``spec``."""
+    return replace(model, spec=spec, coords={**model.coords, "dp_replicate": group})
+
+
+class _TimedTransport(HTTPTransport):  # type: ignore[misc]
+    """torchft's HTTP checkpoint transport, timing what this rank spends fetching a peer's state (on the Manager's
+    quorum thread)."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout, num_chunks=0)
+        self.fetch_s = 0.0
+
+    def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().recv_checkpoint(*args, **kwargs)
+        finally:
+            self.fetch_s += time.perf_counter() - start
+
+
+class _Quorums:
+    """torchft's ManagerClient, keeping the Lighthouse's last quorum and handing the Manager quorum ids that also
+    name the quorum's members.
+
+    torchft's Manager builds a new process group across the groups only when a quorum's id differs from the last
+    one's, and names the new group's rendezvous keys (in the primary group's store) by that id. A Lighthouse numbers
+    its quorums from 1 when it starts: after a Lighthouse restart a quorum of other members can come with the id the
+    groups last saw, and a group keeps the process group of the old members (seen here: after the restart, one group
+    trained alone on the old group, the other waited for a quorum, both until their quorum timeout), or the new
+    group meets the old one's keys. The id the Manager gets is a hash of the Lighthouse's id and the members' ids,
+    the same in every group of the quorum: a new quorum always gets a new process group and fresh keys."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.quorum_id = -1  # the Lighthouse's id of the last quorum
+        self.groups: tuple[int, ...] = ()  # the replica groups in it
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        members = sorted(result.replica_ids)
+        self.quorum_id = int(result.quorum_id)
+        self.groups = tuple(sorted({int(m.split(":")[0].rsplit("_", 1)[-1]) for m in members}))
+        named = hashlib.sha256(f"{result.quorum_id}:{','.join(members)}".encode()).digest()
+        return _Renamed(result, int.from_bytes(named[:7], "big"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _Renamed:
+    """A quorum result with another ``quorum_id``."""
+
+    def __init__(self, result: Any, quorum_id: int) -> None:
+        self._result = result
+        self.quorum_id = quorum_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._result, name)
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard (this rank's part), anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _map_state(state: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(state, dict):
+        return {k: _map_state(v, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_map_state(v, fn) for v in state]
+    return fn(state)
+
+
+class FaultTolerance:
+    """This rank's part in the fault-tolerant job: torchft's Manager over the replica groups, FSDP's all-reduce hook
+    across them, the state a healing peer fetches, and the step's quorum for the monitor.
+
+    Build it after the model is sharded (``parallelize(..., shard_always=True)``) and any checkpoint loaded, right
+    before the first step: the Lighthouse counts the group as alive from here on, and the other groups wait for a
+    group that is alive but has not asked to join."""
+
+    def __init__(
+        self,
+        replica: ReplicaGroupEnv,
+        model: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        data: TokenSource,
+        *,
+        monitor: Monitor | None = None,
+        kill_while_healing: bool = False,
+    ) -> None:
+        self.replica = replica
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.data = data
+        self.monitor = monitor
+        self.kill_while_healing = kill_while_healing  # fault injection (tests): die with the peer's state in hand
+        # the sharded parameters, taken before any forward pass: FSDP swaps a module's parameters for unsharded
+        # ones during forward, and the Manager reads the state on its own thread, while forward runs
+        self._params = dict(model.module.named_parameters())
+        self._order = [p for g in optimizer.param_groups for p in g["params"]]
+        t = replica.timeouts
+        backend = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
+        self.pg = backend(timeout=timedelta(seconds=t.timeout_s))
+        self.transport = _TimedTransport(timedelta(seconds=t.timeout_s))
+        self._store = None
+        store_addr = os.environ.get("MASTER_ADDR")
+        store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
+        if store_addr is None or store_port is None:  # one rank without torchrun: the group's store is ours
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._store.port
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load_peer_state,
+            state_dict=self._peer_state,
+            min_replica_size=replica.min_replicas,
+            timeout=timedelta(seconds=t.timeout_s),
+            quorum_timeout=timedelta(seconds=t.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=t.connect_timeout_s),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=replica.lighthouse,
+            replica_id=f"replica_group_{replica.group}",
+            checkpoint_transport=self.transport,
+            # every group builds the same initial weights from the seed (and a resumed one loads them): no copy
+            init_sync=False,
+            quorum_retries=t.quorum_retries,
+        )
+        self.manager.load_state_dict({"step": data.position, "batches_committed": 0})
+        self.quorums = self.manager._client = _Quorums(self.manager._client)  # see _Quorums
+        for module in model.module.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(self._reduce_across_groups)
+        if monitor is not None:
+            monitor.watch_replica_group(replica.group, replica.groups)
+        self.heals = 0
+        self._quorum_ready = False
+        self._no_quorum: BaseException | None = None
+        self._quorum_wait_s = 0.0
+        self._apply_s = 0.0
+        self._fetched_s = 0.0
+        self._group_loss: torch.Tensor | None = None
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Ask for the step's quorum (answered while forward runs) and clear the gradients; the data position is set
+        to the job's step."""
+        self._quorum_ready = False
+        self._no_quorum = None
+        self._quorum_wait_s = self._apply_s = 0.0
+        self._fetched_s = self.transport.fetch_s
+        self.manager.start_quorum()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.data.position = self.manager.current_step()
+
+    def _await_quorum(self) -> bool:
+        """Wait for the step's quorum (once a step, timed); False when there is none (``finish_step`` raises)."""
+        if not self._quorum_ready:
+            self._quorum_ready = True
+            start = time.perf_counter()
+            try:
+                self.manager.wait_quorum()
+            except Exception as exc:
+                self._no_quorum = exc
+            self._quorum_wait_s = time.perf_counter() - start
+        return self._no_quorum is None
+
+    def _reduce_across_groups(self, grad: torch.Tensor) -> None:
+        """FSDP's all-reduce hook: average this rank's reduce-scattered gradient shard over the quorum's groups (a
+        group that heals contributes zeros). Errors are the Manager's to handle: the step is then not committed."""
+        if self._await_quorum():
+            start = time.perf_counter()
+            self.manager.allreduce(grad).wait()
+            TRACER.record("dp_replicate", "all_reduce", grad.numel() * grad.element_size(), time.perf_counter() - start)
+
+    def finish_step(self, local_loss: torch.Tensor | None, pp: int) -> float | None:
+        """After forward and backward: the step's mean loss over the quorum's groups, the commit vote, and the
+        optimizer and LR steps when committed; the loss, or None when the step was discarded. Raises
+        ``NoQuorumError``."""
+        if not self._await_quorum():
+            raise NoQuorumError(f"no quorum within {self.replica.timeouts.quorum_timeout_s} s: {self._no_quorum}")
+        total = torch.zeros((), device=self._device) if local_loss is None else local_loss.detach().clone()
+        dist.all_reduce(total)  # the group's sum; then summed over the groups (zero from a healing one)
+        start = time.perf_counter()
+        self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
+        TRACER.record("dp_replicate", "all_reduce", total.element_size(), time.perf_counter() - start)
+        committed = bool(self.manager.should_commit())
+        loss = None
+        if committed:
+            self.optimizer.step()
+            self.scheduler.step()
+            loss = float(total) / (self.manager.num_participants() * dist.get_world_size() // pp)
+        self.data.position = self.manager.current_step()
+        self._report(committed)
+        return loss
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self._params.values())).device
+
+    def saves_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints this step: the first group of the quorum at its step (one
+        group saves; every group has the whole model, and any of them can load it)."""
+        return self.manager.participating_rank() == 0
+
+    def _report(self, committed: bool) -> None:
+        healing_s = self._apply_s + (self.transport.fetch_s - self._fetched_s)
+        if self.monitor is None:
+            return
+        self.monitor.record_quorum(
+            step=self.manager.current_step(),
+            quorum_id=max(self.quorums.quorum_id, 0),
+            quorum_replicas=len(self.quorums.groups),
+            participants=self.manager.num_participants(),
+            committed=committed,
+            healing_s=healing_s,
+            quorum_wait_s=self._quorum_wait_s,
+        )
+
+    # -- healing -------------------------------------------------------------------------------------------------
+    def _peer_state(self) -> dict[str, Any]:
+        """What a healing peer's rank of the same group rank fetches: this rank's shards of the model and of the
+        optimizer state, and the LR schedule (read on the Manager's thread; the step's update waits for it)."""
+        return {
+            "model": {name: _local(p).detach() for name, p in self._params.items()},
+            "optim": _map_state(self.optimizer.state_dict(), _local),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def _load_peer_state(self, state: dict[str, Any]) -> None:
+        """Load a peer's state fetched by the Manager: the shards are copied into this rank's, the optimizer's are
+        made DTensors like the parameters they belong to."""
+        if self.kill_while_healing:
+            log.warning("fault injection: killed while healing, with the peer's state fetched")
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for name, param in self._params.items():
+                _local(param).copy_(state["model"][name])
+        optim = state["optim"]
+        for index, entries in optim["state"].items():
+            param = self._order[int(index)]
+            if isinstance(param, DTensor):
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and value.dim():
+                        entries[key] = DTensor.from_local(
+                            value,
+                            param.device_mesh,
+                            param.placements,
+                            run_check=False,
+                            shape=param.shape,
+                            stride=param.stride(),
+                        )
+        self.optimizer.load_state_dict(optim)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.heals += 1
+        self._apply_s += time.perf_counter() - start
+        log.info("healed from a peer at step %d", self.manager.current_step())
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
