@@ -56,6 +56,8 @@ RELEASE = "opsd"
 NAMESPACE = "opsd"
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # the chart's kubeVersion floor, and the newest kubernetes-validate knows
 MONITORING_API = "monitoring.coreos.com/v1"
+# `helm lint` has no --api-versions: the chart's apiVersions value tells it (and any render without a cluster)
+API_ARGS = ("--set-json", f'apiVersions=["{MONITORING_API}"]')
 MONITORING_KINDS = {"serviceMonitor": "ServiceMonitor", "podMonitor": "PodMonitor", "prometheusRule": "PrometheusRule"}
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
@@ -190,12 +192,32 @@ def pod_templates(docs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
 # -- lint and render matrix --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kube", KUBE_VERSIONS)
-@pytest.mark.parametrize("values", VALUE_SETS)
-def test_lint_strict(helm: Helm, values: str, kube: str) -> None:
-    proc = helm.run("lint", "--strict", "--namespace", NAMESPACE, "--kube-version", kube, *values_args(values))
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_lint_strict(helm: Helm, combo: Combo) -> None:
+    """Each values set, as the matrix renders it: with the monitors' API served (told through apiVersions), lint
+    renders and checks the monitors too."""
+    api = API_ARGS if combo.api else ()
+    proc = helm.run(
+        "lint", "--strict", "--namespace", NAMESPACE, "--kube-version", combo.kube, *api, *values_args(combo.values)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
+
+
+def test_lint_refuses_what_template_refuses(helm: Helm) -> None:
+    """`helm lint` lets `fail` pass: the chart's refusals stop it all the same, and apiVersions stands for
+    --api-versions."""
+    forced = ("--set", "monitoring.serviceMonitor.enabled=true")
+    lint = helm.run("lint", "--strict", *forced)
+    assert lint.returncode != 0
+    assert "monitoring.serviceMonitor.enabled is true" in lint.stdout + lint.stderr
+    assert helm.template(*forced, api=False).returncode != 0
+    assert helm.run("lint", "--strict", *forced, *API_ARGS).returncode == 0
+    kinds = {d["kind"] for d in parse(helm.template(*forced, *API_ARGS, api=False).stdout)}
+    assert "ServiceMonitor" in kinds  # a render without a cluster, told by the values
+    lint = helm.run("lint", "--strict", "--set", "controller.replicas=2")
+    assert lint.returncode != 0
+    assert "controller.replicas is 2" in lint.stdout + lint.stderr
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
@@ -422,6 +444,7 @@ def test_settings_file(default: list[Obj]) -> None:
             "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
             "kubernetes": {
                 "namespace": NAMESPACE,
+                "node_selector": "nvidia.com/gpu.present=true",
                 "lease_name": "opsd-leader",
                 "leader_election": True,
                 "quarantines_per_hour": 4,
@@ -529,6 +552,23 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     assert settings["agent"]["heartbeat_interval_s"] == 2
     assert settings["agent"]["gpu_interval_s"] == 10
     assert settings["agent"]["gpu_source"] == "nvml"
+    assert settings["controller"]["kubernetes"]["node_selector"] == "cloud.example.com/pool=h100"
+
+
+def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
+    """gpuNodeSelector is both the agents' nodeSelector and the nodes the controller manages; the controller's own
+    key is refused, so that the two cannot disagree."""
+    docs = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null, "pool": "a", "gen": "h100"}')
+    assert one(docs, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a", "gen": "h100"}
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["node_selector"] == "gen=h100,pool=a"
+    every = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null}')
+    assert "nodeSelector" not in one(every, "DaemonSet")["spec"]["template"]["spec"]
+    every_settings = yaml.safe_load(one(every, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert every_settings["controller"]["kubernetes"]["node_selector"] == ""
+    proc = helm.template("--set", "controller.config.kubernetes.node_selector=pool=b")
+    assert proc.returncode != 0
+    assert "the GPU nodes are gpuNodeSelector" in proc.stderr
 
 
 def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
@@ -892,22 +932,47 @@ def test_chart_yaml_passes_yamllint() -> None:
     assert problems == []
 
 
-def test_package_carries_the_repository_files(helm: Helm, tmp_path: Path) -> None:
-    """files/dashboards is a link to dashboards/: `helm package` follows it (and .helmignore applies)."""
-    proc = helm.run("package", "--destination", str(tmp_path))
+def chart_copy() -> dict[str, bytes]:
+    """What helm/opsd/files/dashboards must hold: dashboards/*.json and the alert rules, byte for byte."""
+    expected = {p.name: p.read_bytes() for p in DASHBOARDS.glob("*.json")}
+    expected["rules/opsd.rules.yaml"] = RULES.read_bytes()
+    return expected
+
+
+def test_the_chart_carries_its_own_copy_of_the_dashboards_and_rules() -> None:
+    """No link out of the chart: its files are its own, equal to the repository's (`make chart-files` copies them)."""
+    files = CHART / "files" / "dashboards"
+    assert not [p for p in CHART.rglob("*") if p.is_symlink()]
+    copied = {p.relative_to(files).as_posix(): p.read_bytes() for p in files.rglob("*") if p.is_file()}
+    assert copied == chart_copy(), "helm/opsd/files/dashboards differs from dashboards/: run `make chart-files`"
+
+
+def test_the_packaged_chart_renders_alone(helm: Helm, tmp_path: Path) -> None:
+    """`helm package`, then the archive alone (copied away from the repository) lints and renders, with the
+    dashboards and rules inside it."""
+    proc = helm.run("package", "--destination", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
-    (archive,) = tmp_path.glob("opsd-*.tgz")
-    with tarfile.open(archive) as tar:
+    (built,) = (tmp_path / "out").glob("opsd-*.tgz")
+    alone = tmp_path / "elsewhere" / built.name
+    alone.parent.mkdir()
+    shutil.copy(built, alone)
+    with tarfile.open(alone) as tar:
+        names = tar.getnames()
         packaged = {
             m.name.removeprefix("opsd/files/dashboards/"): tar.extractfile(m).read()  # type: ignore[union-attr]
             for m in tar.getmembers()
             if m.name.startswith("opsd/files/dashboards/") and m.isfile()
         }
-    expected = {p.name: p.read_bytes() for p in DASHBOARDS.glob("*.json")}
-    expected["rules/opsd.rules.yaml"] = RULES.read_bytes()
-    assert packaged == expected
-    docs = parse(helm.template(chart=archive).stdout)
+    assert packaged == chart_copy()
+    assert not [n for n in names if n.endswith((".yamllint", ".test.yaml"))]
+    lint = helm.run("lint", "--strict", *API_ARGS, chart=alone)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    proc = helm.template(chart=alone)
+    assert proc.returncode == 0, proc.stderr
+    docs = parse(proc.stdout)
     assert one(docs, "PrometheusRule")["spec"] == yaml.safe_load(RULES.read_text())
+    dashboards = {d["metadata"]["name"] for d in objects(docs, "ConfigMap") if "-dashboard-" in d["metadata"]["name"]}
+    assert dashboards == {f"opsd-dashboard-{p.stem}" for p in DASHBOARDS.glob("*.json")}
 
 
 def test_kubernetes_validate_refuses_unknown_fields() -> None:

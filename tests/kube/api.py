@@ -113,8 +113,10 @@ class ApiHandler:
         store: ObjectStore,
         discovery: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
         bookmark_interval_s: float,
+        absent: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
+        self.absent = absent  # resources not served (a CRD not installed)
         self.discovery = discovery
         self.bookmark_interval_s = bookmark_interval_s
         self.requests: list[RecordedRequest] = []
@@ -140,7 +142,11 @@ class ApiHandler:
 
     async def _serve(self, request: web.BaseRequest, target: Target, body: bytes) -> web.StreamResponse:
         rtype = target.rtype
-        if rtype is None or (target.subresource and target.subresource not in rtype.subresources):
+        if (
+            rtype is None
+            or rtype.name in self.absent
+            or (target.subresource and target.subresource not in rtype.subresources)
+        ):
             raise errors.resource_not_found()
         query, method = request.query, request.method
         if "dryRun" in query:

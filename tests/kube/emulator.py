@@ -21,6 +21,7 @@ Resources. Core v1 ``namespaces``, ``nodes`` (cluster-scoped), ``pods``, ``event
 events through both APIs, converted); ``batch/v1`` ``jobs``; the JobSet CRD ``jobset.x-k8s.io/v1alpha2``
 ``jobsets`` (namespaced, status subresource). Subresources: ``status`` (nodes, pods, namespaces, jobs, jobsets)
 and ``pods/eviction``. Any other resource or subresource: 404 "the server could not find the requested resource".
+A resource named in ``absent`` is not served at all (a cluster without its CRD: no discovery entry, 404).
 Namespaces ``default``, ``kube-system``, ``kube-public`` and ``kube-node-lease`` exist from the start.
 
 Metadata. Every write takes the next value of one global counter as ``metadata.resourceVersion`` (a decimal
@@ -180,12 +181,16 @@ class KubeEmulator:
         bookmark_interval_s: float = 1.0,
         history_limit: int = 1000,
         namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
+        absent: tuple[str, ...] = (),
     ) -> None:
+        """``absent``: resources (as kubectl names them, ``jobsets.jobset.x-k8s.io``) this cluster does not serve,
+        as one without their CRD: discovery leaves them out and their paths answer 404."""
         if bookmark_interval_s <= 0:
             raise ValueError("bookmark_interval_s must be > 0")
         self._bookmark_interval_s = bookmark_interval_s
         self._history_limit = history_limit
         self._namespaces = namespaces
+        self._absent = frozenset(resource_named(name).name for name in absent)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._handler: ApiHandler | None = None
@@ -229,8 +234,11 @@ class KubeEmulator:
         store = ObjectStore(history_limit=self._history_limit)
         store.seed_namespaces(self._namespaces)
         self._discovery = Discovery()
+        for rtype in RESOURCE_TYPES:
+            if rtype.name in self._absent:
+                del self._discovery.resources[kmock.resource(rtype.group, rtype.version, rtype.plural)]
         await self._discovery.__aenter__()
-        self._handler = ApiHandler(store, self._discovery, self._bookmark_interval_s)
+        self._handler = ApiHandler(store, self._discovery, self._bookmark_interval_s, self._absent)
         # handler_cancellation: a watch ends when its client disconnects
         self._server = web.Server(self._handler, handler_cancellation=True)
         self._listener = await asyncio.get_running_loop().create_server(self._server, "127.0.0.1", 0)

@@ -2,6 +2,27 @@
 Names, labels and the values checks shared by every template.
 */}}
 
+{{/*
+Stop the rendering with a message: include "opsd.refuse" "what is wrong". `fail` stops `helm template`, `install` and
+`upgrade`; `helm lint` only logs it (its lint mode lets `fail` pass), so an include of a template that cannot exist,
+named after the message, stops lint too.
+*/}}
+{{- define "opsd.refuse" -}}
+{{- fail . }}
+{{- include (printf "opsd refuses these values: %s" .) . }}
+{{- end }}
+
+{{/*
+Whether the cluster serves an API version: include "opsd.served" (list $ "monitoring.coreos.com/v1") gives "true" or
+"". What helm sees of the cluster (.Capabilities, or --api-versions of `helm template`), or the values' apiVersions:
+`helm lint` has no --api-versions, and a render without a cluster (helm template, Argo CD) sees none.
+*/}}
+{{- define "opsd.served" -}}
+{{- $root := index . 0 }}
+{{- $api := index . 1 }}
+{{- if or ($root.Capabilities.APIVersions.Has $api) (has $api $root.Values.apiVersions) }}true{{ end }}
+{{- end }}
+
 {{/* The chart name, or nameOverride. */}}
 {{- define "opsd.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
@@ -115,6 +136,15 @@ imagePullSecrets:
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
 {{- end }}
 
+{{/* gpuNodeSelector as a label selector, "key=value,..." ("" for every node). */}}
+{{- define "opsd.gpuNodeSelector" -}}
+{{- $terms := list }}
+{{- range $key, $value := .Values.gpuNodeSelector }}
+{{- if not (kindIs "invalid" $value) }}{{ $terms = append $terms (printf "%s=%s" $key $value) }}{{ end }}
+{{- end }}
+{{- join "," $terms }}
+{{- end }}
+
 {{/* "true" when the controller keeps its state in PostgreSQL. */}}
 {{- define "opsd.postgresql.enabled" -}}
 {{- if or .Values.postgresql.url .Values.postgresql.existingSecret }}true{{ end }}
@@ -146,10 +176,10 @@ false.
 {{- $root := index . 0 }}
 {{- $key := index . 1 }}
 {{- $mode := index $root.Values.monitoring $key "enabled" }}
-{{- $served := $root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}
+{{- $served := include "opsd.served" (list $root "monitoring.coreos.com/v1") }}
 {{- if kindIs "bool" $mode }}
 {{- if and $mode (not $served) }}
-{{- fail (printf "monitoring.%s.enabled is true, but this cluster does not serve the API monitoring.coreos.com/v1 (install the Prometheus Operator CRDs, pass --api-versions monitoring.coreos.com/v1 to helm template, or set monitoring.%s.enabled to \"auto\" or false)" $key $key) }}
+{{- include "opsd.refuse" (printf "monitoring.%s.enabled is true, but this cluster does not serve the API monitoring.coreos.com/v1 (install the Prometheus Operator CRDs; where helm sees no cluster, list it in apiVersions or pass --api-versions monitoring.coreos.com/v1 to helm template; or set monitoring.%s.enabled to \"auto\" or false)" $key $key) }}
 {{- end }}
 {{- if $mode }}true{{ end }}
 {{- else if $served }}true
@@ -173,22 +203,25 @@ render runs them once.
 {{- define "opsd.validate" -}}
 {{- $replicas := int .Values.controller.replicas }}
 {{- if and (gt $replicas 1) (not (include "opsd.postgresql.enabled" .)) }}
-{{- fail (printf "controller.replicas is %d, but the controller keeps its state in SQLite on one volume without PostgreSQL: set postgresql.url or postgresql.existingSecret to run more than 1 replica" $replicas) }}
+{{- include "opsd.refuse" (printf "controller.replicas is %d, but the controller keeps its state in SQLite on one volume without PostgreSQL: set postgresql.url or postgresql.existingSecret to run more than 1 replica" $replicas) }}
 {{- end }}
 {{- if and (gt $replicas 1) (not .Values.controller.leaderElection.enabled) }}
-{{- fail (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
+{{- include "opsd.refuse" (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
+{{- end }}
+{{- if hasKey (.Values.controller.config.kubernetes | default dict) "node_selector" }}
+{{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
 {{- end }}
 {{- if and .Values.auth.existingSecret .Values.auth.token }}
-{{- fail "auth.token and auth.existingSecret are both set: set one" }}
+{{- include "opsd.refuse" "auth.token and auth.existingSecret are both set: set one" }}
 {{- end }}
 {{- if and .Values.postgresql.existingSecret .Values.postgresql.url }}
-{{- fail "postgresql.url and postgresql.existingSecret are both set: set one" }}
+{{- include "opsd.refuse" "postgresql.url and postgresql.existingSecret are both set: set one" }}
 {{- end }}
 {{- if and .Values.s3.existingSecret (or .Values.s3.accessKeyId .Values.s3.secretAccessKey .Values.s3.endpointUrl) }}
-{{- fail "s3.existingSecret is set together with s3.accessKeyId, s3.secretAccessKey or s3.endpointUrl: set one or the other" }}
+{{- include "opsd.refuse" "s3.existingSecret is set together with s3.accessKeyId, s3.secretAccessKey or s3.endpointUrl: set one or the other" }}
 {{- end }}
 {{- if and (not .Values.s3.existingSecret) (or .Values.s3.accessKeyId .Values.s3.secretAccessKey) (not (and .Values.s3.accessKeyId .Values.s3.secretAccessKey)) }}
-{{- fail "s3.accessKeyId and s3.secretAccessKey go together: set both or neither" }}
+{{- include "opsd.refuse" "s3.accessKeyId and s3.secretAccessKey go together: set both or neither" }}
 {{- end }}
 {{- end }}
 
@@ -199,6 +232,7 @@ render runs them once.
   "port" 8470
   "kubernetes" (dict
     "namespace" .Release.Namespace
+    "node_selector" (include "opsd.gpuNodeSelector" .)
     "lease_name" (include "opsd.leaseName" .)
     "leader_election" .Values.controller.leaderElection.enabled)) }}
 {{- $agent := mustMergeOverwrite (deepCopy .Values.agent.config) (dict

@@ -65,6 +65,18 @@ class KubeApi:
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
 
+    # -- discovery -----------------------------------------------------------------------------------------------
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``group/version`` (its discovery document lists it)."""
+        try:
+            answer = self._json(
+                f"discover {group}/{version}",
+                lambda: self.custom.get_api_resources(group, version, _preload_content=False),
+            )
+        except NotFoundError:
+            return False
+        return any(r.get("name") == plural for r in answer.get("resources") or [])
+
     # -- nodes ---------------------------------------------------------------------------------------------------
     def node(self, name: str) -> Json:
         return self._json(f"read node {name}", lambda: self.core.read_node(name, _preload_content=False))

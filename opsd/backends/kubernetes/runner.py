@@ -28,8 +28,17 @@ from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.controller import Controller
 from opsd.controller.incidents import failure_of, took_step, unfinished_incident
-from opsd.errors import OpsError
-from opsd.protocol.cluster import JOBSET_NAME_LABEL, LEADER, ROLE_LABEL, STANDBY
+from opsd.errors import ConfigError, OpsError
+from opsd.protocol.cluster import (
+    JOBSET_GROUP,
+    JOBSET_MIN_RELEASE,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    LEADER,
+    ROLE_LABEL,
+    STANDBY,
+)
 from opsd.protocol.states import ActionKind, RunState
 
 log = logging.getLogger(__name__)
@@ -133,10 +142,21 @@ def label_self(api: KubeApi, config: KubernetesConfig, role: str) -> None:
         log.warning("cannot label this pod %s: %s", role, exc)
 
 
+def require_jobsets(api: KubeApi) -> None:
+    """A ``ConfigError`` saying what to install when the cluster serves no JobSets (opsd's runs are JobSets)."""
+    if not api.serves(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL):
+        raise ConfigError(
+            f"this cluster serves no {JOBSET_PLURAL}.{JOBSET_GROUP}/{JOBSET_VERSION}: install JobSet"
+            f" {JOBSET_MIN_RELEASE} or newer (https://jobset.sigs.k8s.io, docs/kubernetes.md), then start opsd again"
+        )
+
+
 def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi | None = None) -> None:
-    """Serve the API; lead (elected, or alone) until stopped; exit when leadership is lost."""
-    controller, token = build(config)
+    """Check that the cluster serves JobSets, serve the API, lead (elected, or alone) until stopped; exit when
+    leadership is lost."""
     api = api or KubeApi(connect(kube.kubeconfig, kube.context))
+    require_jobsets(api)
+    controller, token = build(config)
     controller.backend = KubernetesBackend(api, kube)
     leader = KubernetesController(controller, api, kube, config.tick_interval_s)
     server = uvicorn.Server(
