@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
-from agent.gpu import open_source
+from agent.gpu_access import GpuAccess, GpuAccessCollector
 from agent.health import GpuHealth, GpuHealthCollector
 from agent.metrics import AgentCollector, AgentStats, FlightCollector, ReporterCollector
 from agent.reporter import Reporter, ReporterConfig
@@ -59,6 +59,7 @@ class AgentConfig:
     max_comm_series: int = 8
     gpu_source: str = "none"  # nvml | none | file:DIRECTORY (the fake)
     gpu_interval_s: float = 5.0
+    gpu_retry_s: float = 60.0  # a GPU source that cannot be opened is tried again this often
     xid_table: str | None = None  # default: the table shipped with opsd
     xid_window_s: float = 3600.0
     xid_threshold: int = 3
@@ -85,8 +86,8 @@ class AgentConfig:
             raise ValueError("agent.max_comm_series must be >= 1")
         if not (self.gpu_source in ("nvml", "none") or self.gpu_source.startswith("file:")):
             raise ValueError("agent.gpu_source must be nvml, none or file:DIRECTORY")
-        if self.gpu_interval_s <= 0:
-            raise ValueError("agent.gpu_interval_s must be > 0")
+        if self.gpu_interval_s <= 0 or self.gpu_retry_s <= 0:
+            raise ValueError("agent.gpu_interval_s and agent.gpu_retry_s must be > 0")
         WatchWindow(self.xid_window_s, self.xid_threshold)  # validates them
         if self.controller_url is not None:
             self.reporter_config()  # validates the reporter's settings
@@ -118,6 +119,7 @@ class Agent:
         self.registry = CollectorRegistry()
         self.registry.register(AgentCollector(self.state, self.stats, config.node))
         self.gpu: GpuHealth | None = None
+        self.gpu_access: GpuAccess | None = None
         self.reporter: Reporter | None = None
         self.flight: FlightUploader | None = None
         self.registry.register(FlightCollector(lambda: self.flight, config.node))
@@ -177,13 +179,15 @@ class Agent:
         return int(self._http.server_address[1])
 
     def start(self) -> None:
-        """Open the GPU source (errors raise OpsError), bind the socket and the HTTP port (errors raise OSError)."""
+        """Open the GPU source (one that cannot be opened is said in the metrics, /healthz and the log, and tried again
+        later: the rest of the agent runs without it), bind the socket and the HTTP port (errors raise OSError)."""
         cfg = self.config
         table = load_xid_table(cfg.xid_table)
         window = WatchWindow(cfg.xid_window_s, cfg.xid_threshold)
         self.tracing = Tracing(cfg.node)
-        source = open_source(cfg.gpu_source)
-        self.gpu = GpuHealth(source, table, window, interval_s=cfg.gpu_interval_s, tracer=self.tracing.tracer)
+        self.gpu_access = GpuAccess(cfg.gpu_source, retry_s=cfg.gpu_retry_s)
+        self.registry.register(GpuAccessCollector(self.gpu_access, cfg.node))
+        self.gpu = GpuHealth(self.gpu_access, table, window, interval_s=cfg.gpu_interval_s, tracer=self.tracing.tracer)
         self.registry.register(GpuHealthCollector(self.gpu, cfg.node))
         self.gpu.start()
         if cfg.controller_url is not None:
@@ -235,7 +239,9 @@ class Agent:
             thread.join(timeout=5)
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "node": self.config.node, "ranks": len(self.state.snapshot())}
+        """Alive (the GPUs may be out of reach: ``gpu`` says, and the agent serves its ranks all the same)."""
+        gpu = self.gpu_access.status.as_json() if self.gpu_access is not None else None
+        return {"status": "ok", "node": self.config.node, "ranks": len(self.state.snapshot()), "gpu": gpu}
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,6 +42,7 @@ from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from tests.pod_security import api_refusals
 
 Obj = dict[str, Any]
 
@@ -571,6 +572,52 @@ def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
     assert "the GPU nodes are gpuNodeSelector" in proc.stderr
 
 
+@pytest.mark.parametrize("access", ["runtime", "privileged", "hostDriver"])
+def test_each_gpu_access_renders_an_agent_the_api_server_accepts(helm: Helm, access: str) -> None:
+    """agent.gpuAccess is the one value: the NVIDIA runtime, a privileged container (without the
+    allowPrivilegeEscalation: false the API server refuses beside it), or the host's driver mounted."""
+    daemonset = one(helm.render("--set", f"agent.gpuAccess={access}"), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert api_refusals(pod) == []
+    for kube in KUBE_VERSIONS:
+        kubernetes_validate.validate(daemonset, kube, strict=True)
+    c = container(daemonset)
+    security, variables = c["securityContext"], env(c)
+    assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert security["readOnlyRootFilesystem"] is True
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if access == "runtime":
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert "privileged" not in security
+    else:
+        assert security["privileged"] is True
+        assert "allowPrivilegeEscalation" not in security
+        assert "capabilities" not in security
+    if access == "hostDriver":
+        assert volumes["nvidia-driver"]["hostPath"] == {"path": "/home/kubernetes/bin/nvidia", "type": "Directory"}
+        assert mounts["nvidia-driver"] == {"name": "nvidia-driver", "mountPath": "/usr/local/nvidia", "readOnly": True}
+        assert variables["LD_LIBRARY_PATH"]["value"] == "/usr/local/nvidia/lib64"
+    else:
+        assert "nvidia-driver" not in volumes
+        assert "LD_LIBRARY_PATH" not in variables
+
+
+def test_a_privileged_agent_set_by_hand_is_refused(helm: Helm) -> None:
+    """agent.securityContext.privileged beside the default allowPrivilegeEscalation: false is what the API server
+    refuses (the check below proves it); the chart refuses it first and names the value to use."""
+    proc = helm.template("--set", "agent.securityContext.privileged=true")
+    assert proc.returncode != 0
+    assert 'set agent.gpuAccess to \\"privileged\\"' in proc.stderr or "set agent.gpuAccess to" in proc.stderr
+    merged = {
+        "containers": [{"name": "agent", "securityContext": {"privileged": True, "allowPrivilegeEscalation": False}}]
+    }
+    assert api_refusals(merged) == [
+        "containers[agent]: cannot set allowPrivilegeEscalation to false and privileged to true"
+    ]
+
+
 def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
     docs = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
     kinds = {d["kind"] for d in docs}
@@ -695,46 +742,52 @@ def test_helm_test_pod(default: list[Obj]) -> None:
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     (c,) = pod["spec"]["containers"]
     assert c["image"] == "opsd:0.1.0"
-    assert env(c)["CONTROLLER_HEALTHZ"]["value"] == "http://opsd-controller:8470/healthz"
-    assert env(c)["AGENT_METRICS"]["value"] == "http://opsd-agent:9464/metrics"
+    assert env(c)["CONTROLLER_URL"]["value"] == "http://opsd-controller:8470"
+    assert env(c)["AGENTS"]["value"] == "opsd-agent:9464"  # the headless Service: every ready agent
     assert c["command"] == ["python", "-c"]
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
-def test_helm_test_pods_check_passes_on_a_live_controller_and_agent_and_fails_on_a_wrong_answer(
-    default: list[Obj], tmp_path: Path
-) -> None:
-    """The check the test pod runs, run here against a real controller API and a real agent on loopback: it passes;
-    pointed at an endpoint that answers without opsd's metrics, it fails."""
+def run_check(script: str, controller_url: str, agents: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "CONTROLLER_URL": controller_url, "AGENTS": agents},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_helm_test_pods_check_reads_the_controller_and_every_agents_gpus(default: list[Obj], tmp_path: Path) -> None:
+    """The check the test pod runs, run here against a real controller API and real agents on loopback: an agent that
+    reads its GPUs passes; one without NVML (this machine has none) fails the test, naming its node and why."""
     (c,) = one(default, "Pod", "opsd-test")["spec"]["containers"]
     script = c["args"][0]
     port = free_port()
     server = start_api(Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")), "t", "127.0.0.1", port)
-    agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
-    agent.start()
+    seeing = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1", gpu_source="none"))
+    blind = Agent(AgentConfig(socket=str(tmp_path / "b.sock"), metrics_port=0, node="n2", gpu_source="nvml"))
+    seeing.start()
+    blind.start()
     try:
-        healthz = f"http://127.0.0.1:{port}/healthz"
-        metrics = f"http://127.0.0.1:{agent.metrics_port}/metrics"
-        ok = subprocess.run(
-            [sys.executable, "-c", script],
-            env={**os.environ, "CONTROLLER_HEALTHZ": healthz, "AGENT_METRICS": metrics},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        controller_url = f"http://127.0.0.1:{port}"
+        ok = run_check(script, controller_url, f"127.0.0.1:{seeing.metrics_port}")
         assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert ok.stdout.splitlines() == ["controller /healthz: OK", "agent /metrics: OK"]
-        wrong = subprocess.run(  # an agent address that answers 200 with no opsd_ metric
-            [sys.executable, "-c", script],
-            env={**os.environ, "CONTROLLER_HEALTHZ": healthz, "AGENT_METRICS": healthz},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert wrong.returncode != 0
-        assert "agent /metrics: HTTP 200, no opsd_ metric" in wrong.stderr
+        assert ok.stdout.splitlines() == [
+            "controller /healthz: OK",
+            "agent n1: 0 GPU(s) through none",
+            "1 agent(s): OK",
+        ]
+        assert blind.gpu_access is not None
+        if blind.gpu_access.status.available:
+            pytest.skip("NVML loads on this machine: no agent here is without GPUs")
+        failed = run_check(script, controller_url, f"127.0.0.1:{blind.metrics_port}")
+        assert failed.returncode != 0
+        assert "agent n2: no GPU through nvml: library_not_found" in failed.stdout
+        assert "1 of 1 agents cannot read their GPUs (n2): set agent.gpuAccess" in failed.stderr
     finally:
-        agent.stop()
+        seeing.stop()
+        blind.stop()
         server.should_exit = True
 
 

@@ -85,6 +85,7 @@ FROZEN_KEYS = [
     "agent.max_comm_series",
     "agent.gpu_source",
     "agent.gpu_interval_s",
+    "agent.gpu_retry_s",
     "agent.xid_table",
     "agent.xid_window_s",
     "agent.xid_threshold",

@@ -136,6 +136,19 @@ imagePullSecrets:
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
 {{- end }}
 
+{{/*
+The agent container's securityContext: agent.securityContext, made privileged for gpuAccess "privileged" and
+"hostDriver". The API server refuses privileged: true beside allowPrivilegeEscalation: false, and a privileged
+container holds every capability: both keys go.
+*/}}
+{{- define "opsd.agentSecurityContext" -}}
+{{- $security := deepCopy (.Values.agent.securityContext | default dict) }}
+{{- if ne .Values.agent.gpuAccess "runtime" }}
+{{- $security = merge (dict "privileged" true) (omit $security "allowPrivilegeEscalation" "capabilities") }}
+{{- end }}
+{{- with $security }}{{ toYaml . }}{{ end }}
+{{- end }}
+
 {{/* gpuNodeSelector as a label selector, "key=value,..." ("" for every node). */}}
 {{- define "opsd.gpuNodeSelector" -}}
 {{- $terms := list }}
@@ -210,6 +223,9 @@ render runs them once.
 {{- end }}
 {{- if hasKey (.Values.controller.config.kubernetes | default dict) "node_selector" }}
 {{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
+{{- end }}
+{{- if hasKey (.Values.agent.securityContext | default dict) "privileged" }}
+{{- include "opsd.refuse" "agent.securityContext.privileged is set: set agent.gpuAccess to \"privileged\" (or \"hostDriver\"), which renders a privileged container the API server accepts" }}
 {{- end }}
 {{- if and .Values.auth.existingSecret .Values.auth.token }}
 {{- include "opsd.refuse" "auth.token and auth.existingSecret are both set: set one" }}
