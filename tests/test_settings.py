@@ -79,6 +79,9 @@ FROZEN_KEYS = [
     "agent.socket",
     "agent.metrics_host",
     "agent.metrics_port",
+    "agent.metrics_token",
+    "agent.datagram_host",
+    "agent.datagram_port",
     "agent.node",
     "agent.receive_buffer_bytes",
     "agent.stale_after_s",
@@ -256,6 +259,7 @@ def other_value(key: settings.Key) -> Any:
         "controller.cadence.max_interval_s": 7200.0,
         "agent.gpu_source": "nvml",
         "agent.metrics_port": 9000,
+        "agent.datagram_port": 9465,
         "agent.receive_buffer_bytes": 1 << 23,
         "agent.controller_url": "http://controller:8470/v1/heartbeat",
     }
