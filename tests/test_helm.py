@@ -13,6 +13,7 @@ and the JobSet example of docs/kubernetes.md.
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import importlib.util
 import json
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import textwrap
 import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +44,7 @@ from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
-from tests.pod_security import api_refusals
+from tests.pod_security import api_refusals, level_of, violations
 
 Obj = dict[str, Any]
 
@@ -322,6 +324,31 @@ def test_no_wildcard_in_rbac(renders: dict[Combo, list[Obj]], combo: Combo) -> N
                     assert not any("*" in item for item in rule.get(field, [])), (d["metadata"]["name"], rule)
 
 
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_pod_security_levels_of_the_charts_pods(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    """The controller and the `helm test` pod fit Pod Security "restricted"; the agent needs "privileged", for the
+    reasons docs/kubernetes.md gives: its transport (host ports, the node's network, or a hostPath) and, with
+    gpuAccess privileged or hostDriver, a privileged container with the host's driver mounted."""
+    agent = values_of(combo.values).get("agent", {})
+    transport, access = agent.get("transport", "hostPort"), agent.get("gpuAccess", "runtime")
+    expected = {"hostPort": {"Host ports"}, "hostNetwork": {"Host namespaces"}, "hostPath": {"HostPath volumes"}}
+    for d in renders[combo]:
+        if d["kind"] in ("Deployment", "StatefulSet", "Pod"):
+            spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+            assert violations(spec, "restricted") == [], d["metadata"]["name"]
+        elif d["kind"] == "DaemonSet":
+            spec = d["spec"]["template"]["spec"]
+            controls = {v.split(":")[0] for v in violations(spec, "baseline")}
+            wanted = set(expected[transport])
+            if access != "runtime":
+                wanted.add("Privileged containers")
+            if access == "hostDriver":
+                wanted.add("HostPath volumes")
+            assert controls == wanted
+            assert level_of(spec) == "privileged"
+            assert api_refusals(spec) == []
+
+
 # -- what the default values render ------------------------------------------------------------------------------------
 
 
@@ -452,12 +479,13 @@ def test_settings_file(default: list[Obj]) -> None:
             },
         },
         "agent": {
-            "socket": "/run/opsd/agent.sock",
+            "socket": "/tmp/opsd-agent.sock",  # in the pod's own /tmp: the ranks send to the node's address
             "metrics_host": "0.0.0.0",
             "metrics_port": 9464,
+            "datagram_host": "0.0.0.0",
+            "datagram_port": 9465,
             "gpu_source": "nvml",
-            "policy_file": "/run/opsd/policy.json",
-            "flight_dir": "/run/opsd/flight",
+            "flight_dir": "/var/spool/opsd/flight",
             "heartbeat_interval_s": 1,
         },
     }
@@ -499,7 +527,11 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     assert pod["serviceAccountName"] == "opsd-agent"
     assert c["command"] == ["opsd"]
     assert c["args"] == ["agent", "--config", "/etc/opsd/opsd.yaml"]
-    assert c["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+    assert c["ports"] == [  # the node's ports: the ranks reach the agent at their pod's status.hostIP
+        {"name": "metrics", "containerPort": 9464, "hostPort": 9464, "protocol": "TCP"},
+        {"name": "datagrams", "containerPort": 9465, "hostPort": 9465, "protocol": "UDP"},
+    ]
+    assert "hostNetwork" not in pod
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     variables = env(c)
     assert variables["OPSD_AGENT_NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -509,7 +541,8 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     assert variables["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts["/run/opsd"]]["hostPath"] == {"path": "/run/opsd", "type": "DirectoryOrCreate"}
+    assert volumes[mounts["/var/spool/opsd"]]["emptyDir"] == {}  # the dumps the ranks send, until uploaded
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
     assert volumes[mounts["/etc/opsd"]]["configMap"] == {"name": "opsd-config"}
     assert volumes[mounts["/tmp"]]["emptyDir"] == {}
     security = c["securityContext"]
@@ -544,9 +577,10 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     assert pod["runtimeClassName"] == "nvidia"
     assert daemonset["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": "10%"}
     run = next(v for v in pod["volumes"] if v["name"] == "run")
-    assert run["hostPath"] == {"path": "/var/run/opsd", "type": "DirectoryOrCreate"}
+    assert run["hostPath"] == {"path": "/var/run/opsd", "type": "DirectoryOrCreate"}  # transport: hostPath
     c = container(daemonset)
     assert next(m for m in c["volumeMounts"] if m["name"] == "run")["mountPath"] == "/run/opsd"
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]  # no host port
     assert env(c)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://trainops-controller:8470/v1/heartbeat"
     assert env(c)["PYTHONFAULTHANDLER"]["value"] == "1"
     settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
@@ -554,6 +588,11 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     assert settings["agent"]["gpu_interval_s"] == 10
     assert settings["agent"]["gpu_source"] == "nvml"
     assert settings["controller"]["kubernetes"]["node_selector"] == "cloud.example.com/pool=h100"
+    assert (settings["agent"]["socket"], settings["agent"]["policy_file"]) == (
+        "/run/opsd/agent.sock",
+        "/run/opsd/policy.json",
+    )
+    assert "datagram_port" not in settings["agent"]
 
 
 def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
@@ -649,7 +688,17 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
     assert env(c)["AWS_ENDPOINT_URL_S3"]["valueFrom"]["secretKeyRef"]["optional"] is True
     state = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == "state")
     assert state == {"name": "state", "emptyDir": {}}
-    assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "api-token")
+    daemonset = one(docs, "DaemonSet")
+    assert secret_ref(container(daemonset), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "api-token")
+    agent_pod = daemonset["spec"]["template"]["spec"]
+    assert (agent_pod["hostNetwork"], agent_pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert [(p["containerPort"], p["protocol"]) for p in container(daemonset)["ports"]] == [
+        (19464, "TCP"),
+        (19465, "UDP"),
+    ]
+    agent_settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])["agent"]
+    assert (agent_settings["metrics_port"], agent_settings["datagram_port"]) == (19464, 19465)
+    assert env(one(docs, "Pod")["spec"]["containers"][0])["AGENTS"]["value"] == "opsd-agent:19464"
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
     settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
@@ -1150,20 +1199,49 @@ def test_jobset_example_is_wired_to_opsd() -> None:
     ]
     pod = job["template"]
     assert pod["metadata"]["annotations"]["opsd.io/run"] == run
-    assert pod["spec"]["restartPolicy"] == "Never"
-    assert pod["spec"]["nodeSelector"] == {"opsd.io/run": run}
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    (c,) = pod["spec"]["containers"]
-    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/run/opsd")
-    assert volumes[mount["name"]]["hostPath"]["path"] == "/run/opsd"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    # any GPU node, back onto the run's own after a restart; no opsd toleration, no node labelled by hand
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "tolerations" not in spec
+    (preferred,) = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["preference"]["matchExpressions"] == [{"key": "opsd.io/run", "operator": "In", "values": [run]}]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in spec["affinity"]["nodeAffinity"]
+    (c,) = spec["containers"]
     variables = env(c)
-    assert variables["OPSD_AGENT_SOCKET"]["value"] == "/run/opsd/agent.sock"
-    assert variables["OPSD_POLICY_FILE"]["value"] == "/run/opsd/policy.json"
-    assert variables["OPSD_FLIGHT_DIR"]["value"] == "/run/opsd/flight"
+    assert variables["OPSD_AGENT_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    assert not {"OPSD_AGENT_SOCKET", "OPSD_POLICY_FILE", "OPSD_FLIGHT_DIR"} & set(variables)
     assert variables["OPSD_RUN"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['opsd.io/run']"
-    # The chart's agent uses the same files.
+    launch = variables["OPSD_LAUNCH"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert launch == "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
+    # no host directory: the training namespace can enforce Pod Security "restricted"
+    assert not [v for v in spec["volumes"] if "hostPath" in v]
+    assert violations(spec, "restricted") == []
+    # the chart's agents listen where the pods send (its default host ports)
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["agent"]["hostPath"] == "/run/opsd"
+    assert values["agent"]["transport"] == "hostPort"
+    assert values["agent"]["hostPorts"] == {"http": 9464, "datagrams": 9465}
+
+
+def test_the_host_directory_variant_of_the_docs_needs_a_privileged_namespace() -> None:
+    """The docs' snippet for agent.transport hostPath, put into the example's pod: valid, and only "privileged"
+    admits it (a hostPath)."""
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    (snippet,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", doc, flags=re.S | re.M) if "OPSD_AGENT_SOCKET" in b]
+    container_part, pod_part = snippet.split("              volumes:\n")
+    parts = {**yaml.safe_load(textwrap.dedent(container_part)), **yaml.safe_load("volumes:\n" + pod_part)}
+    pod = copy.deepcopy(yaml.safe_load(JOBSET_EXAMPLE.read_text())["spec"]["replicatedJobs"][0]["template"]["spec"])
+    spec = pod["template"]["spec"]
+    (c,) = spec["containers"]
+    c["env"] = [e for e in c["env"] if e["name"] != "OPSD_AGENT_HOST"] + parts["env"]
+    c["volumeMounts"] += parts["volumeMounts"]
+    spec["volumes"] += parts["volumes"]
+    kubernetes_validate.validate(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": pod}, "1.37", strict=True
+    )
+    assert violations(spec, "baseline") == ["HostPath volumes: volume opsd"]
+    assert level_of(spec) == "privileged"
+    assert env(c)["OPSD_POLICY_FILE"]["value"] == "/run/opsd/policy.json"
 
 
 # -- tools/install_helm.py ---------------------------------------------------------------------------------------------

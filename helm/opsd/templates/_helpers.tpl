@@ -149,6 +149,18 @@ container holds every capability: both keys go.
 {{- with $security }}{{ toYaml . }}{{ end }}
 {{- end }}
 
+{{/*
+The agent's ports in its container: 9464 (HTTP) and 9465 (UDP), which hostPort maps to agent.hostPorts; with
+hostNetwork the container's ports are the node's, agent.hostPorts themselves.
+*/}}
+{{- define "opsd.agentHttpPort" -}}
+{{- if eq .Values.agent.transport "hostNetwork" }}{{ .Values.agent.hostPorts.http }}{{ else }}9464{{ end }}
+{{- end }}
+
+{{- define "opsd.agentDatagramPort" -}}
+{{- if eq .Values.agent.transport "hostNetwork" }}{{ .Values.agent.hostPorts.datagrams }}{{ else }}9465{{ end }}
+{{- end }}
+
 {{/* gpuNodeSelector as a label selector, "key=value,..." ("" for every node). */}}
 {{- define "opsd.gpuNodeSelector" -}}
 {{- $terms := list }}
@@ -251,11 +263,23 @@ render runs them once.
     "node_selector" (include "opsd.gpuNodeSelector" .)
     "lease_name" (include "opsd.leaseName" .)
     "leader_election" .Values.controller.leaderElection.enabled)) }}
-{{- $agent := mustMergeOverwrite (deepCopy .Values.agent.config) (dict
+{{- $agent := dict }}
+{{- if eq .Values.agent.transport "hostPath" }}
+{{- $agent = dict
   "socket" "/run/opsd/agent.sock"
   "metrics_host" "0.0.0.0"
   "metrics_port" 9464
   "policy_file" "/run/opsd/policy.json"
-  "flight_dir" "/run/opsd/flight") }}
+  "flight_dir" "/run/opsd/flight" }}
+{{- else }}
+{{- $agent = dict
+  "socket" "/tmp/opsd-agent.sock"
+  "metrics_host" "0.0.0.0"
+  "metrics_port" (include "opsd.agentHttpPort" . | int)
+  "datagram_host" "0.0.0.0"
+  "datagram_port" (include "opsd.agentDatagramPort" . | int)
+  "flight_dir" "/var/spool/opsd/flight" }}
+{{- end }}
+{{- $agent = mustMergeOverwrite (deepCopy .Values.agent.config) $agent }}
 {{- toYaml (dict "controller" $controller "agent" $agent) }}
 {{- end }}
