@@ -16,10 +16,8 @@ import os
 import threading
 import time
 
-import uvicorn
-
 from opsd.api.app import create_app
-from opsd.api.server import ServeConfig, build, collect_young, tick_forever, tune_interpreter
+from opsd.api.server import ServeConfig, build, collect_young, server, tick_forever, tune_interpreter
 from opsd.backends.kubernetes.api import KubeApi, connect
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
@@ -159,9 +157,7 @@ def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi 
     controller, token = build(config)
     controller.backend = KubernetesBackend(api, kube)
     leader = KubernetesController(controller, api, kube, config.tick_interval_s)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(controller, token), host=config.host, port=config.port, log_level="warning")
-    )
+    api_server = server(config, create_app(controller, token))
     identity = kube.pod_name or f"{os.uname().nodename}-{os.getpid()}"
 
     def lead() -> None:
@@ -181,9 +177,10 @@ def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi 
     tune_interpreter()
     gc_stop = threading.Event()
     threading.Thread(target=collect_young, args=(0.1, gc_stop), name="gc", daemon=True).start()
-    log.info("opsd controller (kubernetes) on http://%s:%d as %s", config.host, config.port, identity)
+    scheme = "https" if config.tls_certfile else "http"
+    log.info("opsd controller (kubernetes) on %s://%s:%d as %s", scheme, config.host, config.port, identity)
     try:
-        server.run()
+        api_server.run()
     finally:
         gc_stop.set()
         leader.close()
