@@ -40,10 +40,13 @@ from yamllint import linter as yamllint_linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from agent.daemon import Agent, AgentConfig
+from opsd.backends.kubernetes.credentials import main as credentials_main
 from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from tests.kube.emulator import KubeEmulator
+from tests.kube.training import kubeconfig
 from tests.pod_security import api_refusals, level_of, violations
 
 Obj = dict[str, Any]
@@ -422,7 +425,10 @@ def test_controller_deployment(default: list[Obj]) -> None:
     assert c["ports"] == [{"name": "http", "containerPort": 8470, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-token", "token")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-credentials", "operator")  # a token per role of the API
+    assert secret_ref(c, "OPSD_CONTROLLER_READER_TOKEN") == ("opsd-credentials", "reader")
+    assert secret_ref(c, "OPSD_CONTROLLER_AGENT_TOKEN") == ("opsd-credentials", "agent")
+    assert secret_ref(c, "OPSD_CONTROLLER_METRICS_TOKEN") == ("opsd-credentials", "metrics")
     assert env(c)["OPSD_STATE_DIR"]["value"] == "/var/lib/opsd"
     assert env(c)["OPSD_CONTROLLER_KUBERNETES_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "OPSD_STATE_URL" not in env(c)
@@ -536,7 +542,8 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     variables = env(c)
     assert variables["OPSD_AGENT_NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert variables["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://opsd-controller:8470/v1/heartbeat"
-    assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-token", "token")
+    assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")  # heartbeats only
+    assert secret_ref(c, "OPSD_AGENT_METRICS_TOKEN") == ("opsd-credentials", "metrics")
     assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert variables["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
@@ -681,7 +688,8 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
     assert c["image"] == "registry.example.com/ml/opsd@sha256:" + "0123456789abcdef" * 4
     assert spec["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert secret_ref(c, "OPSD_STATE_URL") == ("opsd-db", "dsn")
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-api", "api-token")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-api", "operator-token")
+    assert secret_ref(c, "OPSD_CONTROLLER_READER_TOKEN") == ("opsd-api", "reader-token")
     assert secret_ref(c, "AWS_ACCESS_KEY_ID") == ("opsd-s3", "AWS_ACCESS_KEY_ID")
     assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-s3", "AWS_SECRET_ACCESS_KEY")
     assert secret_ref(c, "AWS_ENDPOINT_URL_S3") == ("opsd-s3", "AWS_ENDPOINT_URL_S3")
@@ -689,7 +697,7 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
     state = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == "state")
     assert state == {"name": "state", "emptyDir": {}}
     daemonset = one(docs, "DaemonSet")
-    assert secret_ref(container(daemonset), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "api-token")
+    assert secret_ref(container(daemonset), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "agent-token")
     agent_pod = daemonset["spec"]["template"]["spec"]
     assert (agent_pod["hostNetwork"], agent_pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
     assert [(p["containerPort"], p["protocol"]) for p in container(daemonset)["ports"]] == [
@@ -709,16 +717,18 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
 def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> None:
     docs = renders[Combo("sqlite-persistence-values.yaml", "1.37.0", False)]
     secrets = {s["metadata"]["name"]: s for s in objects(docs, "Secret")}
-    assert set(secrets) == {"opsd-gpuops-token", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
+    assert set(secrets) == {"opsd-gpuops-credentials", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
     decoded = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-s3"]["data"].items()}
     assert decoded == {
         "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
         "AWS_SECRET_ACCESS_KEY": "example-secret",
         "AWS_ENDPOINT_URL_S3": "http://minio.storage.svc:9000",
     }
-    assert base64.b64decode(secrets["opsd-gpuops-token"]["data"]["token"]).decode() == "not-a-real-token"
+    tokens = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-credentials"]["data"].items()}
+    assert tokens == {role: f"not-a-real-{role}-token" for role in ("operator", "reader", "agent", "metrics")}
+    assert not objects(docs, "Job")  # the tokens are given: no hook makes them
     c = container(one(docs, "Deployment", "opsd-gpuops-controller"))
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-token", "token")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-credentials", "operator")
     assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-gpuops-s3", "AWS_SECRET_ACCESS_KEY")
     assert c["args"][-2:] == ["--log-level", "DEBUG"]
     pvc = one(docs, "PersistentVolumeClaim", "opsd-gpuops-state")
@@ -729,9 +739,123 @@ def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> Non
     assert settings["controller"]["kubernetes"]["lease_name"] == "opsd-lock"
 
 
-def test_random_token_when_none_is_given(default: list[Obj]) -> None:
-    token = base64.b64decode(one(default, "Secret", "opsd-token")["data"]["token"]).decode()
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+def rolling(docs: list[Obj]) -> dict[str, str]:
+    """The credentials' checksum on each workload's pods (a change rolls them)."""
+    return {
+        d["kind"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/credentials"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+    }
+
+
+TOKENS = [f"--set=auth.tokens.{role}={role}-secret-1" for role in ("operator", "reader", "agent", "metrics")]
+
+
+def test_no_token_in_the_renders_and_a_hook_makes_them_once(helm: Helm, kube: KubeEmulator, tmp_path: Path) -> None:
+    """Without tokens the manifests hold none: two renders are the same, byte for byte; the pre-install hook Job makes
+    the Secret, and its command, run here on the emulated API server, makes it once and keeps it."""
+    first, second = helm.template(), helm.template()
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = parse(first.stdout)
+    assert [s["metadata"]["name"] for s in objects(docs, "Secret")] == []  # no credentials, no other Secret
+    job = one(docs, "Job", "opsd-credentials")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert violations(job["spec"]["template"]["spec"], "restricted") == []
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:3] == ["python", "-m", "opsd.backends.kubernetes.credentials"]
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    config = ["--kubeconfig", str(kubeconfig(kube, tmp_path / "kubeconfig"))]
+    assert credentials_main([*c["command"][3:], *config]) == 0  # helm install
+    made = kube.get("secrets", NAMESPACE, "opsd-credentials")
+    assert made is not None
+    assert credentials_main([*c["command"][3:], *config]) == 0  # helm upgrade
+    assert kube.get("secrets", NAMESPACE, "opsd-credentials")["data"] == made["data"]  # type: ignore[index]
+    assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")
+    assert secret_ref(container(one(docs, "Deployment")), "OPSD_TOKEN") == ("opsd-credentials", "operator")
+    assert set(made["data"]) == {"operator", "reader", "agent", "metrics"}
+    bumped = parse(helm.template("--set", "auth.generation=2").stdout)
+    assert rolling(bumped) != rolling(docs)  # a new generation: new tokens, the pods roll onto them
+    command = container(one(bumped, "Job"))["command"]
+    assert command[command.index("--generation") + 1] == "2"
+
+
+def test_tokens_given_render_the_same_secret_twice_and_a_change_rolls_the_pods(helm: Helm) -> None:
+    first, second = helm.render(*TOKENS), helm.render(*TOKENS)
+    secret = one(first, "Secret", "opsd-credentials")
+    assert secret == one(second, "Secret", "opsd-credentials")
+    assert base64.b64decode(secret["data"]["reader"]).decode() == "reader-secret-1"
+    assert not objects(first, "Job")
+    assert rolling(first) == rolling(second)
+    changed = helm.render(*TOKENS[:2], "--set=auth.tokens.agent=agent-secret-2", TOKENS[3])
+    assert set(rolling(changed)) == {"Deployment", "DaemonSet"}
+    for kind, checksum in rolling(changed).items():
+        assert checksum != rolling(first)[kind], kind
+    existing = helm.render("--set", "auth.existingSecret=ours")
+    assert not objects(existing, "Job")
+    assert secret_ref(container(one(existing, "Deployment")), "OPSD_TOKEN") == ("ours", "operator")
+    assert rolling(helm.render("--set", "auth.existingSecret=ours", "--set", "auth.generation=2")) != rolling(existing)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--set", "auth.tokens.operator=x"], "give all four tokens", id="one-of-four"),
+        pytest.param([*TOKENS[:3], "--set=auth.tokens.metrics=agent-secret-1"], "a token of its own", id="shared"),
+        pytest.param([*TOKENS, "--set", "auth.existingSecret=ours"], "both set", id="both"),
+    ],
+)
+def test_credentials_refusals(helm: Helm, args: list[str], message: str) -> None:
+    proc = helm.template(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_network_policies_let_in_what_the_pods_serve(default: list[Obj], renders: dict[Combo, list[Obj]]) -> None:
+    controller = one(default, "NetworkPolicy", "opsd-controller")["spec"]
+    (api,) = controller["ingress"]
+    assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert api["from"] == [
+        {"podSelector": {}},  # the release namespace: agents, helm test, the other replica
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},  # Prometheus
+    ]
+    agent = one(default, "NetworkPolicy", "opsd-agent")["spec"]
+    ranks, prometheus = agent["ingress"]
+    assert ranks["ports"] == [{"port": "metrics", "protocol": "TCP"}, {"port": "datagrams", "protocol": "UDP"}]
+    assert {"namespaceSelector": {}} in ranks["from"]  # the training pods, wherever they run (networkPolicy.ranksFrom)
+    assert prometheus["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    names = {p["name"] for p in container(one(default, "DaemonSet"))["ports"]}
+    assert {p["port"] for rule in agent["ingress"] for p in rule["ports"]} <= names  # named ports that exist
+    assert agent["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "agent"
+    production = renders[Combo("postgres-ha-values.yaml", "1.37.0", True)]
+    assert [p["metadata"]["name"] for p in objects(production, "NetworkPolicy")] == ["opsd-controller"]  # hostNetwork
+    (api,) = one(production, "NetworkPolicy")["spec"]["ingress"]
+    assert {"ipBlock": {"cidr": "10.128.0.0/16"}} in api["from"]  # the nodes' addresses: the agents
+    assert objects(renders[Combo("default", "1.29.0", False)], "NetworkPolicy")
+
+
+def test_the_api_over_https(renders: dict[Combo, list[Obj]], helm: Helm) -> None:
+    docs = renders[Combo("postgres-ha-values.yaml", "1.37.0", True)]
+    c = container(one(docs, "Deployment"))
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])["controller"]
+    assert (settings["tls_certfile"], settings["tls_keyfile"]) == ("/etc/opsd/tls/tls.crt", "/etc/opsd/tls/tls.key")
+    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"] == {"secretName": "opsd-tls"}
+    agent = container(one(docs, "DaemonSet"))
+    assert env(agent)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "https://opsd-controller:8470/v1/heartbeat"
+    assert env(agent)["SSL_CERT_FILE"]["value"] == "/etc/opsd/tls/ca.crt"  # trusted by the agent's Python
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "serverName": "opsd-controller",
+        "ca": {"secret": {"name": "opsd-tls", "key": "ca.crt"}},
+    }
+    assert env(one(docs, "Pod")["spec"]["containers"][0])["CONTROLLER_URL"]["value"] == "https://opsd-controller:8470"
+    proc = helm.template("--set", "controller.tls.enabled=true")
+    assert proc.returncode != 0
+    assert "controller.tls.enabled needs controller.tls.secretName" in proc.stderr
 
 
 def test_dashboards_and_rules_are_the_repository_files(default: list[Obj]) -> None:
@@ -824,6 +948,7 @@ def test_helm_test_pods_check_reads_the_controller_and_every_agents_gpus(default
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert ok.stdout.splitlines() == [
             "controller /healthz: OK",
+            "controller API without a token: refused",
             "agent n1: 0 GPU(s) through none",
             "1 agent(s): OK",
         ]
@@ -934,7 +1059,7 @@ def test_name_override(helm: Helm) -> None:
     assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in docs} == {"gpu-ops"}
     one(docs, "Deployment", "opsd-gpu-ops-controller")
     one(docs, "DaemonSet", "opsd-gpu-ops-agent")
-    one(docs, "Secret", "opsd-gpu-ops-token")
+    one(docs, "Job", "opsd-gpu-ops-credentials")
 
 
 def test_fullname_override(helm: Helm) -> None:
@@ -988,6 +1113,8 @@ PASSED_THROUGH = (
     "/sysctls/items",
     "/claims/items",
     "/topologySpreadConstraints/items",
+    "/podSelector",  # NetworkPolicy peers' label selectors
+    "/namespaceSelector",
 )
 FREE_OBJECTS = (
     "/properties/global",

@@ -16,12 +16,13 @@ merges every PATCH as a plain dict merge, has no watch history, and its URL pars
 
 What it reproduces, on the calls the project makes:
 
-Resources. Core v1 ``namespaces``, ``nodes`` (cluster-scoped), ``pods``, ``events``; ``coordination.k8s.io/v1``
-``leases``; ``events.k8s.io/v1`` ``events`` (stored apart from core events: the real server shows one set of
-events through both APIs, converted); ``batch/v1`` ``jobs``; the JobSet CRD ``jobset.x-k8s.io/v1alpha2``
-``jobsets`` (namespaced, status subresource). Subresources: ``status`` (nodes, pods, namespaces, jobs, jobsets)
-and ``pods/eviction``. Any other resource or subresource: 404 "the server could not find the requested resource".
-A resource named in ``absent`` is not served at all (a cluster without its CRD: no discovery entry, 404).
+Resources. Core v1 ``namespaces``, ``nodes`` (cluster-scoped), ``pods``, ``secrets``, ``events``;
+``coordination.k8s.io/v1`` ``leases``; ``events.k8s.io/v1`` ``events`` (stored apart from core events: the real
+server shows one set of events through both APIs, converted); ``batch/v1`` ``jobs``; the JobSet CRD
+``jobset.x-k8s.io/v1alpha2`` ``jobsets`` (namespaced, status subresource). Subresources: ``status`` (nodes, pods,
+namespaces, jobs, jobsets) and ``pods/eviction``. Any other resource or subresource: 404 "the server could not find
+the requested resource". A resource named in ``absent`` is not served at all (a cluster without its CRD: no
+discovery entry, 404).
 Namespaces ``default``, ``kube-system``, ``kube-public`` and ``kube-node-lease`` exist from the start.
 
 Metadata. Every write takes the next value of one global counter as ``metadata.resourceVersion`` (a decimal

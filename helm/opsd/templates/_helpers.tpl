@@ -127,13 +127,48 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* The Secret and key of the API token. */}}
-{{- define "opsd.tokenSecretName" -}}
-{{- default (printf "%s-token" (include "opsd.fullname" .)) .Values.auth.existingSecret }}
+{{/*
+The credentials: "existing" (auth.existingSecret), "values" (auth.tokens) or "generated" (the hook makes the Secret).
+*/}}
+{{- define "opsd.credentials.mode" -}}
+{{- if .Values.auth.existingSecret }}existing
+{{- else if or .Values.auth.tokens.operator .Values.auth.tokens.reader .Values.auth.tokens.agent .Values.auth.tokens.metrics }}values
+{{- else }}generated
+{{- end }}
 {{- end }}
 
-{{- define "opsd.tokenSecretKey" -}}
-{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- define "opsd.credentials.secretName" -}}
+{{- default (printf "%s-credentials" (include "opsd.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* The Secret's key of a role's token: include "opsd.credentials.key" (list $ "reader") */}}
+{{- define "opsd.credentials.key" -}}
+{{- $root := index . 0 }}
+{{- $role := index . 1 }}
+{{- if $root.Values.auth.existingSecret }}{{ index $root.Values.auth.existingSecretKeys $role }}{{ else }}{{ $role }}{{ end }}
+{{- end }}
+
+{{/* An env entry of a role's token: include "opsd.credentials.env" (list $ "OPSD_TOKEN" "operator") */}}
+{{- define "opsd.credentials.env" -}}
+{{- $root := index . 0 }}
+- name: {{ index . 1 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "opsd.credentials.secretName" $root }}
+      key: {{ include "opsd.credentials.key" (list $root (index . 2)) }}
+{{- end }}
+
+{{/*
+What rolls the pods when the credentials change: the tokens given as values, or the Secret's name and keys with
+auth.generation (an existing or generated Secret is not in the manifests: raise the generation after rotating it).
+*/}}
+{{- define "opsd.credentials.checksum" -}}
+{{- $mode := include "opsd.credentials.mode" . }}
+{{- if eq $mode "values" }}
+{{- toJson .Values.auth.tokens | sha256sum }}
+{{- else }}
+{{- printf "%s/%s/%s/%d" $mode (include "opsd.credentials.secretName" .) (toJson .Values.auth.existingSecretKeys) (int .Values.auth.generation) | sha256sum }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -168,6 +203,21 @@ hostNetwork the container's ports are the node's, agent.hostPorts themselves.
 {{- if not (kindIs "invalid" $value) }}{{ $terms = append $terms (printf "%s=%s" $key $value) }}{{ end }}
 {{- end }}
 {{- join "," $terms }}
+{{- end }}
+
+{{/* The controller's URL inside the cluster: https with controller.tls. */}}
+{{- define "opsd.controllerUrl" -}}
+{{- printf "%s://%s:%v" (ternary "https" "http" .Values.controller.tls.enabled) (include "opsd.controllerName" .) .Values.controller.service.port }}
+{{- end }}
+
+{{/* A probe of the controller's API: include "opsd.controllerProbe" (list $ probe), its httpGet over HTTPS with TLS. */}}
+{{- define "opsd.controllerProbe" -}}
+{{- $root := index . 0 }}
+{{- $probe := deepCopy (index . 1) }}
+{{- if and $root.Values.controller.tls.enabled $probe.httpGet }}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- toYaml $probe }}
 {{- end }}
 
 {{/* "true" when the controller keeps its state in PostgreSQL. */}}
@@ -236,11 +286,23 @@ render runs them once.
 {{- if hasKey (.Values.controller.config.kubernetes | default dict) "node_selector" }}
 {{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
 {{- end }}
+{{- if and .Values.controller.tls.enabled (not .Values.controller.tls.secretName) }}
+{{- include "opsd.refuse" "controller.tls.enabled needs controller.tls.secretName: a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt" }}
+{{- end }}
 {{- if hasKey (.Values.agent.securityContext | default dict) "privileged" }}
 {{- include "opsd.refuse" "agent.securityContext.privileged is set: set agent.gpuAccess to \"privileged\" (or \"hostDriver\"), which renders a privileged container the API server accepts" }}
 {{- end }}
-{{- if and .Values.auth.existingSecret .Values.auth.token }}
-{{- include "opsd.refuse" "auth.token and auth.existingSecret are both set: set one" }}
+{{- $tokens := .Values.auth.tokens }}
+{{- $given := list }}
+{{- range $role := list "operator" "reader" "agent" "metrics" }}{{ with index $tokens $role }}{{ $given = append $given . }}{{ end }}{{ end }}
+{{- if and .Values.auth.existingSecret $given }}
+{{- include "opsd.refuse" "auth.tokens and auth.existingSecret are both set: set one" }}
+{{- end }}
+{{- if and $given (ne (len $given) 4) }}
+{{- include "opsd.refuse" "auth.tokens: give all four tokens (operator, reader, agent, metrics), or none (the chart's hook makes them)" }}
+{{- end }}
+{{- if ne (len $given) (len (uniq $given)) }}
+{{- include "opsd.refuse" "auth.tokens: each role needs a token of its own (two are the same)" }}
 {{- end }}
 {{- if and .Values.postgresql.existingSecret .Values.postgresql.url }}
 {{- include "opsd.refuse" "postgresql.url and postgresql.existingSecret are both set: set one" }}
@@ -255,7 +317,11 @@ render runs them once.
 
 {{/* The settings file /etc/opsd/opsd.yaml: the values' config maps with what the chart decides laid over. */}}
 {{- define "opsd.settings" -}}
-{{- $controller := mustMergeOverwrite (deepCopy .Values.controller.config) (dict
+{{- $tls := dict }}
+{{- if .Values.controller.tls.enabled }}
+{{- $tls = dict "tls_certfile" "/etc/opsd/tls/tls.crt" "tls_keyfile" "/etc/opsd/tls/tls.key" }}
+{{- end }}
+{{- $controller := mustMergeOverwrite (deepCopy .Values.controller.config) $tls (dict
   "host" "0.0.0.0"
   "port" 8470
   "kubernetes" (dict

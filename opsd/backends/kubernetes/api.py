@@ -182,6 +182,29 @@ class KubeApi:
             lambda: self.core.patch_namespaced_pod(name, namespace, patch, _preload_content=False),
         )
 
+    # -- secrets (the chart's credentials) -----------------------------------------------------------------------
+    def secret(self, namespace: str, name: str) -> Json:
+        return self._json(
+            f"read secret {namespace}/{name}",
+            lambda: self.core.read_namespaced_secret(name, namespace, _preload_content=False),
+        )
+
+    def create_secret(self, namespace: str, secret: Json) -> Json:
+        body = _model(kubernetes.client.V1Secret, secret)
+        return self._json(
+            f"create secret {namespace}/{secret['metadata']['name']}",
+            lambda: self.core.create_namespaced_secret(namespace, body, _preload_content=False),
+        )
+
+    def replace_secret(self, namespace: str, secret: Json) -> Json:
+        """PUT the Secret whole, refused with ``ConflictError`` when it changed since it was read."""
+        name = secret["metadata"]["name"]
+        body = _model(kubernetes.client.V1Secret, secret)
+        return self._json(
+            f"replace secret {namespace}/{name}",
+            lambda: self.core.replace_namespaced_secret(name, namespace, body, _preload_content=False),
+        )
+
     # -- watches -------------------------------------------------------------------------------------------------
     def watch(self, kind: str, resource_version: str, timeout_s: int, **selectors: str) -> Iterator[Json]:
         """The raw events of a watch on ``kind`` (``nodes``, ``pods``: ``namespace`` and ``label_selector`` as
