@@ -191,7 +191,7 @@ def secret_ref(c: Obj, name: str) -> tuple[str, str]:
 
 def pod_templates(docs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
     for d in docs:
-        if d["kind"] in ("Deployment", "DaemonSet"):
+        if d["kind"] in ("StatefulSet", "DaemonSet"):
             yield d, d["spec"]["template"]
 
 
@@ -336,7 +336,7 @@ def test_pod_security_levels_of_the_charts_pods(renders: dict[Combo, list[Obj]],
     transport, access = agent.get("transport", "hostPort"), agent.get("gpuAccess", "runtime")
     expected = {"hostPort": {"Host ports"}, "hostNetwork": {"Host namespaces"}, "hostPath": {"HostPath volumes"}}
     for d in renders[combo]:
-        if d["kind"] in ("Deployment", "StatefulSet", "Pod"):
+        if d["kind"] in ("StatefulSet", "Job", "Pod"):
             spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
             assert violations(spec, "restricted") == [], d["metadata"]["name"]
         elif d["kind"] == "DaemonSet":
@@ -355,36 +355,36 @@ def test_pod_security_levels_of_the_charts_pods(renders: dict[Combo, list[Obj]],
 # -- what the default values render ------------------------------------------------------------------------------------
 
 
-def grants(role: Obj) -> dict[tuple[str, str], list[str]]:
-    out: dict[tuple[str, str], list[str]] = {}
+def grants(role: Obj) -> dict[tuple[str, str, tuple[str, ...]], list[str]]:
+    """(API group, resource, resourceNames) -> verbs, each once."""
+    out: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
     for rule in role["rules"]:
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                key = (group, resource)
+                key = (group, resource, tuple(rule.get("resourceNames") or ()))
                 assert key not in out, f"{key} granted twice"
                 out[key] = rule["verbs"]
     return out
 
 
-CLUSTER_GRANTS = {
-    ("", "nodes"): ["get", "list", "watch", "patch", "update"],
-    ("", "pods"): ["get", "list", "watch", "delete"],
-    ("", "pods/eviction"): ["create"],
-    ("", "events"): ["create", "patch"],
-    ("events.k8s.io", "events"): ["create", "patch"],
-    ("jobset.x-k8s.io", "jobsets"): ["get", "list", "watch"],
-    ("batch", "jobs"): ["get", "list", "watch"],
+RUNS_GRANTS = {  # where the runs are: every namespace, or controller.config.kubernetes.watch_namespace
+    ("", "pods", ()): ["list", "watch", "delete"],
+    ("", "pods/eviction", ()): ["create"],
+    ("jobset.x-k8s.io", "jobsets", ()): ["get", "list", "watch"],
+    ("", "events", ()): ["create", "get"],
+}
+NODE_GRANTS = {("", "nodes", ()): ["get", "list", "watch", "update"]}  # replaced whole: no patch
+LEADER_GRANTS = {
+    ("coordination.k8s.io", "leases", ()): ["create"],
+    ("coordination.k8s.io", "leases", ("opsd-leader",)): ["get", "update"],
+    ("", "pods", ("opsd-controller-0",)): ["patch"],  # its own pod's opsd.io/role label, and no other pod
 }
 
 
-def test_rbac_grants_exactly_what_the_backend_needs(default: list[Obj]) -> None:
-    cluster_role = one(default, "ClusterRole", "opsd-controller")
-    assert grants(cluster_role) == CLUSTER_GRANTS
-    role = one(default, "Role", "opsd-leader-election")
-    assert grants(role) == {
-        ("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update"],
-        ("", "pods"): ["patch"],  # its own pod's opsd.io/role label
-    }
+def test_rbac_grants_what_the_backend_calls(default: list[Obj]) -> None:
+    """The rules as tests/test_rbac.py proves them from the calls (the emulated API server's request log)."""
+    assert grants(one(default, "ClusterRole", "opsd-controller")) == NODE_GRANTS | RUNS_GRANTS
+    assert grants(one(default, "Role", "opsd-leader-election")) == LEADER_GRANTS
     subject = [{"kind": "ServiceAccount", "name": "opsd-controller", "namespace": NAMESPACE}]
     binding = one(default, "ClusterRoleBinding", "opsd-controller")
     assert binding["roleRef"] == {
@@ -396,29 +396,50 @@ def test_rbac_grants_exactly_what_the_backend_needs(default: list[Obj]) -> None:
     role_binding = one(default, "RoleBinding", "opsd-leader-election")
     assert role_binding["roleRef"]["name"] == "opsd-leader-election"
     assert role_binding["subjects"] == subject
-    deployment = one(default, "Deployment")
-    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "opsd-controller"
+    controller = one(default, "StatefulSet")
+    assert controller["spec"]["template"]["spec"]["serviceAccountName"] == "opsd-controller"
     one(default, "ServiceAccount", "opsd-controller")
+
+
+def test_a_controller_that_watches_one_namespace_may_act_in_that_one_only(helm: Helm) -> None:
+    docs = helm.render("--set", "controller.config.kubernetes.watch_namespace=training")
+    assert grants(one(docs, "ClusterRole", "opsd-controller")) == NODE_GRANTS
+    runs = one(docs, "Role", "opsd-controller-runs")
+    assert runs["metadata"]["namespace"] == "training"
+    assert grants(runs) == RUNS_GRANTS
+    node_events = one(docs, "Role", "opsd-controller-node-events")
+    assert node_events["metadata"]["namespace"] == "default"  # where a cluster-scoped object's Events live
+    assert grants(node_events) == {("", "events", ()): ["create"]}
+    for name in ("opsd-controller-runs", "opsd-controller-node-events"):
+        assert one(docs, "RoleBinding", name)["subjects"][0]["name"] == "opsd-controller"
+    two = helm.render(
+        "--set", "controller.replicas=2", "--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd"
+    )
+    pods = grants(one(two, "Role", "opsd-leader-election"))
+    assert pods[("", "pods", ("opsd-controller-0", "opsd-controller-1"))] == ["patch"]
 
 
 def test_rbac_without_pod_delete_and_without_leader_election(renders: dict[Combo, list[Obj]]) -> None:
     no_delete = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
-    assert grants(one(no_delete, "ClusterRole"))[("", "pods")] == ["get", "list", "watch"]
+    assert grants(one(no_delete, "ClusterRole"))[("", "pods", ())] == ["list", "watch"]
     no_election = renders[Combo("agent-custom-values.yaml", "1.37.0", True)]
-    assert objects(no_election, "Role") == objects(no_election, "RoleBinding") == []
+    assert [r["metadata"]["name"] for r in objects(no_election, "Role")] == ["trainops-credentials"]  # the hook's
+    assert not [b for b in objects(no_election, "RoleBinding") if "leader" in b["metadata"]["name"]]
     settings = yaml.safe_load(one(no_election, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["controller"]["kubernetes"]["leader_election"] is False
     service = [s for s in objects(no_election, "Service") if "controller" in s["metadata"]["name"]]
     assert [s["spec"]["selector"].get("opsd.io/role") for s in service] == [None]  # one replica: always it
 
 
-def test_controller_deployment(default: list[Obj]) -> None:
-    deployment = one(default, "Deployment", "opsd-controller")
-    spec = deployment["spec"]
+def test_controller_statefulset(default: list[Obj]) -> None:
+    controller = one(default, "StatefulSet", "opsd-controller")
+    spec = controller["spec"]
     pod = spec["template"]["spec"]
-    c = container(deployment)
+    c = container(controller)
     assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}  # SQLite on one volume
+    # pods of known names (the leader-election Role names them), replaced one at a time: the old one gone first
+    assert (spec["serviceName"], spec["podManagementPolicy"]) == ("opsd-controller", "Parallel")
+    assert spec["updateStrategy"] == {"type": "RollingUpdate"}
     assert c["image"] == "opsd:0.1.0"  # the tag defaults to the chart's appVersion
     assert c["command"] == ["opsd"]
     assert c["args"] == ["serve", "--config", "/etc/opsd/opsd.yaml", "--backend", "kubernetes"]
@@ -453,7 +474,7 @@ def test_controller_deployment(default: list[Obj]) -> None:
 def test_controller_service_and_disruption_budget(default: list[Obj]) -> None:
     service = one(default, "Service", "opsd-controller")
     assert service["spec"]["ports"] == [{"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"}]
-    pod_labels = one(default, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod_labels = one(default, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     selector = dict(service["spec"]["selector"])
     assert selector.pop("opsd.io/role") == "leader"  # set at run time by the replica that leads
     assert selector.items() <= pod_labels.items()
@@ -516,7 +537,7 @@ def test_opsd_reads_the_rendered_settings_and_every_variable_the_chart_sets(
     settings.load("agent", str(path), env={})
     known = {k.env for section in settings.SECTIONS for k in settings.keys(section)}
     known |= {v for k, v in vars(opsd_env).items() if k.endswith("_ENV") and isinstance(v, str)}
-    for workload in (*objects(docs, "Deployment"), *objects(docs, "DaemonSet")):
+    for workload in (*objects(docs, "StatefulSet"), *objects(docs, "DaemonSet")):
         names = {n for n in env(container(workload)) if n.startswith("OPSD_")}
         assert names <= known, (workload["metadata"]["name"], sorted(names - known))
 
@@ -670,8 +691,8 @@ def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
     assert not kinds & {"DaemonSet", "PodDisruptionBudget", "PersistentVolumeClaim", "PodMonitor"}
     assert [s["metadata"]["name"] for s in objects(docs, "Service")] == ["opsd-controller"]
     assert [c["metadata"]["name"] for c in objects(docs, "ConfigMap")] == ["opsd-config"]  # no dashboards
-    deployment = one(docs, "Deployment")
-    state = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
+    controller = one(docs, "StatefulSet")
+    state = next(v for v in controller["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
     assert state == {"name": "state", "emptyDir": {}}
     assert "AGENT_METRICS" not in env(one(docs, "Pod")["spec"]["containers"][0])
 
@@ -680,11 +701,11 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
     docs = renders[Combo("postgres-ha-values.yaml", "1.29.0", False)]
     assert objects(docs, "Secret") == []  # every credential comes from an existing Secret
     assert objects(docs, "PersistentVolumeClaim") == []
-    deployment = one(docs, "Deployment")
-    spec = deployment["spec"]
+    controller = one(docs, "StatefulSet")
+    spec = controller["spec"]
     assert spec["replicas"] == 2
-    assert spec["strategy"]["type"] == "RollingUpdate"
-    c = container(deployment)
+    assert spec["updateStrategy"]["type"] == "RollingUpdate"  # one replica at a time: the other serves
+    c = container(controller)
     assert c["image"] == "registry.example.com/ml/opsd@sha256:" + "0123456789abcdef" * 4
     assert spec["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert secret_ref(c, "OPSD_STATE_URL") == ("opsd-db", "dsn")
@@ -727,7 +748,7 @@ def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> Non
     tokens = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-credentials"]["data"].items()}
     assert tokens == {role: f"not-a-real-{role}-token" for role in ("operator", "reader", "agent", "metrics")}
     assert not objects(docs, "Job")  # the tokens are given: no hook makes them
-    c = container(one(docs, "Deployment", "opsd-gpuops-controller"))
+    c = container(one(docs, "StatefulSet", "opsd-gpuops-controller"))
     assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-credentials", "operator")
     assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-gpuops-s3", "AWS_SECRET_ACCESS_KEY")
     assert c["args"][-2:] == ["--log-level", "DEBUG"]
@@ -744,7 +765,7 @@ def rolling(docs: list[Obj]) -> dict[str, str]:
     return {
         d["kind"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/credentials"]
         for d in docs
-        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+        if d["kind"] in ("StatefulSet", "DaemonSet")
     }
 
 
@@ -772,7 +793,7 @@ def test_no_token_in_the_renders_and_a_hook_makes_them_once(helm: Helm, kube: Ku
     assert credentials_main([*c["command"][3:], *config]) == 0  # helm upgrade
     assert kube.get("secrets", NAMESPACE, "opsd-credentials")["data"] == made["data"]  # type: ignore[index]
     assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")
-    assert secret_ref(container(one(docs, "Deployment")), "OPSD_TOKEN") == ("opsd-credentials", "operator")
+    assert secret_ref(container(one(docs, "StatefulSet")), "OPSD_TOKEN") == ("opsd-credentials", "operator")
     assert set(made["data"]) == {"operator", "reader", "agent", "metrics"}
     bumped = parse(helm.template("--set", "auth.generation=2").stdout)
     assert rolling(bumped) != rolling(docs)  # a new generation: new tokens, the pods roll onto them
@@ -788,12 +809,12 @@ def test_tokens_given_render_the_same_secret_twice_and_a_change_rolls_the_pods(h
     assert not objects(first, "Job")
     assert rolling(first) == rolling(second)
     changed = helm.render(*TOKENS[:2], "--set=auth.tokens.agent=agent-secret-2", TOKENS[3])
-    assert set(rolling(changed)) == {"Deployment", "DaemonSet"}
+    assert set(rolling(changed)) == {"StatefulSet", "DaemonSet"}
     for kind, checksum in rolling(changed).items():
         assert checksum != rolling(first)[kind], kind
     existing = helm.render("--set", "auth.existingSecret=ours")
     assert not objects(existing, "Job")
-    assert secret_ref(container(one(existing, "Deployment")), "OPSD_TOKEN") == ("ours", "operator")
+    assert secret_ref(container(one(existing, "StatefulSet")), "OPSD_TOKEN") == ("ours", "operator")
     assert rolling(helm.render("--set", "auth.existingSecret=ours", "--set", "auth.generation=2")) != rolling(existing)
 
 
@@ -836,12 +857,12 @@ def test_network_policies_let_in_what_the_pods_serve(default: list[Obj], renders
 
 def test_the_api_over_https(renders: dict[Combo, list[Obj]], helm: Helm) -> None:
     docs = renders[Combo("postgres-ha-values.yaml", "1.37.0", True)]
-    c = container(one(docs, "Deployment"))
+    c = container(one(docs, "StatefulSet"))
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"]["scheme"] == "HTTPS", probe
     settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])["controller"]
     assert (settings["tls_certfile"], settings["tls_keyfile"]) == ("/etc/opsd/tls/tls.crt", "/etc/opsd/tls/tls.key")
-    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in one(docs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["tls"]["secret"] == {"secretName": "opsd-tls"}
     agent = container(one(docs, "DaemonSet"))
     assert env(agent)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "https://opsd-controller:8470/v1/heartbeat"
@@ -995,7 +1016,7 @@ def test_more_than_one_controller_needs_postgresql(helm: Helm) -> None:
     assert "controller.replicas is 2" in proc.stderr
     assert "postgresql.url or postgresql.existingSecret" in proc.stderr
     postgresql = ("--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd")
-    assert one(helm.render("--set", "controller.replicas=2", *postgresql), "Deployment")["spec"]["replicas"] == 2
+    assert one(helm.render("--set", "controller.replicas=2", *postgresql), "StatefulSet")["spec"]["replicas"] == 2
     proc = helm.template(
         "--set", "controller.replicas=2", *postgresql, "--set", "controller.leaderElection.enabled=false"
     )
@@ -1057,7 +1078,7 @@ def test_kube_version_below_the_floor_is_refused(helm: Helm) -> None:
 def test_name_override(helm: Helm) -> None:
     docs = helm.render("--set", "nameOverride=gpu-ops")
     assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in docs} == {"gpu-ops"}
-    one(docs, "Deployment", "opsd-gpu-ops-controller")
+    one(docs, "StatefulSet", "opsd-gpu-ops-controller")
     one(docs, "DaemonSet", "opsd-gpu-ops-agent")
     one(docs, "Job", "opsd-gpu-ops-credentials")
 
@@ -1066,7 +1087,7 @@ def test_fullname_override(helm: Helm) -> None:
     docs = helm.render("--set", "fullnameOverride=trainops")
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert all(name.startswith("trainops") for _, name in names), names
-    assert ("Deployment", "trainops-controller") in names
+    assert ("StatefulSet", "trainops-controller") in names
     assert ("ClusterRole", "trainops-controller") in names
     assert ("Role", "trainops-leader-election") in names
     settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
@@ -1080,7 +1101,7 @@ def test_release_name_without_the_chart_name(helm: Helm) -> None:
     proc = helm.run("template", "--namespace", "ml", release="prod")
     assert proc.returncode == 0, proc.stderr
     docs = parse(proc.stdout)
-    one(docs, "Deployment", "prod-opsd-controller")
+    one(docs, "StatefulSet", "prod-opsd-controller")
     binding = one(docs, "ClusterRoleBinding", "prod-opsd-controller")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "prod-opsd-controller", "namespace": "ml"}]
 

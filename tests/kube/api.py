@@ -35,6 +35,7 @@ class RecordedRequest:
     query: Mapping[str, str]
     content_type: str
     body: bytes
+    user: str = ""  # the bearer token the client presented: who made the request (authorization's subject)
 
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
@@ -125,8 +126,10 @@ class ApiHandler:
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read()
+        bearer = request.headers.get("Authorization", "")
+        user = bearer.removeprefix("Bearer ").strip() if bearer.startswith("Bearer ") else ""
         self.requests.append(
-            RecordedRequest(request.method, request.path, dict(request.query), request.content_type, body)
+            RecordedRequest(request.method, request.path, dict(request.query), request.content_type, body, user)
         )
         target = parse_target(request.path)
         if target is None:

@@ -99,7 +99,8 @@ evictions of pods a PodDisruptionBudget guards (phase not Pending/Succeeded/Fail
 phase counts as guarded) answer 429 TooManyRequests with the DisruptionBudget cause, changing nothing.
 
 For the test: ``put``/``get``/``objects``/``remove`` act on the store directly (no HTTP); ``requests`` lists every
-request received (method, path, query, Content-Type, body), discovery included, logged before it is answered.
+request received (method, path, query, Content-Type, body, and the bearer token presented: who sent it),
+discovery included, logged before it is answered; ``client(token)`` is a client that presents a token.
 
 Also not emulated: authentication and authorization (any request is served; the client needs no token),
 admission webhooks, schema validation and defaulting (any JSON object is stored as given), no controllers at
@@ -301,6 +302,14 @@ class KubeEmulator:
         if self._api_client is None:
             raise RuntimeError("the emulator is not started")
         return self._api_client
+
+    def client(self, token: str) -> kubernetes.client.ApiClient:
+        """A client of this server that presents ``token`` as its bearer token (nothing checks it: its requests are
+        told apart in ``requests``, as a real server's authorization tells its ServiceAccount)."""
+        configuration = kubernetes.client.Configuration(host=self.url)
+        configuration.api_key = {"authorization": token}
+        configuration.api_key_prefix = {"authorization": "Bearer"}
+        return kubernetes.client.ApiClient(configuration)
 
     # --- objects, by the test's hand -----------------------------------------------------------------------
 

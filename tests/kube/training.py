@@ -146,13 +146,13 @@ def free_udp_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def kubeconfig(kube: KubeEmulator, path: Path) -> Path:
-    """A kubeconfig for the emulated API server (plain HTTP; the token is sent and not checked)."""
+def kubeconfig(kube: KubeEmulator, path: Path, token: str = "unchecked") -> Path:
+    """A kubeconfig for the emulated API server (plain HTTP; the token is sent, and not checked)."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "emulated", "cluster": {"server": kube.url}}],
-        "users": [{"name": "opsd", "user": {"token": "unchecked"}}],
+        "users": [{"name": "opsd", "user": {"token": token}}],
         "contexts": [{"name": "emulated", "context": {"cluster": "emulated", "user": "opsd"}}],
         "current-context": "emulated",
     }

@@ -103,12 +103,16 @@ class KubeApi:
         )
         return list(answer.get("items") or [])
 
-    def all_pods(self, label_selector: str) -> tuple[list[Json], str]:
-        """The pods of every namespace matching ``label_selector``, and the list's resourceVersion."""
-        answer = self._json(
-            "list pods",
-            lambda: self.core.list_pod_for_all_namespaces(label_selector=label_selector, _preload_content=False),
-        )
+    def all_pods(self, label_selector: str, namespace: str = "") -> tuple[list[Json], str]:
+        """The pods of ``namespace`` (or of every namespace) matching ``label_selector``, and the list's
+        resourceVersion."""
+
+        def call() -> Any:
+            if namespace:
+                return self.core.list_namespaced_pod(namespace, label_selector=label_selector, _preload_content=False)
+            return self.core.list_pod_for_all_namespaces(label_selector=label_selector, _preload_content=False)
+
+        answer = self._json(f"list pods in {namespace or 'every namespace'}", call)
         return list(answer.get("items") or []), str(answer["metadata"].get("resourceVersion", ""))
 
     def evict(self, namespace: str, name: str) -> None:

@@ -64,7 +64,7 @@ class KubernetesController:
         self.pods = Informer(
             api,
             "pods",
-            lambda: api.all_pods(JOBSET_NAME_LABEL),
+            lambda: api.all_pods(JOBSET_NAME_LABEL, config.watch_namespace),
             timeout_s=timeout,
             namespace=config.watch_namespace,
             label_selector=JOBSET_NAME_LABEL,
