@@ -412,9 +412,7 @@ def test_a_controller_that_watches_one_namespace_may_act_in_that_one_only(helm: 
     assert grants(node_events) == {("", "events", ()): ["create"]}
     for name in ("opsd-controller-runs", "opsd-controller-node-events"):
         assert one(docs, "RoleBinding", name)["subjects"][0]["name"] == "opsd-controller"
-    two = helm.render(
-        "--set", "controller.replicas=2", "--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd"
-    )
+    two = helm.render("--set", "controller.replicas=2", "--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd")
     pods = grants(one(two, "Role", "opsd-leader-election"))
     assert pods[("", "pods", ("opsd-controller-0", "opsd-controller-1"))] == ["patch"]
 
