@@ -35,16 +35,6 @@ def nvml_loads() -> bool:
     return True
 
 
-@pytest.fixture
-def controller() -> Iterator[Controller]:
-    c = Controller()
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 def gpu_up(text: str) -> list[tuple[dict[str, str], float]]:
     return [
         (s.labels, s.value)
@@ -54,13 +44,23 @@ def gpu_up(text: str) -> list[tuple[dict[str, str], float]]:
     ]
 
 
+@pytest.fixture
+def stand_in() -> Iterator[Controller]:
+    """tests.test_reporter's stand-in controller, which records the heartbeats."""
+    controller = Controller()
+    controller.start()
+    yield controller
+    controller.stop()
+
+
 def test_an_agent_without_nvml_keeps_serving_its_ranks_and_heartbeating_and_says_why(
-    tmp_path: Path, controller: Controller, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, stand_in: Controller, caplog: pytest.LogCaptureFixture
 ) -> None:
     """NVML for real: this machine has no NVIDIA driver, so nvidia-ml-py finds no libnvidia-ml.so.1, as in a
     container the runtime injected nothing into."""
     if nvml_loads():
         pytest.skip("NVML loads on this machine: the agent reads its GPUs")
+    controller = stand_in
     caplog.set_level(logging.INFO, logger="agent")
     path = tmp_path / "a.sock"
     agent = Agent(

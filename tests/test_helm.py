@@ -142,14 +142,6 @@ def parse(manifest: str) -> list[Obj]:
 
 
 @pytest.fixture(scope="module")
-def helm() -> Helm:
-    path = find_helm()
-    if path is None:
-        pytest.skip("no helm: run `python tools/install_helm.py .venv/bin/helm` (make does), or set OPSD_HELM")
-    return Helm(path)
-
-
-@pytest.fixture(scope="module")
 def renders(helm: Helm) -> dict[Combo, list[Obj]]:
     """Every combination rendered once (two at a time: helm is quick, the machine is small)."""
 

@@ -17,7 +17,7 @@ import yaml  # type: ignore[import-untyped]
 
 from opsd.protocol.cluster import POOL_LABEL, SPARE_POOL, SPARE_TAINT
 from tests.pod_security import violations
-from tests.test_helm import Helm, find_helm, parse
+from tests.test_helm import Helm, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "kubernetes.md"
@@ -40,14 +40,6 @@ def commands() -> list[str]:
     for block in blocks("sh"):
         out += [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
     return out
-
-
-@pytest.fixture(scope="module")
-def helm() -> Helm:
-    path = find_helm()
-    if path is None:
-        pytest.skip("no helm")
-    return Helm(path)
 
 
 @pytest.fixture(scope="module")

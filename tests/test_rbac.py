@@ -37,7 +37,7 @@ from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer
 from tests.kube.machines import NAMESPACE, jobset, node, wait_until
 from tests.kube.training import kubeconfig
-from tests.test_helm import Helm, find_helm, parse
+from tests.test_helm import Helm, parse
 from tests.test_kubernetes_takeover import ScriptedKubelet
 
 RELEASE_NAMESPACE = "opsd"
@@ -128,14 +128,6 @@ def check(made: set[Call], given: set[Grant], watch_namespace: str) -> None:
     assert unused == [], "granted and never called:\n" + "\n".join(unused)
     cluster_wide = {g.resource for g in given if g.scope is None}
     assert cluster_wide <= ({"nodes"} if watch_namespace else {"nodes", "pods", "pods/eviction", "jobsets", "events"})
-
-
-@pytest.fixture(scope="module")
-def helm() -> Helm:
-    path = find_helm()
-    if path is None:
-        pytest.skip("no helm")
-    return Helm(path)
 
 
 def render(helm: Helm, watch_namespace: str) -> list[Json]:
