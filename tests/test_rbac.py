@@ -246,7 +246,7 @@ def test_the_controllers_rbac_is_what_it_calls(
     made = calls(kube.requests, CONTROLLER)
     given = grants(docs, "opsd-controller")
     check(made, given, watch_namespace)
-    # what the issue named, said plainly
+    # the grants a careless chart gives, named: none here
     verbs = {(g.resource, g.verb) for g in given}
     assert ("nodes", "patch") not in verbs
     assert all(g.names == {"opsd-controller-0"} for g in given if (g.resource, g.verb) == ("pods", "patch"))
