@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEBIAN_PACKAGES := prometheus postgresql chromium
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint typecheck pytest system-deps clean dashboard-pictures
+.PHONY: demo test lint typecheck pytest system-deps clean dashboard-pictures chart-files
 
 $(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ demo: $(STAMP)
 # dashboard pictures (docs/img/dashboard-*.png), drawn from the demo scraped by a real Prometheus
 dashboard-pictures: $(STAMP) system-deps
 	$(PY) -m tools.dashboard_pictures docs/img
+
+# the chart's own copy of the dashboards and the alert rules (helm/opsd/files/dashboards), so that the chart is
+# packaged and installed alone; tests/test_helm.py checks that it equals dashboards/
+chart-files:
+	rm -f helm/opsd/files/dashboards/*.json
+	cp dashboards/*.json helm/opsd/files/dashboards/
+	cp dashboards/rules/opsd.rules.yaml helm/opsd/files/dashboards/rules/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,31 +1,34 @@
 """The agent process: receives the ranks' datagrams, keeps the node's state, serves ``/metrics`` and ``/healthz``.
 
     agent = Agent(AgentConfig(socket="/run/opsd/agent.sock", metrics_port=9464))
-    agent.start()      # threads: datagram receiver, HTTP server, expiry
+    agent.start()      # threads: datagram receivers, HTTP server, expiry
     ...
     agent.stop()
 
-A malformed datagram is counted by the rule it breaks and dropped; nothing a sender does stops the receiver.
+Ranks send their datagrams to the Unix socket ``socket`` (a host directory the training pods mount) or, with
+``datagram_port`` set, to its UDP port (pods with no host directory: ``opsd.protocol.node_agent``); both are taken
+the same way. A malformed datagram is counted by the rule it breaks and dropped; nothing a sender does stops the
+receiver. The HTTP endpoints are ``agent.endpoints``'.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from socket import gethostname
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from agent.endpoints import DumpIntake, DumpIntakeCollector, handler
 from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
-from agent.gpu import open_source
+from agent.gpu_access import GpuAccess, GpuAccessCollector
 from agent.health import GpuHealth, GpuHealthCollector
 from agent.metrics import AgentCollector, AgentStats, FlightCollector, ReporterCollector
 from agent.reporter import Reporter, ReporterConfig
@@ -53,12 +56,16 @@ class AgentConfig:
     socket: str = "/tmp/opsd-agent.sock"
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # 0: any free port
+    metrics_token: str = ""  # /metrics needs it as a bearer token when set
+    datagram_host: str = "127.0.0.1"
+    datagram_port: int | None = None  # UDP port for the ranks' datagrams (None: none; 0: any free port)
     node: str = field(default_factory=gethostname)
     receive_buffer_bytes: int = 4 << 20
     stale_after_s: float = 600.0
     max_comm_series: int = 8
     gpu_source: str = "none"  # nvml | none | file:DIRECTORY (the fake)
     gpu_interval_s: float = 5.0
+    gpu_retry_s: float = 60.0  # a GPU source that cannot be opened is tried again this often
     xid_table: str | None = None  # default: the table shipped with opsd
     xid_window_s: float = 3600.0
     xid_threshold: int = 3
@@ -75,6 +82,8 @@ class AgentConfig:
             raise ValueError(f"agent.socket must be at most {UNIX_PATH_MAX} bytes (a Unix socket path)")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("agent.metrics_port must be in 0-65535")
+        if self.datagram_port is not None and not 0 <= self.datagram_port <= 65535:
+            raise ValueError("agent.datagram_port must be in 0-65535")
         if not self.node:
             raise ValueError("agent.node must not be empty")
         if self.receive_buffer_bytes < MAX_MESSAGE_BYTES:
@@ -85,8 +94,8 @@ class AgentConfig:
             raise ValueError("agent.max_comm_series must be >= 1")
         if not (self.gpu_source in ("nvml", "none") or self.gpu_source.startswith("file:")):
             raise ValueError("agent.gpu_source must be nvml, none or file:DIRECTORY")
-        if self.gpu_interval_s <= 0:
-            raise ValueError("agent.gpu_interval_s must be > 0")
+        if self.gpu_interval_s <= 0 or self.gpu_retry_s <= 0:
+            raise ValueError("agent.gpu_interval_s and agent.gpu_retry_s must be > 0")
         WatchWindow(self.xid_window_s, self.xid_threshold)  # validates them
         if self.controller_url is not None:
             self.reporter_config()  # validates the reporter's settings
@@ -118,11 +127,15 @@ class Agent:
         self.registry = CollectorRegistry()
         self.registry.register(AgentCollector(self.state, self.stats, config.node))
         self.gpu: GpuHealth | None = None
+        self.gpu_access: GpuAccess | None = None
         self.reporter: Reporter | None = None
         self.flight: FlightUploader | None = None
         self.registry.register(FlightCollector(lambda: self.flight, config.node))
         self.tracing: Tracing | None = None
+        self.intake = DumpIntake(config.flight_dir)
+        self.registry.register(DumpIntakeCollector(self.intake, config.node))
         self._sock: socket.socket | None = None
+        self._udp: socket.socket | None = None
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -176,14 +189,22 @@ class Agent:
             raise RuntimeError("agent not started")
         return int(self._http.server_address[1])
 
+    @property
+    def datagram_port(self) -> int:
+        if self._udp is None:
+            raise RuntimeError("agent not started, or without a datagram port")
+        return int(self._udp.getsockname()[1])
+
     def start(self) -> None:
-        """Open the GPU source (errors raise OpsError), bind the socket and the HTTP port (errors raise OSError)."""
+        """Open the GPU source (one that cannot be opened is said in the metrics, /healthz and the log, and tried again
+        later: the rest of the agent runs without it), bind the socket and the HTTP port (errors raise OSError)."""
         cfg = self.config
         table = load_xid_table(cfg.xid_table)
         window = WatchWindow(cfg.xid_window_s, cfg.xid_threshold)
         self.tracing = Tracing(cfg.node)
-        source = open_source(cfg.gpu_source)
-        self.gpu = GpuHealth(source, table, window, interval_s=cfg.gpu_interval_s, tracer=self.tracing.tracer)
+        self.gpu_access = GpuAccess(cfg.gpu_source, retry_s=cfg.gpu_retry_s)
+        self.registry.register(GpuAccessCollector(self.gpu_access, cfg.node))
+        self.gpu = GpuHealth(self.gpu_access, table, window, interval_s=cfg.gpu_interval_s, tracer=self.tracing.tracer)
         self.registry.register(GpuHealthCollector(self.gpu, cfg.node))
         self.gpu.start()
         if cfg.controller_url is not None:
@@ -191,9 +212,10 @@ class Agent:
             self.registry.register(ReporterCollector(self.reporter, cfg.node))
             self.reporter.start()
             if cfg.flight_dir:
-                shared_directory(cfg.flight_dir)
                 self.flight = FlightUploader(cfg.flight_config(), cfg.node)
                 self.flight.start()
+        if cfg.flight_dir:
+            shared_directory(cfg.flight_dir)
         path = self.config.socket
         if os.path.exists(path):
             os.unlink(path)  # a socket file left by an agent that died
@@ -203,16 +225,29 @@ class Agent:
         os.chmod(path, 0o666)  # the ranks of any user on the node report (training pods rarely run as root)
         sock.settimeout(0.5)
         self._sock = sock
-        self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))
+        receivers = [sock]
+        if cfg.datagram_port is not None:
+            self._udp = udp_socket(cfg.datagram_host, cfg.datagram_port, cfg.receive_buffer_bytes)
+            receivers.append(self._udp)
+        endpoints = handler(
+            metrics=self.metrics_text,
+            health=self.health,
+            policy=lambda: self.reporter.last_policy if self.reporter is not None else None,
+            intake=self.intake,
+            metrics_token=cfg.metrics_token,
+        )
+        self._http = ThreadingHTTPServer((cfg.metrics_host, cfg.metrics_port), endpoints)
         self._http.daemon_threads = True
-        for name, target in (("receive", lambda: self._receive(sock)), ("http", self._http.serve_forever)):
+        targets = [(f"receive-{i}", lambda r=r: self._receive(r)) for i, r in enumerate(receivers)]
+        for name, target in [*targets, ("http", self._http.serve_forever)]:
             thread = threading.Thread(target=target, name=f"opsd-agent-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
         expiry = threading.Thread(target=self._expire, name="opsd-agent-expire", daemon=True)
         expiry.start()
         self._threads.append(expiry)
-        log.info("agent %s: datagrams on %s, metrics on %s:%d", self.config.node, path, *self._http.server_address[:2])
+        udp = f" and udp {cfg.datagram_host}:{self.datagram_port}" if self._udp is not None else ""
+        log.info("agent %s: datagrams on %s%s, metrics on %s:%d", cfg.node, path, udp, *self._http.server_address[:2])
 
     def stop(self) -> None:
         self._stopping.set()
@@ -231,35 +266,25 @@ class Agent:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket)
+        if self._udp is not None:
+            self._udp.close()
         for thread in self._threads:
             thread.join(timeout=5)
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "node": self.config.node, "ranks": len(self.state.snapshot())}
+        """Alive (the GPUs may be out of reach: ``gpu`` says, and the agent serves its ranks all the same)."""
+        gpu = self.gpu_access.status.as_json() if self.gpu_access is not None else None
+        return {"status": "ok", "node": self.config.node, "ranks": len(self.state.snapshot()), "gpu": gpu}
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _handler(agent: Agent) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, agent.metrics_text())
-            elif path == "/healthz":
-                self._reply(200, "application/json", json.dumps(agent.health()).encode())
-            else:
-                self._reply(404, "text/plain", b"not found: /metrics and /healthz are served\n")
-
-        def _reply(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http: " + format, *args)
-
-    return Handler
+def udp_socket(host: str, port: int, receive_buffer_bytes: int) -> socket.socket:
+    """A UDP socket bound to ``host`` (an IPv4 or IPv6 address, "0.0.0.0" or "::" for every one) and ``port``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+    sock.bind((host, port))
+    sock.settimeout(0.5)
+    return sock

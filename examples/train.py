@@ -35,12 +35,11 @@ from examples.parallelize import (
     parallelize,
 )
 from examples.report import gather_digests, state_digest, state_hashes, write_report
-from opsd.protocol.env import POLICY_FILE_ENV
 from opsd.protocol.ft import EXIT_NO_QUORUM, ReplicaGroupEnv, group_layout
 from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
-from trainer_hooks.policy_reader import PolicyReader
+from trainer_hooks.policy_reader import PolicyReader, policy_source
 
 if TYPE_CHECKING:
     from examples.ft import FaultTolerance
@@ -275,7 +274,8 @@ def make_checkpointer(
         return None, None
     from trainer_hooks.checkpoint import Checkpointer, TrainState
 
-    policy = PolicyReader(os.environ.get(POLICY_FILE_ENV)) if os.environ.get(POLICY_FILE_ENV) else None
+    source = policy_source()  # the agent's policy file, or its URL for a pod without the host directory
+    policy = PolicyReader(source) if source else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
     kill_step = args.kill_before_commit_step
     checkpointer = Checkpointer(

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from opsd.controller.state import StateStore
     from tests.kube.emulator import KubeEmulator
+    from tests.test_helm import Helm
     from trainer_hooks.collectives import CollectiveTracer
 
 
@@ -45,6 +46,18 @@ def store(tmp_path: Path) -> StateStore:
     from opsd.controller.state import StateStore
 
     return StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
+
+
+@pytest.fixture(scope="session")
+def helm() -> Helm:
+    """A real helm v4 (``tests.test_helm.find_helm``: .venv/bin/helm, $OPSD_HELM or PATH); the test is skipped
+    without one."""
+    from tests.test_helm import Helm, find_helm
+
+    path = find_helm()
+    if path is None:
+        pytest.skip("no helm: run `python tools/install_helm.py .venv/bin/helm` (make does), or set OPSD_HELM")
+    return Helm(path)
 
 
 @pytest.fixture

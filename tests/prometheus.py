@@ -30,8 +30,15 @@ from opsd.backends.local.processes import free_port
 
 class PrometheusServer:
     def __init__(
-        self, workdir: Path, targets: list[str], scrape_interval_s: float = 1.0, file_sd: Path | None = None
+        self,
+        workdir: Path,
+        targets: list[str],
+        scrape_interval_s: float = 1.0,
+        file_sd: Path | None = None,
+        credentials_file: Path | None = None,
     ) -> None:
+        """``credentials_file``: the bearer token the ``file_sd`` job scrapes with (a controller's /metrics wants
+        one; agents without a metrics token of their own take the request all the same)."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("prometheus is not installed (make test installs the Debian package)")
@@ -44,7 +51,10 @@ class PrometheusServer:
             if not file_sd.exists():
                 write_targets(file_sd, [])
             discovery = {"files": [str(file_sd)], "refresh_interval": "1s"}
-            jobs.append({"job_name": "opsd", "honor_labels": True, "file_sd_configs": [discovery]})
+            job: dict[str, Any] = {"job_name": "opsd", "honor_labels": True, "file_sd_configs": [discovery]}
+            if credentials_file is not None:
+                job["authorization"] = {"credentials_file": str(credentials_file)}
+            jobs.append(job)
         interval = f"{round(scrape_interval_s * 1000)}ms"
         config.write_text(
             json.dumps({"global": {"scrape_interval": interval, "evaluation_interval": "1s"}, "scrape_configs": jobs})

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import FileGpuSource
+from agent.gpu_access import GpuAccess, GpuAccessCollector
 from agent.health import GpuHealth, GpuHealthCollector
 from agent.metrics import ReporterCollector
 from agent.reporter import Reporter, ReporterConfig
@@ -194,7 +195,8 @@ def test_datagrams_over_the_socket_reach_metrics_over_http(running: Agent, tmp_p
     assert b'opsd_step_seconds{rank="5",run="r"} 0.2' in body
     assert b'opsd_agent_datagrams_rejected_total{node="n1",reason="not_json"} 1.0' in body
     status, _, body = get(running, "/healthz")
-    assert (status, json.loads(body)) == (200, {"status": "ok", "node": "n1", "ranks": 1})
+    gpu = {"source": "none", "available": True, "reason": "ok", "detail": "", "gpus": 0}
+    assert (status, json.loads(body)) == (200, {"status": "ok", "node": "n1", "ranks": 1, "gpu": gpu})
     assert get(running, "/nope")[0] == 404
 
 
@@ -231,6 +233,7 @@ def test_every_exposed_metric_is_documented_with_its_type(agent: Agent, tmp_path
     agent.registry.register(GpuHealthCollector(gpu, "n1"))
     reporter = Reporter(ReporterConfig(url="http://127.0.0.1:1/v1/heartbeat"), "n1", agent.state, gpu)
     agent.registry.register(ReporterCollector(reporter, "n1"))
+    agent.registry.register(GpuAccessCollector(GpuAccess("none"), "n1"))
     exposed = {}
     for family in text_string_to_metric_families(agent.metrics_text().decode()):
         name = family.name + ("_total" if family.type == "counter" else "")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from opsd.api.app import create_app
+from opsd.api.auth import Credentials
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
@@ -26,6 +27,7 @@ from tests.spares import implied_pool
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+NOBODY = {"Authorization": ""}  # a request without a token (the clients below send the operator's by default)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Controller:
 
 @pytest.fixture(scope="module")
 def client(controller: Controller) -> Iterator[TestClient]:
-    with TestClient(create_app(controller, TOKEN)) as c:
+    with TestClient(create_app(controller, TOKEN), headers=AUTH) as c:
         yield c
 
 
@@ -69,7 +71,7 @@ def test_a_heartbeat_with_the_token_is_taken(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}], ids=["none", "wrong", "no-bearer"]
+    "headers", [NOBODY, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}], ids=["none", "wrong", "no-bearer"]
 )
 def test_mutating_endpoints_refuse_requests_without_the_token(client: TestClient, headers: dict[str, str]) -> None:
     before = rejected(client, "auth")
@@ -225,7 +227,7 @@ def test_an_unreachable_state_store_answers_503_with_retry_after(tmp_path: Path)
     directory = tmp_path / "state"
     directory.mkdir()
     store = StateStore.open(f"sqlite:///{directory / 'opsd.db'}")
-    with TestClient(create_app(Controller(store), TOKEN)) as c:
+    with TestClient(create_app(Controller(store), TOKEN), headers=AUTH) as c:
         shutil.rmtree(directory)
         store.engine.dispose()  # no pooled connection to the old file: the next one must open it
         reply = c.get("/v1/runs")
@@ -239,7 +241,7 @@ def test_fault_injection_needs_the_local_backend(client: TestClient) -> None:
     reply = client.post("/v1/runs/job/inject", json={"fault": "kill", "rank": 0}, headers=AUTH)
     assert reply.status_code == 409
     assert client.post("/v1/runs/job/inject", json={"fault": "melt"}, headers=AUTH).status_code == 422
-    assert client.post("/v1/runs/job/inject", json={"fault": "kill"}).status_code == 401
+    assert client.post("/v1/runs/job/inject", json={"fault": "kill"}, headers=NOBODY).status_code == 401
 
 
 def samples(client: TestClient, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -253,7 +255,7 @@ def samples(client: TestClient, name: str) -> dict[tuple[tuple[str, str], ...], 
 
 def test_a_checkpoint_counts_once_every_rank_has_finished_it(tmp_path: Path) -> None:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    with TestClient(create_app(controller, TOKEN, clock=lambda: 1000.0)) as c:
+    with TestClient(create_app(controller, TOKEN, clock=lambda: 1000.0), headers=AUTH) as c:
         ranks = [
             {"run": "job", "rank": r, "step": 3, "step_s": 0.5, "compute_s": 0.4, "checkpoints": 0} for r in (0, 1)
         ]
@@ -274,7 +276,7 @@ def test_a_checkpoint_counts_once_every_rank_has_finished_it(tmp_path: Path) -> 
 
 def test_recovery_times_are_a_histogram(tmp_path: Path) -> None:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    with TestClient(create_app(controller, TOKEN)) as c:
+    with TestClient(create_app(controller, TOKEN), headers=AUTH) as c:
         c.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
         for n, took_s in enumerate((5.0, 45.0, 45.0, 4000.0)):
             i, _ = controller.store.open_incident(
@@ -309,9 +311,80 @@ def test_the_read_views_answer_for_a_run_and_404_for_others(client: TestClient) 
 
 def test_restart_needs_the_token_a_reason_and_a_backend(client: TestClient) -> None:
     client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
-    assert client.post("/v1/runs/job/restart", json={"reason": "x"}).status_code == 401
+    assert client.post("/v1/runs/job/restart", json={"reason": "x"}, headers=NOBODY).status_code == 401
     assert client.post("/v1/runs/job/restart", json={}, headers=AUTH).status_code == 422
     assert client.post("/v1/runs/nope/restart", json={"reason": "x"}, headers=AUTH).status_code == 404
     refused = client.post("/v1/runs/job/restart", json={"reason": "x"}, headers=AUTH)
     assert refused.status_code == 409
     assert "no backend" in refused.json()["detail"]
+
+
+# -- credentials by role (opsd.api.auth) ------------------------------------------------------------------------------
+ROLE_TOKENS = {"operator": "op-token", "reader": "reader-token", "agent": "agent-token", "metrics": "metrics-token"}
+ENDPOINTS = {  # endpoint class -> (method, path, body)
+    "runs": ("GET", "/v1/runs", None),
+    "run": ("GET", "/v1/runs/job", None),
+    "incidents": ("GET", "/v1/incidents", None),
+    "postmortem": ("GET", "/v1/runs/job/postmortem", None),
+    "checkpoints": ("GET", "/v1/runs/job/checkpoints", None),
+    "flight-dumps": ("GET", "/v1/runs/job/flight-recorder", None),
+    "openapi": ("GET", "/openapi.json", None),
+    "metrics": ("GET", "/metrics", None),
+    "heartbeat": ("POST", "/v1/heartbeat", heartbeat()),
+    "flight-upload": ("POST", "/v1/runs/job/flight-recorder", {"run": "job"}),  # past the token: 422
+    "cordon": ("POST", "/v1/nodes/n0/cordon", {"reason": "x"}),
+    "restart": ("POST", "/v1/runs/job/restart", {"reason": "x"}),
+    "healthz": ("GET", "/healthz", None),
+}
+READS = {"runs", "run", "incidents", "postmortem", "checkpoints", "flight-dumps", "openapi", "metrics"}
+MAY = {
+    "operator": set(ENDPOINTS),
+    "reader": READS | {"healthz"},
+    "agent": {"heartbeat", "flight-upload", "healthz"},
+    "metrics": {"metrics", "healthz"},
+    None: {"healthz"},
+}
+
+
+@pytest.fixture(scope="module")
+def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path_factory.mktemp('roles') / 'opsd.db'}"))
+    credentials = Credentials(**ROLE_TOKENS)
+    with TestClient(create_app(controller, credentials)) as c:
+        c.post("/v1/heartbeat", json=heartbeat(), headers={"Authorization": "Bearer agent-token"})
+        yield c
+
+
+@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
+@pytest.mark.parametrize("role", [None, *ROLE_TOKENS], ids=str)
+def test_each_role_may_call_what_its_role_takes_and_no_more(roles: TestClient, role: str | None, endpoint: str) -> None:
+    """Every endpoint but /healthz wants a token: no token is 401, a known token whose role may not is 403."""
+    method, path, body = ENDPOINTS[endpoint]
+    headers = {"Authorization": f"Bearer {ROLE_TOKENS[role]}"} if role else {}
+    status = roles.request(method, path, json=body, headers=headers).status_code
+    if endpoint in MAY[role]:
+        assert status not in (401, 403), (role, endpoint, status)
+    else:
+        assert status == (401 if role is None else 403), (role, endpoint, status)
+
+
+def test_refusals_are_counted_by_kind_and_tokens_are_distinct(roles: TestClient) -> None:
+    scrape = {"Authorization": "Bearer metrics-token"}
+    before = samples_with(roles, scrape)
+    roles.get("/v1/runs", headers=scrape)  # a known token, not a reader's: forbidden
+    roles.get("/v1/runs", headers={"Authorization": "Bearer nobody-knows-it"})  # unknown: auth
+    after = samples_with(roles, scrape)
+    assert after["forbidden"] == before.get("forbidden", 0) + 1
+    assert after["auth"] == before.get("auth", 0) + 1
+    with pytest.raises(ValueError, match="two roles share one"):
+        Credentials(operator="same", reader="same")
+
+
+def samples_with(client: TestClient, headers: dict[str, str]) -> dict[str, float]:
+    text = client.get("/metrics", headers=headers).text
+    return {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "opsd_controller_rejected_requests_total"
+    }

@@ -61,7 +61,8 @@ def url(controller: Controller) -> Iterator[str]:
 
 
 def opsd(*args: str, env: dict[str, str] | None = None) -> Any:
-    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", **(env or {})})
+    """The CLI, with the operators' token in $OPSD_TOKEN unless ``env`` says otherwise (every read wants one)."""
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "OPSD_TOKEN": TOKEN, **(env or {})})
 
 
 def test_read_commands_print_json_and_tables(url: str) -> None:
@@ -79,16 +80,18 @@ def test_read_commands_print_json_and_tables(url: str) -> None:
 
 
 def test_the_url_and_token_come_from_the_environment_or_a_config_file(url: str, tmp_path: Path) -> None:
-    denied = opsd("cordon", "n0", "--reason", "bad DIMM", "--url", url, "--state-dir", str(tmp_path))
+    no_token = {"OPSD_TOKEN": ""}
+    denied = opsd("cordon", "n0", "--reason", "bad DIMM", "--url", url, "--state-dir", str(tmp_path), env=no_token)
     assert denied.exit_code == 1
     assert "401" in denied.output
     config = tmp_path / "config.toml"
     config.write_text(f'url = "{url}"\ntoken = "{TOKEN}"\n')
-    done = opsd("cordon", "n0", "--reason", "bad DIMM", "--config", str(config))
+    done = opsd("cordon", "n0", "--reason", "bad DIMM", "--config", str(config), env=no_token)
     assert (done.exit_code, done.stdout.strip()) == (0, "n0: cordoned")
-    missing = opsd("uncordon", "n0", env={"OPSD_URL": url, "OPSD_CONFIG": str(tmp_path / "none")})
+    missing = opsd("uncordon", "n0", env={"OPSD_URL": url, "OPSD_CONFIG": str(tmp_path / "none"), **no_token})
     assert missing.exit_code == 2  # a config file named but missing is a usage error
     assert "does not exist" in missing.output
+    assert "401" in opsd("runs", "--url", url, env=no_token).output  # reads want a token too
     back = opsd("uncordon", "n0", env={"OPSD_URL": url, "OPSD_TOKEN": TOKEN})
     assert (back.exit_code, back.stdout.strip()) == (0, "n0: spare")
 

@@ -121,7 +121,13 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
     stdout, stderr = tmp / "demo.out", tmp / "demo.err"
     targets = prom_dir / "targets.json"
     with (
-        PrometheusServer(prom_dir, targets=[], scrape_interval_s=SCRAPE_INTERVAL_S, file_sd=targets) as prom,
+        PrometheusServer(
+            prom_dir,
+            targets=[],
+            scrape_interval_s=SCRAPE_INTERVAL_S,
+            file_sd=targets,
+            credentials_file=work / "state" / "token",  # the demo controller's token: its /metrics wants it
+        ) as prom,
         OtlpReceiver() as otlp,
     ):
         started = time.time()
@@ -208,13 +214,13 @@ def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_step
     state = demo.work / "state"
     controller = Controller(StateStore.open(f"sqlite:///{state / 'opsd.db'}"))
     port = free_port()
-    server = start_api(controller, "unused", "127.0.0.1", port)
+    server = start_api(controller, "demo-reader", "127.0.0.1", port)
     try:
         url = f"http://127.0.0.1:{port}"
         until_up(url)
         (incident,) = [i for i in controller.store.incidents(RUN) if i.kind == "fatal_xid"]
         runner = CliRunner()
-        md = runner.invoke(app, ["postmortem", RUN, str(incident.id), "--url", url])
+        md = runner.invoke(app, ["postmortem", RUN, str(incident.id), "--url", url, "--token", "demo-reader"])
         assert md.exit_code == 0, md.output
         text = md.stdout
         assert "XID 79 (GPU has fallen off the bus) on GPU 0 of node-1" in text
@@ -225,10 +231,12 @@ def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_step
         assert f"**lost steps**: {result['lost_steps']}" in text
         assert f"step {result['resumed_from_step']}" in text.split("### Resumed from")[1]
         page = demo.work / "postmortem.html"
-        html = runner.invoke(app, ["postmortem", RUN, "--format", "html", "--out", str(page), "--url", url])
+        html = runner.invoke(
+            app, ["postmortem", RUN, "--format", "html", "--out", str(page), "--url", url, "--token", "demo-reader"]
+        )
         assert html.exit_code == 0, html.output
         assert page.read_text().count("data:image/png;base64,") >= 2
-        listed = runner.invoke(app, ["checkpoints", RUN, "--json", "--url", url])
+        listed = runner.invoke(app, ["checkpoints", RUN, "--json", "--url", url, "--token", "demo-reader"])
         committed = [c for c in json.loads(listed.stdout)["checkpoints"] if c["state"] == "committed"]
         assert committed[0]["step"] == result["final_step"]  # newest first; the older ones retired
     finally:

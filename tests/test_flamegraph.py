@@ -473,7 +473,7 @@ def test_each_launch_keeps_its_collective_time_and_figures_after_the_run_and_a_r
     assert status["run_average"]["mfu_ratio"] == pytest.approx((0.4 + 0.5 + 0.3) / 3)
     (one, two) = store.launches("r")
     assert (one.first_step, one.last_step, two.first_step, two.last_step) == (5, 9, 8, 8)
-    client = TestClient(create_app(restarted, TOKEN))
+    client = TestClient(create_app(restarted, TOKEN), headers={"Authorization": f"Bearer {TOKEN}"})
     answer = client.get("/v1/runs/r/flamegraph", params={"launch": 2})
     assert parse_folded(answer.text) == {("step", "backward", "tp", "all_reduce"): 2_000_000}
     assert client.get("/v1/runs/r/flamegraph", params={"launch": 0}).status_code == 422
@@ -486,7 +486,8 @@ def node_state(comms: list[list[Any]]) -> NodeState:
 
 
 def get(url: str) -> tuple[str, str]:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})  # reads want the token
+    with urllib.request.urlopen(request, timeout=5) as reply:
         return reply.headers["Content-Type"], reply.read().decode()
 
 

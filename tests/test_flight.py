@@ -305,7 +305,7 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
     assert (controller.heartbeat(heartbeat, time.time()).policy or {})["commands"] == []  # withdrawn: agents rewrite
     assert (uploader.ok, list((tmp_path / "flight").iterdir())) == (2, [])  # delivered: files and directories gone
 
-    with TestClient(create_app(controller, TOKEN)) as client:
+    with TestClient(create_app(controller, TOKEN), headers={"Authorization": f"Bearer {TOKEN}"}) as client:
         analysis = client.get(f"/v1/runs/{RUN}/flight-recorder").json()[trigger]
         assert (analysis["incident_id"], analysis["ranks_expected"], analysis["ranks_dumped"]) == (
             incident,
@@ -366,8 +366,8 @@ def test_the_controller_validates_dumps_and_counts_the_bad_ones(controller: Cont
     ]
     auth = {"Authorization": f"Bearer {TOKEN}"}
     url = f"/v1/runs/{RUN}/flight-recorder"
-    with TestClient(create_app(controller, TOKEN)) as client:
-        assert client.post(url, content=json.dumps(small_dump())).status_code == 401
+    with TestClient(create_app(controller, TOKEN), headers=auth) as client:
+        assert client.post(url, content=json.dumps(small_dump()), headers={"Authorization": ""}).status_code == 401
         for body in bad:
             reply = client.post(url, content=body, headers=auth)
             assert reply.status_code == 422, (body[:80], reply.text)

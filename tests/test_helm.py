@@ -13,6 +13,7 @@ and the JobSet example of docs/kubernetes.md.
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import importlib.util
 import json
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import textwrap
 import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,10 +40,14 @@ from yamllint import linter as yamllint_linter  # type: ignore[import-untyped]
 from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from agent.daemon import Agent, AgentConfig
+from opsd.backends.kubernetes.credentials import main as credentials_main
 from opsd.backends.local.processes import free_port
 from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from tests.kube.emulator import KubeEmulator
+from tests.kube.training import kubeconfig
+from tests.pod_security import api_refusals, level_of, violations
 
 Obj = dict[str, Any]
 
@@ -56,6 +62,8 @@ RELEASE = "opsd"
 NAMESPACE = "opsd"
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # the chart's kubeVersion floor, and the newest kubernetes-validate knows
 MONITORING_API = "monitoring.coreos.com/v1"
+# `helm lint` has no --api-versions: the chart's apiVersions value tells it (and any render without a cluster)
+API_ARGS = ("--set-json", f'apiVersions=["{MONITORING_API}"]')
 MONITORING_KINDS = {"serviceMonitor": "ServiceMonitor", "podMonitor": "PodMonitor", "prometheusRule": "PrometheusRule"}
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
@@ -134,14 +142,6 @@ def parse(manifest: str) -> list[Obj]:
 
 
 @pytest.fixture(scope="module")
-def helm() -> Helm:
-    path = find_helm()
-    if path is None:
-        pytest.skip("no helm: run `python tools/install_helm.py .venv/bin/helm` (make does), or set OPSD_HELM")
-    return Helm(path)
-
-
-@pytest.fixture(scope="module")
 def renders(helm: Helm) -> dict[Combo, list[Obj]]:
     """Every combination rendered once (two at a time: helm is quick, the machine is small)."""
 
@@ -183,19 +183,44 @@ def secret_ref(c: Obj, name: str) -> tuple[str, str]:
 
 def pod_templates(docs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
     for d in docs:
-        if d["kind"] in ("Deployment", "DaemonSet"):
+        if d["kind"] in ("StatefulSet", "DaemonSet"):
             yield d, d["spec"]["template"]
 
 
 # -- lint and render matrix --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kube", KUBE_VERSIONS)
-@pytest.mark.parametrize("values", VALUE_SETS)
-def test_lint_strict(helm: Helm, values: str, kube: str) -> None:
-    proc = helm.run("lint", "--strict", "--namespace", NAMESPACE, "--kube-version", kube, *values_args(values))
+LINTS = [Combo(v, KUBE_VERSIONS[0], False) for v in VALUE_SETS] + [
+    Combo(v, KUBE_VERSIONS[-1], True) for v in VALUE_SETS
+]
+
+
+@pytest.mark.parametrize("combo", LINTS, ids=lambda c: c.id)
+def test_lint_strict(helm: Helm, combo: Combo) -> None:
+    """Each values set at the oldest Kubernetes without the monitors' API, and at the newest with it (told through
+    apiVersions: lint renders and checks the monitors too)."""
+    api = API_ARGS if combo.api else ()
+    proc = helm.run(
+        "lint", "--strict", "--namespace", NAMESPACE, "--kube-version", combo.kube, *api, *values_args(combo.values)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
+
+
+def test_lint_refuses_what_template_refuses(helm: Helm) -> None:
+    """`helm lint` lets `fail` pass: the chart's refusals stop it all the same, and apiVersions stands for
+    --api-versions."""
+    forced = ("--set", "monitoring.serviceMonitor.enabled=true")
+    lint = helm.run("lint", "--strict", *forced)
+    assert lint.returncode != 0
+    assert "monitoring.serviceMonitor.enabled is true" in lint.stdout + lint.stderr
+    assert helm.template(*forced, api=False).returncode != 0
+    assert helm.run("lint", "--strict", *forced, *API_ARGS).returncode == 0
+    kinds = {d["kind"] for d in parse(helm.template(*forced, *API_ARGS, api=False).stdout)}
+    assert "ServiceMonitor" in kinds  # a render without a cluster, told by the values
+    lint = helm.run("lint", "--strict", "--set", "controller.replicas=2")
+    assert lint.returncode != 0
+    assert "controller.replicas is 2" in lint.stdout + lint.stderr
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
@@ -299,39 +324,64 @@ def test_no_wildcard_in_rbac(renders: dict[Combo, list[Obj]], combo: Combo) -> N
                     assert not any("*" in item for item in rule.get(field, [])), (d["metadata"]["name"], rule)
 
 
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: c.id)
+def test_pod_security_levels_of_the_charts_pods(renders: dict[Combo, list[Obj]], combo: Combo) -> None:
+    """The controller and the `helm test` pod fit Pod Security "restricted"; the agent needs "privileged", for the
+    reasons docs/kubernetes.md gives: its transport (host ports, the node's network, or a hostPath) and, with
+    gpuAccess privileged or hostDriver, a privileged container with the host's driver mounted."""
+    agent = values_of(combo.values).get("agent", {})
+    transport, access = agent.get("transport", "hostPort"), agent.get("gpuAccess", "runtime")
+    expected = {"hostPort": {"Host ports"}, "hostNetwork": {"Host namespaces"}, "hostPath": {"HostPath volumes"}}
+    for d in renders[combo]:
+        if d["kind"] in ("StatefulSet", "Job", "Pod"):
+            spec = d["spec"] if d["kind"] == "Pod" else d["spec"]["template"]["spec"]
+            assert violations(spec, "restricted") == [], d["metadata"]["name"]
+        elif d["kind"] == "DaemonSet":
+            spec = d["spec"]["template"]["spec"]
+            controls = {v.split(":")[0] for v in violations(spec, "baseline")}
+            wanted = set(expected[transport])
+            if access != "runtime":
+                wanted.add("Privileged containers")
+            if access == "hostDriver":
+                wanted.add("HostPath volumes")
+            assert controls == wanted
+            assert level_of(spec) == "privileged"
+            assert api_refusals(spec) == []
+
+
 # -- what the default values render ------------------------------------------------------------------------------------
 
 
-def grants(role: Obj) -> dict[tuple[str, str], list[str]]:
-    out: dict[tuple[str, str], list[str]] = {}
+def grants(role: Obj) -> dict[tuple[str, str, tuple[str, ...]], list[str]]:
+    """(API group, resource, resourceNames) -> verbs, each once."""
+    out: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
     for rule in role["rules"]:
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                key = (group, resource)
+                key = (group, resource, tuple(rule.get("resourceNames") or ()))
                 assert key not in out, f"{key} granted twice"
                 out[key] = rule["verbs"]
     return out
 
 
-CLUSTER_GRANTS = {
-    ("", "nodes"): ["get", "list", "watch", "patch", "update"],
-    ("", "pods"): ["get", "list", "watch", "delete"],
-    ("", "pods/eviction"): ["create"],
-    ("", "events"): ["create", "patch"],
-    ("events.k8s.io", "events"): ["create", "patch"],
-    ("jobset.x-k8s.io", "jobsets"): ["get", "list", "watch"],
-    ("batch", "jobs"): ["get", "list", "watch"],
+RUNS_GRANTS = {  # where the runs are: every namespace, or controller.config.kubernetes.watch_namespace
+    ("", "pods", ()): ["list", "watch", "delete"],
+    ("", "pods/eviction", ()): ["create"],
+    ("jobset.x-k8s.io", "jobsets", ()): ["get", "list", "watch"],
+    ("", "events", ()): ["create", "get"],
+}
+NODE_GRANTS = {("", "nodes", ()): ["get", "list", "watch", "update"]}  # replaced whole: no patch
+LEADER_GRANTS = {
+    ("coordination.k8s.io", "leases", ()): ["create"],
+    ("coordination.k8s.io", "leases", ("opsd-leader",)): ["get", "update"],
+    ("", "pods", ("opsd-controller-0",)): ["patch"],  # its own pod's opsd.io/role label, and no other pod
 }
 
 
-def test_rbac_grants_exactly_what_the_backend_needs(default: list[Obj]) -> None:
-    cluster_role = one(default, "ClusterRole", "opsd-controller")
-    assert grants(cluster_role) == CLUSTER_GRANTS
-    role = one(default, "Role", "opsd-leader-election")
-    assert grants(role) == {
-        ("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update"],
-        ("", "pods"): ["patch"],  # its own pod's opsd.io/role label
-    }
+def test_rbac_grants_what_the_backend_calls(default: list[Obj]) -> None:
+    """The rules as tests/test_rbac.py proves them from the calls (the emulated API server's request log)."""
+    assert grants(one(default, "ClusterRole", "opsd-controller")) == NODE_GRANTS | RUNS_GRANTS
+    assert grants(one(default, "Role", "opsd-leader-election")) == LEADER_GRANTS
     subject = [{"kind": "ServiceAccount", "name": "opsd-controller", "namespace": NAMESPACE}]
     binding = one(default, "ClusterRoleBinding", "opsd-controller")
     assert binding["roleRef"] == {
@@ -343,36 +393,58 @@ def test_rbac_grants_exactly_what_the_backend_needs(default: list[Obj]) -> None:
     role_binding = one(default, "RoleBinding", "opsd-leader-election")
     assert role_binding["roleRef"]["name"] == "opsd-leader-election"
     assert role_binding["subjects"] == subject
-    deployment = one(default, "Deployment")
-    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "opsd-controller"
+    controller = one(default, "StatefulSet")
+    assert controller["spec"]["template"]["spec"]["serviceAccountName"] == "opsd-controller"
     one(default, "ServiceAccount", "opsd-controller")
+
+
+def test_a_controller_that_watches_one_namespace_may_act_in_that_one_only(helm: Helm) -> None:
+    docs = helm.render("--set", "controller.config.kubernetes.watch_namespace=training")
+    assert grants(one(docs, "ClusterRole", "opsd-controller")) == NODE_GRANTS
+    runs = one(docs, "Role", "opsd-controller-runs")
+    assert runs["metadata"]["namespace"] == "training"
+    assert grants(runs) == RUNS_GRANTS
+    node_events = one(docs, "Role", "opsd-controller-node-events")
+    assert node_events["metadata"]["namespace"] == "default"  # where a cluster-scoped object's Events live
+    assert grants(node_events) == {("", "events", ()): ["create"]}
+    for name in ("opsd-controller-runs", "opsd-controller-node-events"):
+        assert one(docs, "RoleBinding", name)["subjects"][0]["name"] == "opsd-controller"
+    two = helm.render("--set", "controller.replicas=2", "--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd")
+    pods = grants(one(two, "Role", "opsd-leader-election"))
+    assert pods[("", "pods", ("opsd-controller-0", "opsd-controller-1"))] == ["patch"]
 
 
 def test_rbac_without_pod_delete_and_without_leader_election(renders: dict[Combo, list[Obj]]) -> None:
     no_delete = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
-    assert grants(one(no_delete, "ClusterRole"))[("", "pods")] == ["get", "list", "watch"]
+    assert grants(one(no_delete, "ClusterRole"))[("", "pods", ())] == ["list", "watch"]
     no_election = renders[Combo("agent-custom-values.yaml", "1.37.0", True)]
-    assert objects(no_election, "Role") == objects(no_election, "RoleBinding") == []
+    assert [r["metadata"]["name"] for r in objects(no_election, "Role")] == ["trainops-credentials"]  # the hook's
+    assert not [b for b in objects(no_election, "RoleBinding") if "leader" in b["metadata"]["name"]]
     settings = yaml.safe_load(one(no_election, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["controller"]["kubernetes"]["leader_election"] is False
     service = [s for s in objects(no_election, "Service") if "controller" in s["metadata"]["name"]]
     assert [s["spec"]["selector"].get("opsd.io/role") for s in service] == [None]  # one replica: always it
 
 
-def test_controller_deployment(default: list[Obj]) -> None:
-    deployment = one(default, "Deployment", "opsd-controller")
-    spec = deployment["spec"]
+def test_controller_statefulset(default: list[Obj]) -> None:
+    controller = one(default, "StatefulSet", "opsd-controller")
+    spec = controller["spec"]
     pod = spec["template"]["spec"]
-    c = container(deployment)
+    c = container(controller)
     assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}  # SQLite on one volume
+    # pods of known names (the leader-election Role names them), replaced one at a time: the old one gone first
+    assert (spec["serviceName"], spec["podManagementPolicy"]) == ("opsd-controller", "Parallel")
+    assert spec["updateStrategy"] == {"type": "RollingUpdate"}
     assert c["image"] == "opsd:0.1.0"  # the tag defaults to the chart's appVersion
     assert c["command"] == ["opsd"]
     assert c["args"] == ["serve", "--config", "/etc/opsd/opsd.yaml", "--backend", "kubernetes"]
     assert c["ports"] == [{"name": "http", "containerPort": 8470, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-token", "token")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-credentials", "operator")  # a token per role of the API
+    assert secret_ref(c, "OPSD_CONTROLLER_READER_TOKEN") == ("opsd-credentials", "reader")
+    assert secret_ref(c, "OPSD_CONTROLLER_AGENT_TOKEN") == ("opsd-credentials", "agent")
+    assert secret_ref(c, "OPSD_CONTROLLER_METRICS_TOKEN") == ("opsd-credentials", "metrics")
     assert env(c)["OPSD_STATE_DIR"]["value"] == "/var/lib/opsd"
     assert env(c)["OPSD_CONTROLLER_KUBERNETES_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "OPSD_STATE_URL" not in env(c)
@@ -397,7 +469,7 @@ def test_controller_deployment(default: list[Obj]) -> None:
 def test_controller_service_and_disruption_budget(default: list[Obj]) -> None:
     service = one(default, "Service", "opsd-controller")
     assert service["spec"]["ports"] == [{"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"}]
-    pod_labels = one(default, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod_labels = one(default, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     selector = dict(service["spec"]["selector"])
     assert selector.pop("opsd.io/role") == "leader"  # set at run time by the replica that leads
     assert selector.items() <= pod_labels.items()
@@ -422,18 +494,20 @@ def test_settings_file(default: list[Obj]) -> None:
             "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
             "kubernetes": {
                 "namespace": NAMESPACE,
+                "node_selector": "nvidia.com/gpu.present=true",
                 "lease_name": "opsd-leader",
                 "leader_election": True,
                 "quarantines_per_hour": 4,
             },
         },
         "agent": {
-            "socket": "/run/opsd/agent.sock",
+            "socket": "/tmp/opsd-agent.sock",  # in the pod's own /tmp: the ranks send to the node's address
             "metrics_host": "0.0.0.0",
             "metrics_port": 9464,
+            "datagram_host": "0.0.0.0",
+            "datagram_port": 9465,
             "gpu_source": "nvml",
-            "policy_file": "/run/opsd/policy.json",
-            "flight_dir": "/run/opsd/flight",
+            "flight_dir": "/var/spool/opsd/flight",
             "heartbeat_interval_s": 1,
         },
     }
@@ -458,7 +532,7 @@ def test_opsd_reads_the_rendered_settings_and_every_variable_the_chart_sets(
     settings.load("agent", str(path), env={})
     known = {k.env for section in settings.SECTIONS for k in settings.keys(section)}
     known |= {v for k, v in vars(opsd_env).items() if k.endswith("_ENV") and isinstance(v, str)}
-    for workload in (*objects(docs, "Deployment"), *objects(docs, "DaemonSet")):
+    for workload in (*objects(docs, "StatefulSet"), *objects(docs, "DaemonSet")):
         names = {n for n in env(container(workload)) if n.startswith("OPSD_")}
         assert names <= known, (workload["metadata"]["name"], sorted(names - known))
 
@@ -475,17 +549,23 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     assert pod["serviceAccountName"] == "opsd-agent"
     assert c["command"] == ["opsd"]
     assert c["args"] == ["agent", "--config", "/etc/opsd/opsd.yaml"]
-    assert c["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+    assert c["ports"] == [  # the node's ports: the ranks reach the agent at their pod's status.hostIP
+        {"name": "metrics", "containerPort": 9464, "hostPort": 9464, "protocol": "TCP"},
+        {"name": "datagrams", "containerPort": 9465, "hostPort": 9465, "protocol": "UDP"},
+    ]
+    assert "hostNetwork" not in pod
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     variables = env(c)
     assert variables["OPSD_AGENT_NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert variables["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://opsd-controller:8470/v1/heartbeat"
-    assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-token", "token")
+    assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")  # heartbeats only
+    assert secret_ref(c, "OPSD_AGENT_METRICS_TOKEN") == ("opsd-credentials", "metrics")
     assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert variables["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts["/run/opsd"]]["hostPath"] == {"path": "/run/opsd", "type": "DirectoryOrCreate"}
+    assert volumes[mounts["/var/spool/opsd"]]["emptyDir"] == {}  # the dumps the ranks send, until uploaded
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
     assert volumes[mounts["/etc/opsd"]]["configMap"] == {"name": "opsd-config"}
     assert volumes[mounts["/tmp"]]["emptyDir"] == {}
     security = c["securityContext"]
@@ -520,15 +600,91 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     assert pod["runtimeClassName"] == "nvidia"
     assert daemonset["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": "10%"}
     run = next(v for v in pod["volumes"] if v["name"] == "run")
-    assert run["hostPath"] == {"path": "/var/run/opsd", "type": "DirectoryOrCreate"}
+    assert run["hostPath"] == {"path": "/var/run/opsd", "type": "DirectoryOrCreate"}  # transport: hostPath
     c = container(daemonset)
     assert next(m for m in c["volumeMounts"] if m["name"] == "run")["mountPath"] == "/run/opsd"
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]  # no host port
     assert env(c)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://trainops-controller:8470/v1/heartbeat"
     assert env(c)["PYTHONFAULTHANDLER"]["value"] == "1"
     settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["agent"]["heartbeat_interval_s"] == 2
     assert settings["agent"]["gpu_interval_s"] == 10
     assert settings["agent"]["gpu_source"] == "nvml"
+    assert settings["controller"]["kubernetes"]["node_selector"] == "cloud.example.com/pool=h100"
+    assert (settings["agent"]["socket"], settings["agent"]["policy_file"]) == (
+        "/run/opsd/agent.sock",
+        "/run/opsd/policy.json",
+    )
+    assert "datagram_port" not in settings["agent"]
+
+
+def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
+    """gpuNodeSelector is both the agents' nodeSelector and the nodes the controller manages; the controller's own
+    key is refused, so that the two cannot disagree."""
+    docs = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null, "pool": "a", "gen": "h100"}')
+    assert one(docs, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a", "gen": "h100"}
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["node_selector"] == "gen=h100,pool=a"
+    every = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null}')
+    assert "nodeSelector" not in one(every, "DaemonSet")["spec"]["template"]["spec"]
+    every_settings = yaml.safe_load(one(every, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert every_settings["controller"]["kubernetes"]["node_selector"] == ""
+    proc = helm.template("--set", "controller.config.kubernetes.node_selector=pool=b")
+    assert proc.returncode != 0
+    assert "the GPU nodes are gpuNodeSelector" in proc.stderr
+
+
+GPU_ACCESS = {
+    "runtime": "default",
+    "privileged": "kube-prometheus-stack-values.yaml",
+    "hostDriver": "postgres-ha-values.yaml",
+}
+
+
+@pytest.mark.parametrize("access", sorted(GPU_ACCESS))
+def test_each_gpu_access_renders_an_agent_the_api_server_accepts(renders: dict[Combo, list[Obj]], access: str) -> None:
+    """agent.gpuAccess is the one value: the NVIDIA runtime, a privileged container (without the
+    allowPrivilegeEscalation: false the API server refuses beside it), or the host's driver mounted."""
+    values = GPU_ACCESS[access]
+    assert values_of(values).get("agent", {}).get("gpuAccess", "runtime") == access
+    daemonset = one(renders[Combo(values, "1.37.0", True)], "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert api_refusals(pod) == []
+    c = container(daemonset)  # (kubernetes-validate --strict checks it with the matrix)
+    security, variables = c["securityContext"], env(c)
+    assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert security["readOnlyRootFilesystem"] is True
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if access == "runtime":
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert "privileged" not in security
+    else:
+        assert security["privileged"] is True
+        assert "allowPrivilegeEscalation" not in security
+        assert "capabilities" not in security
+    if access == "hostDriver":
+        assert volumes["nvidia-driver"]["hostPath"] == {"path": "/home/kubernetes/bin/nvidia", "type": "Directory"}
+        assert mounts["nvidia-driver"] == {"name": "nvidia-driver", "mountPath": "/usr/local/nvidia", "readOnly": True}
+        assert variables["LD_LIBRARY_PATH"]["value"] == "/usr/local/nvidia/lib64"
+    else:
+        assert "nvidia-driver" not in volumes
+        assert "LD_LIBRARY_PATH" not in variables
+
+
+def test_a_privileged_agent_set_by_hand_is_refused(helm: Helm) -> None:
+    """agent.securityContext.privileged beside the default allowPrivilegeEscalation: false is what the API server
+    refuses (the check below proves it); the chart refuses it first and names the value to use."""
+    proc = helm.template("--set", "agent.securityContext.privileged=true")
+    assert proc.returncode != 0
+    assert 'set agent.gpuAccess to \\"privileged\\"' in proc.stderr or "set agent.gpuAccess to" in proc.stderr
+    merged = {
+        "containers": [{"name": "agent", "securityContext": {"privileged": True, "allowPrivilegeEscalation": False}}]
+    }
+    assert api_refusals(merged) == [
+        "containers[agent]: cannot set allowPrivilegeEscalation to false and privileged to true"
+    ]
 
 
 def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
@@ -537,8 +693,8 @@ def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
     assert not kinds & {"DaemonSet", "PodDisruptionBudget", "PersistentVolumeClaim", "PodMonitor"}
     assert [s["metadata"]["name"] for s in objects(docs, "Service")] == ["opsd-controller"]
     assert [c["metadata"]["name"] for c in objects(docs, "ConfigMap")] == ["opsd-config"]  # no dashboards
-    deployment = one(docs, "Deployment")
-    state = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
+    controller = one(docs, "StatefulSet")
+    state = next(v for v in controller["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
     assert state == {"name": "state", "emptyDir": {}}
     assert "AGENT_METRICS" not in env(one(docs, "Pod")["spec"]["containers"][0])
 
@@ -547,22 +703,33 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
     docs = renders[Combo("postgres-ha-values.yaml", "1.29.0", False)]
     assert objects(docs, "Secret") == []  # every credential comes from an existing Secret
     assert objects(docs, "PersistentVolumeClaim") == []
-    deployment = one(docs, "Deployment")
-    spec = deployment["spec"]
+    controller = one(docs, "StatefulSet")
+    spec = controller["spec"]
     assert spec["replicas"] == 2
-    assert spec["strategy"]["type"] == "RollingUpdate"
-    c = container(deployment)
+    assert spec["updateStrategy"]["type"] == "RollingUpdate"  # one replica at a time: the other serves
+    c = container(controller)
     assert c["image"] == "registry.example.com/ml/opsd@sha256:" + "0123456789abcdef" * 4
     assert spec["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert secret_ref(c, "OPSD_STATE_URL") == ("opsd-db", "dsn")
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-api", "api-token")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-api", "operator-token")
+    assert secret_ref(c, "OPSD_CONTROLLER_READER_TOKEN") == ("opsd-api", "reader-token")
     assert secret_ref(c, "AWS_ACCESS_KEY_ID") == ("opsd-s3", "AWS_ACCESS_KEY_ID")
     assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-s3", "AWS_SECRET_ACCESS_KEY")
     assert secret_ref(c, "AWS_ENDPOINT_URL_S3") == ("opsd-s3", "AWS_ENDPOINT_URL_S3")
     assert env(c)["AWS_ENDPOINT_URL_S3"]["valueFrom"]["secretKeyRef"]["optional"] is True
     state = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == "state")
     assert state == {"name": "state", "emptyDir": {}}
-    assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "api-token")
+    daemonset = one(docs, "DaemonSet")
+    assert secret_ref(container(daemonset), "OPSD_CONTROLLER_TOKEN") == ("opsd-api", "agent-token")
+    agent_pod = daemonset["spec"]["template"]["spec"]
+    assert (agent_pod["hostNetwork"], agent_pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert [(p["containerPort"], p["protocol"]) for p in container(daemonset)["ports"]] == [
+        (19464, "TCP"),
+        (19465, "UDP"),
+    ]
+    agent_settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])["agent"]
+    assert (agent_settings["metrics_port"], agent_settings["datagram_port"]) == (19464, 19465)
+    assert env(one(docs, "Pod")["spec"]["containers"][0])["AGENTS"]["value"] == "opsd-agent:19464"
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
     settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
@@ -573,16 +740,18 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
 def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> None:
     docs = renders[Combo("sqlite-persistence-values.yaml", "1.37.0", False)]
     secrets = {s["metadata"]["name"]: s for s in objects(docs, "Secret")}
-    assert set(secrets) == {"opsd-gpuops-token", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
+    assert set(secrets) == {"opsd-gpuops-credentials", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
     decoded = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-s3"]["data"].items()}
     assert decoded == {
         "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
         "AWS_SECRET_ACCESS_KEY": "example-secret",
         "AWS_ENDPOINT_URL_S3": "http://minio.storage.svc:9000",
     }
-    assert base64.b64decode(secrets["opsd-gpuops-token"]["data"]["token"]).decode() == "not-a-real-token"
-    c = container(one(docs, "Deployment", "opsd-gpuops-controller"))
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-token", "token")
+    tokens = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-credentials"]["data"].items()}
+    assert tokens == {role: f"not-a-real-{role}-token" for role in ("operator", "reader", "agent", "metrics")}
+    assert not objects(docs, "Job")  # the tokens are given: no hook makes them
+    c = container(one(docs, "StatefulSet", "opsd-gpuops-controller"))
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-credentials", "operator")
     assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-gpuops-s3", "AWS_SECRET_ACCESS_KEY")
     assert c["args"][-2:] == ["--log-level", "DEBUG"]
     pvc = one(docs, "PersistentVolumeClaim", "opsd-gpuops-state")
@@ -593,9 +762,123 @@ def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> Non
     assert settings["controller"]["kubernetes"]["lease_name"] == "opsd-lock"
 
 
-def test_random_token_when_none_is_given(default: list[Obj]) -> None:
-    token = base64.b64decode(one(default, "Secret", "opsd-token")["data"]["token"]).decode()
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+def rolling(docs: list[Obj]) -> dict[str, str]:
+    """The credentials' checksum on each workload's pods (a change rolls them)."""
+    return {
+        d["kind"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/credentials"]
+        for d in docs
+        if d["kind"] in ("StatefulSet", "DaemonSet")
+    }
+
+
+TOKENS = [f"--set=auth.tokens.{role}={role}-secret-1" for role in ("operator", "reader", "agent", "metrics")]
+
+
+def test_no_token_in_the_renders_and_a_hook_makes_them_once(helm: Helm, kube: KubeEmulator, tmp_path: Path) -> None:
+    """Without tokens the manifests hold none: two renders are the same, byte for byte; the pre-install hook Job makes
+    the Secret, and its command, run here on the emulated API server, makes it once and keeps it."""
+    first, second = helm.template(), helm.template()
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    docs = parse(first.stdout)
+    assert [s["metadata"]["name"] for s in objects(docs, "Secret")] == []  # no credentials, no other Secret
+    job = one(docs, "Job", "opsd-credentials")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert violations(job["spec"]["template"]["spec"], "restricted") == []
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:3] == ["python", "-m", "opsd.backends.kubernetes.credentials"]
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    config = ["--kubeconfig", str(kubeconfig(kube, tmp_path / "kubeconfig"))]
+    assert credentials_main([*c["command"][3:], *config]) == 0  # helm install
+    made = kube.get("secrets", NAMESPACE, "opsd-credentials")
+    assert made is not None
+    assert credentials_main([*c["command"][3:], *config]) == 0  # helm upgrade
+    assert kube.get("secrets", NAMESPACE, "opsd-credentials")["data"] == made["data"]  # type: ignore[index]
+    assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")
+    assert secret_ref(container(one(docs, "StatefulSet")), "OPSD_TOKEN") == ("opsd-credentials", "operator")
+    assert set(made["data"]) == {"operator", "reader", "agent", "metrics"}
+    bumped = parse(helm.template("--set", "auth.generation=2").stdout)
+    assert rolling(bumped) != rolling(docs)  # a new generation: new tokens, the pods roll onto them
+    command = container(one(bumped, "Job"))["command"]
+    assert command[command.index("--generation") + 1] == "2"
+
+
+def test_tokens_given_render_the_same_secret_twice_and_a_change_rolls_the_pods(helm: Helm) -> None:
+    first, second = helm.render(*TOKENS), helm.render(*TOKENS)
+    secret = one(first, "Secret", "opsd-credentials")
+    assert secret == one(second, "Secret", "opsd-credentials")
+    assert base64.b64decode(secret["data"]["reader"]).decode() == "reader-secret-1"
+    assert not objects(first, "Job")
+    assert rolling(first) == rolling(second)
+    changed = helm.render(*TOKENS[:2], "--set=auth.tokens.agent=agent-secret-2", TOKENS[3])
+    assert set(rolling(changed)) == {"StatefulSet", "DaemonSet"}
+    for kind, checksum in rolling(changed).items():
+        assert checksum != rolling(first)[kind], kind
+    existing = helm.render("--set", "auth.existingSecret=ours")
+    assert not objects(existing, "Job")
+    assert secret_ref(container(one(existing, "StatefulSet")), "OPSD_TOKEN") == ("ours", "operator")
+    assert rolling(helm.render("--set", "auth.existingSecret=ours", "--set", "auth.generation=2")) != rolling(existing)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--set", "auth.tokens.operator=x"], "give all four tokens", id="one-of-four"),
+        pytest.param([*TOKENS[:3], "--set=auth.tokens.metrics=agent-secret-1"], "a token of its own", id="shared"),
+        pytest.param([*TOKENS, "--set", "auth.existingSecret=ours"], "both set", id="both"),
+    ],
+)
+def test_credentials_refusals(helm: Helm, args: list[str], message: str) -> None:
+    proc = helm.template(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_network_policies_let_in_what_the_pods_serve(default: list[Obj], renders: dict[Combo, list[Obj]]) -> None:
+    controller = one(default, "NetworkPolicy", "opsd-controller")["spec"]
+    (api,) = controller["ingress"]
+    assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert api["from"] == [
+        {"podSelector": {}},  # the release namespace: agents, helm test, the other replica
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},  # Prometheus
+    ]
+    agent = one(default, "NetworkPolicy", "opsd-agent")["spec"]
+    ranks, prometheus = agent["ingress"]
+    assert ranks["ports"] == [{"port": "metrics", "protocol": "TCP"}, {"port": "datagrams", "protocol": "UDP"}]
+    assert {"namespaceSelector": {}} in ranks["from"]  # the training pods, wherever they run (networkPolicy.ranksFrom)
+    assert prometheus["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    names = {p["name"] for p in container(one(default, "DaemonSet"))["ports"]}
+    assert {p["port"] for rule in agent["ingress"] for p in rule["ports"]} <= names  # named ports that exist
+    assert agent["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "agent"
+    production = renders[Combo("postgres-ha-values.yaml", "1.37.0", True)]
+    assert [p["metadata"]["name"] for p in objects(production, "NetworkPolicy")] == ["opsd-controller"]  # hostNetwork
+    (api,) = one(production, "NetworkPolicy")["spec"]["ingress"]
+    assert {"ipBlock": {"cidr": "10.128.0.0/16"}} in api["from"]  # the nodes' addresses: the agents
+    assert objects(renders[Combo("default", "1.29.0", False)], "NetworkPolicy")
+
+
+def test_the_api_over_https(renders: dict[Combo, list[Obj]], helm: Helm) -> None:
+    docs = renders[Combo("postgres-ha-values.yaml", "1.37.0", True)]
+    c = container(one(docs, "StatefulSet"))
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])["controller"]
+    assert (settings["tls_certfile"], settings["tls_keyfile"]) == ("/etc/opsd/tls/tls.crt", "/etc/opsd/tls/tls.key")
+    volumes = {v["name"]: v for v in one(docs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"] == {"secretName": "opsd-tls"}
+    agent = container(one(docs, "DaemonSet"))
+    assert env(agent)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "https://opsd-controller:8470/v1/heartbeat"
+    assert env(agent)["SSL_CERT_FILE"]["value"] == "/etc/opsd/tls/ca.crt"  # trusted by the agent's Python
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "serverName": "opsd-controller",
+        "ca": {"secret": {"name": "opsd-tls", "key": "ca.crt"}},
+    }
+    assert env(one(docs, "Pod")["spec"]["containers"][0])["CONTROLLER_URL"]["value"] == "https://opsd-controller:8470"
+    proc = helm.template("--set", "controller.tls.enabled=true")
+    assert proc.returncode != 0
+    assert "controller.tls.enabled needs controller.tls.secretName" in proc.stderr
 
 
 def test_dashboards_and_rules_are_the_repository_files(default: list[Obj]) -> None:
@@ -655,46 +938,53 @@ def test_helm_test_pod(default: list[Obj]) -> None:
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     (c,) = pod["spec"]["containers"]
     assert c["image"] == "opsd:0.1.0"
-    assert env(c)["CONTROLLER_HEALTHZ"]["value"] == "http://opsd-controller:8470/healthz"
-    assert env(c)["AGENT_METRICS"]["value"] == "http://opsd-agent:9464/metrics"
+    assert env(c)["CONTROLLER_URL"]["value"] == "http://opsd-controller:8470"
+    assert env(c)["AGENTS"]["value"] == "opsd-agent:9464"  # the headless Service: every ready agent
     assert c["command"] == ["python", "-c"]
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
-def test_helm_test_pods_check_passes_on_a_live_controller_and_agent_and_fails_on_a_wrong_answer(
-    default: list[Obj], tmp_path: Path
-) -> None:
-    """The check the test pod runs, run here against a real controller API and a real agent on loopback: it passes;
-    pointed at an endpoint that answers without opsd's metrics, it fails."""
+def run_check(script: str, controller_url: str, agents: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "CONTROLLER_URL": controller_url, "AGENTS": agents},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_helm_test_pods_check_reads_the_controller_and_every_agents_gpus(default: list[Obj], tmp_path: Path) -> None:
+    """The check the test pod runs, run here against a real controller API and real agents on loopback: an agent that
+    reads its GPUs passes; one without NVML (this machine has none) fails the test, naming its node and why."""
     (c,) = one(default, "Pod", "opsd-test")["spec"]["containers"]
     script = c["args"][0]
     port = free_port()
     server = start_api(Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")), "t", "127.0.0.1", port)
-    agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
-    agent.start()
+    seeing = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1", gpu_source="none"))
+    blind = Agent(AgentConfig(socket=str(tmp_path / "b.sock"), metrics_port=0, node="n2", gpu_source="nvml"))
+    seeing.start()
+    blind.start()
     try:
-        healthz = f"http://127.0.0.1:{port}/healthz"
-        metrics = f"http://127.0.0.1:{agent.metrics_port}/metrics"
-        ok = subprocess.run(
-            [sys.executable, "-c", script],
-            env={**os.environ, "CONTROLLER_HEALTHZ": healthz, "AGENT_METRICS": metrics},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        controller_url = f"http://127.0.0.1:{port}"
+        ok = run_check(script, controller_url, f"127.0.0.1:{seeing.metrics_port}")
         assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert ok.stdout.splitlines() == ["controller /healthz: OK", "agent /metrics: OK"]
-        wrong = subprocess.run(  # an agent address that answers 200 with no opsd_ metric
-            [sys.executable, "-c", script],
-            env={**os.environ, "CONTROLLER_HEALTHZ": healthz, "AGENT_METRICS": healthz},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert wrong.returncode != 0
-        assert "agent /metrics: HTTP 200, no opsd_ metric" in wrong.stderr
+        assert ok.stdout.splitlines() == [
+            "controller /healthz: OK",
+            "controller API without a token: refused",
+            "agent n1: 0 GPU(s) through none",
+            "1 agent(s): OK",
+        ]
+        assert blind.gpu_access is not None
+        if blind.gpu_access.status.available:
+            pytest.skip("NVML loads on this machine: no agent here is without GPUs")
+        failed = run_check(script, controller_url, f"127.0.0.1:{blind.metrics_port}")
+        assert failed.returncode != 0
+        assert "agent n2: no GPU through nvml: library_not_found" in failed.stdout
+        assert "1 of 1 agents cannot read their GPUs (n2): set agent.gpuAccess" in failed.stderr
     finally:
-        agent.stop()
+        seeing.stop()
+        blind.stop()
         server.should_exit = True
 
 
@@ -728,7 +1018,7 @@ def test_more_than_one_controller_needs_postgresql(helm: Helm) -> None:
     assert "controller.replicas is 2" in proc.stderr
     assert "postgresql.url or postgresql.existingSecret" in proc.stderr
     postgresql = ("--set", "postgresql.url=postgresql+psycopg://opsd@db/opsd")
-    assert one(helm.render("--set", "controller.replicas=2", *postgresql), "Deployment")["spec"]["replicas"] == 2
+    assert one(helm.render("--set", "controller.replicas=2", *postgresql), "StatefulSet")["spec"]["replicas"] == 2
     proc = helm.template(
         "--set", "controller.replicas=2", *postgresql, "--set", "controller.leaderElection.enabled=false"
     )
@@ -790,16 +1080,16 @@ def test_kube_version_below_the_floor_is_refused(helm: Helm) -> None:
 def test_name_override(helm: Helm) -> None:
     docs = helm.render("--set", "nameOverride=gpu-ops")
     assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in docs} == {"gpu-ops"}
-    one(docs, "Deployment", "opsd-gpu-ops-controller")
+    one(docs, "StatefulSet", "opsd-gpu-ops-controller")
     one(docs, "DaemonSet", "opsd-gpu-ops-agent")
-    one(docs, "Secret", "opsd-gpu-ops-token")
+    one(docs, "Job", "opsd-gpu-ops-credentials")
 
 
 def test_fullname_override(helm: Helm) -> None:
     docs = helm.render("--set", "fullnameOverride=trainops")
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert all(name.startswith("trainops") for _, name in names), names
-    assert ("Deployment", "trainops-controller") in names
+    assert ("StatefulSet", "trainops-controller") in names
     assert ("ClusterRole", "trainops-controller") in names
     assert ("Role", "trainops-leader-election") in names
     settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
@@ -813,7 +1103,7 @@ def test_release_name_without_the_chart_name(helm: Helm) -> None:
     proc = helm.run("template", "--namespace", "ml", release="prod")
     assert proc.returncode == 0, proc.stderr
     docs = parse(proc.stdout)
-    one(docs, "Deployment", "prod-opsd-controller")
+    one(docs, "StatefulSet", "prod-opsd-controller")
     binding = one(docs, "ClusterRoleBinding", "prod-opsd-controller")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "prod-opsd-controller", "namespace": "ml"}]
 
@@ -846,6 +1136,8 @@ PASSED_THROUGH = (
     "/sysctls/items",
     "/claims/items",
     "/topologySpreadConstraints/items",
+    "/podSelector",  # NetworkPolicy peers' label selectors
+    "/namespaceSelector",
 )
 FREE_OBJECTS = (
     "/properties/global",
@@ -892,22 +1184,47 @@ def test_chart_yaml_passes_yamllint() -> None:
     assert problems == []
 
 
-def test_package_carries_the_repository_files(helm: Helm, tmp_path: Path) -> None:
-    """files/dashboards is a link to dashboards/: `helm package` follows it (and .helmignore applies)."""
-    proc = helm.run("package", "--destination", str(tmp_path))
+def chart_copy() -> dict[str, bytes]:
+    """What helm/opsd/files/dashboards must hold: dashboards/*.json and the alert rules, byte for byte."""
+    expected = {p.name: p.read_bytes() for p in DASHBOARDS.glob("*.json")}
+    expected["rules/opsd.rules.yaml"] = RULES.read_bytes()
+    return expected
+
+
+def test_the_chart_carries_its_own_copy_of_the_dashboards_and_rules() -> None:
+    """No link out of the chart: its files are its own, equal to the repository's (`make chart-files` copies them)."""
+    files = CHART / "files" / "dashboards"
+    assert not [p for p in CHART.rglob("*") if p.is_symlink()]
+    copied = {p.relative_to(files).as_posix(): p.read_bytes() for p in files.rglob("*") if p.is_file()}
+    assert copied == chart_copy(), "helm/opsd/files/dashboards differs from dashboards/: run `make chart-files`"
+
+
+def test_the_packaged_chart_renders_alone(helm: Helm, tmp_path: Path) -> None:
+    """`helm package`, then the archive alone (copied away from the repository) lints and renders, with the
+    dashboards and rules inside it."""
+    proc = helm.run("package", "--destination", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
-    (archive,) = tmp_path.glob("opsd-*.tgz")
-    with tarfile.open(archive) as tar:
+    (built,) = (tmp_path / "out").glob("opsd-*.tgz")
+    alone = tmp_path / "elsewhere" / built.name
+    alone.parent.mkdir()
+    shutil.copy(built, alone)
+    with tarfile.open(alone) as tar:
+        names = tar.getnames()
         packaged = {
             m.name.removeprefix("opsd/files/dashboards/"): tar.extractfile(m).read()  # type: ignore[union-attr]
             for m in tar.getmembers()
             if m.name.startswith("opsd/files/dashboards/") and m.isfile()
         }
-    expected = {p.name: p.read_bytes() for p in DASHBOARDS.glob("*.json")}
-    expected["rules/opsd.rules.yaml"] = RULES.read_bytes()
-    assert packaged == expected
-    docs = parse(helm.template(chart=archive).stdout)
+    assert packaged == chart_copy()
+    assert not [n for n in names if n.endswith((".yamllint", ".test.yaml"))]
+    lint = helm.run("lint", "--strict", *API_ARGS, chart=alone)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    proc = helm.template(chart=alone)
+    assert proc.returncode == 0, proc.stderr
+    docs = parse(proc.stdout)
     assert one(docs, "PrometheusRule")["spec"] == yaml.safe_load(RULES.read_text())
+    dashboards = {d["metadata"]["name"] for d in objects(docs, "ConfigMap") if "-dashboard-" in d["metadata"]["name"]}
+    assert dashboards == {f"opsd-dashboard-{p.stem}" for p in DASHBOARDS.glob("*.json")}
 
 
 def test_kubernetes_validate_refuses_unknown_fields() -> None:
@@ -1032,20 +1349,49 @@ def test_jobset_example_is_wired_to_opsd() -> None:
     ]
     pod = job["template"]
     assert pod["metadata"]["annotations"]["opsd.io/run"] == run
-    assert pod["spec"]["restartPolicy"] == "Never"
-    assert pod["spec"]["nodeSelector"] == {"opsd.io/run": run}
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    (c,) = pod["spec"]["containers"]
-    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/run/opsd")
-    assert volumes[mount["name"]]["hostPath"]["path"] == "/run/opsd"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    # any GPU node, back onto the run's own after a restart; no opsd toleration, no node labelled by hand
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "tolerations" not in spec
+    (preferred,) = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["preference"]["matchExpressions"] == [{"key": "opsd.io/run", "operator": "In", "values": [run]}]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in spec["affinity"]["nodeAffinity"]
+    (c,) = spec["containers"]
     variables = env(c)
-    assert variables["OPSD_AGENT_SOCKET"]["value"] == "/run/opsd/agent.sock"
-    assert variables["OPSD_POLICY_FILE"]["value"] == "/run/opsd/policy.json"
-    assert variables["OPSD_FLIGHT_DIR"]["value"] == "/run/opsd/flight"
+    assert variables["OPSD_AGENT_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    assert not {"OPSD_AGENT_SOCKET", "OPSD_POLICY_FILE", "OPSD_FLIGHT_DIR"} & set(variables)
     assert variables["OPSD_RUN"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['opsd.io/run']"
-    # The chart's agent uses the same files.
+    launch = variables["OPSD_LAUNCH"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert launch == "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
+    # no host directory: the training namespace can enforce Pod Security "restricted"
+    assert not [v for v in spec["volumes"] if "hostPath" in v]
+    assert violations(spec, "restricted") == []
+    # the chart's agents listen where the pods send (its default host ports)
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["agent"]["hostPath"] == "/run/opsd"
+    assert values["agent"]["transport"] == "hostPort"
+    assert values["agent"]["hostPorts"] == {"http": 9464, "datagrams": 9465}
+
+
+def test_the_host_directory_variant_of_the_docs_needs_a_privileged_namespace() -> None:
+    """The docs' snippet for agent.transport hostPath, put into the example's pod: valid, and only "privileged"
+    admits it (a hostPath)."""
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    (snippet,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", doc, flags=re.S | re.M) if "OPSD_AGENT_SOCKET" in b]
+    container_part, pod_part = snippet.split("              volumes:\n")
+    parts = {**yaml.safe_load(textwrap.dedent(container_part)), **yaml.safe_load("volumes:\n" + pod_part)}
+    pod = copy.deepcopy(yaml.safe_load(JOBSET_EXAMPLE.read_text())["spec"]["replicatedJobs"][0]["template"]["spec"])
+    spec = pod["template"]["spec"]
+    (c,) = spec["containers"]
+    c["env"] = [e for e in c["env"] if e["name"] != "OPSD_AGENT_HOST"] + parts["env"]
+    c["volumeMounts"] += parts["volumeMounts"]
+    spec["volumes"] += parts["volumes"]
+    kubernetes_validate.validate(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": pod}, "1.37", strict=True
+    )
+    assert violations(spec, "baseline") == ["HostPath volumes: volume opsd"]
+    assert level_of(spec) == "privileged"
+    assert env(c)["OPSD_POLICY_FILE"]["value"] == "/run/opsd/policy.json"
 
 
 # -- tools/install_helm.py ---------------------------------------------------------------------------------------------

@@ -8,24 +8,31 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from opsd.api.server import ServeConfig
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
-from opsd.backends.kubernetes.runner import label_self
+from opsd.backends.kubernetes.runner import label_self, run_kubernetes
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome, Pending
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
+from opsd.errors import ConfigError
 from opsd.policy.recovery import OnNoSpare
 from opsd.protocol.cluster import (
     CHECKPOINT_URL_ANNOTATION,
     CORDONED_BY_OPSD_ANNOTATION,
+    JOBSET_GROUP,
+    JOBSET_MIN_RELEASE,
     JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
     MIN_NODES_ANNOTATION,
     ON_NO_SPARE_ANNOTATION,
     POOL_LABEL,
@@ -38,7 +45,7 @@ from opsd.protocol.cluster import (
 )
 from opsd.protocol.states import NodeRole, RunState
 from tests.backend_contract import BY_NAME, RUN, play
-from tests.kube.emulator import KubeEmulator
+from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist, wait_until
 from tests.rows import stored
 
@@ -594,3 +601,20 @@ def test_label_self_marks_the_leaders_pod(cluster: KubeEmulator, caplog: pytest.
     assert found is not None
     assert found["metadata"]["labels"] == {"app": "opsd", ROLE_LABEL: "leader"}
     assert "cannot label this pod leader" in caplog.text
+
+
+# -- start-up --------------------------------------------------------------------------------------------------------
+def test_a_cluster_without_jobsets_stops_the_controller_at_start_up_with_what_to_install(
+    cluster: KubeEmulator, tmp_path: Path
+) -> None:
+    """Discovery says whether JobSets are served: here they are; on a cluster without JobSet's CRD, `opsd serve
+    --backend kubernetes` stops before serving, naming what to install."""
+    assert KubeApi(cluster.api_client).serves(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)
+    with kube_emulator(absent=(JOBSETS,)) as bare:
+        api = KubeApi(bare.api_client)
+        assert not api.serves(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL)
+        with pytest.raises(ConfigError) as refused:
+            run_kubernetes(ServeConfig(state_dir=str(tmp_path)), KubernetesConfig(namespace="opsd"), api=api)
+        assert f"install JobSet {JOBSET_MIN_RELEASE} or newer" in str(refused.value)
+        assert "jobsets.jobset.x-k8s.io/v1alpha2" in str(refused.value)
+        assert not (tmp_path / "opsd.db").exists()  # stopped before anything else

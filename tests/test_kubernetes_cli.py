@@ -147,7 +147,8 @@ def test_spares_and_metrics_show_the_clusters_shared_pool(served: Served) -> Non
     assert "node-2 (unknown)" in wide
     assert "node-3 (unknown)" in wide
 
-    with urllib.request.urlopen(f"{served.url}/metrics", timeout=10) as r:
+    scrape = urllib.request.Request(f"{served.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(scrape, timeout=10) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     (available,) = families["opsd_spare_pool_available"].samples
     assert (available.labels, available.value) == ({"pool": "shared"}, 2.0)

@@ -3,7 +3,10 @@ a JobSet on an emulated cluster, a real agent per node, ``opsd serve --backend k
 
 - An XID 79 written into node-1's GPU source: its agent reports it, the controller quarantines node-1, promotes the
   spare node-2, evicts the pods; the JobSet restarts onto node-0 and node-2, the ranks resume from the newest
-  committed checkpoint, and the run ends with weights bitwise equal to an uninterrupted run's.
+  committed checkpoint, and the run ends with weights bitwise equal to an uninterrupted run's. No node is labelled
+  by hand (the spare is designated once; opsd labels the nodes the pods land on), and the ranks reach their agents
+  as the docs' JobSet has them, with no host directory: UDP datagrams and HTTP to the agent at their node's
+  address.
 - Two controller replicas on PostgreSQL with leader election; the leader SIGKILLed just after it evicted the pods
   (before it verified the restart): the other takes the Lease, finishes the recovery, and each step was done once.
 """
@@ -11,6 +14,7 @@ a JobSet on an emulated cluster, a real agent per node, ``opsd serve --backend k
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -88,12 +92,13 @@ class Stack:
             self.service.close()
 
 
-def cluster_with_a_run(kube: KubeEmulator, tmp: Path, controller_url: str) -> Stack:
-    """Two GPU nodes of the run, a spare, and the run's JobSet (its pods, one rank each, start at once)."""
+def cluster_with_a_run(kube: KubeEmulator, tmp: Path, controller_url: str, *, network: bool = False) -> Stack:
+    """Two GPU nodes nobody labelled, a spare, and the run's JobSet (its pods, one rank each, start at once);
+    ``network``: the ranks reach their agents at their node's address (no host directory)."""
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CONTROLLER_NAMESPACE}})
-    kube.put(node("node-0", run=RUN))
-    kube.put(node("node-1", run=RUN))
+    kube.put(node("node-0"))
+    kube.put(node("node-1"))
     kube.put(node("node-2", spare=True))
     ckpt_url = f"file://{tmp / 'ckpt'}"
     losses = tmp / "losses.json"
@@ -109,7 +114,8 @@ def cluster_with_a_run(kube: KubeEmulator, tmp: Path, controller_url: str) -> St
     )
     kubelet = ProcessKubelet(spec, world=2)
     stack = Stack(kube, tmp, ckpt_url, losses, spec, kubelet, JobSetPlayer(kube, kubelet))
-    stack.agents = NodeAgents(spec, NODES)
+    stack.agents = NodeAgents(spec, NODES, network=network)
+    kubelet.addresses = stack.agents.addresses
     stack.agents.wait_ready()
     kube.put(jobset(RUN, 2, annotations={CHECKPOINT_URL_ANNOTATION: ckpt_url}, grace_s=5))
     stack.player.start()
@@ -214,7 +220,7 @@ def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
 ) -> None:
     port = free_port()
     controller = ControllerProcess(controller_settings(kube, tmp_path, port), tmp_path / "controller")
-    stack = cluster_with_a_run(kube, tmp_path, controller.url)
+    stack = cluster_with_a_run(kube, tmp_path, controller.url, network=True)
     stacks.append(stack)
     stack.controllers["opsd"] = controller
     controller.wait_healthy()
@@ -233,6 +239,14 @@ def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
     incidents = controller.get(f"/v1/runs/{RUN}/incidents")
     check_the_swap(stack, incidents, controller.get(f"/v1/runs/{RUN}/actions"))
     check_bitwise(stack, incidents)
+    # the ranks' reports came as datagrams to the agents' UDP ports: no rank was told of a socket
+    assert stack.agents is not None
+    for name in ("node-0", "node-2"):
+        with urllib.request.urlopen(f"{stack.agents.addresses[name].http_base}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        received = re.search(rf'^opsd_agent_datagrams_total{{node="{name}"}} (\S+)$', metrics, flags=re.M)
+        assert received is not None
+        assert float(received.group(1)) > 0
 
 
 @pytest.fixture
@@ -279,7 +293,9 @@ def test_the_standby_takes_the_lease_and_finishes_a_recovery_its_leader_died_in(
 
     def status() -> Any:
         try:
-            with urllib.request.urlopen(f"{service.url}/v1/runs/{RUN}", timeout=10) as r:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            request = urllib.request.Request(f"{service.url}/v1/runs/{RUN}", headers=headers)
+            with urllib.request.urlopen(request, timeout=10) as r:
                 return json.load(r)
         except OSError:
             return None

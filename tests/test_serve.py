@@ -27,7 +27,8 @@ TOKEN = "integration-token"
 
 
 def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})  # reads want the token
+    with urllib.request.urlopen(request, timeout=5) as r:
         return json.loads(r.read())
 
 
@@ -111,7 +112,8 @@ def test_an_xid_on_a_node_becomes_an_incident(stack: dict[str, Any]) -> None:
     assert "XID 79 on GPU 1" in incident["detail"]
     assert detected_after_s < 5.0
     # acknowledged: the agent stops resending it (its pending count drops to 0)
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+    scrape = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(scrape, timeout=5) as r:
         metrics = r.read().decode()
     assert 'opsd_run_incidents_total{cause="fatal_xid",run="demo"} 1.0' in metrics
     nodes = get(f"{url}/v1/nodes")

@@ -46,7 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         prom_dir.mkdir()
         stdout = Path(tmp) / "demo.out"
         targets = prom_dir / "targets.json"
-        with PrometheusServer(prom_dir, targets=[], scrape_interval_s=SCRAPE_INTERVAL_S, file_sd=targets) as prom:
+        with PrometheusServer(
+            prom_dir,
+            targets=[],
+            scrape_interval_s=SCRAPE_INTERVAL_S,
+            file_sd=targets,
+            credentials_file=work / "state" / "token",  # the demo controller's token: its /metrics wants it
+        ) as prom:
             started = time.time()
             command = [sys.executable, "-m", "opsd.cli.demo", "--workdir", str(work), "--steps", str(args.steps)]
             command += ["--timeout-s", str(args.timeout_s)]

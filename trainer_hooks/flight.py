@@ -8,7 +8,9 @@ policy (``trainer_hooks.policy_reader``), and a rank that waited too long on one
 :meth:`FlightRecorder.dump`; the training thread may be blocked in a collective all along.
 
 A dump is one JSON file, ``$OPSD_FLIGHT_DIR/<run>/<trigger>/rank-<rank>.json``, written atomically (a temporary
-file renamed over it), that the node agent uploads to the controller (docs/flight-recorder.md):
+file renamed over it), that the node agent uploads to the controller (docs/flight-recorder.md); a rank with no such
+directory (a pod without the host directory) sends it to the agent at ``$OPSD_AGENT_HOST``, which writes it there
+(``opsd.protocol.node_agent``):
 
 - ``trace``: the Flight Recorder's own dump (``torch._C._distributed_c10d._dump_fr_trace``, with stack frames;
   the JSON variant has none), frames kept on the newest entry of each process group only (the others are the same
@@ -29,12 +31,12 @@ import json
 import logging
 import os
 import pickle
-import re
 import socket
 import sys
 import threading
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +44,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from opsd.protocol.env import FLIGHT_DIR_ENV, POLICY_FILE_ENV
+from opsd.protocol.env import FLIGHT_DIR_ENV
+from opsd.protocol.node_agent import path_part
 from opsd.protocol.policy_file import DUMP_COMMAND
 from trainer_hooks.collectives import TRACER, CollectiveTracer
-from trainer_hooks.policy_reader import PolicyReader
+from trainer_hooks.policy_reader import PolicyReader, policy_source
+from trainer_hooks.sinks import agent_from_env
 
 log = logging.getLogger(__name__)
 
 DUMP_VERSION = 1
-_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
-
-
-def path_part(name: str) -> str:
-    """``name`` as one path component: characters other than letters, digits and ``._:-`` become ``_``."""
-    safe = _UNSAFE.sub("_", name)[:200]
-    return safe if safe.strip(".") else "_"
 
 
 def process_groups(tracer: CollectiveTracer = TRACER) -> dict[str, dict[str, Any]]:
@@ -129,8 +126,9 @@ class FlightRecorder:
     """Dumps of one rank's Flight Recorder: on the policy's ``dump_flight_recorder`` commands (``poll``), and when
     the watchdog asks (``dump``). Built on the training thread (its stack is the one dumped); used from one other.
 
-    ``directory`` defaults to ``$OPSD_FLIGHT_DIR`` and ``policy_path`` to ``$OPSD_POLICY_FILE``; without a
-    directory nothing is dumped. Commands already in the policy when it is first read are older than this process
+    ``directory`` defaults to ``$OPSD_FLIGHT_DIR`` and ``policy_path`` to ``$OPSD_POLICY_FILE``; without a directory
+    the dumps go to the agent at ``$OPSD_AGENT_HOST`` (and the policy comes from it); with neither nothing is
+    dumped. Commands already in the policy when it is first read are older than this process
     (a relaunched rank finds the command of the incident that stopped its predecessor) and are not run."""
 
     def __init__(
@@ -151,15 +149,17 @@ class FlightRecorder:
         self.tracer = tracer
         found = directory or os.environ.get(FLIGHT_DIR_ENV)
         self.directory = Path(found) if found else None
-        policy = policy_path or os.environ.get(POLICY_FILE_ENV)
-        self.policy = PolicyReader(policy) if policy and self.directory is not None else None
+        agent = agent_from_env() if self.directory is None else None  # a pod without the host directory
+        self.upload_url = agent.flight_url if agent is not None else None
+        policy = policy_source(policy_path)
+        self.policy = PolicyReader(policy) if policy and (self.directory or self.upload_url) else None
         self.training_thread = threading.get_ident()
         self.dumps = 0
         self.errors = 0
         self.policy_seen = False  # the policy was read once: commands that appear from now on are run
         self._warned = False
 
-    def poll(self) -> list[Path]:
+    def poll(self) -> list[Path | str]:
         """Run the dump commands of the policy not run before; the files written."""
         if self.policy is None:
             return []
@@ -181,9 +181,10 @@ class FlightRecorder:
                     written.append(path)
         return written
 
-    def dump(self, trigger: str) -> Path | None:
-        """Write this rank's dump for ``trigger``; its path, or None when there is no directory or it failed."""
-        if self.directory is None:
+    def dump(self, trigger: str) -> Path | str | None:
+        """Write this rank's dump for ``trigger`` (or send it to the agent); its path (or the agent's URL), or None
+        when there is nowhere to put it or it failed."""
+        if self.directory is None and self.upload_url is None:
             return None
         try:
             started = time.perf_counter()
@@ -200,8 +201,11 @@ class FlightRecorder:
                 "stack": python_stack(self.training_thread),
                 "trace": trace,
             }
+            data = json.dumps(body).encode()
+            if self.directory is None:
+                return self._send(data, trigger, started)
             path = self.directory / path_part(self.run) / path_part(trigger) / f"rank-{self.rank}.json"
-            write_atomically(path, json.dumps(body).encode())
+            write_atomically(path, data)
             self.dumps += 1
             log.warning(
                 "flight recorder of rank %d dumped for %s: %d entries, %s (%.2f s)",
@@ -215,6 +219,25 @@ class FlightRecorder:
         except Exception as exc:
             self._error(exc)
             return None
+
+    def _send(self, data: bytes, trigger: str, started: float) -> str:
+        """POST a dump to the agent (from the watchdog thread, which may wait: the training thread does not)."""
+        assert self.upload_url is not None
+        request = urllib.request.Request(
+            self.upload_url, data=data, method="POST", headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            answer.read()
+        self.dumps += 1
+        log.warning(
+            "flight recorder of rank %d dumped for %s: %d bytes sent to %s (%.2f s)",
+            self.rank,
+            trigger,
+            len(data),
+            self.upload_url,
+            time.perf_counter() - started,
+        )
+        return self.upload_url
 
     def _error(self, exc: BaseException) -> None:
         self.errors += 1

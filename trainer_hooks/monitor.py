@@ -44,14 +44,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from opsd.protocol.env import AGENT_SOCKET_ENV, LAUNCH_ENV, RUN_ENV
+from opsd.protocol.env import LAUNCH_ENV, RUN_ENV
 from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
 from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
 from trainer_hooks.comm_tables import DIMENSIONS, FORWARD, OTHER, StepComms
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
-from trainer_hooks.sinks import DatagramSink, JsonlSink, Sink
+from trainer_hooks.sinks import JsonlSink, Sink, agent_sink
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ def launch_from_env() -> int | None:
 @dataclass(frozen=True)
 class MonitorConfig:
     """``run_id`` defaults to ``$OPSD_RUN`` (set by ``opsd run``), else "local"; ``socket_path`` defaults to
-    ``$OPSD_AGENT_SOCKET``; ``jsonl_path`` adds a file sink (both may be set); ``launch``, the launch of the run
-    the rank belongs to, defaults to ``$OPSD_LAUNCH`` (set by the backend; reports carry it)."""
+    ``$OPSD_AGENT_SOCKET`` (neither: the agent's UDP port at ``$OPSD_AGENT_HOST``, if set); ``jsonl_path`` adds
+    a file sink (both may be set); ``launch``, the launch of the run the rank belongs to, defaults to
+    ``$OPSD_LAUNCH`` (set by the backend; reports carry it)."""
 
     run_id: str = field(default_factory=lambda: os.environ.get(RUN_ENV) or "local")
     launch: int | None = field(default_factory=launch_from_env)
@@ -143,9 +144,9 @@ class Monitor:
             self.flops_per_token = formula_flops_per_token(shape) if shape is not None else 0.0
         self.peak_flops_per_s = self._peak()
         self.sinks: list[Sink] = []
-        socket_path = config.socket_path or os.environ.get(AGENT_SOCKET_ENV)
-        if socket_path:
-            self.sinks.append(DatagramSink(socket_path))
+        agent = agent_sink(config.socket_path)  # its socket, else its UDP port at $OPSD_AGENT_HOST
+        if agent is not None:
+            self.sinks.append(agent)
         if config.jsonl_path:
             self.sinks.append(JsonlSink(config.jsonl_path))
         if config.trace_collectives:

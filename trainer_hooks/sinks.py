@@ -1,4 +1,5 @@
-"""Where step reports go: the node agent's Unix datagram socket, or a JSONL file for runs without an agent.
+"""Where step reports go: the node agent's Unix datagram socket, its UDP port at the node's address (a training pod
+with no host directory: ``opsd.protocol.node_agent``), or a JSONL file for runs without an agent.
 
 Sending never blocks and never raises: a report that cannot be delivered is dropped and counted.
 """
@@ -6,9 +7,14 @@ Sending never blocks and never raises: a report that cannot be delivered is drop
 from __future__ import annotations
 
 import logging
+import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
+
+from opsd.protocol.env import AGENT_SOCKET_ENV
+from opsd.protocol.node_agent import AgentAddress, agent_address
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,66 @@ class DatagramSink:
 
     def close(self) -> None:
         self._sock.close()
+
+
+class UdpSink:
+    """Non-blocking UDP sender to the agent at ``host:port``. The socket is connected (no handshake: it only fixes the
+    destination), so that the ICMP "port unreachable" of an address where no agent listens is reported at the next
+    send, and counted; a full send buffer, an unreachable network, a name that does not resolve: dropped, counted."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = (host, port)
+        self.dropped = 0
+        self._warned = False
+        self._sock: socket.socket | None = None
+        try:  # a name is resolved once, here (status.hostIP is an address: nothing to resolve)
+            family, kind, proto, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            sock.connect(target)
+            self._sock = sock
+        except OSError as exc:
+            self._warn(exc)
+
+    def send(self, data: bytes) -> None:
+        if self._sock is None:
+            self.dropped += 1
+            return
+        try:
+            self._sock.send(data)
+        except OSError as exc:  # nobody listening (reported by the previous datagram), buffer full, no route
+            self.dropped += 1
+            self._warn(exc)
+
+    def _warn(self, exc: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            host, port = self.address
+            log.warning("agent at %s:%d unreachable (%s): reports are dropped and counted", host, port, exc)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+
+
+def agent_from_env(environ: Mapping[str, str] = os.environ) -> AgentAddress | None:
+    """The agent's address from ``$OPSD_AGENT_HOST``; None when it is not set, or malformed (logged: the rank runs
+    on without it)."""
+    try:
+        return agent_address(environ)
+    except ValueError as exc:
+        log.warning("no agent at $OPSD_AGENT_HOST: %s", exc)
+        return None
+
+
+def agent_sink(socket_path: str | None = None, environ: Mapping[str, str] = os.environ) -> Sink | None:
+    """The node agent's sink: its Unix socket (``socket_path``, else ``$OPSD_AGENT_SOCKET``), else its UDP port at
+    ``$OPSD_AGENT_HOST``; None when neither is set."""
+    path = socket_path or environ.get(AGENT_SOCKET_ENV)
+    if path:
+        return DatagramSink(path)
+    address = agent_from_env(environ)
+    return UdpSink(*address.datagrams) if address is not None else None
 
 
 class JsonlSink:

@@ -1,8 +1,10 @@
 """The controller's HTTP API (FastAPI; its OpenAPI document is served at ``/openapi.json``).
 
-Agents POST heartbeats; the CLI reads runs, incidents and the action timeline, and cordons nodes. Every mutating
-endpoint needs ``Authorization: Bearer <token>``; reads, ``/metrics`` and ``/healthz`` do not. Bad bodies get a
-4xx with a message naming the field, and are counted (``opsd_controller_rejected_requests_total``).
+Agents POST heartbeats; the CLI reads runs, incidents and the action timeline, and cordons nodes. Every endpoint
+but ``/healthz`` needs ``Authorization: Bearer <token>`` of a role that may call it (``opsd.api.auth``: operators
+everything, readers the reads and ``/metrics``, agents their heartbeats and uploads, Prometheus ``/metrics``); the
+OpenAPI document is a read too. Bad bodies get a 4xx with a message naming the field, and are counted
+(``opsd_controller_rejected_requests_total``).
 
 Heartbeats, which come at the nodes' rate, are taken by ``opsd.api.heartbeat`` in front of FastAPI's routing.
 """
@@ -22,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
 from opsd.analysis.flamegraph import fold, to_folded
+from opsd.api.auth import Credentials, Role, requirement
 from opsd.api.flight import flight_router
-from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint, token_ok
+from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import Fault, FaultKind
@@ -63,20 +66,28 @@ class InjectIn(Strict):
     factor: Annotated[float, Field(gt=1, le=100)] = 1.3
 
 
-def create_app(controller: Controller, token: str, clock: Callable[[], float] = time.time) -> FastAPI:
-    if not token:
-        raise ValueError("the controller needs a token for its mutating endpoints")
-    app = FastAPI(title="opsd controller", version=opsd.__version__)
+def create_app(controller: Controller, token: str | Credentials, clock: Callable[[], float] = time.time) -> FastAPI:
+    """The API; ``token``: the operators' token alone (every role's work), or every role's ``Credentials``."""
+    credentials = token if isinstance(token, Credentials) else Credentials(operator=token)
+    app = FastAPI(title="opsd controller", version=opsd.__version__, openapi_url=None, docs_url=None, redoc_url=None)
     stats = ApiStats()
     registry = CollectorRegistry()
     registry.register(ControllerCollector(controller, stats, clock))
 
-    app.add_middleware(HeartbeatEndpoint, controller=controller, token=token, reject=stats.reject, clock=clock)
+    app.add_middleware(
+        HeartbeatEndpoint, controller=controller, credentials=credentials, reject=stats.reject, clock=clock
+    )
 
-    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        if not token_ok(authorization, token):
-            stats.reject("auth")
-            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+    def allow(*roles: Role) -> Any:
+        """A dependency: operators and ``roles`` through, the others refused (401 or 403, counted)."""
+        check = requirement(credentials, stats.reject, *roles)
+
+        def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+            check(authorization)
+
+        return Depends(authorized)
+
+    operators, reads = [allow()], [allow(Role.READER)]
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -88,32 +99,32 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
     async def unavailable(request: Request, exc: TransientError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(int(exc.retry_after_s))})
 
-    app.include_router(flight_router(controller, authorized, stats.reject, clock))
+    app.include_router(flight_router(controller, allow(Role.AGENT), allow(Role.READER), stats.reject, clock))
 
-    @app.get("/v1/runs")
+    @app.get("/v1/runs", dependencies=reads)
     def runs() -> list[RunRow]:
         return controller.store.runs()
 
-    @app.get("/v1/runs/{run}")
+    @app.get("/v1/runs/{run}", dependencies=reads)
     def run_status(run: str) -> dict[str, Any]:
         status = controller.status(run, clock())
         if status is None:
             raise HTTPException(404, f"no run {run!r}")
         return status
 
-    @app.get("/v1/runs/{run}/incidents")
+    @app.get("/v1/runs/{run}/incidents", dependencies=reads)
     def incidents(run: str) -> list[IncidentRow]:
         if controller.store.run(run) is None:
             raise HTTPException(404, f"no run {run!r}")
         return controller.store.incidents(run)
 
-    @app.get("/v1/runs/{run}/actions")
+    @app.get("/v1/runs/{run}/actions", dependencies=reads)
     def actions(run: str) -> list[Action]:
         if controller.store.run(run) is None:
             raise HTTPException(404, f"no run {run!r}")
         return controller.store.actions(run=run)
 
-    @app.get("/v1/runs/{run}/flamegraph", response_class=PlainTextResponse)
+    @app.get("/v1/runs/{run}/flamegraph", response_class=PlainTextResponse, dependencies=reads)
     def flamegraph(run: str, launch: Annotated[int | None, Query(ge=1)] = None) -> PlainTextResponse:
         """The run's time in collectives as folded stacks, summed over its nodes, of every launch or of one
         (``?launch=N``; docs/flamegraph.md). Recorded per launch: a finished run's, and after a restart."""
@@ -121,55 +132,55 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         stacks = fold((*stack, seconds) for stack, seconds in per_stack.items())
         return PlainTextResponse(to_folded(stacks))
 
-    @app.post("/v1/runs/attach", dependencies=[Depends(authorized)])
+    @app.post("/v1/runs/attach", dependencies=operators)
     def attach(body: AttachIn) -> RunRow:
         """Make a JobSet a run (one without the ``opsd.io/run`` annotation); answers the run."""
         return _answer(lambda: controller.attach_run(body.namespace, body.jobset, body.run or body.jobset, clock()))
 
-    @app.get("/v1/incidents")
+    @app.get("/v1/incidents", dependencies=reads)
     def all_incidents() -> list[IncidentRow]:
         return controller.store.incidents()
 
-    @app.post("/v1/runs/{run}/restart", dependencies=[Depends(authorized)])
+    @app.post("/v1/runs/{run}/restart", dependencies=operators)
     def restart(run: str, body: RestartIn) -> IncidentRow:
         """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
         that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
         return _answer(lambda: controller.request_restart(run, body.reason, clock()))
 
-    @app.get("/v1/runs/{run}/checkpoints")
+    @app.get("/v1/runs/{run}/checkpoints", dependencies=reads)
     def checkpoints(run: str) -> dict[str, Any]:
         return _answer(lambda: checkpoints_view(controller, run), refused=400)
 
-    @app.get("/v1/runs/{run}/cadence")
+    @app.get("/v1/runs/{run}/cadence", dependencies=reads)
     def cadence(run: str) -> dict[str, Any]:
         return _answer(lambda: cadence_view(controller, run, clock()), refused=400)
 
-    @app.get("/v1/runs/{run}/postmortem")
+    @app.get("/v1/runs/{run}/postmortem", dependencies=reads)
     def postmortem(run: str) -> dict[str, Any]:
         return _answer(lambda: postmortem_bundle(controller, run, clock()), refused=400)
 
-    @app.get("/v1/spares")
+    @app.get("/v1/spares", dependencies=reads)
     def spares() -> dict[str, Any]:
         return spares_view(controller, clock())
 
-    @app.get("/v1/nodes")
+    @app.get("/v1/nodes", dependencies=reads)
     def nodes() -> list[NodeRow]:
         return controller.store.nodes()
 
-    @app.post("/v1/nodes/{node}/cordon", dependencies=[Depends(authorized)])
+    @app.post("/v1/nodes/{node}/cordon", dependencies=operators)
     def cordon(node: str, body: CordonIn) -> NodeRow:
         return _answer(lambda: controller.set_node_role(node, NodeRole.CORDONED, body.reason, clock()))
 
-    @app.post("/v1/nodes/{node}/uncordon", dependencies=[Depends(authorized)])
+    @app.post("/v1/nodes/{node}/uncordon", dependencies=operators)
     def uncordon(node: str) -> NodeRow:
         return _answer(lambda: controller.set_node_role(node, NodeRole.SPARE, "", clock()))
 
-    @app.post("/v1/runs/{run}/inject", dependencies=[Depends(authorized)])
+    @app.post("/v1/runs/{run}/inject", dependencies=operators)
     def inject(run: str, body: InjectIn) -> dict[str, str]:
         fault = Fault(body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor)
         return {"injected": _answer(lambda: controller.inject(run, fault))}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[allow(Role.READER, Role.METRICS)])
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -189,6 +200,11 @@ def create_app(controller: Controller, token: str, clock: Callable[[], float] = 
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=reads)
+    def openapi_document() -> dict[str, Any]:
+        return openapi()
+
     return app
 
 

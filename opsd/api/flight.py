@@ -1,10 +1,12 @@
 """The controller's side of Flight Recorder dumps: the HTTP endpoints, and the request for dumps of a recovery.
 
-- ``POST /v1/runs/{run}/flight-recorder`` (bearer token): an agent delivers one rank's dump (docs/flight-recorder.md).
+- ``POST /v1/runs/{run}/flight-recorder`` (an agent's or an operator's token): an agent delivers one rank's dump
+  (docs/flight-recorder.md).
   A body that does not fit ``FlightDumpIn`` gets 422 naming the field (413 above ``MAX_DUMP_BYTES``), counted in
   ``opsd_controller_rejected_requests_total{reason="validation"}``. The first dump of a (run, trigger, rank) is kept;
   a repeat is answered 200 with ``"stored": false``.
-- ``GET /v1/runs/{run}/flight-recorder``: ``{trigger: analysis}`` (``opsd.analysis.flight_recorder.analyze``) for each
+- ``GET /v1/runs/{run}/flight-recorder`` (a reader's token, as the next; a dump holds Python stacks):
+  ``{trigger: analysis}`` (``opsd.analysis.flight_recorder.analyze``) for each
   trigger.
 - ``GET /v1/runs/{run}/flight-recorder/{trigger}/{rank}``: the dump as the rank wrote it.
 
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
@@ -95,12 +97,13 @@ class FlightDumpIn(In):
 
 def flight_router(
     controller: Controller,
-    authorized: Callable[..., None],
+    upload: Any,
+    read: Any,
     reject: Callable[[str], None],
     clock: Callable[[], float] = time.time,
 ) -> APIRouter:
-    """The endpoints above; ``authorized`` is the app's token check (a dependency), ``reject`` counts a refusal by
-    reason."""
+    """The endpoints above; ``upload`` and ``read`` are the app's token checks of the agents' uploads and of the
+    reads (``Depends``), ``reject`` counts a refusal by reason."""
     router = APIRouter(tags=["flight recorder"])
     store = controller.store
 
@@ -114,7 +117,7 @@ def flight_router(
 
     @router.post(
         "/v1/runs/{run}/flight-recorder",
-        dependencies=[Depends(authorized)],
+        dependencies=[upload],
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -155,12 +158,12 @@ def flight_router(
         )
         return {"run": run, "trigger": dump.trigger, "rank": dump.rank, "stored": stored}
 
-    @router.get("/v1/runs/{run}/flight-recorder")
+    @router.get("/v1/runs/{run}/flight-recorder", dependencies=[read])
     def run_analyses(run: str) -> dict[str, Any]:
         known(run)
         return analyses(controller, run)
 
-    @router.get("/v1/runs/{run}/flight-recorder/{trigger}/{rank}")
+    @router.get("/v1/runs/{run}/flight-recorder/{trigger}/{rank}", dependencies=[read])
     def raw_dump(run: str, trigger: str, rank: int) -> Response:
         row = store.flight_dump(run, trigger, rank)
         if row is None:

@@ -2,7 +2,8 @@
 
 It is a plain ASGI handler in front of FastAPI's exception handling, routing and dependencies (FastAPI's server
 error, telemetry and body size middlewares still run first): on this path those cost about as much as taking the
-heartbeat itself. The contract is that of the other endpoints: 401 without the token, 422 with a message naming
+heartbeat itself. The contract is that of the other endpoints: 401 without a token it knows, 403 with one whose
+role is neither ``agent`` nor ``operator`` (``opsd.api.auth``), 422 with a message naming
 the field for a body that does not fit ``HeartbeatIn`` (both counted), 503 with ``Retry-After`` when the state
 store cannot be reached; ``HeartbeatIn`` is also the request's schema in the OpenAPI document.
 
@@ -13,7 +14,6 @@ goes to a worker thread.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +22,7 @@ import msgspec
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from opsd.api.auth import Credentials, Role, check
 from opsd.controller.controller import Controller
 from opsd.errors import BodyError, TransientError
 from opsd.protocol.heartbeat import PATH, decode_heartbeat, json_schemas
@@ -29,29 +30,24 @@ from opsd.protocol.heartbeat import PATH, decode_heartbeat, json_schemas
 log = logging.getLogger(__name__)
 
 _REQUEST_SCHEMA, _REPLY_SCHEMA, SCHEMAS = json_schemas("#/components/schemas/{name}")
+AGENTS = frozenset({Role.AGENT})
 
 #: the endpoint in the OpenAPI document (FastAPI does not route it, so does not describe it)
 OPENAPI_PATH = {
     "post": {
         "summary": "Heartbeat",
-        "description": "An agent's heartbeat (docs/protocol.md); needs the bearer token.",
+        "description": "An agent's heartbeat (docs/protocol.md); needs an agent's (or an operator's) bearer token.",
         "operationId": "heartbeat",
         "requestBody": {"required": True, "content": {"application/json": {"schema": _REQUEST_SCHEMA}}},
         "responses": {
             "200": {"description": "Taken", "content": {"application/json": {"schema": _REPLY_SCHEMA}}},
             "401": {"description": "No valid bearer token"},
+            "403": {"description": "A token whose role may not send heartbeats"},
             "422": {"description": "The body does not fit the schema; the detail names the field"},
             "503": {"description": "The state store cannot be reached; try again after Retry-After seconds"},
         },
     }
 }
-
-
-def token_ok(authorization: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries the bearer token."""
-    if not authorization or not authorization.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(authorization.removeprefix("Bearer ").strip(), token)
 
 
 class HeartbeatEndpoint:
@@ -62,13 +58,13 @@ class HeartbeatEndpoint:
         app: ASGIApp,
         *,
         controller: Controller,
-        token: str,
+        credentials: Credentials,
         reject: Callable[[str], None],
         clock: Callable[[], float],
     ) -> None:
         self.app = app
         self.controller = controller
-        self.token = token
+        self.credentials = credentials
         self.reject = reject  # counts a refused request by reason
         self.clock = clock
 
@@ -80,10 +76,14 @@ class HeartbeatEndpoint:
             await _answer(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
             return
         authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-        if not token_ok(authorization, self.token):
-            self.reject("auth")
-            detail = {"detail": "a valid bearer token is required"}
-            await _answer(send, 401, detail, [(b"www-authenticate", b"Bearer")])
+        refused = check(self.credentials, authorization, AGENTS)
+        if refused is not None:
+            self.reject(refused)
+            if refused == "auth":
+                detail = {"detail": "a valid bearer token is required"}
+                await _answer(send, 401, detail, [(b"www-authenticate", b"Bearer")])
+            else:
+                await _answer(send, 403, {"detail": "this token's role may not send heartbeats (it takes: agent)"})
             return
         chunks = []
         while True:

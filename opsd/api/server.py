@@ -10,10 +10,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from opsd.api.app import create_app
+from opsd.api.auth import Credentials
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
@@ -33,7 +35,12 @@ class ServeConfig:
     port: int = 8470
     state_dir: str = ".opsd"
     state_url: str = ""  # default: sqlite:///<state_dir>/opsd.db
-    token: str = ""  # default: <state_dir>/token, created once
+    token: str = ""  # the operators' (every endpoint); default: <state_dir>/token, created once
+    reader_token: str = ""  # the readers' (every read, /metrics); none: only the operators' token reads
+    agent_token: str = ""  # the agents' (heartbeats, Flight Recorder uploads)
+    metrics_token: str = ""  # Prometheus's (/metrics)
+    tls_certfile: str = ""  # HTTPS with this certificate (PEM) and the key below; none: plain HTTP
+    tls_keyfile: str = ""
     tick_interval_s: float = 0.5  # between two detection passes
     controller: ControllerConfig = field(default_factory=ControllerConfig, metadata={"inline": True})
 
@@ -42,6 +49,8 @@ class ServeConfig:
             raise ValueError("controller.port must be in 0..65535")
         if self.tick_interval_s <= 0:
             raise ValueError("controller.tick_interval_s must be > 0")
+        if bool(self.tls_certfile) != bool(self.tls_keyfile):
+            raise ValueError("controller.tls_certfile and controller.tls_keyfile go together: set both or neither")
 
 
 def load_token(config: ServeConfig) -> str:
@@ -63,11 +72,33 @@ def load_token(config: ServeConfig) -> str:
         raise ConfigError(f"token file {path}: {exc}") from None
 
 
-def build(config: ServeConfig) -> tuple[Controller, str]:
+def credentials(config: ServeConfig) -> Credentials:
+    """Every role's token (``opsd.api.auth``): the operators' from ``load_token``, the others as configured."""
+    try:
+        return Credentials(load_token(config), config.reader_token, config.agent_token, config.metrics_token)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build(config: ServeConfig) -> tuple[Controller, Credentials]:
     Path(config.state_dir).mkdir(parents=True, exist_ok=True)
     url = config.state_url or f"sqlite:///{Path(config.state_dir) / 'opsd.db'}"
     tracing = IncidentTracing.from_environment()  # OTEL_EXPORTER_OTLP_ENDPOINT: each incident a trace
-    return Controller(StateStore.open(url), config.controller, tracing=tracing), load_token(config)
+    return Controller(StateStore.open(url), config.controller, tracing=tracing), credentials(config)
+
+
+def server(config: ServeConfig, app: Any) -> uvicorn.Server:
+    """uvicorn for the API, over HTTPS when the settings name a certificate and its key."""
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            ssl_certfile=config.tls_certfile or None,
+            ssl_keyfile=config.tls_keyfile or None,
+        )
+    )
 
 
 def tick_forever(controller: Controller, interval_s: float, stop: threading.Event) -> None:
@@ -109,14 +140,13 @@ def run_server(config: ServeConfig) -> None:
     stop = threading.Event()
     ticker = threading.Thread(target=tick_forever, args=(controller, config.tick_interval_s, stop), daemon=True)
     ticker.start()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(controller, token), host=config.host, port=config.port, log_level="warning")
-    )
+    api = server(config, create_app(controller, token))
     tune_interpreter()
     threading.Thread(target=collect_young, args=(0.1, stop), name="gc", daemon=True).start()
-    log.info("opsd controller on http://%s:%d (OpenAPI at /openapi.json)", config.host, config.port)
+    scheme = "https" if config.tls_certfile else "http"
+    log.info("opsd controller on %s://%s:%d (OpenAPI at /openapi.json)", scheme, config.host, config.port)
     try:
-        server.run()
+        api.run()
     finally:
         stop.set()
         controller.tracing.shutdown()  # the traces still queued exported

@@ -44,7 +44,8 @@ class StoreClient:
 
         self.url = url
         self.store = StateStore.open(url)
-        self.app = create_app(Controller(self.store), secrets.token_hex(16))
+        self.token = secrets.token_hex(16)  # this process's own: the reads are authenticated, as on a controller
+        self.app = create_app(Controller(self.store), self.token)
 
     def get(self, path: str) -> Any:
         return json.loads(self._call("GET", path) or b"null")
@@ -56,13 +57,13 @@ class StoreClient:
         raise PermanentError(f"POST {path} needs a running controller: only reads are answered from {self.url}")
 
     def _call(self, method: str, path: str) -> bytes:
-        status, body = asyncio.run(_asgi(self.app, method, path))
+        status, body = asyncio.run(_asgi(self.app, method, path, self.token))
         if status >= 400:
             raise answer_error(method, path, status, body)
         return body
 
 
-async def _asgi(app: Any, method: str, target: str) -> tuple[int, bytes]:
+async def _asgi(app: Any, method: str, target: str, token: str) -> tuple[int, bytes]:
     """One request to an ASGI application in this process: its status and body."""
     parts = urlsplit(target)
     scope = {
@@ -75,7 +76,7 @@ async def _asgi(app: Any, method: str, target: str) -> tuple[int, bytes]:
         "raw_path": parts.path.encode(),
         "query_string": parts.query.encode(),
         "root_path": "",
-        "headers": [(b"host", b"opsd-state-store")],
+        "headers": [(b"host", b"opsd-state-store"), (b"authorization", f"Bearer {token}".encode())],
         "client": ("127.0.0.1", 0),
         "server": ("opsd-state-store", 80),
     }

@@ -160,7 +160,7 @@ class ControllerCollector(Collector):
         rejected = CounterMetricFamily(
             "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]
         )
-        for reason in ("auth", "validation"):
+        for reason in ("auth", "forbidden", "validation"):
             rejected.add_metric([reason], self.stats.rejected.get(reason, 0))
         yield rejected
         errors = CounterMetricFamily(

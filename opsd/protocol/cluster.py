@@ -39,3 +39,6 @@ LEADER, STANDBY = "leader", "standby"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+#: the oldest JobSet release with what opsd's runs use (failurePolicy rules on PodFailurePolicy,
+#: RestartJobSetAndIgnoreMaxRestarts)
+JOBSET_MIN_RELEASE = "v0.6.0"

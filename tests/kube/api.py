@@ -35,6 +35,7 @@ class RecordedRequest:
     query: Mapping[str, str]
     content_type: str
     body: bytes
+    user: str = ""  # the bearer token the client presented: who made the request (authorization's subject)
 
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
@@ -113,8 +114,10 @@ class ApiHandler:
         store: ObjectStore,
         discovery: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
         bookmark_interval_s: float,
+        absent: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
+        self.absent = absent  # resources not served (a CRD not installed)
         self.discovery = discovery
         self.bookmark_interval_s = bookmark_interval_s
         self.requests: list[RecordedRequest] = []
@@ -123,8 +126,10 @@ class ApiHandler:
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read()
+        bearer = request.headers.get("Authorization", "")
+        user = bearer.removeprefix("Bearer ").strip() if bearer.startswith("Bearer ") else ""
         self.requests.append(
-            RecordedRequest(request.method, request.path, dict(request.query), request.content_type, body)
+            RecordedRequest(request.method, request.path, dict(request.query), request.content_type, body, user)
         )
         target = parse_target(request.path)
         if target is None:
@@ -140,7 +145,11 @@ class ApiHandler:
 
     async def _serve(self, request: web.BaseRequest, target: Target, body: bytes) -> web.StreamResponse:
         rtype = target.rtype
-        if rtype is None or (target.subresource and target.subresource not in rtype.subresources):
+        if (
+            rtype is None
+            or rtype.name in self.absent
+            or (target.subresource and target.subresource not in rtype.subresources)
+        ):
             raise errors.resource_not_found()
         query, method = request.query, request.method
         if "dryRun" in query:

@@ -16,11 +16,13 @@ merges every PATCH as a plain dict merge, has no watch history, and its URL pars
 
 What it reproduces, on the calls the project makes:
 
-Resources. Core v1 ``namespaces``, ``nodes`` (cluster-scoped), ``pods``, ``events``; ``coordination.k8s.io/v1``
-``leases``; ``events.k8s.io/v1`` ``events`` (stored apart from core events: the real server shows one set of
-events through both APIs, converted); ``batch/v1`` ``jobs``; the JobSet CRD ``jobset.x-k8s.io/v1alpha2``
-``jobsets`` (namespaced, status subresource). Subresources: ``status`` (nodes, pods, namespaces, jobs, jobsets)
-and ``pods/eviction``. Any other resource or subresource: 404 "the server could not find the requested resource".
+Resources. Core v1 ``namespaces``, ``nodes`` (cluster-scoped), ``pods``, ``secrets``, ``events``;
+``coordination.k8s.io/v1`` ``leases``; ``events.k8s.io/v1`` ``events`` (stored apart from core events: the real
+server shows one set of events through both APIs, converted); ``batch/v1`` ``jobs``; the JobSet CRD
+``jobset.x-k8s.io/v1alpha2`` ``jobsets`` (namespaced, status subresource). Subresources: ``status`` (nodes, pods,
+namespaces, jobs, jobsets) and ``pods/eviction``. Any other resource or subresource: 404 "the server could not find
+the requested resource". A resource named in ``absent`` is not served at all (a cluster without its CRD: no
+discovery entry, 404).
 Namespaces ``default``, ``kube-system``, ``kube-public`` and ``kube-node-lease`` exist from the start.
 
 Metadata. Every write takes the next value of one global counter as ``metadata.resourceVersion`` (a decimal
@@ -97,7 +99,8 @@ evictions of pods a PodDisruptionBudget guards (phase not Pending/Succeeded/Fail
 phase counts as guarded) answer 429 TooManyRequests with the DisruptionBudget cause, changing nothing.
 
 For the test: ``put``/``get``/``objects``/``remove`` act on the store directly (no HTTP); ``requests`` lists every
-request received (method, path, query, Content-Type, body), discovery included, logged before it is answered.
+request received (method, path, query, Content-Type, body, and the bearer token presented: who sent it),
+discovery included, logged before it is answered; ``client(token)`` is a client that presents a token.
 
 Also not emulated: authentication and authorization (any request is served; the client needs no token),
 admission webhooks, schema validation and defaulting (any JSON object is stored as given), no controllers at
@@ -180,12 +183,16 @@ class KubeEmulator:
         bookmark_interval_s: float = 1.0,
         history_limit: int = 1000,
         namespaces: tuple[str, ...] = DEFAULT_NAMESPACES,
+        absent: tuple[str, ...] = (),
     ) -> None:
+        """``absent``: resources (as kubectl names them, ``jobsets.jobset.x-k8s.io``) this cluster does not serve,
+        as one without their CRD: discovery leaves them out and their paths answer 404."""
         if bookmark_interval_s <= 0:
             raise ValueError("bookmark_interval_s must be > 0")
         self._bookmark_interval_s = bookmark_interval_s
         self._history_limit = history_limit
         self._namespaces = namespaces
+        self._absent = frozenset(resource_named(name).name for name in absent)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._handler: ApiHandler | None = None
@@ -229,8 +236,11 @@ class KubeEmulator:
         store = ObjectStore(history_limit=self._history_limit)
         store.seed_namespaces(self._namespaces)
         self._discovery = Discovery()
+        for rtype in RESOURCE_TYPES:
+            if rtype.name in self._absent:
+                del self._discovery.resources[kmock.resource(rtype.group, rtype.version, rtype.plural)]
         await self._discovery.__aenter__()
-        self._handler = ApiHandler(store, self._discovery, self._bookmark_interval_s)
+        self._handler = ApiHandler(store, self._discovery, self._bookmark_interval_s, self._absent)
         # handler_cancellation: a watch ends when its client disconnects
         self._server = web.Server(self._handler, handler_cancellation=True)
         self._listener = await asyncio.get_running_loop().create_server(self._server, "127.0.0.1", 0)
@@ -292,6 +302,14 @@ class KubeEmulator:
         if self._api_client is None:
             raise RuntimeError("the emulator is not started")
         return self._api_client
+
+    def client(self, token: str) -> kubernetes.client.ApiClient:
+        """A client of this server that presents ``token`` as its bearer token (nothing checks it: its requests are
+        told apart in ``requests``, as a real server's authorization tells its ServiceAccount)."""
+        configuration = kubernetes.client.Configuration(host=self.url)
+        configuration.api_key = {"authorization": token}
+        configuration.api_key_prefix = {"authorization": "Bearer"}
+        return kubernetes.client.ApiClient(configuration)
 
     # --- objects, by the test's hand -----------------------------------------------------------------------
 

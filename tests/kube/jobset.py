@@ -12,9 +12,12 @@ On every pass (``step``), for each JobSet of the emulator:
   created, labelled ``jobset.sigs.k8s.io/jobset-name`` and ``restart-attempt``, one per (replicated job, index),
   their spec from the template (containers, ``nodeSelector``, tolerations). Once every pod of the attempt
   succeeded, the JobSet gets the condition ``Completed``.
-- scheduler: a pending pod goes to the first node, by name, whose labels match its ``nodeSelector``, that is not
-  unschedulable, whose ``NoSchedule`` / ``NoExecute`` taints it tolerates, and that runs no other pod of the
-  attempt (one pod per node, as JobSet's exclusive placement); else it stays Pending.
+- scheduler: a pending pod goes to a node whose labels match its ``nodeSelector``, that is not unschedulable,
+  whose ``NoSchedule`` / ``NoExecute`` taints it tolerates, and that runs no other pod of the attempt (one pod per
+  node, as JobSet's exclusive placement); of those, the one its ``preferredDuringSchedulingIgnoredDuringExecution``
+  node affinity scores highest (the sum of the weights of the terms it matches: ``In``, ``NotIn``, ``Exists``,
+  ``DoesNotExist``, as the scheduler's NodeAffinity plugin), the first by name among equals; else it stays
+  Pending.
 - kubelet: a placed pod is started (``Kubelet.start``) and Running; its exit (``Kubelet.exit_code``) makes it
   Succeeded or Failed; a pod gone from the API server is stopped (``Kubelet.stop``).
 
@@ -69,6 +72,31 @@ def tolerated(taint: Json, tolerations: list[Json]) -> bool:
         if t.get("key") == taint.get("key") and (t.get("operator") == "Exists" or t.get("value") == taint.get("value")):
             return not t.get("effect") or t.get("effect") == taint.get("effect")
     return False
+
+
+def matches(labels: Mapping[str, str], expression: Json) -> bool:
+    """A node selector requirement (``matchExpressions`` item) against a node's labels."""
+    key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+    if operator == "In":
+        return labels.get(key) in values
+    if operator == "NotIn":
+        return labels.get(key) not in values
+    if operator == "Exists":
+        return key in labels
+    if operator == "DoesNotExist":
+        return key not in labels
+    raise ValueError(f"node selector operator {operator!r} is not played")
+
+
+def preference(node: Json, pod: Json) -> int:
+    """The pod's preferred node affinity's score of ``node``: the weights of the terms whose expressions all hold."""
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    affinity = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    return sum(
+        int(term.get("weight", 0))
+        for term in affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+        if all(matches(labels, e) for e in (term.get("preference") or {}).get("matchExpressions") or [])
+    )
 
 
 def fits(node: Json, pod: Json) -> bool:
@@ -219,9 +247,10 @@ class JobSetPlayer:
         for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
             if (pod.get("spec") or {}).get("nodeName"):
                 continue
-            node = next((n for n in nodes if n["metadata"]["name"] not in taken and fits(n, pod)), None)
-            if node is None:
+            candidates = [n for n in nodes if n["metadata"]["name"] not in taken and fits(n, pod)]
+            if not candidates:
                 continue
+            node = max(candidates, key=lambda n: preference(n, pod))  # the first by name among equals
             taken.add(node["metadata"]["name"])
             self.kube.put({**pod, "spec": {**pod["spec"], "nodeName": node["metadata"]["name"]}})
 

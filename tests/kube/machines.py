@@ -72,11 +72,12 @@ def jobset(
     grace_s: int = 30,
     opsd: bool = True,
 ) -> Json:
-    """A user's JobSet wired to opsd (docs/kubernetes.md): the run's annotation (unless not ``opsd``'s), its pods
-    on the run's nodes, given ``grace_s`` to stop."""
+    """A user's JobSet wired to opsd (docs/kubernetes.md): the run's annotation (unless not ``opsd``'s), its pods on
+    any GPU node, preferring the run's, given ``grace_s`` to stop."""
     pod_spec = {
         "restartPolicy": "Never",
-        "nodeSelector": {RUN_LABEL: run},
+        "nodeSelector": {GPU_LABEL: "true"},
+        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [run_preference(run)]}},
         "terminationGracePeriodSeconds": grace_s,
         "containers": [container or {"name": "trainer", "image": "trainer:1"}],
     }
@@ -98,6 +99,11 @@ def jobset(
             ]
         },
     }
+
+
+def run_preference(run: str) -> Json:
+    """The preferred node affinity term of docs/kubernetes.md's JobSet: back onto the run's nodes."""
+    return {"weight": 100, "preference": {"matchExpressions": [{"key": RUN_LABEL, "operator": "In", "values": [run]}]}}
 
 
 def informers(backend: KubernetesBackend, timeout_s: int = 5) -> tuple[Informer, Informer, Informer]:

@@ -123,6 +123,18 @@ RESOURCE_TYPES: tuple[ResourceType, ...] = (
     ResourceType(
         group="",
         version="v1",
+        plural="secrets",
+        kind="Secret",
+        namespaced=True,
+        status_subresource=False,
+        tracks_generation=False,
+        unconditional_update=True,
+        create_on_update=False,
+        returns_deleted_object=False,
+    ),
+    ResourceType(
+        group="",
+        version="v1",
         plural="events",
         kind="Event",
         namespaced=True,

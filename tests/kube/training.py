@@ -2,11 +2,15 @@
 
 - ``ProcessKubelet``: each pod the JobSet player (``tests.kube.jobset``) starts runs one rank of the reference
   trainer as a process on this machine, its rank the pod's index in the restart attempt, a fresh rendezvous port
-  for each attempt, and the environment of the node it was placed on (its agent's socket, policy file and Flight
-  Recorder directory: what a JobSet pod template mounts from the node's ``/run/opsd``) and of its attempt
-  (``OPSD_LAUNCH``, which the docs' JobSet takes from the pod's restart-attempt label). A pod removed from the API
+  for each attempt, and the environment of the node it was placed on and of its attempt (``OPSD_LAUNCH``, which the
+  docs' JobSet takes from the pod's restart-attempt label). The node's: its agent's socket, policy file and Flight
+  Recorder directory, what a pod template mounts from the node's ``/run/opsd`` (``agent.transport: hostPath``);
+  or, given the agents' ``addresses``, only ``OPSD_AGENT_HOST`` and the agent's ports, what the docs' JobSet gives a
+  pod with no host directory (its ``status.hostIP``; the chart's agent on host ports). A pod removed from the API
   server has its process killed, as a kubelet does.
-- ``NodeAgents``: one real ``opsd agent`` per node, its GPUs the file source an XID is written into.
+- ``NodeAgents``: one real ``opsd agent`` per node, its GPUs the file source an XID is written into; with
+  ``network``, each also listening on a UDP port and an HTTP port of its own (what host ports are to the agents of
+  separate nodes: here every node is 127.0.0.1).
 - ``ControllerProcess``: ``opsd serve --backend kubernetes`` as a subprocess, on a kubeconfig that points at the
   emulated API server.
 - ``LeaderService``: what the chart's Service does for two replicas: every request goes to the replica whose pod is
@@ -23,6 +27,7 @@ import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +40,16 @@ from typing import Any
 from opsd.backends.local.processes import free_port, kill_group, rank_env, start_agent, start_rank
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.protocol.cluster import LEADER, ROLE_LABEL
-from opsd.protocol.env import LAUNCH_ENV
+from opsd.protocol.env import (
+    AGENT_DATAGRAM_PORT_ENV,
+    AGENT_HOST_ENV,
+    AGENT_HTTP_PORT_ENV,
+    AGENT_SOCKET_ENV,
+    FLIGHT_DIR_ENV,
+    LAUNCH_ENV,
+    POLICY_FILE_ENV,
+)
+from opsd.protocol.node_agent import AgentAddress
 from tests.kube.emulator import KubeEmulator
 
 Json = dict[str, Any]
@@ -48,6 +62,7 @@ class ProcessKubelet:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[int, int] = {}  # restart attempt -> its rendezvous port
         self.placed: list[tuple[int, int, str]] = []  # (attempt, rank, node), as started
+        self.addresses: dict[str, AgentAddress] = {}  # node -> its agent at the node's address (no host directory)
         self._lock = threading.Lock()
 
     def start(self, pod: Json, node: str, index: int, attempt: int) -> None:
@@ -58,6 +73,13 @@ class ProcessKubelet:
             port = self.ports.setdefault(attempt, free_port())
             env = rank_env(self.spec, node, rank=index, local_rank=0, world=self.world, group_rank=index, port=port)
             env[LAUNCH_ENV] = str(attempt)  # the docs' JobSet: the pod's restart-attempt label, by the downward API
+            address = self.addresses.get(node)
+            if address is not None:  # the docs' JobSet: no host directory, the agent at status.hostIP
+                for variable in (AGENT_SOCKET_ENV, POLICY_FILE_ENV, FLIGHT_DIR_ENV):
+                    env.pop(variable)
+                env[AGENT_HOST_ENV] = address.host
+                env[AGENT_DATAGRAM_PORT_ENV] = str(address.datagram_port)
+                env[AGENT_HTTP_PORT_ENV] = str(address.http_port)
             self.procs[name] = start_rank(self.spec, node, env, f"{name}.log")
             self.placed.append((attempt, index, node))
 
@@ -81,17 +103,30 @@ class ProcessKubelet:
 class NodeAgents:
     """An ``opsd agent`` per node, heartbeating to ``spec.controller_url``."""
 
-    def __init__(self, spec: LocalRunSpec, nodes: list[str]) -> None:
+    def __init__(self, spec: LocalRunSpec, nodes: list[str], *, network: bool = False) -> None:
         self.spec = spec
-        self.procs = {node: start_agent(spec, node) for node in nodes}
+        self.addresses: dict[str, AgentAddress] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        for node in nodes:
+            if not network:
+                self.procs[node] = start_agent(spec, node)
+                continue
+            address = self.addresses[node] = AgentAddress("127.0.0.1", free_udp_port(), free_port())
+            spool = spec.node_dir(node) / "spool"  # the agent's own directory: no rank writes there
+            self.procs[node] = start_agent(
+                spec,
+                node,
+                ("--metrics-port", str(address.http_port), "--flight-dir", str(spool)),
+                {"OPSD_AGENT_DATAGRAM_HOST": address.host, "OPSD_AGENT_DATAGRAM_PORT": str(address.datagram_port)},
+            )
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         for node, proc in self.procs.items():
-            socket = self.spec.node_dir(node) / "agent.sock"
-            while not socket.exists():
+            path = self.spec.node_dir(node) / "agent.sock"
+            while not path.exists():
                 assert proc.poll() is None, f"the agent of {node} exited: {self.log(node)[-2000:]}"
-                assert time.monotonic() < deadline, f"the agent of {node} never opened {socket}"
+                assert time.monotonic() < deadline, f"the agent of {node} never opened {path}"
                 time.sleep(0.1)
 
     def log(self, node: str) -> str:
@@ -105,13 +140,19 @@ class NodeAgents:
             proc.wait(timeout=10)
 
 
-def kubeconfig(kube: KubeEmulator, path: Path) -> Path:
-    """A kubeconfig for the emulated API server (plain HTTP; the token is sent and not checked)."""
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def kubeconfig(kube: KubeEmulator, path: Path, token: str = "unchecked") -> Path:
+    """A kubeconfig for the emulated API server (plain HTTP; the token is sent, and not checked)."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "emulated", "cluster": {"server": kube.url}}],
-        "users": [{"name": "opsd", "user": {"token": "unchecked"}}],
+        "users": [{"name": "opsd", "user": {"token": token}}],
         "contexts": [{"name": "emulated", "context": {"cluster": "emulated", "user": "opsd"}}],
         "current-context": "emulated",
     }
@@ -126,6 +167,7 @@ class ControllerProcess:
         directory.mkdir(parents=True, exist_ok=True)
         self.port = int(settings["port"])
         self.url = f"http://127.0.0.1:{self.port}"
+        self.token = str(settings.get("token", ""))  # the reads want it too
         config = directory / "opsd.toml"
         config.write_text(toml_table("controller", settings))
         self.log = directory / "controller.log"
@@ -150,7 +192,8 @@ class ControllerProcess:
                 time.sleep(0.2)
 
     def get(self, path: str) -> Any:
-        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as r:
+        request = urllib.request.Request(f"{self.url}{path}", headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             return json.load(r)
 
     def tail(self, chars: int = 4000) -> str:

@@ -2,6 +2,27 @@
 Names, labels and the values checks shared by every template.
 */}}
 
+{{/*
+Stop the rendering with a message: include "opsd.refuse" "what is wrong". `fail` stops `helm template`, `install` and
+`upgrade`; `helm lint` only logs it (its lint mode lets `fail` pass), so an include of a template that cannot exist,
+named after the message, stops lint too.
+*/}}
+{{- define "opsd.refuse" -}}
+{{- fail . }}
+{{- include (printf "opsd refuses these values: %s" .) . }}
+{{- end }}
+
+{{/*
+Whether the cluster serves an API version: include "opsd.served" (list $ "monitoring.coreos.com/v1") gives "true" or
+"". What helm sees of the cluster (.Capabilities, or --api-versions of `helm template`), or the values' apiVersions:
+`helm lint` has no --api-versions, and a render without a cluster (helm template, Argo CD) sees none.
+*/}}
+{{- define "opsd.served" -}}
+{{- $root := index . 0 }}
+{{- $api := index . 1 }}
+{{- if or ($root.Capabilities.APIVersions.Has $api) (has $api $root.Values.apiVersions) }}true{{ end }}
+{{- end }}
+
 {{/* The chart name, or nameOverride. */}}
 {{- define "opsd.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
@@ -106,13 +127,97 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
-{{/* The Secret and key of the API token. */}}
-{{- define "opsd.tokenSecretName" -}}
-{{- default (printf "%s-token" (include "opsd.fullname" .)) .Values.auth.existingSecret }}
+{{/*
+The credentials: "existing" (auth.existingSecret), "values" (auth.tokens) or "generated" (the hook makes the Secret).
+*/}}
+{{- define "opsd.credentials.mode" -}}
+{{- if .Values.auth.existingSecret }}existing
+{{- else if or .Values.auth.tokens.operator .Values.auth.tokens.reader .Values.auth.tokens.agent .Values.auth.tokens.metrics }}values
+{{- else }}generated
+{{- end }}
 {{- end }}
 
-{{- define "opsd.tokenSecretKey" -}}
-{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- define "opsd.credentials.secretName" -}}
+{{- default (printf "%s-credentials" (include "opsd.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* The Secret's key of a role's token: include "opsd.credentials.key" (list $ "reader") */}}
+{{- define "opsd.credentials.key" -}}
+{{- $root := index . 0 }}
+{{- $role := index . 1 }}
+{{- if $root.Values.auth.existingSecret }}{{ index $root.Values.auth.existingSecretKeys $role }}{{ else }}{{ $role }}{{ end }}
+{{- end }}
+
+{{/* An env entry of a role's token: include "opsd.credentials.env" (list $ "OPSD_TOKEN" "operator") */}}
+{{- define "opsd.credentials.env" -}}
+{{- $root := index . 0 }}
+- name: {{ index . 1 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "opsd.credentials.secretName" $root }}
+      key: {{ include "opsd.credentials.key" (list $root (index . 2)) }}
+{{- end }}
+
+{{/*
+What rolls the pods when the credentials change: the tokens given as values, or the Secret's name and keys with
+auth.generation (an existing or generated Secret is not in the manifests: raise the generation after rotating it).
+*/}}
+{{- define "opsd.credentials.checksum" -}}
+{{- $mode := include "opsd.credentials.mode" . }}
+{{- if eq $mode "values" }}
+{{- toJson .Values.auth.tokens | sha256sum }}
+{{- else }}
+{{- printf "%s/%s/%s/%d" $mode (include "opsd.credentials.secretName" .) (toJson .Values.auth.existingSecretKeys) (int .Values.auth.generation) | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/*
+The agent container's securityContext: agent.securityContext, made privileged for gpuAccess "privileged" and
+"hostDriver". The API server refuses privileged: true beside allowPrivilegeEscalation: false, and a privileged
+container holds every capability: both keys go.
+*/}}
+{{- define "opsd.agentSecurityContext" -}}
+{{- $security := deepCopy (.Values.agent.securityContext | default dict) }}
+{{- if ne .Values.agent.gpuAccess "runtime" }}
+{{- $security = merge (dict "privileged" true) (omit $security "allowPrivilegeEscalation" "capabilities") }}
+{{- end }}
+{{- with $security }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/*
+The agent's ports in its container: 9464 (HTTP) and 9465 (UDP), which hostPort maps to agent.hostPorts; with
+hostNetwork the container's ports are the node's, agent.hostPorts themselves.
+*/}}
+{{- define "opsd.agentHttpPort" -}}
+{{- if eq .Values.agent.transport "hostNetwork" }}{{ .Values.agent.hostPorts.http }}{{ else }}9464{{ end }}
+{{- end }}
+
+{{- define "opsd.agentDatagramPort" -}}
+{{- if eq .Values.agent.transport "hostNetwork" }}{{ .Values.agent.hostPorts.datagrams }}{{ else }}9465{{ end }}
+{{- end }}
+
+{{/* gpuNodeSelector as a label selector, "key=value,..." ("" for every node). */}}
+{{- define "opsd.gpuNodeSelector" -}}
+{{- $terms := list }}
+{{- range $key, $value := .Values.gpuNodeSelector }}
+{{- if not (kindIs "invalid" $value) }}{{ $terms = append $terms (printf "%s=%s" $key $value) }}{{ end }}
+{{- end }}
+{{- join "," $terms }}
+{{- end }}
+
+{{/* The controller's URL inside the cluster: https with controller.tls. */}}
+{{- define "opsd.controllerUrl" -}}
+{{- printf "%s://%s:%v" (ternary "https" "http" .Values.controller.tls.enabled) (include "opsd.controllerName" .) .Values.controller.service.port }}
+{{- end }}
+
+{{/* A probe of the controller's API: include "opsd.controllerProbe" (list $ probe), its httpGet over HTTPS with TLS. */}}
+{{- define "opsd.controllerProbe" -}}
+{{- $root := index . 0 }}
+{{- $probe := deepCopy (index . 1) }}
+{{- if and $root.Values.controller.tls.enabled $probe.httpGet }}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- toYaml $probe }}
 {{- end }}
 
 {{/* "true" when the controller keeps its state in PostgreSQL. */}}
@@ -146,10 +251,10 @@ false.
 {{- $root := index . 0 }}
 {{- $key := index . 1 }}
 {{- $mode := index $root.Values.monitoring $key "enabled" }}
-{{- $served := $root.Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}
+{{- $served := include "opsd.served" (list $root "monitoring.coreos.com/v1") }}
 {{- if kindIs "bool" $mode }}
 {{- if and $mode (not $served) }}
-{{- fail (printf "monitoring.%s.enabled is true, but this cluster does not serve the API monitoring.coreos.com/v1 (install the Prometheus Operator CRDs, pass --api-versions monitoring.coreos.com/v1 to helm template, or set monitoring.%s.enabled to \"auto\" or false)" $key $key) }}
+{{- include "opsd.refuse" (printf "monitoring.%s.enabled is true, but this cluster does not serve the API monitoring.coreos.com/v1 (install the Prometheus Operator CRDs; where helm sees no cluster, list it in apiVersions or pass --api-versions monitoring.coreos.com/v1 to helm template; or set monitoring.%s.enabled to \"auto\" or false)" $key $key) }}
 {{- end }}
 {{- if $mode }}true{{ end }}
 {{- else if $served }}true
@@ -173,39 +278,74 @@ render runs them once.
 {{- define "opsd.validate" -}}
 {{- $replicas := int .Values.controller.replicas }}
 {{- if and (gt $replicas 1) (not (include "opsd.postgresql.enabled" .)) }}
-{{- fail (printf "controller.replicas is %d, but the controller keeps its state in SQLite on one volume without PostgreSQL: set postgresql.url or postgresql.existingSecret to run more than 1 replica" $replicas) }}
+{{- include "opsd.refuse" (printf "controller.replicas is %d, but the controller keeps its state in SQLite on one volume without PostgreSQL: set postgresql.url or postgresql.existingSecret to run more than 1 replica" $replicas) }}
 {{- end }}
 {{- if and (gt $replicas 1) (not .Values.controller.leaderElection.enabled) }}
-{{- fail (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
+{{- include "opsd.refuse" (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
 {{- end }}
-{{- if and .Values.auth.existingSecret .Values.auth.token }}
-{{- fail "auth.token and auth.existingSecret are both set: set one" }}
+{{- if hasKey (.Values.controller.config.kubernetes | default dict) "node_selector" }}
+{{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
+{{- end }}
+{{- if and .Values.controller.tls.enabled (not .Values.controller.tls.secretName) }}
+{{- include "opsd.refuse" "controller.tls.enabled needs controller.tls.secretName: a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt" }}
+{{- end }}
+{{- if hasKey (.Values.agent.securityContext | default dict) "privileged" }}
+{{- include "opsd.refuse" "agent.securityContext.privileged is set: set agent.gpuAccess to \"privileged\" (or \"hostDriver\"), which renders a privileged container the API server accepts" }}
+{{- end }}
+{{- $tokens := .Values.auth.tokens }}
+{{- $given := list }}
+{{- range $role := list "operator" "reader" "agent" "metrics" }}{{ with index $tokens $role }}{{ $given = append $given . }}{{ end }}{{ end }}
+{{- if and .Values.auth.existingSecret $given }}
+{{- include "opsd.refuse" "auth.tokens and auth.existingSecret are both set: set one" }}
+{{- end }}
+{{- if and $given (ne (len $given) 4) }}
+{{- include "opsd.refuse" "auth.tokens: give all four tokens (operator, reader, agent, metrics), or none (the chart's hook makes them)" }}
+{{- end }}
+{{- if ne (len $given) (len (uniq $given)) }}
+{{- include "opsd.refuse" "auth.tokens: each role needs a token of its own (two are the same)" }}
 {{- end }}
 {{- if and .Values.postgresql.existingSecret .Values.postgresql.url }}
-{{- fail "postgresql.url and postgresql.existingSecret are both set: set one" }}
+{{- include "opsd.refuse" "postgresql.url and postgresql.existingSecret are both set: set one" }}
 {{- end }}
 {{- if and .Values.s3.existingSecret (or .Values.s3.accessKeyId .Values.s3.secretAccessKey .Values.s3.endpointUrl) }}
-{{- fail "s3.existingSecret is set together with s3.accessKeyId, s3.secretAccessKey or s3.endpointUrl: set one or the other" }}
+{{- include "opsd.refuse" "s3.existingSecret is set together with s3.accessKeyId, s3.secretAccessKey or s3.endpointUrl: set one or the other" }}
 {{- end }}
 {{- if and (not .Values.s3.existingSecret) (or .Values.s3.accessKeyId .Values.s3.secretAccessKey) (not (and .Values.s3.accessKeyId .Values.s3.secretAccessKey)) }}
-{{- fail "s3.accessKeyId and s3.secretAccessKey go together: set both or neither" }}
+{{- include "opsd.refuse" "s3.accessKeyId and s3.secretAccessKey go together: set both or neither" }}
 {{- end }}
 {{- end }}
 
 {{/* The settings file /etc/opsd/opsd.yaml: the values' config maps with what the chart decides laid over. */}}
 {{- define "opsd.settings" -}}
-{{- $controller := mustMergeOverwrite (deepCopy .Values.controller.config) (dict
+{{- $tls := dict }}
+{{- if .Values.controller.tls.enabled }}
+{{- $tls = dict "tls_certfile" "/etc/opsd/tls/tls.crt" "tls_keyfile" "/etc/opsd/tls/tls.key" }}
+{{- end }}
+{{- $controller := mustMergeOverwrite (deepCopy .Values.controller.config) $tls (dict
   "host" "0.0.0.0"
   "port" 8470
   "kubernetes" (dict
     "namespace" .Release.Namespace
+    "node_selector" (include "opsd.gpuNodeSelector" .)
     "lease_name" (include "opsd.leaseName" .)
     "leader_election" .Values.controller.leaderElection.enabled)) }}
-{{- $agent := mustMergeOverwrite (deepCopy .Values.agent.config) (dict
+{{- $agent := dict }}
+{{- if eq .Values.agent.transport "hostPath" }}
+{{- $agent = dict
   "socket" "/run/opsd/agent.sock"
   "metrics_host" "0.0.0.0"
   "metrics_port" 9464
   "policy_file" "/run/opsd/policy.json"
-  "flight_dir" "/run/opsd/flight") }}
+  "flight_dir" "/run/opsd/flight" }}
+{{- else }}
+{{- $agent = dict
+  "socket" "/tmp/opsd-agent.sock"
+  "metrics_host" "0.0.0.0"
+  "metrics_port" (include "opsd.agentHttpPort" . | int)
+  "datagram_host" "0.0.0.0"
+  "datagram_port" (include "opsd.agentDatagramPort" . | int)
+  "flight_dir" "/var/spool/opsd/flight" }}
+{{- end }}
+{{- $agent = mustMergeOverwrite (deepCopy .Values.agent.config) $agent }}
 {{- toYaml (dict "controller" $controller "agent" $agent) }}
 {{- end }}

@@ -65,6 +65,18 @@ class KubeApi:
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
 
+    # -- discovery -----------------------------------------------------------------------------------------------
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``group/version`` (its discovery document lists it)."""
+        try:
+            answer = self._json(
+                f"discover {group}/{version}",
+                lambda: self.custom.get_api_resources(group, version, _preload_content=False),
+            )
+        except NotFoundError:
+            return False
+        return any(r.get("name") == plural for r in answer.get("resources") or [])
+
     # -- nodes ---------------------------------------------------------------------------------------------------
     def node(self, name: str) -> Json:
         return self._json(f"read node {name}", lambda: self.core.read_node(name, _preload_content=False))
@@ -91,12 +103,16 @@ class KubeApi:
         )
         return list(answer.get("items") or [])
 
-    def all_pods(self, label_selector: str) -> tuple[list[Json], str]:
-        """The pods of every namespace matching ``label_selector``, and the list's resourceVersion."""
-        answer = self._json(
-            "list pods",
-            lambda: self.core.list_pod_for_all_namespaces(label_selector=label_selector, _preload_content=False),
-        )
+    def all_pods(self, label_selector: str, namespace: str = "") -> tuple[list[Json], str]:
+        """The pods of ``namespace`` (or of every namespace) matching ``label_selector``, and the list's
+        resourceVersion."""
+
+        def call() -> Any:
+            if namespace:
+                return self.core.list_namespaced_pod(namespace, label_selector=label_selector, _preload_content=False)
+            return self.core.list_pod_for_all_namespaces(label_selector=label_selector, _preload_content=False)
+
+        answer = self._json(f"list pods in {namespace or 'every namespace'}", call)
         return list(answer.get("items") or []), str(answer["metadata"].get("resourceVersion", ""))
 
     def evict(self, namespace: str, name: str) -> None:
@@ -168,6 +184,29 @@ class KubeApi:
         self._call(
             f"label pod {namespace}/{name}",
             lambda: self.core.patch_namespaced_pod(name, namespace, patch, _preload_content=False),
+        )
+
+    # -- secrets (the chart's credentials) -----------------------------------------------------------------------
+    def secret(self, namespace: str, name: str) -> Json:
+        return self._json(
+            f"read secret {namespace}/{name}",
+            lambda: self.core.read_namespaced_secret(name, namespace, _preload_content=False),
+        )
+
+    def create_secret(self, namespace: str, secret: Json) -> Json:
+        body = _model(kubernetes.client.V1Secret, secret)
+        return self._json(
+            f"create secret {namespace}/{secret['metadata']['name']}",
+            lambda: self.core.create_namespaced_secret(namespace, body, _preload_content=False),
+        )
+
+    def replace_secret(self, namespace: str, secret: Json) -> Json:
+        """PUT the Secret whole, refused with ``ConflictError`` when it changed since it was read."""
+        name = secret["metadata"]["name"]
+        body = _model(kubernetes.client.V1Secret, secret)
+        return self._json(
+            f"replace secret {namespace}/{name}",
+            lambda: self.core.replace_namespaced_secret(name, namespace, body, _preload_content=False),
         )
 
     # -- watches -------------------------------------------------------------------------------------------------

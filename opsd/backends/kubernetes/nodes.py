@@ -142,6 +142,20 @@ def promote(api: KubeApi, name: str, run: str) -> bool:
     return edit_node(api, name, change)
 
 
+def mark_active(api: KubeApi, name: str, run: str) -> bool:
+    """Label a node a run's pods landed on as the run's (``opsd.io/run=<run>``, state ``active``): the run's restarted
+    pods prefer it (docs/kubernetes.md), and nobody labels nodes by hand. Nothing on a quarantined node or a spare.
+    Whether it changed the node."""
+
+    def change(node: Json) -> None:
+        labels = _meta(node, "labels")
+        if has_taint(node, QUARANTINE_TAINT) or labels.get(POOL_LABEL) == SPARE_POOL:
+            return
+        labels[RUN_LABEL], labels[STATE_LABEL] = run, "active"
+
+    return edit_node(api, name, change)
+
+
 def quarantined_since(nodes: list[Json], since_s: float) -> list[str]:
     """The nodes opsd quarantined at or after ``since_s`` (from their annotations: a controller's restart does not
     forget them)."""

@@ -16,10 +16,8 @@ import os
 import threading
 import time
 
-import uvicorn
-
 from opsd.api.app import create_app
-from opsd.api.server import ServeConfig, build, collect_young, tick_forever, tune_interpreter
+from opsd.api.server import ServeConfig, build, collect_young, server, tick_forever, tune_interpreter
 from opsd.backends.kubernetes.api import KubeApi, connect
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
@@ -28,8 +26,17 @@ from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.controller import Controller
 from opsd.controller.incidents import failure_of, took_step, unfinished_incident
-from opsd.errors import OpsError
-from opsd.protocol.cluster import JOBSET_NAME_LABEL, LEADER, ROLE_LABEL, STANDBY
+from opsd.errors import ConfigError, OpsError
+from opsd.protocol.cluster import (
+    JOBSET_GROUP,
+    JOBSET_MIN_RELEASE,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    LEADER,
+    ROLE_LABEL,
+    STANDBY,
+)
 from opsd.protocol.states import ActionKind, RunState
 
 log = logging.getLogger(__name__)
@@ -57,7 +64,7 @@ class KubernetesController:
         self.pods = Informer(
             api,
             "pods",
-            lambda: api.all_pods(JOBSET_NAME_LABEL),
+            lambda: api.all_pods(JOBSET_NAME_LABEL, config.watch_namespace),
             timeout_s=timeout,
             namespace=config.watch_namespace,
             label_selector=JOBSET_NAME_LABEL,
@@ -133,15 +140,24 @@ def label_self(api: KubeApi, config: KubernetesConfig, role: str) -> None:
         log.warning("cannot label this pod %s: %s", role, exc)
 
 
+def require_jobsets(api: KubeApi) -> None:
+    """A ``ConfigError`` saying what to install when the cluster serves no JobSets (opsd's runs are JobSets)."""
+    if not api.serves(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL):
+        raise ConfigError(
+            f"this cluster serves no {JOBSET_PLURAL}.{JOBSET_GROUP}/{JOBSET_VERSION}: install JobSet"
+            f" {JOBSET_MIN_RELEASE} or newer (https://jobset.sigs.k8s.io, docs/kubernetes.md), then start opsd again"
+        )
+
+
 def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi | None = None) -> None:
-    """Serve the API; lead (elected, or alone) until stopped; exit when leadership is lost."""
-    controller, token = build(config)
+    """Check that the cluster serves JobSets, serve the API, lead (elected, or alone) until stopped; exit when
+    leadership is lost."""
     api = api or KubeApi(connect(kube.kubeconfig, kube.context))
+    require_jobsets(api)
+    controller, token = build(config)
     controller.backend = KubernetesBackend(api, kube)
     leader = KubernetesController(controller, api, kube, config.tick_interval_s)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(controller, token), host=config.host, port=config.port, log_level="warning")
-    )
+    api_server = server(config, create_app(controller, token))
     identity = kube.pod_name or f"{os.uname().nodename}-{os.getpid()}"
 
     def lead() -> None:
@@ -161,9 +177,10 @@ def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi 
     tune_interpreter()
     gc_stop = threading.Event()
     threading.Thread(target=collect_young, args=(0.1, gc_stop), name="gc", daemon=True).start()
-    log.info("opsd controller (kubernetes) on http://%s:%d as %s", config.host, config.port, identity)
+    scheme = "https" if config.tls_certfile else "http"
+    log.info("opsd controller (kubernetes) on %s://%s:%d as %s", scheme, config.host, config.port, identity)
     try:
-        server.run()
+        api_server.run()
     finally:
         gc_stop.set()
         leader.close()

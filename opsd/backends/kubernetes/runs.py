@@ -4,8 +4,10 @@ at every pass of ``Reconciler.sync``.
 
 A node's role: ``cordoned`` when it carries opsd's quarantine taint (or is cordoned and opsd's state label says
 quarantined); ``spare`` when it is in the spare pool (``opsd.io/pool=spare``: the cluster's pool, shared by the
-runs); ``active`` for a run when it carries the run's label or runs one of its pods. Other nodes are not the
-controller's business. A JobSet that completed or failed ends its run.
+runs); ``active`` for a run when it carries the run's label or runs one of its pods. A node a run's pods landed on
+gets the run's label (``nodes.mark_active``), which the run's pods prefer when the JobSet restarts them: the run's
+nodes are never labelled by hand. Other nodes are not the controller's business. A JobSet that completed or failed
+ends its run.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import replace
 from typing import Any
 
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
-from opsd.backends.kubernetes.nodes import has_taint
+from opsd.backends.kubernetes.nodes import has_taint, mark_active
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
+from opsd.errors import OpsError
 from opsd.policy.recovery import OnNoSpare
 from opsd.protocol.cluster import (
     CHECKPOINT_URL_ANNOTATION,
@@ -159,3 +162,13 @@ class Reconciler:
                 fields["run"] = run
             if known is None or any(getattr(known, k) != v for k, v in fields.items()):
                 self.store.upsert_node(name, now_s, **fields)
+            landed = hosting.get(name)
+            if fields["role"] == NodeRole.ACTIVE and landed in runs and labels.get(RUN_LABEL) != landed:
+                self._label(name, landed)
+
+    def _label(self, node: str, run: str) -> None:
+        try:
+            if mark_active(self.backend.api, node, run):
+                log.info("node %s: the pods of run %s landed there; labelled %s=%s", node, run, RUN_LABEL, run)
+        except OpsError as exc:
+            log.warning("node %s: cannot label it for run %s (next pass tries again): %s", node, run, exc)

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,11 @@ def lock_run(spec: LocalRunSpec) -> int:
     return fd
 
 
-def start_agent(spec: LocalRunSpec, node: str) -> subprocess.Popen[bytes]:
-    """Start the agent of ``node`` (its fake GPUs written first, when missing)."""
+def start_agent(
+    spec: LocalRunSpec, node: str, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start the agent of ``node`` (its fake GPUs written first, when missing); ``extra_args`` and ``extra_env`` add
+    to (or override) its settings."""
     directory = spec.node_dir(node)
     gpus = directory / "gpus"
     gpus.mkdir(parents=True, exist_ok=True)
@@ -87,7 +91,8 @@ def start_agent(spec: LocalRunSpec, node: str) -> subprocess.Popen[bytes]:
     ]
     if spec.controller_url:
         cmd += ["--controller-url", spec.controller_url]
-    env = {**os.environ, CONTROLLER_TOKEN_ENV: spec.token}
+    cmd += list(extra_args)
+    env = {**os.environ, CONTROLLER_TOKEN_ENV: spec.token, **(extra_env or {})}
     with (directory / "agent.log").open("ab") as log_file:
         return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 

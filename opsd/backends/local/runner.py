@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from opsd.api.app import create_app
+from opsd.api.auth import Credentials
 from opsd.api.server import ServeConfig, build, tick_forever
 from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.spec import LocalRunSpec
@@ -37,8 +38,8 @@ log = logging.getLogger(__name__)
 OnPoll = Callable[[Controller, LocalBackend, float], None]
 
 
-def start_api(controller: Controller, token: str, host: str, port: int) -> uvicorn.Server:
-    """The API on a thread of its own; returns once it listens."""
+def start_api(controller: Controller, token: str | Credentials, host: str, port: int) -> uvicorn.Server:
+    """The API on a thread of its own (``token``: the operators', or every role's); returns once it listens."""
     server = uvicorn.Server(uvicorn.Config(create_app(controller, token), host=host, port=port, log_level="warning"))
     threading.Thread(target=server.run, name="opsd-api", daemon=True).start()
     deadline = time.monotonic() + 30
@@ -103,7 +104,8 @@ def run_local(
     """Run ``spec`` to its end (every rank exited 0, the run failed, or ``stop`` was set); returns its final
     status."""
     controller, token = build(config)
-    backend = LocalBackend(dataclasses.replace(spec, token=token))  # the agents use the controller's token
+    agents = token.agent or token.operator  # the agents' own token, when the settings give one
+    backend = LocalBackend(dataclasses.replace(spec, token=agents))
     controller.backend = backend
     if spec.crash_after_action:
         controller.recovery.on_step = crash_after(spec.crash_after_action)

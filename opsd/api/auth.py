@@ -1,0 +1,96 @@
+"""Who may call what on the controller's API: a bearer token per role (docs/kubernetes.md, "Credentials").
+
+- ``operator`` (``controller.token``): everything, the reads, restart, cordon, uncordon, attach, inject (and what
+  the others may);
+- ``reader`` (``controller.reader_token``): every read: runs, incidents, post-mortems, checkpoints, Flight Recorder
+  dumps, ``/metrics``;
+- ``agent`` (``controller.agent_token``): heartbeats and Flight Recorder uploads (an agent's credential lives on
+  every GPU node: it reads nothing);
+- ``metrics`` (``controller.metrics_token``): ``/metrics``, Prometheus's scrape credential.
+
+Every endpoint but ``/healthz`` wants one. No token, or one the controller does not know: 401 (counted as
+``auth``); a known token whose role may not: 403 (counted as ``forbidden``). A role without a token of its own is
+simply not given (the operator's token does its work: a single-token controller, as ``opsd run`` starts, works as
+before).
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import HTTPException
+
+
+class Role(enum.StrEnum):
+    OPERATOR = "operator"
+    READER = "reader"
+    AGENT = "agent"
+    METRICS = "metrics"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    operator: str
+    reader: str = ""
+    agent: str = ""
+    metrics: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.operator:
+            raise ValueError("the controller needs a token for its operators")
+        given = [t for t in (self.operator, self.reader, self.agent, self.metrics) if t]
+        if len(given) != len(set(given)):
+            raise ValueError("each role needs a token of its own: two roles share one")
+
+    def role_of(self, authorization: str | None) -> Role | None:
+        """The role whose token an ``Authorization: Bearer <token>`` header carries; None for none."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        presented = authorization.removeprefix("Bearer ").strip().encode()
+        found = None
+        for role, token in (
+            (Role.OPERATOR, self.operator),
+            (Role.READER, self.reader),
+            (Role.AGENT, self.agent),
+            (Role.METRICS, self.metrics),
+        ):
+            # every token compared, in constant time: how long it takes says nothing of which matched
+            if token and hmac.compare_digest(presented, token.encode()):
+                found = role
+        return found
+
+
+def check(credentials: Credentials, authorization: str | None, allowed: frozenset[Role]) -> str | None:
+    """None when the header's role may; else the reason to refuse: ``auth`` (401) or ``forbidden`` (403)."""
+    role = credentials.role_of(authorization)
+    if role is None:
+        return "auth"
+    if role is Role.OPERATOR or role in allowed:
+        return None
+    return "forbidden"
+
+
+def refusal(reason: str, allowed: frozenset[Role]) -> HTTPException:
+    if reason == "auth":
+        return HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+    roles = ", ".join(sorted({Role.OPERATOR, *allowed}))
+    return HTTPException(403, f"this token's role may not do this (it takes: {roles})")
+
+
+def requirement(
+    credentials: Credentials, reject: Callable[[str], None], *allowed: Role
+) -> Callable[[str | None], None]:
+    """A FastAPI dependency (its argument the ``Authorization`` header) letting ``allowed`` roles, and operators,
+    through; refusals counted by ``reject``."""
+    roles = frozenset(allowed)
+
+    def dependency(authorization: str | None) -> None:
+        reason = check(credentials, authorization, roles)
+        if reason is not None:
+            reject(reason)
+            raise refusal(reason, roles)
+
+    return dependency

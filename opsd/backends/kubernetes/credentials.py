@@ -1,0 +1,110 @@
+"""The chart's credentials made once: ``python -m opsd.backends.kubernetes.credentials --namespace NS --secret NAME
+--generation N``, what the chart's pre-install and pre-upgrade hook Job runs when no token is given (docs/kubernetes.md,
+"Credentials").
+
+The Secret holds a random token per role of the controller's API (``opsd.api.auth``): ``operator``, ``reader``,
+``agent``, ``metrics``. Made when missing; a token missing from it is added; nothing else is ever changed, so that
+every render and every upgrade leaves the tokens as they are (no token is in the chart's manifests: ``helm template``
+and Argo CD render the same thing twice). A ``generation`` higher than the Secret's (its annotation
+``opsd.io/credentials-generation``) replaces every token: the chart puts the generation in the pods' annotations,
+which rolls them onto the new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import secrets
+import sys
+from collections.abc import Sequence
+
+from opsd.backends.kubernetes.api import ConflictError, Json, KubeApi, connect
+from opsd.errors import NotFoundError, OpsError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("operator", "reader", "agent", "metrics")
+GENERATION_ANNOTATION = "opsd.io/credentials-generation"
+ATTEMPTS = 5
+
+
+def token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _generation(secret: Json) -> int:
+    text = ((secret.get("metadata") or {}).get("annotations") or {}).get(GENERATION_ANNOTATION, "0")
+    return int(text) if str(text).isdigit() else 0
+
+
+def _data(tokens: dict[str, str]) -> dict[str, str]:
+    return {role: base64.b64encode(value.encode()).decode() for role, value in tokens.items()}
+
+
+def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dict[str, str] | None = None) -> str:
+    """Make the Secret, fill it, or rotate it: ``created``, ``completed`` (tokens added), ``rotated`` or ``kept``."""
+    if generation < 1:
+        raise ValueError("generation must be >= 1")
+    for _ in range(ATTEMPTS):
+        try:
+            found = api.secret(namespace, name)
+        except NotFoundError:
+            secret = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": dict(labels or {}),
+                    "annotations": {GENERATION_ANNOTATION: str(generation)},
+                },
+                "data": _data({role: token() for role in ROLES}),
+            }
+            try:
+                api.create_secret(namespace, secret)
+            except ConflictError:
+                continue  # made meanwhile (a second hook): read it
+            return "created"
+        data = dict(found.get("data") or {})
+        if _generation(found) < generation:
+            outcome, data = "rotated", _data({role: token() for role in ROLES})
+        elif all(data.get(role) for role in ROLES):
+            return "kept"
+        else:
+            outcome = "completed"
+            data.update(_data({role: token() for role in ROLES if not data.get(role)}))
+        found["data"] = data
+        found.setdefault("metadata", {}).setdefault("annotations", {})[GENERATION_ANNOTATION] = str(
+            max(generation, _generation(found))
+        )
+        try:
+            api.replace_secret(namespace, found)
+        except ConflictError:
+            continue
+        return outcome
+    raise OpsError(f"secret {namespace}/{name} kept changing: {ATTEMPTS} conflicting writes")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--secret", required=True, help="the Secret's name")
+    parser.add_argument("--generation", type=int, default=1, help="raise it to replace every token")
+    parser.add_argument("--label", action="append", default=[], help="KEY=VALUE on a Secret it makes")
+    parser.add_argument("--kubeconfig", default="", help="outside a cluster (default: the in-cluster account)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    labels = dict(item.split("=", 1) for item in args.label if "=" in item)
+    try:
+        outcome = ensure(KubeApi(connect(args.kubeconfig)), args.namespace, args.secret, args.generation, labels)
+    except (OpsError, ValueError) as exc:
+        print(f"opsd credentials: {exc}", file=sys.stderr)
+        return 1
+    print(f"secret {args.namespace}/{args.secret}: {outcome} (generation {args.generation})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

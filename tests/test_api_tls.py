@@ -1,0 +1,106 @@
+"""The controller's API over HTTPS (controller.tls_certfile, tls_keyfile): a real uvicorn with a certificate of a CA
+made here; an agent's heartbeats and the CLI trust that CA through SSL_CERT_FILE (what the chart sets from the
+certificate's Secret), and refuse the server without it."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from typer.testing import CliRunner
+
+from agent.reporter import Reporter, ReporterConfig
+from agent.state import NodeState
+from opsd.api.app import create_app
+from opsd.api.auth import Credentials
+from opsd.api.server import ServeConfig, server
+from opsd.backends.local.processes import free_port
+from opsd.cli.app import app
+from opsd.controller.controller import Controller
+from opsd.controller.state import StateStore
+from tests.test_agent import step
+
+OPERATOR, AGENT = "tls-operator", "tls-agent"
+
+
+def certificate(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
+    names: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, issuer_key = issuer if issuer is not None else (subject, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def pem(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def https(tmp_path: Path) -> Iterator[tuple[str, Path, Controller]]:
+    """The API on https://localhost:<port>, its CA's certificate, its controller."""
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = certificate("opsd test CA", ca_key, None)
+    names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    leaf = certificate("opsd-controller", server_key, ("opsd test CA", ca_key), names)
+    encoding = serialization.Encoding.PEM
+    key_pem = server_key.private_bytes(encoding, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    config = ServeConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        state_dir=str(tmp_path / "state"),
+        tls_certfile=str(pem(tmp_path / "tls.crt", leaf.public_bytes(encoding))),
+        tls_keyfile=str(pem(tmp_path / "tls.key", key_pem)),
+    )
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    api = server(config, create_app(controller, Credentials(operator=OPERATOR, agent=AGENT)))
+    threading.Thread(target=api.run, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not api.started:
+        assert time.monotonic() < deadline, "the API did not start"
+        time.sleep(0.02)
+    try:
+        yield f"https://localhost:{config.port}", pem(tmp_path / "ca.crt", ca.public_bytes(encoding)), controller
+    finally:
+        api.should_exit = True
+
+
+def test_agents_and_the_cli_speak_https_to_a_controller_whose_ca_they_trust(
+    https: tuple[str, Path, Controller], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, ca, controller = https
+    state = NodeState()
+    state.ingest(step(rank=0, step=5), now_s=time.time())
+    reporter = Reporter(ReporterConfig(url=f"{url}/v1/heartbeat", token=AGENT), "n1", state, None)
+    assert not reporter.send_once(time.time())  # the CA unknown: refused
+    assert reporter.sent_failed == 1
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    assert reporter.send_once(time.time())
+    assert controller.store.run("r") is not None
+    cli = CliRunner().invoke(app, ["runs", "--json", "--url", url, "--token", OPERATOR], env={"SSL_CERT_FILE": str(ca)})
+    assert cli.exit_code == 0, cli.output
+    assert '"id": "r"' in cli.stdout  # the run of the step the agent's heartbeat carried

@@ -1,0 +1,57 @@
+"""The chart's credentials made once (opsd.backends.kubernetes.credentials), on the emulated API server: a random
+token per role when the Secret is missing, nothing changed when it is there, the missing ones added, every one
+replaced for a higher generation; and the chart's hook Job runs exactly this, with the arguments it renders."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+from opsd.backends.kubernetes.api import KubeApi
+from opsd.backends.kubernetes.credentials import GENERATION_ANNOTATION, ROLES, ensure, main
+from tests.kube.emulator import KubeEmulator
+from tests.kube.training import kubeconfig
+
+
+def tokens(kube: KubeEmulator, name: str = "opsd-credentials") -> dict[str, str]:
+    secret = kube.get("secrets", "opsd", name)
+    assert secret is not None
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def test_made_once_kept_completed_and_rotated(kube: KubeEmulator) -> None:
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "opsd"}})
+    api = KubeApi(kube.api_client)
+    assert ensure(api, "opsd", "opsd-credentials", 1, {"app.kubernetes.io/part-of": "opsd"}) == "created"
+    made = tokens(kube)
+    assert set(made) == set(ROLES)
+    assert len(set(made.values())) == 4
+    assert all(len(t) >= 40 for t in made.values())
+    assert ensure(api, "opsd", "opsd-credentials", 1) == "kept"  # every install and upgrade after the first
+    assert tokens(kube) == made
+    secret = kube.get("secrets", "opsd", "opsd-credentials")
+    assert secret is not None
+    del secret["data"]["metrics"]  # a Secret of an older chart, without one role
+    kube.put(secret)
+    assert ensure(api, "opsd", "opsd-credentials", 1) == "completed"
+    completed = tokens(kube)
+    assert {k: v for k, v in completed.items() if k != "metrics"} == {k: v for k, v in made.items() if k != "metrics"}
+    assert completed["metrics"] not in made.values()
+    assert ensure(api, "opsd", "opsd-credentials", 2) == "rotated"
+    rotated = tokens(kube)
+    assert not set(rotated.values()) & set(completed.values())
+    after = kube.get("secrets", "opsd", "opsd-credentials")
+    assert after is not None
+    assert after["metadata"]["annotations"][GENERATION_ANNOTATION] == "2"
+    assert ensure(api, "opsd", "opsd-credentials", 1) == "kept"  # an older generation changes nothing
+
+
+def test_the_command_line_of_the_hook(kube: KubeEmulator, tmp_path: Path) -> None:
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "opsd"}})
+    config = str(kubeconfig(kube, tmp_path / "kubeconfig"))
+    args = ["--namespace", "opsd", "--secret", "made", "--generation", "3", "--label", "app.kubernetes.io/part-of=opsd"]
+    assert main([*args, "--kubeconfig", config]) == 0
+    made = kube.get("secrets", "opsd", "made")
+    assert made is not None
+    assert made["metadata"]["labels"] == {"app.kubernetes.io/part-of": "opsd"}
+    assert main(["--namespace", "nowhere", "--secret", "x", "--kubeconfig", config]) == 1  # a clear error, exit 1
