@@ -162,12 +162,19 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     return spec, cfg, microbatches
 
 
+#: NCCL records a start event per collective, and accepts the monitor's completion hook, only with this set before
+#: the process group is created (it is read once, then): GPU durations of the collectives are the default
+NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
 def init_distributed() -> torch.device:
-    """Join the job started by torchrun, or form a world of one; CUDA + NCCL when a GPU is visible."""
+    """Join the job started by torchrun, or form a world of one; CUDA + NCCL when a GPU is visible (with NCCL's
+    collective timing on, unless ``TORCH_NCCL_ENABLE_TIMING`` says otherwise)."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        os.environ.setdefault(NCCL_TIMING_ENV, "1")
         torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
     if "WORLD_SIZE" in os.environ:

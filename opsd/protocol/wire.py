@@ -93,6 +93,8 @@ class StepReport(Struct, frozen=True):
     resumed_from_step: Count | None = None  # the checkpoint this launch of the rank resumed from, if any
     pipeline: PipelineReport | None = None  # ranks of a pipeline stage: the step's bubble and the schedule
     launch: Count | None = None  # the launch of the run this rank belongs to ($OPSD_LAUNCH), when the backend says
+    # process groups whose collectives are timed on the host because their GPU completion hook was refused
+    comm_timing_fallbacks_total: Count = 0
 
 
 def pipeline_bubble_ratio(report: StepReport) -> float | None:
@@ -120,7 +122,15 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline", "launch")
+OPTIONAL_FIELDS = (
+    "truncated",
+    "checkpoints",
+    "loss",
+    "resumed_from_step",
+    "pipeline",
+    "launch",
+    "comm_timing_fallbacks_total",
+)
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
 
 #: the values of ``WireError.reason``
