@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("examples.train")
 
+#: --dtype: the compute dtype (weights, gradient reduction and optimizer stay float32)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="examples.train", description=__doc__.splitlines()[0])
@@ -71,6 +74,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-experts", type=int, default=0)
     p.add_argument("--capacity-factor", type=float, default=0.0, help="0: no token dropping")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="compute dtype: bf16 (FSDP2's mixed precision where sharded, autocast elsewhere) or fp32 (the reference)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches (default: pp)")
     p.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
@@ -285,6 +294,21 @@ def make_checkpointer(
     return checkpointer, TrainState(model, optimizer, **extra)
 
 
+def _watch_logits_dtype(model: ParallelModel) -> list[str]:
+    """The dtype the output layer computes in, seen on its first forward (on the last pipeline stage; for the
+    report: bf16 logits without autocast means FSDP2's mixed precision cast the weights)."""
+    seen: list[str] = []
+    output = model.module.output
+    if output is not None:
+
+        def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+            if not seen:
+                seen.append(str(out.dtype).removeprefix("torch."))
+
+        output.register_forward_hook(hook)
+    return seen
+
+
 def state_hashes(state: TrainState) -> list[str]:
     """SHA-256 of each rank's part of the model and optimizer state (DTensors by their local shard), gathered:
     two runs with the same layout ended in the same state exactly when the lists are equal."""
@@ -353,7 +377,13 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         meshes = build_mesh(spec, device.type)
         torch.manual_seed(args.seed)
         model = parallelize(
-            lambda: Transformer(cfg), spec, meshes, device, microbatches=microbatches, schedule=args.pp_schedule
+            lambda: Transformer(cfg),
+            spec,
+            meshes,
+            device,
+            microbatches=microbatches,
+            schedule=args.pp_schedule,
+            dtype=DTYPES[args.dtype],
         )
         optimizer = torch.optim.AdamW(
             model.module.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False
@@ -380,6 +410,7 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         first_step = data.position
         if monitor is not None:
             monitor.resume_at(first_step)  # reports number steps as training does
+        logits_dtype = _watch_logits_dtype(model)
         losses: list[float] = []
         while data.position < args.steps:
             step = data.position
@@ -407,7 +438,8 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
         if monitor is not None:
             monitor.close()
         if args.losses_out is not None:
-            extra: dict[str, Any] = {"first_step": first_step}
+            autocast = str(model.autocast_dtype).removeprefix("torch.") if model.autocast_dtype else None
+            extra: dict[str, Any] = {"first_step": first_step, "autocast": autocast, "logits_dtype": logits_dtype}
             if ckpt is not None and state is not None:
                 extra.update(
                     resumed_from_step=resumed, resume_problems=ckpt.resume_problems, state_hashes=state_hashes(state)
