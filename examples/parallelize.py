@@ -220,7 +220,7 @@ def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes, mixed: Mixed
     Expert weights differ across ep ranks, so they are sharded over their own data-parallel mesh
     (dp_replicate x dp_shard x cp), or left to this rank when that mesh is a single rank.
     """
-    policy = {"mp_policy": mixed} if mixed is not None else {}
+    policy = mixed or MixedPrecisionPolicy()  # the default: no cast
     expert_dp = spec.dp_replicate * spec.dp_shard * spec.cp
     reshard = spec.pp == 1  # pipelining runs several micro-batches per step: keep weights gathered
     ignored: set[nn.Parameter] = set()
@@ -228,9 +228,13 @@ def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes, mixed: Mixed
         moe = block.feed_forward
         if spec.ep > 1 and isinstance(moe, MoE):
             if expert_dp > 1:
-                fully_shard(moe.experts, mesh=meshes.expert, reshard_after_forward=reshard, **policy)
+                fully_shard(moe.experts, mesh=meshes.expert, reshard_after_forward=reshard, mp_policy=policy)
             else:
                 ignored |= set(moe.experts.parameters())
-        fully_shard(block, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None, **policy)
-    fully_shard(model, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None, **policy)
+        fully_shard(
+            block, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None, mp_policy=policy
+        )
+    fully_shard(
+        model, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None, mp_policy=policy
+    )
     return bool(ignored)
