@@ -45,7 +45,8 @@ from opsd.checkpoints.layout import CheckpointStore, inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.protocol.manifest import parse_manifest
 from opsd.protocol.mesh import MeshSpec
-from trainer_hooks.checkpoint import DCP_METADATA, CheckpointConfig, Checkpointer, TrainState
+from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
+from trainer_hooks.checkpoint_io import DCP_METADATA
 
 RANKS = 4
 

@@ -113,6 +113,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="thread",
         help="where asynchronous saves write: a thread of the rank, or a helper process per rank",
     )
+    p.add_argument(
+        "--ckpt-when-busy",
+        choices=["skip", "wait"],
+        default="skip",
+        help="a save due while the previous one is still writing: skip it (training never waits) or wait for it",
+    )
     p.add_argument("--ckpt-s3-endpoint", help="S3-compatible endpoint URL for s3:// (default: AWS_ENDPOINT_URL*)")
     p.add_argument("--ckpt-keep-last", type=int, default=3, help="committed checkpoints kept (newest first)")
     p.add_argument("--ckpt-keep-every", type=int, default=0, help="also keep steps that are multiples of this")
@@ -259,6 +265,7 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         keep_every_steps=args.ckpt_keep_every,
         async_save=not args.ckpt_sync,
         async_mode=args.ckpt_async,
+        when_busy=args.ckpt_when_busy,
         s3=S3Options(endpoint_url=args.ckpt_s3_endpoint),
     )
 
@@ -283,12 +290,14 @@ def make_checkpointer(
 
     policy = PolicyReader(os.environ.get(POLICY_FILE_ENV)) if os.environ.get(POLICY_FILE_ENV) else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
+    on_skipped = monitor.record_checkpoint_skipped if monitor is not None else None
     kill_step = args.kill_before_commit_step
     checkpointer = Checkpointer(
         checkpoint_config(args),
         world_layout=spec.degrees(),
         policy=policy,
         on_saved=on_saved,
+        on_skipped=on_skipped,
         before_commit=(lambda step: _kill_self(step) if step == kill_step else None) if kill_step else None,
     )
     return checkpointer, TrainState(model, optimizer, **extra)
@@ -428,7 +437,8 @@ def train(args: argparse.Namespace, spec: MeshSpec, cfg: ModelConfig, microbatch
                 print(f"step {step + 1}/{args.steps} loss {losses[-1]:.6f}", flush=True)
             # the cadence's steps, and the last one: a completed run's final state is always checkpointed
             if ckpt is not None and state is not None and (ckpt.due(step + 1) or step + 1 == args.steps):
-                ckpt.save(step + 1, state)
+                # a save due while the previous one writes is skipped, but the last one and one asked for
+                ckpt.save(step + 1, state, wait=step + 1 == args.steps or ckpt.required(step + 1))
             if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
                 if ckpt is not None:
                     ckpt.wait()  # the checkpoints before the failure are committed

@@ -145,6 +145,7 @@ class Monitor:
         self.resumed_from_step: int | None = None
         self.last_report: dict[str, Any] | None = None
         self._checkpoints: list[dict[str, Any]] = []
+        self.checkpoints_skipped = 0  # saves skipped: the previous one was still being written
         self._checkpoints_lock = threading.Lock()
         self._started: float | None = None
         self._loss: float | torch.Tensor | None = None
@@ -393,6 +394,8 @@ class Monitor:
         }
         if self.tracer.timing_fallbacks:
             report["comm_timing_fallbacks_total"] = self.tracer.timing_fallbacks
+        if self.checkpoints_skipped:
+            report["checkpoints_skipped_total"] = self.checkpoints_skipped
         if self._pipeline is not None or comms.pipeline_transfers:
             report["pipeline"] = {"bubble_s": min(comms.pipeline_wait_s, step_s), **(self._pipeline or {})}
         loss = pending.loss
@@ -437,6 +440,11 @@ class Monitor:
                     self.internal_errors += 1
         except Exception as exc:
             self._error(exc)
+
+    def record_checkpoint_skipped(self, step: int) -> None:
+        """The save of ``step`` was skipped: the previous one was still being written. Every later report counts
+        it (``checkpoints_skipped_total``)."""
+        self.checkpoints_skipped += 1
 
     def close(self) -> None:
         """Report the steps still waiting (``flush``), stop the watchdog, close the sinks."""

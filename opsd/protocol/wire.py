@@ -95,6 +95,8 @@ class StepReport(Struct, frozen=True):
     launch: Count | None = None  # the launch of the run this rank belongs to ($OPSD_LAUNCH), when the backend says
     # process groups whose collectives are timed on the host because their GPU completion hook was refused
     comm_timing_fallbacks_total: Count = 0
+    # checkpoint saves skipped because the previous one was still being written
+    checkpoints_skipped_total: Count = 0
 
 
 def pipeline_bubble_ratio(report: StepReport) -> float | None:
@@ -130,6 +132,7 @@ OPTIONAL_FIELDS = (
     "pipeline",
     "launch",
     "comm_timing_fallbacks_total",
+    "checkpoints_skipped_total",
 )
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
 
