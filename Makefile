@@ -14,7 +14,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS := tests/test_collectives.py tests/test_monitor.py tests/test_monitor_deferred.py tests/test_flight_nccl.py \
 	tests/test_checkpoint.py tests/test_dtype.py tests/test_docs.py::test_readme_monitor_example_runs_under_torchrun
 
-.PHONY: demo test lint typecheck pytest pytest-floor system-deps clean dashboard-pictures gpu-check
+.PHONY: demo test lint typecheck pytest pytest-floor system-deps clean dashboard-pictures gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,16 @@ $(FLOOR_STAMP): $(STAMP) tools/torch_floor.txt
 		main = pathlib.Path("$(abspath $(VENV))/lib/python3.$(shell $(PY) -c "import sys; print(sys.version_info.minor)")/site-packages"); \
 		pathlib.Path(sysconfig.get_paths()["purelib"], "opsd-main-venv.pth").write_text(f"import site; site.addsitedir({str(main)!r})\n")'
 	touch $@
+
+# every GPU figure in one command (docs/gpu.md); on a machine without a GPU, --tiny runs it on the CPU
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# the wheels tools/gpu_check.sh installs offline on a GPU machine that lacks them (CPython 3.12, x86_64)
+gpu-wheels:
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d gpu-wheels \
+		$$(grep -E '^msgspec==' constraints.txt)
 
 demo: $(STAMP)
 	$(PY) -m opsd.cli.demo

@@ -229,6 +229,8 @@ def worker(root: Path, dim: int, layers: int, rounds: int, max_steps: int) -> in
                 f"{mean:.3f} s each against {idle:.3f} s with no write: {lost[kind]:.3f} s of training lost a save"
             )
         print(f"writer losing the least training: {min(ASYNC_KINDS, key=lambda k: lost[k])} (on {device.type})")
+        for kind in KINDS:
+            print(f"checkpoint_blocking_s_{kind}={med[kind]:.4f}")
         for kind in ASYNC_KINDS:
             print(f"checkpoint_lost_training_s_{kind}={lost[kind]:.4f}")
         print(f"checkpoint_sync_vs_dcp_ratio={med['sync'] / med['dcp']:.4f}")
