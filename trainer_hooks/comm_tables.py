@@ -133,6 +133,18 @@ class StepComms:
         return out
 
 
+class GroupInfo:
+    """What the tracer knows of a process group, looked up once per group: its name, the dimension it is labelled
+    with, and whether its completion hook reports the durations of its collectives."""
+
+    __slots__ = ("dim", "gpu_timed", "name")
+
+    def __init__(self, name: str, dim: str, gpu_timed: bool) -> None:
+        self.name = name
+        self.dim = dim
+        self.gpu_timed = gpu_timed
+
+
 @dataclass(frozen=True)
 class Blocked:
     """The training thread is waiting on a collective: its dimension and op, since (``perf_counter``), how long."""
