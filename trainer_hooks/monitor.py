@@ -387,7 +387,9 @@ class Monitor:
             "memory": pending.memory,
             "coords": self.coords,
             "comms": [
-                [dim, op, s.count, s.bytes, s.seconds, phase] for (dim, op, phase), s in sorted(comms.phases.items())
+                # a copy: a step sent before all its GPU durations came may still receive one, on another thread
+                [dim, op, s.count, s.bytes, s.seconds, phase]
+                for (dim, op, phase), s in sorted(dict(comms.phases).items())
             ],
             "dropped_reports_total": self.dropped_reports,
             "internal_errors_total": self.internal_errors + self.tracer.internal_errors + self.pending.incomplete,
