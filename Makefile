@@ -7,7 +7,14 @@ STAMP := $(VENV)/.installed
 DEBIAN_PACKAGES := prometheus postgresql chromium
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint typecheck pytest system-deps clean dashboard-pictures chart-files
+# The oldest torch supported, in an environment of its own that shares the project's other packages
+FLOOR_VENV := .venv-torch-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+# the trainer hooks' and the reference trainer's tests that run on it (make pytest-floor)
+FLOOR_TESTS := tests/test_collectives.py tests/test_monitor.py tests/test_monitor_deferred.py tests/test_flight_nccl.py \
+	tests/test_checkpoint.py tests/test_dtype.py tests/test_docs.py::test_readme_monitor_example_runs_under_torchrun
+
+.PHONY: demo test lint typecheck pytest pytest-floor system-deps clean dashboard-pictures chart-files gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +32,26 @@ system-deps:
 		echo "installing Debian packages:$$missing"; \
 		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing; \
 	fi
+
+# torch at its floor (tools/torch_floor.txt) in $(FLOOR_VENV); every other package comes from $(VENV), whose
+# site-packages follow this environment's own on its path (so its torch is found first)
+$(FLOOR_STAMP): $(STAMP) tools/torch_floor.txt
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r tools/torch_floor.txt
+	$(FLOOR_VENV)/bin/python -c 'import pathlib, sysconfig; \
+		main = pathlib.Path("$(abspath $(VENV))/lib/python3.$(shell $(PY) -c "import sys; print(sys.version_info.minor)")/site-packages"); \
+		pathlib.Path(sysconfig.get_paths()["purelib"], "opsd-main-venv.pth").write_text(f"import site; site.addsitedir({str(main)!r})\n")'
+	touch $@
+
+# every GPU figure in one command (docs/gpu.md); on a machine without a GPU, --tiny runs it on the CPU
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# the wheels tools/gpu_check.sh installs offline on a GPU machine that lacks them (CPython 3.12, x86_64)
+gpu-wheels:
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d gpu-wheels \
+		$$(grep -E '^msgspec==' constraints.txt)
 
 demo: $(STAMP)
 	$(PY) -m opsd.cli.demo
@@ -51,7 +78,10 @@ typecheck: $(STAMP)
 pytest: $(STAMP) system-deps
 	$(PY) -m pytest
 
-test: lint typecheck pytest
+pytest-floor: $(FLOOR_STAMP) system-deps
+	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS)
+
+test: lint typecheck pytest pytest-floor
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .mypy_cache .ruff_cache

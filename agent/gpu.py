@@ -1,7 +1,9 @@
 """GPU health of the node: NVML through nvidia-ml-py, or a file-backed fake with the same interface.
 
 A ``GpuSource`` gives a ``GpuSample`` per GPU (temperature, SM clock, power, clock-event reasons, ECC volatile
-and aggregate counts, retired pages, row remapping, NVLink errors) and the XID events since the last call.
+and aggregate counts, retired pages, row remapping, NVLink errors) and the XID events since the last call. A field
+the GPU cannot give (NVML answers ``NotSupported``: retired pages on a GPU that remaps rows, NVLink counters where
+NVLink is not exposed) is None in the sample, and is not exported: a 0 would read as "no errors".
 
 ``NvmlSource`` is the thin adapter over the NVML calls listed in its methods. ``FileGpuSource`` is the fake used by
 the tests and by the local mode, where no GPU exists: samples come from ``gpus.json`` in its directory and XID
@@ -12,6 +14,7 @@ running agent by writing a file.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import time
@@ -101,7 +104,9 @@ class FileGpuSource:
 
 
 class NvmlSource:
-    """NVML through nvidia-ml-py. Counters a GPU does not support read as 0; a missing NVML is a PermanentError."""
+    """NVML through nvidia-ml-py; a missing NVML is a PermanentError. A field whose NVML call fails (``NotSupported``
+    or any other NVML error) is None in the sample; each failure is counted per (GPU, field) in ``field_errors``,
+    and logged once per NVML call."""
 
     def __init__(self) -> None:
         import pynvml  # type: ignore[import-untyped]
@@ -114,6 +119,8 @@ class NvmlSource:
         count = pynvml.nvmlDeviceGetCount()
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self._events = pynvml.nvmlEventSetCreate()
+        self.field_errors: dict[tuple[int, str], int] = {}  # (gpu, GpuSample field) -> failed reads
+        self._logged: set[str] = set()
         for handle in self._handles:
             try:
                 pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self._events)
@@ -126,45 +133,73 @@ class NvmlSource:
         except self._nvml.NVMLError:
             return default
 
+    def _read(self, gpu: int, field: str, call: str, *args: Any) -> Any:
+        """``call(*args)``, or None when NVML fails it (counted for ``field`` of ``gpu``, logged once per call)."""
+        try:
+            return getattr(self._nvml, call)(*args)
+        except self._nvml.NVMLError as exc:
+            self._failed(gpu, field, call, exc)
+            return None
+
+    def _failed(self, gpu: int, field: str, call: str, exc: BaseException) -> None:
+        self.field_errors[(gpu, field)] = self.field_errors.get((gpu, field), 0) + 1
+        if call not in self._logged:
+            self._logged.add(call)
+            log.warning("%s failed on gpu %d (%s): %s is not exported (counted, logged once)", call, gpu, exc, field)
+
+    def _nvlink_errors(self, gpu: int, handle: Any) -> int | None:
+        """CRC, replay and recovery errors summed over the links that answer; None when none does."""
+        n = self._nvml
+        total, answered, error = 0, False, None
+        for link in range(n.NVML_NVLINK_MAX_LINKS):
+            for counter in (
+                n.NVML_NVLINK_ERROR_DL_REPLAY,
+                n.NVML_NVLINK_ERROR_DL_RECOVERY,
+                n.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+                n.NVML_NVLINK_ERROR_DL_CRC_DATA,
+            ):
+                try:
+                    total += int(n.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
+                    answered = True
+                except n.NVMLError as exc:  # a link the GPU does not have, or no NVLink at all
+                    error = exc
+        if not answered and error is not None:
+            self._failed(gpu, "nvlink_errors", "nvmlDeviceGetNvLinkErrorCounter", error)
+            return None
+        return total
+
     def sample(self) -> list[GpuSample]:
         n = self._nvml
         out = []
         for index, h in enumerate(self._handles):
-            remap = self._get("nvmlDeviceGetRemappedRows", h, default=(0, 0, 0, 0))
+            get = functools.partial(self._read, index)
+            remap = get("remapped_rows", "nvmlDeviceGetRemappedRows", h) or (None, None, None, None)
             reasons = self._get("nvmlDeviceGetCurrentClocksEventReasons", h, default=None)
-            if reasons is None:
-                reasons = self._get("nvmlDeviceGetCurrentClocksThrottleReasons", h)
-            nvlink = 0
-            for link in range(n.NVML_NVLINK_MAX_LINKS):
-                for counter in (
-                    n.NVML_NVLINK_ERROR_DL_REPLAY,
-                    n.NVML_NVLINK_ERROR_DL_RECOVERY,
-                    n.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-                    n.NVML_NVLINK_ERROR_DL_CRC_DATA,
-                ):
-                    nvlink += int(self._get("nvmlDeviceGetNvLinkErrorCounter", h, link, counter))
+            if reasons is None:  # an older driver's name for it
+                reasons = get("clock_event_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons", h)
             corrected, uncorrected = n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
             sbe = n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
             dbe = n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+            ecc = "nvmlDeviceGetTotalEccErrors"
             uuid = self._get("nvmlDeviceGetUUID", h, default="")
             out.append(
                 GpuSample(
                     index=index,
                     uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                    temperature_c=float(self._get("nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU)),
-                    sm_clock_hz=float(self._get("nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM)) * 1e6,
-                    power_w=float(self._get("nvmlDeviceGetPowerUsage", h)) / 1000,
-                    clock_event_reasons=int(reasons),
-                    ecc_volatile_corrected=int(self._get("nvmlDeviceGetTotalEccErrors", h, corrected, 0)),
-                    ecc_volatile_uncorrected=int(self._get("nvmlDeviceGetTotalEccErrors", h, uncorrected, 0)),
-                    ecc_aggregate_corrected=int(self._get("nvmlDeviceGetTotalEccErrors", h, corrected, 1)),
-                    ecc_aggregate_uncorrected=int(self._get("nvmlDeviceGetTotalEccErrors", h, uncorrected, 1)),
-                    retired_pages_sbe=len(self._get("nvmlDeviceGetRetiredPages", h, sbe, default=[])),
-                    retired_pages_dbe=len(self._get("nvmlDeviceGetRetiredPages", h, dbe, default=[])),
-                    remapped_rows_correctable=int(remap[0]),
-                    remapped_rows_uncorrectable=int(remap[1]),
-                    row_remap_pending=bool(remap[2]),
-                    nvlink_errors=nvlink,
+                    temperature_c=_scaled(get("temperature_c", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU)),
+                    sm_clock_hz=_scaled(get("sm_clock_hz", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM), 1e6),
+                    power_w=_scaled(get("power_w", "nvmlDeviceGetPowerUsage", h), 1e-3),
+                    clock_event_reasons=_int(reasons),
+                    ecc_volatile_corrected=_int(get("ecc_volatile_corrected", ecc, h, corrected, 0)),
+                    ecc_volatile_uncorrected=_int(get("ecc_volatile_uncorrected", ecc, h, uncorrected, 0)),
+                    ecc_aggregate_corrected=_int(get("ecc_aggregate_corrected", ecc, h, corrected, 1)),
+                    ecc_aggregate_uncorrected=_int(get("ecc_aggregate_uncorrected", ecc, h, uncorrected, 1)),
+                    retired_pages_sbe=_len(get("retired_pages_sbe", "nvmlDeviceGetRetiredPages", h, sbe)),
+                    retired_pages_dbe=_len(get("retired_pages_dbe", "nvmlDeviceGetRetiredPages", h, dbe)),
+                    remapped_rows_correctable=_int(remap[0]),
+                    remapped_rows_uncorrectable=_int(remap[1]),
+                    row_remap_pending=None if remap[2] is None else bool(remap[2]),
+                    nvlink_errors=self._nvlink_errors(index, h),
                 )
             )
         return out
@@ -185,6 +220,18 @@ class NvmlSource:
     def close(self) -> None:
         self._get("nvmlEventSetFree", self._events)
         self._get("nvmlShutdown")
+
+
+def _scaled(value: Any, scale: float = 1.0) -> float | None:
+    return None if value is None else float(value) * scale
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _len(value: Any) -> int | None:
+    return None if value is None else len(value)
 
 
 def _address(handle: Any) -> int | None:

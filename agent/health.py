@@ -149,6 +149,11 @@ def span_ids(span: Span) -> tuple[str, str]:
     return trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id)
 
 
+def _add(family: GaugeMetricFamily | CounterMetricFamily, labels: list[str], value: float | None) -> None:
+    if value is not None:
+        family.add_metric(labels, float(value))
+
+
 # sample field -> (metric, help)
 _GAUGES = {
     "temperature_c": ("opsd_gpu_temperature_celsius", "GPU core temperature."),
@@ -177,21 +182,28 @@ class GpuHealthCollector(Collector):
         retired = GaugeMetricFamily("opsd_gpu_retired_pages", "Pages retired, by cause.", labels=["gpu", "cause"])
         remapped = GaugeMetricFamily("opsd_gpu_remapped_rows", "Memory rows remapped, by kind.", labels=["gpu", "kind"])
         nvlink = CounterMetricFamily("opsd_gpu_nvlink_errors", "NVLink CRC, replay, recovery errors.", labels=["gpu"])
-        for s in samples:
+        for s in samples:  # a field the GPU does not support (None) has no sample: not a 0
             g = str(s.index)
             for f, gauge in gauges.items():
-                gauge.add_metric([g], float(getattr(s, f)))
-            ecc.add_metric([g, "corrected", "volatile"], s.ecc_volatile_corrected)
-            ecc.add_metric([g, "uncorrected", "volatile"], s.ecc_volatile_uncorrected)
-            ecc.add_metric([g, "corrected", "aggregate"], s.ecc_aggregate_corrected)
-            ecc.add_metric([g, "uncorrected", "aggregate"], s.ecc_aggregate_uncorrected)
-            retired.add_metric([g, "single_bit"], s.retired_pages_sbe)
-            retired.add_metric([g, "double_bit"], s.retired_pages_dbe)
-            remapped.add_metric([g, "correctable"], s.remapped_rows_correctable)
-            remapped.add_metric([g, "uncorrectable"], s.remapped_rows_uncorrectable)
-            nvlink.add_metric([g], s.nvlink_errors)
+                _add(gauge, [g], getattr(s, f))
+            _add(ecc, [g, "corrected", "volatile"], s.ecc_volatile_corrected)
+            _add(ecc, [g, "uncorrected", "volatile"], s.ecc_volatile_uncorrected)
+            _add(ecc, [g, "corrected", "aggregate"], s.ecc_aggregate_corrected)
+            _add(ecc, [g, "uncorrected", "aggregate"], s.ecc_aggregate_uncorrected)
+            _add(retired, [g, "single_bit"], s.retired_pages_sbe)
+            _add(retired, [g, "double_bit"], s.retired_pages_dbe)
+            _add(remapped, [g, "correctable"], s.remapped_rows_correctable)
+            _add(remapped, [g, "uncorrectable"], s.remapped_rows_uncorrectable)
+            _add(nvlink, [g], s.nvlink_errors)
+        field_errors = CounterMetricFamily(
+            "opsd_gpu_field_errors",
+            "Failed reads of a GPU health field (NVML NotSupported or another NVML error); the field is not exported.",
+            labels=["gpu", "field"],
+        )
+        for (gpu, field), n in sorted(dict(getattr(h.source, "field_errors", {})).items()):
+            field_errors.add_metric([str(gpu), field], n)
         yield from gauges.values()
-        yield from (ecc, retired, remapped, nvlink)
+        yield from (ecc, retired, remapped, nvlink, field_errors)
         xid = CounterMetricFamily("opsd_gpu_xid_errors", "XID events, by GPU and code.", labels=["gpu", "xid"])
         for (gpu, code), n in sorted(xids.items()):
             xid.add_metric([str(gpu), str(code)], n)

@@ -105,6 +105,16 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
     tokens = CounterMetricFamily("opsd_tokens", "Tokens trained by the rank's data-parallel shard.", labels=RANK)
     dropped = CounterMetricFamily("opsd_rank_dropped_reports", "Reports the rank could not deliver.", labels=RANK)
     errors = CounterMetricFamily("opsd_rank_internal_errors", "Failures inside the rank's monitor.", labels=RANK)
+    skipped = CounterMetricFamily(
+        "opsd_checkpoints_skipped",
+        "Checkpoint saves the rank skipped because its previous one was still being written.",
+        labels=RANK,
+    )
+    fallbacks = CounterMetricFamily(
+        "opsd_rank_comm_timing_fallbacks",
+        "Process groups of the rank whose collectives are timed on the host: their GPU completion hook was refused.",
+        labels=RANK,
+    )
     comm_s = CounterMetricFamily("opsd_collective_seconds", "Time in collectives, issue to completion.", labels=COMM)
     comm_b = CounterMetricFamily("opsd_collective_bytes", "Bytes of collectives (full buffer).", labels=COMM)
     comm_n = CounterMetricFamily("opsd_collectives", "Collectives issued.", labels=COMM)
@@ -136,6 +146,10 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
         tokens.add_metric(labels, r.tokens_total)
         dropped.add_metric(labels, r.last.dropped_reports_total)
         errors.add_metric(labels, r.last.internal_errors_total)
+        if r.last.checkpoints_skipped_total:
+            skipped.add_metric(labels, r.last.checkpoints_skipped_total)
+        if r.last.comm_timing_fallbacks_total:
+            fallbacks.add_metric(labels, r.last.comm_timing_fallbacks_total)
         if r.checkpoints.count:
             c = r.checkpoints
             ckpt_n.add_metric(labels, c.count)
@@ -149,8 +163,8 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             comm_n.add_metric([*labels, dim, op], totals.count)
     yield info
     yield from gauges.values()
-    yield from (loss, bubble, quorum, healing, memory, seen, steps, tokens, dropped, errors)
-    yield from (comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b)
+    yield from (loss, bubble, quorum, healing, memory, seen, steps, tokens, dropped, errors, fallbacks)
+    yield from (comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b, skipped)
 
 
 class ReporterCollector(Collector):

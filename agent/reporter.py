@@ -126,6 +126,7 @@ class Reporter:
                 job_tokens_per_s=r.last.job_tokens_per_s,
                 checkpoints=r.checkpoints.count,
                 checkpoint_blocking_s=r.checkpoints.blocking_s,
+                checkpoint_total_s=r.checkpoints.total_s,
                 last_report_unix_s=r.last_seen_s,
                 coords=r.coords,
                 resumed_from_step=r.last.resumed_from_step,

@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # normalised in float32 whatever the activations' dtype (the same operations in fp32 training)
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,10 +43,11 @@ def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tens
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of ``x [b, s, h, d]`` by the angles of its positions (``cos``/``sin`` are ``[s, d/2]``)."""
+    """Rotate pairs of ``x [b, s, h, d]`` by the angles of its positions (``cos``/``sin`` are ``[s, d/2]``, float32);
+    the result has ``x``'s dtype."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):

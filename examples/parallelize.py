@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -85,6 +85,7 @@ class ParallelModel:
     coords: dict[str, int]
     schedule: PipelineScheduleSingle | None
     local_tokens: int = 0  # tokens of the last local batch
+    autocast_dtype: torch.dtype | None = None  # forward under autocast to this dtype (bf16 without FSDP)
 
     @property
     def is_first_stage(self) -> bool:
@@ -99,6 +100,12 @@ class ParallelModel:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one local batch; the mean loss on ranks that hold the last stage, else None."""
+        if self.autocast_dtype is None:
+            return self._forward_backward(inputs, targets)
+        with torch.autocast(inputs.device.type, dtype=self.autocast_dtype):
+            return self._forward_backward(inputs, targets)
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         if self.schedule is None:
             loss = lm_loss(self.module(inputs), targets)
             loss.backward()
@@ -131,11 +138,19 @@ def parallelize(
     *,
     microbatches: int,
     schedule: str = "1f1b",
+    dtype: torch.dtype = torch.float32,
     shard_always: bool = False,
 ) -> ParallelModel:
     """Build the model with ``build`` (seeded by the caller) and apply every parallelism of ``spec``.
+
+    ``dtype`` is the compute dtype (float32 or bfloat16); weights, gradients' reduction and the optimizer stay in
+    float32. In bfloat16, FSDP2's mixed-precision policy casts the weights where the model is sharded (gathered in
+    bf16, gradients reduced in fp32), and autocast runs the forward where it is not, or where some weights are
+    left out of FSDP (the experts of a rank that has them alone).
     ``shard_always``: FSDP wraps the model even on a single data-parallel rank (a fault-tolerant replica group
     averages its gradients with the other groups in FSDP's all-reduce hook, ``examples.ft``)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
     mesh = meshes.world
     coords = mesh_coordinates(mesh)
     model = build().to(device)
@@ -148,14 +163,19 @@ def parallelize(
         for block in model.blocks():
             assert isinstance(block.feed_forward, MoE)
             block.feed_forward.shard_experts(mesh["ep"].get_group())
+    autocast = None
     if spec.data_parallel_size > 1 or shard_always:
-        _apply_fsdp(model, spec, meshes, shard_always=shard_always)
+        mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+        if _apply_fsdp(model, spec, meshes, mixed, shard_always=shard_always) and mixed is not None:
+            autocast = dtype  # weights FSDP leaves alone stay float32: autocast casts their matmuls
+    elif dtype != torch.float32:
+        autocast = dtype
     pipeline = None
     if spec.pp > 1:
         stage = PipelineStage(model, coords["pp"], spec.pp, device, group=mesh["pp"].get_group())
         pipeline = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=lm_loss)
-    log.info("rank %d: layout %s, coordinates %s", dist.get_rank(), spec, coords)
-    return ParallelModel(model, spec, mesh, coords, pipeline)
+    log.info("rank %d: layout %s, coordinates %s, %s", dist.get_rank(), spec, coords, dtype)
+    return ParallelModel(model, spec, mesh, coords, pipeline, autocast_dtype=autocast)
 
 
 def _split_pipeline(model: Transformer, pp: int, stage: int) -> None:
@@ -196,12 +216,21 @@ def _apply_context_parallel(model: Transformer, cp_group: dist.ProcessGroup, cp_
             block.feed_forward.cp_group = cp_group
 
 
-def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes, *, shard_always: bool = False) -> None:
-    """FSDP2 per block and at the root; HSDP (replicate x shard) when dp_replicate > 1.
+def _apply_fsdp(
+    model: Transformer,
+    spec: MeshSpec,
+    meshes: Meshes,
+    mixed: MixedPrecisionPolicy | None,
+    *,
+    shard_always: bool = False,
+) -> bool:
+    """FSDP2 per block and at the root; HSDP (replicate x shard) when dp_replicate > 1; ``mixed``: the mixed
+    precision policy (None: float32). Whether some weights were left out of FSDP.
 
     Expert weights differ across ep ranks, so they are sharded over their own data-parallel mesh
     (dp_replicate x dp_shard x cp), or left to this rank when that mesh is a single rank (unless ``shard_always``).
     """
+    policy = mixed or MixedPrecisionPolicy()  # the default: no cast
     expert_dp = spec.dp_replicate * spec.dp_shard * spec.cp
     reshard = spec.pp == 1  # pipelining runs several micro-batches per step: keep weights gathered
     ignored: set[nn.Parameter] = set()
@@ -209,8 +238,13 @@ def _apply_fsdp(model: Transformer, spec: MeshSpec, meshes: Meshes, *, shard_alw
         moe = block.feed_forward
         if spec.ep > 1 and isinstance(moe, MoE):
             if expert_dp > 1 or shard_always:
-                fully_shard(moe.experts, mesh=meshes.expert, reshard_after_forward=reshard)
+                fully_shard(moe.experts, mesh=meshes.expert, reshard_after_forward=reshard, mp_policy=policy)
             else:
                 ignored |= set(moe.experts.parameters())
-        fully_shard(block, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None)
-    fully_shard(model, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None)
+        fully_shard(
+            block, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None, mp_policy=policy
+        )
+    fully_shard(
+        model, mesh=meshes.dense, reshard_after_forward=reshard, ignored_params=ignored or None, mp_policy=policy
+    )
+    return bool(ignored)

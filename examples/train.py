@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("examples.train")
 
+#: --dtype: the compute dtype (weights, gradient reduction and optimizer stay float32)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="examples.train", description=__doc__.splitlines()[0])
@@ -70,6 +73,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-experts", type=int, default=0)
     p.add_argument("--capacity-factor", type=float, default=0.0, help="0: no token dropping")
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="compute dtype: bf16 (FSDP2's mixed precision where sharded, autocast elsewhere) or fp32 (the reference)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches (default: pp)")
     p.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
@@ -102,6 +111,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["thread", "process"],
         default="thread",
         help="where asynchronous saves write: a thread of the rank, or a helper process per rank",
+    )
+    p.add_argument(
+        "--ckpt-when-busy",
+        choices=["skip", "wait"],
+        default="skip",
+        help="a save due while the previous one is still writing: skip it (training never waits) or wait for it",
     )
     p.add_argument("--ckpt-s3-endpoint", help="S3-compatible endpoint URL for s3:// (default: AWS_ENDPOINT_URL*)")
     p.add_argument("--ckpt-keep-last", type=int, default=3, help="committed checkpoints kept (newest first)")
@@ -175,12 +190,19 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
     return spec, cfg, microbatches
 
 
+#: NCCL records a start event per collective, and accepts the monitor's completion hook, only with this set before
+#: the process group is created (it is read once, then): GPU durations of the collectives are the default
+NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
 def init_distributed() -> torch.device:
-    """Join the job started by torchrun, or form a world of one; CUDA + NCCL when a GPU is visible."""
+    """Join the job started by torchrun, or form a world of one; CUDA + NCCL when a GPU is visible (with NCCL's
+    collective timing on, unless ``TORCH_NCCL_ENABLE_TIMING`` says otherwise)."""
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        os.environ.setdefault(NCCL_TIMING_ENV, "1")
         torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
     if "WORLD_SIZE" in os.environ:
@@ -252,6 +274,7 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         keep_every_steps=args.ckpt_keep_every,
         async_save=not args.ckpt_sync,
         async_mode=args.ckpt_async,
+        when_busy=args.ckpt_when_busy,
         s3=S3Options(endpoint_url=args.ckpt_s3_endpoint),
     )
 
@@ -277,15 +300,32 @@ def make_checkpointer(
     source = policy_source()  # the agent's policy file, or its URL for a pod without the host directory
     policy = PolicyReader(source) if source else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
+    on_skipped = monitor.record_checkpoint_skipped if monitor is not None else None
     kill_step = args.kill_before_commit_step
     checkpointer = Checkpointer(
         checkpoint_config(args),
         world_layout=spec.degrees(),
         policy=policy,
         on_saved=on_saved,
+        on_skipped=on_skipped,
         before_commit=(lambda step: _kill_self(step) if step == kill_step else None) if kill_step else None,
     )
     return checkpointer, TrainState(model, optimizer, **extra)
+
+
+def _watch_logits_dtype(model: ParallelModel) -> list[str]:
+    """The dtype the output layer computes in, seen on its first forward (on the last pipeline stage; for the
+    report: bf16 logits without autocast means FSDP2's mixed precision cast the weights)."""
+    seen: list[str] = []
+    output = model.module.output
+    if output is not None:
+
+        def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+            if not seen:
+                seen.append(str(out.dtype).removeprefix("torch."))
+
+        output.register_forward_hook(hook)
+    return seen
 
 
 def train(
@@ -309,6 +349,7 @@ def train(
             device,
             microbatches=microbatches,
             schedule=args.pp_schedule,
+            dtype=DTYPES[args.dtype],
             shard_always=replica is not None,
         )
         optimizer = torch.optim.AdamW(
@@ -350,6 +391,7 @@ def train(
         first_step = data.position
         if monitor is not None:
             monitor.resume_at(first_step)  # reports number steps as training does
+        logits_dtype = _watch_logits_dtype(model)
         losses: list[float] = []
         digests: dict[int, bytes] = {}
         ft_loss: float | None = None
@@ -381,7 +423,8 @@ def train(
             saves = ft is None or ft.saves_checkpoints()  # with --ft, one replica group writes the checkpoints
             last = step + 1 == last_step(args)
             if ckpt is not None and state is not None and saves and (ckpt.due(step + 1) or last):
-                ckpt.save(step + 1, state)
+                # a save due while the previous one writes is skipped, but the last one and one asked for
+                ckpt.save(step + 1, state, wait=last or ckpt.required(step + 1))
             if args.kill_at_step == step + 1 and dist.get_rank() == args.kill_rank:
                 if ckpt is not None:
                     ckpt.wait()  # the checkpoints before the failure are committed
@@ -391,7 +434,8 @@ def train(
         if monitor is not None:
             monitor.close()
         if args.losses_out is not None:
-            extra: dict[str, Any] = {"first_step": first_step}
+            autocast = str(model.autocast_dtype).removeprefix("torch.") if model.autocast_dtype else None
+            extra: dict[str, Any] = {"first_step": first_step, "autocast": autocast, "logits_dtype": logits_dtype}
             if ckpt is not None and state is not None:
                 extra.update(
                     resumed_from_step=resumed, resume_problems=ckpt.resume_problems, state_hashes=state_hashes(state)

@@ -313,6 +313,15 @@ def test_checkpoints_become_counters_and_last_values(agent: Agent) -> None:
     assert agent.handle(encode(too_many)) == "field"
 
 
+def test_skipped_checkpoints_and_timing_fallbacks_are_exported_once_there_are_some(agent: Agent) -> None:
+    agent.handle(encode(report(rank=3)))
+    names = {name for name, _ in samples(agent)}
+    assert not names & {"opsd_checkpoints_skipped_total", "opsd_rank_comm_timing_fallbacks_total"}
+    agent.handle(encode(report(rank=3, checkpoints_skipped_total=2, comm_timing_fallbacks_total=1)))
+    assert value(agent, "opsd_checkpoints_skipped_total", run="r", rank="3") == 2
+    assert value(agent, "opsd_rank_comm_timing_fallbacks_total", run="r", rank="3") == 1
+
+
 def test_a_collective_timeout_goes_to_the_controller_until_the_rank_steps_on(agent: Agent) -> None:
     agent.handle(encode(report(step=7, rank=1)), now_s=100.0)
     assert agent.handle(encode(timeout_report(step=7, rank=1)), now_s=101.0) is None

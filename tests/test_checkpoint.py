@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
 
 from agent.reporter import write_policy
-from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.layout import inspect_checkpoints, sha256_file
 from opsd.checkpoints.local import LocalStore
 from opsd.checkpoints.s3 import S3Options
 from opsd.errors import PermanentError
 from opsd.protocol.manifest import parse_manifest
+from trainer_hooks import checkpoint as checkpoint_module
 from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 from trainer_hooks.policy_reader import PolicyReader
 
@@ -74,7 +76,7 @@ def test_save_commit_and_load(
     state, model, counter = make_state()
     for step in (2, 4, 6):
         counter.n = step
-        ckpt.save(step, state)
+        ckpt.save(step, state, wait=True)  # back to back: each waits for the previous one's write
     ckpt.close()
     assert [s["step"] for s in saved] == [2, 4, 6]
     assert all(s["staging_s"] <= s["blocking_s"] <= s["total_s"] and s["nbytes"] > 0 for s in saved)
@@ -127,14 +129,83 @@ def test_cadence_follows_the_controller_policy_when_there_is_one(world: None, tm
         ({"url": "gs://bucket/x"}, "supported schemes"),
         ({"url": "s3:///x"}, "no bucket"),
         ({"url": "/x", "async_mode": "fork"}, "expected thread or process"),
+        ({"url": "/x", "when_busy": "queue"}, "expected skip or wait"),
         ({"url": "/x", "every_steps": -1}, "every_steps must be >= 0"),
         ({"url": "/x", "keep_last": 0}, "keep_last must be >= 1"),
     ],
-    ids=["empty", "scheme", "bucket", "async-mode", "cadence", "retention"],
+    ids=["empty", "scheme", "bucket", "async-mode", "when-busy", "cadence", "retention"],
 )
 def test_config_validates_itself(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CheckpointConfig(**config)
+
+
+def test_a_save_due_while_the_previous_one_writes_is_skipped_and_counted(world: None, tmp_path: Path) -> None:
+    """The first save's commit is held until the test lets it go: a save due meanwhile does not wait for it."""
+    release, committing = threading.Event(), threading.Event()
+
+    def hold(step: int) -> None:  # runs on the writer's thread just before the manifest
+        committing.set()
+        assert release.wait(30)
+
+    skipped: list[int] = []
+    saved: list[int] = []
+    ckpt = Checkpointer(
+        CheckpointConfig(str(tmp_path)),
+        before_commit=hold,
+        on_skipped=skipped.append,
+        on_saved=lambda **kw: saved.append(kw["step"]),
+    )
+    state = make_state()[0]
+    ckpt.save(10, state)
+    assert committing.wait(30)
+    assert ckpt.writing()
+    assert ckpt.save(20, state) == 0.0  # skipped: training goes on at once
+    assert (ckpt.skipped, skipped) == (1, [20])
+    release.set()
+    ckpt.wait()
+    assert not ckpt.writing()
+    ckpt.save(30, state)  # nothing in flight: saved
+    ckpt.close()
+    assert saved == [10, 30]
+    assert sorted(c.step for c in inspect_checkpoints(ckpt.store) if c.problem is None) == [10, 30]
+
+
+def test_a_save_that_must_happen_waits_for_the_previous_write(world: None, tmp_path: Path) -> None:
+    release = threading.Event()
+
+    def hold(step: int) -> None:
+        release.wait(30)
+
+    ckpt = Checkpointer(CheckpointConfig(str(tmp_path)), before_commit=hold)
+    state = make_state()[0]
+    ckpt.save(10, state)
+    threading.Timer(0.2, release.set).start()  # lets the first write finish, whenever save(20) waits for it
+    ckpt.save(20, state, wait=True)  # the run's last save: waits for the write of step 10, then saves
+    ckpt.close()
+    assert (ckpt.skipped, ckpt.waits) == (0, 1)
+    assert sorted(c.step for c in inspect_checkpoints(ckpt.store) if c.problem is None) == [10, 20]
+
+
+def test_shards_are_hashed_as_they_are_written_not_read_back(
+    world: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read_back: list[str] = []
+
+    def reading(path: Path) -> str:
+        read_back.append(path.name)
+        return sha256_file(path)
+
+    monkeypatch.setattr(checkpoint_module, "sha256_file", reading)
+    ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
+    ckpt.save(1, make_state()[0])
+    manifest = parse_manifest((tmp_path / "step_000000001" / "manifest.json").read_bytes())
+    directory = tmp_path / "step_000000001"
+    assert {f.path: f.sha256 for f in manifest.files} == {
+        f.path: sha256_file(directory / f.path) for f in manifest.files
+    }
+    assert read_back == [".metadata"]  # the shards' hashes were taken on their way to disk
+    assert not any(p.name.startswith(".sha256") for p in directory.iterdir())  # their note is not left behind
 
 
 def test_manifest_written_is_valid_json_with_checksums(world: None, tmp_path: Path) -> None:

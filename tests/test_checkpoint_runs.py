@@ -73,7 +73,7 @@ def test_killed_run_resumes_to_the_same_state_bit_for_bit(
 def test_torn_and_corrupt_checkpoints_are_skipped_with_the_reason(tmp_path: Path) -> None:
     mesh = "dp_shard=2"
     root = tmp_path / "ckpt"
-    ckpt = ("--ckpt-dir", str(root), "--ckpt-every", "5")
+    ckpt = ("--ckpt-dir", str(root), "--ckpt-every", "5", "--ckpt-when-busy", "wait")  # every save: 5, 10, 15
     # rank 0 is SIGKILLed inside the save of step 15: every shard is written, the manifest is not
     train(tmp_path, "first", mesh, 20, *ckpt, "--kill-before-commit-step", "15", ok=False)
     first = train(tmp_path, "reference", mesh, 15, "--ckpt-dir", str(tmp_path / "ref"), "--ckpt-every", "5")

@@ -140,6 +140,35 @@ def test_completion_hook_gives_gpu_durations_and_host_times_are_not_added(tracer
     assert tracer.take_step().ops[("pp", "send")].seconds == pytest.approx(0.002)
 
 
+class TimingOffGroup(NcclLikeGroup):
+    """A real gloo group that refuses the hook as ProcessGroupNCCL does when ``TORCH_NCCL_ENABLE_TIMING`` was not set
+    before it was created (torch 2.11 to 2.13: ``TORCH_CHECK_WITH(ValueError, enableTiming_, ...)``)."""
+
+    def _register_on_completion_hook(self, hook: Callable[[Any], None]) -> None:
+        raise ValueError(
+            "ProcessGroupNCCL OnCompletion hook requires recording start and end events which require setting "
+            "TORCH_NCCL_ENABLE_TIMING environment variable. This is only available for NCCL version >= 2.4."
+        )
+
+
+def test_a_refused_completion_hook_falls_back_to_host_timing_and_is_counted(tracer: CollectiveTracer) -> None:
+    group = TimingOffGroup(world())
+    tracer.label(group, "dp_shard")  # type: ignore[arg-type]  # never raises
+    assert tracer.timing_fallbacks == 1
+    assert tracer.host_timed(world())
+    dist.all_reduce(torch.ones(4), group=world())
+    work = dist.all_reduce(torch.ones(4), group=world(), async_op=True)
+    assert isinstance(work, TimedWork)
+    work.wait()
+    stats = tracer.take_step().ops[("dp_shard", "all_reduce")]
+    assert (stats.count, stats.bytes) == (2, 32)
+    assert stats.seconds > 0  # timed on the host
+    tracer.label(group, "tp")  # type: ignore[arg-type]  # relabelled: one group, one fallback
+    assert tracer.timing_fallbacks == 1
+    tracer.label(dist.new_group([0]), "cp")  # gloo has no hook (RuntimeError): host-timed, not a fallback
+    assert tracer.timing_fallbacks == 1
+
+
 def test_completion_hook_errors_are_counted_not_raised(tracer: CollectiveTracer) -> None:
     group = NcclLikeGroup(world())
     tracer.label(group, "tp")  # type: ignore[arg-type]

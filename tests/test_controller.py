@@ -211,6 +211,21 @@ def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Cont
     assert "Daly interval" in status["cadence"]["reason"]
 
 
+def test_the_cadence_is_never_shorter_than_the_measured_write(controller: Controller) -> None:
+    """Asynchronous saves blocked 0.1 s but took 3000 s to be written and committed, more than the Daly interval
+    (1342 s): a save that often would find the previous one still writing, so the cadence waits for the write."""
+    healthy(controller, 3)
+    for t in (4.0, 5.0):
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            ckpt = {"checkpoints": 1, "checkpoint_blocking_s": 0.1, "checkpoint_total_s": 3000.0}
+            controller.heartbeat(beat(n, [rank(r, int(t) + 1, **ckpt) for r in ranks]), t)
+        controller.tick(t)
+    status = controller.status("job", 6.0)
+    assert status is not None
+    assert status["cadence"]["every_steps"] == 5000  # steps of 0.6 s
+    assert "no sooner" in status["cadence"]["reason"]
+
+
 @pytest.mark.parametrize(
     ("said", "resumed_from", "lost"),
     [

@@ -6,15 +6,18 @@ where there is one."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import FileGpuSource, NvmlSource, open_source
-from agent.health import GpuHealth
+from agent.health import GpuHealth, GpuHealthCollector
 from opsd.errors import PermanentError
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
@@ -171,9 +174,65 @@ def test_nvml_source_reads_each_gpu_in_base_units(monkeypatch: pytest.MonkeyPatc
         row_remap_pending=True,
         nvlink_errors=7,
     )
-    assert second == GpuSample(index=1, uuid="GPU-9d0e", temperature_c=40.0, sm_clock_hz=1.98e9, power_w=300.0)
+    unsupported = dict.fromkeys(
+        (
+            "ecc_volatile_corrected",
+            "ecc_volatile_uncorrected",
+            "ecc_aggregate_corrected",
+            "ecc_aggregate_uncorrected",
+            "retired_pages_sbe",
+            "retired_pages_dbe",
+            "remapped_rows_correctable",
+            "remapped_rows_uncorrectable",
+            "row_remap_pending",
+            "nvlink_errors",
+        )
+    )
+    assert second == GpuSample(
+        index=1, uuid="GPU-9d0e", temperature_c=40.0, sm_clock_hz=1.98e9, power_w=300.0, **unsupported
+    )
     source.close()
     assert (fake.initialised, fake.freed) == (False, [1])
+
+
+def test_fields_nvml_does_not_support_are_not_exported_but_counted_and_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # what an H100 answered: no NVLink counters exposed, no page retirement (it remaps rows); the rest reads
+    h100 = FakeGpu(
+        uuid="GPU-e1f2",
+        temperature_c=50,
+        ecc={(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0},
+        unsupported={"nvmlDeviceGetNvLinkErrorCounter", "nvmlDeviceGetRetiredPages"},
+    )
+    fake = nvml(monkeypatch, FakeNvml([h100, FakeGpu("GPU-f00d", nvlink_errors={(0, 0): 3})]))
+    source = NvmlSource()
+    with caplog.at_level(logging.WARNING, logger="agent.gpu"):
+        first, second = source.sample()
+        source.sample()
+    assert (first.nvlink_errors, first.retired_pages_sbe, first.retired_pages_dbe) == (None, None, None)
+    assert (first.ecc_aggregate_uncorrected, first.remapped_rows_uncorrectable) == (0, 0)  # supported: a real 0
+    assert (second.nvlink_errors, second.retired_pages_sbe) == (3, 0)
+    assert source.field_errors == {(0, "nvlink_errors"): 2, (0, "retired_pages_sbe"): 2, (0, "retired_pages_dbe"): 2}
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2  # once per NVML call, however many samples and fields
+    assert any("nvmlDeviceGetNvLinkErrorCounter" in line and "Not Supported" in line for line in logged)
+    health = GpuHealth(source, load_xid_table(), WatchWindow())
+    health.poll_once(0.0)
+    registry = CollectorRegistry()
+    registry.register(GpuHealthCollector(health, "n1"))
+    m = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for x in family.samples
+    }
+    assert ("opsd_gpu_nvlink_errors_total", (("gpu", "0"),)) not in m  # not "no errors": no sample at all
+    assert ("opsd_gpu_retired_pages", (("cause", "single_bit"), ("gpu", "0"))) not in m
+    assert m[("opsd_gpu_nvlink_errors_total", (("gpu", "1"),))] == 3
+    assert m[("opsd_gpu_ecc_errors_total", (("gpu", "0"), ("scope", "aggregate"), ("type", "uncorrected")))] == 0
+    assert m[("opsd_gpu_field_errors_total", (("field", "nvlink_errors"), ("gpu", "0")))] == 3
+    assert m[("opsd_gpu_field_errors_total", (("field", "retired_pages_dbe"), ("gpu", "0")))] == 3
+    assert fake.initialised
 
 
 def test_nvml_source_falls_back_on_throttle_reasons_of_an_older_driver(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -160,6 +160,18 @@ def test_checkpoints_ride_on_the_next_report(tmp_path: Path) -> None:
     assert reports[2]["internal_errors_total"] == 2
 
 
+def test_skipped_checkpoints_are_counted_in_every_later_report(tmp_path: Path) -> None:
+    m = monitor(tmp_path)
+    with m.step(tokens=1):
+        pass
+    m.record_checkpoint_skipped(20)
+    for _ in range(2):
+        with m.step(tokens=1):
+            pass
+    reports = lines(tmp_path)
+    assert [r.get("checkpoints_skipped_total") for r in reports] == [None, 1, 1]
+
+
 def test_steps_are_numbered_from_the_step_resumed_from(tmp_path: Path) -> None:
     m = monitor(tmp_path)
     with m.step(tokens=1):

@@ -105,6 +105,36 @@ def test_plan_cadence(
         assert "Daly interval 1896 s" in cadence.reason
 
 
+WRITES: dict[str, tuple[float, Cadence | None, int]] = {
+    # name: (write_s, previous, every_steps): 1 s steps, a Daly interval of 1896 steps
+    "a quick write changes nothing": (30.0, None, 1896),
+    "a write longer than the interval sets it": (2500.0, None, 2500),
+    "a partial step of writing is a whole step": (2500.5, None, 2501),
+    "a previous cadence shorter than the write is replaced": (2000.0, Cadence(1896, 130, 0.0, 0.0, "old"), 2000),
+    "a previous cadence the write fits in is kept": (1500.0, Cadence(1800, 130, 0.0, 0.0, "kept"), 1800),
+}
+
+
+@pytest.mark.parametrize(("write_s", "previous", "every_steps"), WRITES.values(), ids=WRITES.keys())
+def test_the_interval_is_never_shorter_than_the_write(
+    write_s: float, previous: Cadence | None, every_steps: int
+) -> None:
+    config = CadenceConfig(prior_mtbf_node_h=1000, prior_node_hours=1000, min_interval_s=1, lead_s=30)
+    cadence = plan_cadence(
+        checkpoint_cost_s=2.0,
+        step_time_s=1.0,
+        current_step=500,
+        failures=0,
+        node_hours=0,
+        nodes=4,
+        config=config,
+        previous=previous,
+        write_s=write_s,
+    )
+    assert cadence.every_steps == every_steps
+    assert ("no sooner" in cadence.reason) == (every_steps > 1896 and cadence is not previous)
+
+
 def test_a_new_cadence_is_published_when_k_moves_enough() -> None:
     config = CadenceConfig(prior_mtbf_node_h=1000, prior_node_hours=1000, min_interval_s=1, lead_s=10)
     args = {"checkpoint_cost_s": 2.0, "step_time_s": 1.0, "node_hours": 0.0, "nodes": 4, "config": config}

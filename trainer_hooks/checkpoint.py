@@ -14,11 +14,14 @@ objects (data position, LR schedule) and every rank's RNG state.
 
 Layout: one directory per step (``step_000000010``); DCP's shards and ``.metadata`` first; then rank 0, once
 every rank's shards are written, writes ``manifest.json`` (each file's size and SHA-256, the mesh layout,
-versions) atomically, last: the commit marker. A directory without a valid manifest is never loaded.
+versions) atomically, last: the commit marker. A directory without a valid manifest is never loaded. Each shard is
+hashed as it is written (the bytes go through SHA-256 on their way to the file), not read back afterwards.
 
-At most one save is in flight: a save requested while the previous one is still writing waits for it (all ranks
-wait alike, so they stay in step: a checkpoint is a collective), and the wait is counted. Saves use their own
-gloo process group, so background writes never interleave with the training's collectives.
+At most one save is in flight. A save due while the previous one is still writing is skipped, so that training
+never stalls behind a write: the ranks agree on it (a checkpoint is a collective: one small all-reduce over a
+group of its own), it is counted (``skipped``) and reported (``on_skipped``). A save with ``wait=True`` (the last
+one of a run) waits for the previous one instead. Saves use their own gloo process group, so background writes
+never interleave with the training's collectives.
 """
 
 from __future__ import annotations
@@ -31,22 +34,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import WriteResult
 
 import opsd
 from opsd.checkpoints.layout import CheckpointStore, inspect_checkpoints, sha256_file
@@ -55,6 +53,13 @@ from opsd.checkpoints.store import open_store
 from opsd.errors import ConfigError, OpsError, PermanentError
 from opsd.policy.retention import Retention, select_deletions
 from opsd.protocol.manifest import Manifest, ManifestFile, encode_manifest, parse_manifest
+from trainer_hooks.checkpoint_io import (
+    DCP_METADATA,
+    CachedStager,
+    StoreWriter,
+    VerifyingReader,
+    hashes_file,
+)
 from trainer_hooks.policy_reader import PolicyReader
 
 log = logging.getLogger(__name__)
@@ -62,11 +67,6 @@ log = logging.getLogger(__name__)
 # Optimizer state keyed by parameter name: pipeline stages hold different parameters, and nested param_groups
 # lists would collide across them.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-DCP_METADATA = ".metadata"  # written by DCP's coordinator (rank 0) once every rank's shards are written
-
-
-class ChecksumError(PermanentError):
-    """A checkpoint file whose bytes do not match its manifest."""
 
 
 class Stateful(Protocol):
@@ -85,6 +85,8 @@ class CheckpointConfig:
     # "thread": DCP writes on a thread of the training process; "process": in a helper process per rank (no GIL
     # shared with training, at the price of one process and a pickled handle per save; see bench.checkpoint_stall)
     async_mode: Literal["thread", "process"] = "thread"
+    # a save due while the previous one is still writing: "skip" it (training never waits for a write), or "wait"
+    when_busy: Literal["skip", "wait"] = "skip"
     s3: S3Options = field(default_factory=S3Options)
 
     def __post_init__(self) -> None:
@@ -98,6 +100,8 @@ class CheckpointConfig:
             raise ValueError("checkpoint.every_steps must be >= 0")
         if self.async_mode not in ("thread", "process"):
             raise ValueError(f"checkpoint.async_mode {self.async_mode!r}: expected thread or process")
+        if self.when_busy not in ("skip", "wait"):
+            raise ValueError(f"checkpoint.when_busy {self.when_busy!r}: expected skip or wait")
         Retention(self.keep_last, self.keep_every_steps)  # validates them
 
 
@@ -126,74 +130,6 @@ class TrainState:
             torch.set_rng_state(state[f"rng_rank{rank}"]["cpu"])
 
 
-class _CachedStager(BlockingAsyncStager):
-    """torch's blocking stager with a cached CPU copy, pinned only where an accelerator exists (pinning needs one:
-    the parent class pins unconditionally, which fails on a CPU-only machine). Same private helpers as the parent.
-    ``last_staging_s``: how long the last copy took (part of the blocking time)."""
-
-    last_staging_s = 0.0
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        start = time.perf_counter()
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.accelerator.is_available())
-        staged: dict[str, Any] = _copy_state_dict(state_dict, self.state_dict_cache)
-        self.last_staging_s = time.perf_counter() - start
-        return staged
-
-
-class _StoreWriter(FileSystemWriter):
-    """DCP's file writer into the store's local directory. For a remote store each rank uploads the files it wrote
-    inside DCP's write phase, and the coordinator uploads ``.metadata`` in ``finish``: DCP runs ``finish`` only
-    after every rank's writes returned, so when the save completes every file is in the store. Picklable (the
-    process-based async save sends it to a helper process)."""
-
-    def __init__(self, store: CheckpointStore, step: int) -> None:
-        super().__init__(str(store.write_dir(step)))
-        self.store = store
-        self.step = step
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
-        future = super().write_data(plan, planner)
-        self.store.upload(self.step, [r.storage_data.relative_path for r in future.wait()])
-        return future
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
-        self.store.upload(self.step, [DCP_METADATA])
-
-
-class _VerifyingReader(FileSystemReader):
-    """DCP's file reader that checks each file it reads against the manifest's SHA-256 first (fetching it from a
-    remote store into this process's cache). A mismatch fails the load on every rank (DCP gathers the errors)."""
-
-    def __init__(self, store: CheckpointStore, manifest: Manifest, reader: str) -> None:
-        super().__init__(str(store.read_dir(manifest.step, reader)))
-        self.store = store
-        self.step = manifest.step
-        self.reader = reader
-        self.expected = {f.path: f.sha256 for f in manifest.files}
-        self.verified: set[str] = set()
-
-    def _ensure(self, name: str) -> None:
-        if name in self.verified:
-            return
-        if name not in self.expected:
-            raise ChecksumError(f"{name}: not in the manifest")
-        if sha256_file(self.store.fetch(self.step, name, self.reader)) != self.expected[name]:
-            raise ChecksumError(f"{name}: checksum mismatch")
-        self.verified.add(name)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self._ensure(DCP_METADATA)
-        return super().read_metadata(*args, **kwargs)
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
-            self._ensure(name)
-        return super().read_data(plan, planner)
-
-
 def _load_failure(exc: CheckpointException) -> str:
     """The reason a load failed, from the first failing rank's exception (ours say which file and why)."""
     for _, (inner, _trace) in sorted(exc.failures.items()):
@@ -210,10 +146,13 @@ class Checkpointer:
         policy: PolicyReader | None = None,
         on_saved: Callable[..., None] | None = None,
         before_commit: Callable[[int], None] | None = None,
+        on_skipped: Callable[[int], None] | None = None,
     ) -> None:
         """``on_saved(step=, blocking_s=, staging_s=, total_s=, nbytes=)`` runs when a save this rank took part in is
-        committed (e.g. ``Monitor.record_checkpoint``). ``before_commit(step)`` runs on rank 0 just before the
-        manifest is written (fault injection). Collective: every rank constructs it (it creates a process group)."""
+        committed (e.g. ``Monitor.record_checkpoint``); ``on_skipped(step)`` when a save is skipped because the
+        previous one is still writing (``Monitor.record_checkpoint_skipped``). ``before_commit(step)`` runs on rank
+        0 just before the manifest is written (fault injection). Collective: every rank constructs it (it creates
+        process groups)."""
         self.config = config
         try:
             self.store: CheckpointStore = open_store(config.url, config.s3)
@@ -222,16 +161,20 @@ class Checkpointer:
         self.layout = dict(world_layout or {})
         self.policy = policy
         self.on_saved = on_saved
+        self.on_skipped = on_skipped
         self.before_commit = before_commit
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.group = dist.new_group(backend="gloo")
+        # the decision to skip a save is taken on a group of its own: the writer's thread uses ``group`` meanwhile
+        self._decisions = dist.new_group(backend="gloo")
         self.retention = Retention(config.keep_last, config.keep_every_steps)
-        self.waits = 0  # saves that had to wait for the previous one
+        self.waits = 0  # saves that waited for the previous one (``wait=True``)
+        self.skipped = 0  # saves skipped because the previous one was still writing
         self.resume_problems: list[str] = []
         self._inflight: tuple[Future[Any], threading.Event] | None = None
         # One staging buffer for the run: each save copies into it instead of allocating the state anew.
-        self._stager = _CachedStager(cache_staged_state_dict=True) if config.async_save else None
+        self._stager = CachedStager(cache_staged_state_dict=True) if config.async_save else None
         self._lock = threading.Lock()
         self._reader = f"rank{self.rank}-{os.getpid()}"
 
@@ -245,16 +188,33 @@ class Checkpointer:
         return local
 
     # -- save ----------------------------------------------------------------------------------------------------
-    def save(self, step: int, state: TrainState) -> float:
-        """Save ``state`` as the checkpoint of ``step``; returns the blocking seconds."""
-        start = time.perf_counter()
+    def required(self, step: int) -> bool:
+        """Whether the controller asked for a save after ``step`` itself (a graceful restart): one not to skip."""
+        return self.policy is not None and self.policy.current().checkpoint_at_step == step
+
+    def writing(self) -> bool:
+        """Whether this rank's previous save is still being written or committed."""
         with self._lock:
-            busy = self._inflight is not None and not self._inflight[1].is_set()
-        if busy:
+            return self._inflight is not None and not self._inflight[1].is_set()
+
+    def save(self, step: int, state: TrainState, *, wait: bool = False) -> float:
+        """Save ``state`` as the checkpoint of ``step``; returns the blocking seconds. When the previous save is still
+        writing on any rank, the save is skipped (all ranks agree; returns 0.0), unless ``wait`` (a run's last save,
+        a save the controller asked for) or the config's ``when_busy`` says so: then it waits for it."""
+        start = time.perf_counter()
+        busy = torch.tensor(1 if self.writing() else 0, dtype=torch.int32)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._decisions)
+        if int(busy):
+            if not wait and self.config.when_busy == "skip":
+                self.skipped += 1
+                log.warning("checkpoint of step %d skipped: the previous one is still being written", step)
+                if self.on_skipped is not None:
+                    self.on_skipped(step)
+                return 0.0
             self.waits += 1
         self.wait()
         state_dict = state.state_dict(self.rank)
-        writer = _StoreWriter(self.store, step)
+        writer = StoreWriter(self.store, step, self.rank)
         if self._stager is not None:
             kind = (
                 AsyncCheckpointerType.PROCESS if self.config.async_mode == "process" else AsyncCheckpointerType.THREAD
@@ -300,9 +260,8 @@ class Checkpointer:
                 for p in directory.iterdir()
                 if p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and p.name == DCP_METADATA)
             )
-            files = [
-                ManifestFile(name, (directory / name).stat().st_size, sha256_file(directory / name)) for name in mine
-            ]
+            hashes = self._hashes(directory)
+            files = [self._file(directory, name, hashes) for name in mine]
             gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object((files, blocking_s), gathered, dst=0, group=self.group)
             self.store.discard_spool(step, mine)
@@ -324,6 +283,23 @@ class Checkpointer:
             )
         except (Exception, CheckpointException):
             log.exception("checkpoint of step %d failed; it is not committed", step)
+
+    def _hashes(self, directory: Path) -> dict[str, tuple[str, int]]:
+        """The SHA-256 and size of each shard this rank's writer hashed as it wrote (read once, then removed)."""
+        path = directory / hashes_file(self.rank)
+        try:
+            found = {str(k): (str(v[0]), int(v[1])) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, TypeError, IndexError, AttributeError):
+            return {}
+        path.unlink(missing_ok=True)
+        return found
+
+    def _file(self, directory: Path, name: str, hashes: dict[str, tuple[str, int]]) -> ManifestFile:
+        """A file of this rank for the manifest: its hash taken while it was written, if its size still matches;
+        else (``.metadata``, written by DCP's coordinator) read back."""
+        size = (directory / name).stat().st_size
+        digest, written = hashes.get(name, ("", -1))
+        return ManifestFile(name, size, digest if written == size else sha256_file(directory / name))
 
     def _commit(self, step: int, files: list[ManifestFile], blocking_s: float, save_s: float) -> None:
         manifest = Manifest(
@@ -401,7 +377,7 @@ class Checkpointer:
         template = state.state_dict(self.rank)
         if not same_world:
             del template[f"rng_rank{self.rank}"]  # another world's ranks: their RNG states do not apply
-        reader = _VerifyingReader(self.store, manifest, self._reader)
+        reader = VerifyingReader(self.store, manifest, self._reader)
         dcp_load(template, storage_reader=reader, process_group=self.group)
         state.load_state_dict(template, self.rank, restore_rng=same_world)
         log.info("resumed from the checkpoint of step %d (%s)", manifest.step, json.dumps(manifest.mesh))

@@ -22,64 +22,63 @@ first counts as backward. A schedule also runs FSDP's gradient reduction itself,
 (``perform_reduce_grad``): it is marked ``backward``.
 
 Durations: on a process group whose backend has an on-completion hook (NCCL), the hook gives each collective's
-duration as measured on the GPU by CUDA events (set ``TORCH_NCCL_ENABLE_TIMING=1``; without it the hook's
-host-side issue-to-detection time is used). Elsewhere (gloo) they are measured on the host from issue to
-completion of the work's future. Time that did not block the training thread is "overlapped"; per step, compute
-time = step time - exposed time.
+duration as measured on the GPU by CUDA events. NCCL accepts the hook only when ``TORCH_NCCL_ENABLE_TIMING=1`` was
+set before the process group was created (else ``ValueError``): a group whose hook cannot be registered is timed on
+the host instead, and counted (``timing_fallbacks``). The hook runs on NCCL's watchdog thread once the work is done
+on the GPU, often after the step that issued it has ended: its duration goes to the step and phase that issued the
+work (the ``StepComms`` of that step, whose ``gpu_pending`` counts the durations still to come). Elsewhere (gloo)
+durations are measured on the host from issue to completion of the work. Time that did not block the training
+thread is "overlapped"; per step, compute time = step time - exposed time.
 
-The tracer never raises into training: its own failures are counted (``internal_errors``) and logged once.
+Host cost: a traced call does its bookkeeping in one locked update, with the group's name, dimension and timing
+looked up once per group (``bench.hook_overhead`` prints the cost of a call). The tracer never raises into training:
+its own failures are counted (``internal_errors``) and logged once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from trainer_hooks.comm_tables import (
     BACKWARD,
     DIMENSIONS,
-    DIST_FUNCTIONS,
     FORWARD,
-    FUNCTIONAL_GROUP_SIZE_INDEX,
-    FUNCTIONAL_OPS,
-    IDENTITY_CHECKED,
     OTHER,
-    PEER_ARGUMENTS,
     PHASES,
+    PIPELINE_DIMENSION,
+    PIPELINE_OPS,
     Blocked,
+    GroupInfo,
     Key,
     OpStats,
     StepComms,
     is_pipeline_transfer,
     op_label,
 )
+from trainer_hooks.tracer_install import Installer
 from trainer_hooks.works import (
-    FunctionalOp,
     TimedWork,
-    argument_getter,
-    buffer_bytes,
     completion_seconds,
     group_name,
-    size_of,
 )
 
 log = logging.getLogger(__name__)
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward pass running
-# phases of issued works awaiting their completion hook, per (group, op): bounded (a hook may never fire)
+_perf_counter = time.perf_counter
+# issued works awaiting their completion hook, per (group, op): bounded (a hook may never fire)
 _MAX_GPU_PENDING = 1024
-_MAX_PENDING = 4096  # functional collectives issued and not waited on (through the traced wait) yet
+
+
+_NO_GROUP = GroupInfo("", OTHER, False)  # no default group (torch.distributed not initialised)
 
 
 class PhaseMark:
@@ -100,24 +99,29 @@ class PhaseMark:
         self._tracer.marked_phase = self._previous
 
 
-class CollectiveTracer:
+class CollectiveTracer(Installer):
     """Process-wide tracer of collectives; ``install()`` once, label groups, read ``take_step()`` per step."""
 
     def __init__(self) -> None:
         self._labels: dict[str, str] = {}
+        self._groups: dict[str, GroupInfo] = {}  # by group name, derived from the labels and the hooks registered
         self._lock = threading.Lock()
         self._step = StepComms()
         self._pending: dict[int, tuple[Key, float, bool]] = {}  # functional ops issued, by their output's data
         self._originals: dict[tuple[Any, str], Any] = {}
         self._gpu_timed: set[str] = set()  # groups whose completion hook reports durations
+        self._fallen_back: set[str] = set()  # groups whose hook could not be registered: timed on the host
         self._inflight: list[TimedWork] = []
         self._blocked: tuple[Key, float] | None = None  # what the training thread waits on, since when
-        self._gpu_phases: dict[tuple[str, str], deque[str]] = {}  # (group, op) -> phases awaiting the hook
+        # (group, op) -> (the step that issued it, its phase) of each work awaiting its completion hook
+        self._gpu_issued: dict[tuple[str, str], deque[tuple[StepComms, str]]] = {}
         self._peers: dict[str, dict[int, int]] = {}  # pp group -> global rank -> rank in the group
         self.marked_phase: str | None = None  # set by ``phase()``
         self.default_phase = OTHER  # the phase of collectives neither marked nor in backward (the monitor's step)
         self.internal_errors = 0
+        self.gpu_durations_lost = 0  # issued works whose completion hook never came (dropped past the bound)
         self._warned = False
+        self._warned_fallback = False
 
     # -- phases ------------------------------------------------------------------------------------------------
     def phase(self, name: str) -> PhaseMark:
@@ -127,6 +131,9 @@ class CollectiveTracer:
             self._internal_error(ValueError(f"collectives: unknown phase {name!r}; known: {', '.join(PHASES)}"))
             name = OTHER
         return PhaseMark(self, name)
+
+    def _mark(self, phase: str) -> PhaseMark:
+        return PhaseMark(self, phase)
 
     def current_phase(self) -> str:
         """The phase a collective issued now is counted under."""
@@ -159,30 +166,50 @@ class CollectiveTracer:
         return FORWARD if (other > me) == (op == "send") else BACKWARD
 
     # -- labelling -------------------------------------------------------------------------------------------
+    @property
+    def timing_fallbacks(self) -> int:
+        """Process groups whose backend has a completion hook that refused it (NCCL without
+        ``TORCH_NCCL_ENABLE_TIMING=1``, or anything else that failed): their collectives are timed on the host."""
+        return len(self._fallen_back)
+
     def label(self, group: dist.ProcessGroup, dimension: str) -> None:
         """Attribute the collectives of ``group`` to ``dimension`` (the last label of a group wins). On a backend
-        with an on-completion hook (NCCL) durations come from that hook from now on."""
+        with an on-completion hook (NCCL) durations come from that hook from now on; when registering it fails, the
+        group is timed on the host and counted (``timing_fallbacks``), never raised."""
         if dimension not in DIMENSIONS:
             raise ValueError(f"collectives: unknown dimension {dimension!r}; known: {', '.join(DIMENSIONS)}")
         name = group.group_name
         self._labels[name] = dimension
-        if name not in self._gpu_timed:
+        if name not in self._gpu_timed and name not in self._fallen_back:
             try:
                 group._register_on_completion_hook(  # type: ignore[attr-defined]
                     functools.partial(self._on_completion, name)
                 )
-            except (RuntimeError, AttributeError):
-                return  # gloo and others: completion futures time the work
-            self._gpu_timed.add(name)
+                self._gpu_timed.add(name)
+            except AttributeError:
+                pass  # no such call: host-timed
+            except Exception as exc:
+                # A backend without the hook fails c10d's TORCH_CHECK: exactly RuntimeError. NCCL raises ValueError
+                # without TORCH_NCCL_ENABLE_TIMING=1, DistBackendError (a RuntimeError subclass) when a hook is
+                # already registered; those, and anything else, are a fallback.
+                if type(exc) is not RuntimeError:
+                    self._fall_back(name, exc)
+        self._groups[name] = GroupInfo(name, dimension, name in self._gpu_timed)
 
-    @contextlib.contextmanager
-    def blocking(self, key: Key | None) -> Iterator[None]:
-        """The training thread waits on the collective ``key`` inside this block (``blocked()`` tells for how long)."""
-        self._blocked = None if key is None else (key, time.perf_counter())
-        try:
-            yield
-        finally:
-            self._blocked = None
+    def _fall_back(self, name: str, exc: BaseException) -> None:
+        self._fallen_back.add(name)
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            log.warning(
+                "collectives of process group %s are timed on the host: its completion hook was refused (%r); on "
+                "NCCL, set TORCH_NCCL_ENABLE_TIMING=1 before creating the process group (counted, not raised)",
+                name,
+                exc,
+            )
+
+    def block(self, key: Key | None) -> None:
+        """The training thread waits on the collective ``key`` from now (None: no longer; ``blocked()`` tells)."""
+        self._blocked = None if key is None else (key, _perf_counter())
 
     def blocked(self) -> Blocked | None:
         """What the training thread is waiting on now; None if nothing. Read from any thread (the watchdog)."""
@@ -194,49 +221,83 @@ class CollectiveTracer:
 
     def host_timed(self, group: dist.ProcessGroup | str | None) -> bool:
         """Whether this tracer times ``group``'s collectives on the host (no completion hook)."""
-        return group_name(group) not in self._gpu_timed
+        return not self._group(group).gpu_timed
+
+    def _group(self, group: dist.ProcessGroup | str | None) -> GroupInfo:
+        """What the tracer knows of ``group`` (None: the default group)."""
+        name = group if isinstance(group, str) else group_name(group)
+        if name is None:
+            return _NO_GROUP
+        found = self._groups.get(name)
+        if found is None:
+            found = self._groups[name] = GroupInfo(name, self._labels.get(name, OTHER), name in self._gpu_timed)
+        return found
 
     def _on_completion(self, group_name: str, info: Any) -> None:
-        """The completion hook (on the backend's watchdog thread): adds the work's duration to its dimension, under
-        the phase of the oldest work of the same op issued on the group and not completed yet (works of one op on
-        one group complete in order; ``other`` when the tracer did not see it issued)."""
+        """The completion hook (on the backend's watchdog thread): adds the work's duration to the step that issued
+        it, under its phase: that of the oldest work of the same op issued on the group and not completed yet (works
+        of one op on one group complete in order). A work the tracer did not see issued counts in the current step,
+        as ``other``."""
         try:
             op = op_label(info.op_type)
-            with self._lock:
-                pending = self._gpu_phases.get((group_name, op))
-                phase = pending.popleft() if pending else OTHER
-            key = (self._labels.get(group_name, OTHER), op, phase)
             seconds = completion_seconds(info)
-            self.add_duration(key, seconds)
-            if is_pipeline_transfer(key):  # on the GPU a transfer's kernel runs until its peer's side arrives
-                self.add_pipeline_wait(seconds)
+            dim = self._labels.get(group_name, OTHER)
+            with self._lock:
+                issued = self._gpu_issued.get((group_name, op))
+                step, phase = issued.popleft() if issued else (self._step, OTHER)
+                key = (dim, op, phase)
+                stats = step.phases.get(key)
+                if stats is None:
+                    stats = step.phases[key] = OpStats()
+                stats.seconds += seconds
+                if is_pipeline_transfer(key):  # on the GPU a transfer's kernel runs until its peer's side arrives
+                    step.pipeline_wait_s += seconds
+                if issued is not None and step.gpu_pending > 0:
+                    step.gpu_pending -= 1
         except Exception as exc:
             self._internal_error(exc)
 
     def dimension_of(self, group: dist.ProcessGroup | str | None) -> str:
         """The label of ``group`` (None: the default group), ``other`` when it has none."""
-        name = group_name(group)
-        return OTHER if name is None else self._labels.get(name, OTHER)
+        return self._group(group).dim
 
     # -- accounting ------------------------------------------------------------------------------------------
     def _issue(self, group: dist.ProcessGroup | str | None, op: str, nbytes: int, phase: str | None = None) -> Key:
-        name = group_name(group)
-        dim = OTHER if name is None else self._labels.get(name, OTHER)
-        key = (dim, op, phase or self.current_phase())
+        """Count a collective issued now on ``group`` (in the current phase unless ``phase`` says); its key."""
+        g = self._group(group)
+        key = (g.dim, op, phase or self.current_phase())
+        self._count(key, nbytes, g)
+        return key
+
+    def _count(self, key: Key, nbytes: int, g: GroupInfo, seconds: float = 0.0, exposed_s: float = 0.0) -> None:
+        """One locked update of the current step: a collective issued on ``g``, and, for one that already completed
+        on the host, its duration and the time the training thread waited on it."""
         with self._lock:
-            stats = self._step.phases.get(key)
+            step = self._step
+            stats = step.phases.get(key)
             if stats is None:
-                stats = self._step.phases[key] = OpStats()
+                stats = step.phases[key] = OpStats()
             stats.count += 1
             stats.bytes += nbytes
-            if is_pipeline_transfer(key):
-                self._step.pipeline_transfers += 1
-            if name in self._gpu_timed:
-                pending = self._gpu_phases.get((name, op))
-                if pending is None:
-                    pending = self._gpu_phases[(name, op)] = deque(maxlen=_MAX_GPU_PENDING)
-                pending.append(key[2])
-        return key
+            pipeline = key[0] == PIPELINE_DIMENSION and key[1] in PIPELINE_OPS
+            if pipeline:
+                step.pipeline_transfers += 1
+            if seconds:
+                stats.seconds += seconds
+            if exposed_s:
+                step.exposed_s += exposed_s
+                if pipeline:
+                    step.pipeline_wait_s += exposed_s
+            if g.gpu_timed:
+                issued = self._gpu_issued.get((g.name, key[1]))
+                if issued is None:
+                    issued = self._gpu_issued[(g.name, key[1])] = deque()
+                if len(issued) >= _MAX_GPU_PENDING:  # a hook that never fired: that work's duration is lost
+                    lost, _ = issued.popleft()
+                    lost.gpu_pending = max(lost.gpu_pending - 1, 0)
+                    self.gpu_durations_lost += 1
+                issued.append((step, key[2]))
+                step.gpu_pending += 1
 
     def record(self, dimension: str, op: str, nbytes: int, seconds: float) -> None:
         """A collective issued outside ``torch.distributed``'s functions and waited for by its caller, who timed it
@@ -266,6 +327,20 @@ class CollectiveTracer:
             if is_pipeline_transfer(key):
                 self._step.pipeline_wait_s += seconds
 
+    def waited(self, key: Key, exposed_s: float, seconds: float | None) -> None:
+        """The training thread waited ``exposed_s`` on the host-timed collective ``key``, which took ``seconds``
+        from issue to completion (None: its duration was taken before, or comes from elsewhere)."""
+        with self._lock:
+            step = self._step
+            step.exposed_s += exposed_s
+            if key[0] == PIPELINE_DIMENSION and key[1] in PIPELINE_OPS:
+                step.pipeline_wait_s += exposed_s
+            if seconds is not None:
+                stats = step.phases.get(key)
+                if stats is None:
+                    stats = step.phases[key] = OpStats()
+                stats.seconds += seconds
+
     def add_pipeline_wait(self, seconds: float) -> None:
         with self._lock:
             self._step.pipeline_wait_s += seconds
@@ -287,7 +362,8 @@ class CollectiveTracer:
                 self._inflight.extend(still)
 
     def take_step(self) -> StepComms:
-        """The collectives since the last call (a collective still in flight adds its time to the next step)."""
+        """The collectives since the last call. A host-timed collective still in flight adds its time to the next
+        step; a GPU-timed one adds it to this step when its completion hook fires (``gpu_pending`` counts them)."""
         self.poll()
         with self._lock:
             step, self._step = self._step, StepComms()
@@ -298,137 +374,6 @@ class CollectiveTracer:
         if not self._warned:
             self._warned = True
             log.warning("collective tracing failed (counted, not raised): %r", exc)
-
-    # -- installation ----------------------------------------------------------------------------------------
-    @property
-    def installed(self) -> bool:
-        return bool(self._originals)
-
-    def install(self) -> None:
-        if self.installed:
-            return
-        for name, (op, tensor_arg, always_async) in DIST_FUNCTIONS.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            traced = self._wrap_dist(original, op, tensor_arg, always_async)
-            self._originals[(dist, name)] = original
-            setattr(dist, name, traced)
-            if name in IDENTITY_CHECKED and getattr(c10d, name, None) is original:
-                self._originals[(c10d, name)] = original
-                setattr(c10d, name, traced)
-        namespace = torch.ops._c10d_functional
-        for name, (op, tensor_index, group_index) in FUNCTIONAL_OPS.items():
-            packet = getattr(namespace, name)
-            self._originals[(namespace, name)] = packet
-            traced = self._wrap_functional(packet, op, tensor_index, group_index, FUNCTIONAL_GROUP_SIZE_INDEX.get(name))
-            setattr(namespace, name, FunctionalOp(packet, traced))
-        wait_packet = getattr(namespace, "wait_tensor")  # noqa: B009
-        self._originals[(namespace, "wait_tensor")] = wait_packet
-        setattr(namespace, "wait_tensor", FunctionalOp(wait_packet, self._wrap_wait(wait_packet)))  # noqa: B010
-        # a pipeline schedule reduces the gradients (FSDP's post-backward) itself, after its last backward and
-        # outside autograd: that is backward traffic (when torch's pipelining is imported before this is called)
-        stage = sys.modules.get("torch.distributed.pipelining.stage")
-        owner = getattr(stage, "_PipelineStageBase", None)
-        method = getattr(owner, "perform_reduce_grad", None)
-        if owner is not None and callable(method):
-            self._originals[(owner, "perform_reduce_grad")] = method
-            setattr(owner, "perform_reduce_grad", self._marked(method, BACKWARD))  # noqa: B010
-
-    def _marked(self, function: Callable[..., Any], phase: str) -> Callable[..., Any]:
-        """``function`` with the collectives it issues counted under ``phase``."""
-
-        @functools.wraps(function)
-        def marked(*args: Any, **kwargs: Any) -> Any:
-            with PhaseMark(self, phase):
-                return function(*args, **kwargs)
-
-        return marked
-
-    def uninstall(self) -> None:
-        for (owner, name), original in self._originals.items():
-            setattr(owner, name, original)
-        self._originals.clear()
-
-    def _wrap_dist(self, original: Callable[..., Any], op: str, tensor_arg: str, always_async: bool) -> Any:
-        get_tensor, get_group, get_async = (
-            argument_getter(original, name) for name in (tensor_arg, "group", "async_op")
-        )
-        peer_args = PEER_ARGUMENTS.get(original.__name__)
-        get_peer, get_group_peer = (argument_getter(original, a) for a in peer_args) if peer_args else (None, None)
-
-        @functools.wraps(original)
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            try:
-                self.poll()
-                group = get_group(args, kwargs)
-                phase = None
-                if get_peer and get_group_peer and _graph_task_id() == -1 and self.dimension_of(group) == "pp":
-                    phase = self._p2p_phase(group, op, get_peer(args, kwargs), get_group_peer(args, kwargs))
-                key = self._issue(group, op, size_of(get_tensor(args, kwargs)), phase)
-                host_timed = self.host_timed(group)
-                is_async = always_async or bool(get_async(args, kwargs))
-            except Exception as exc:
-                self._internal_error(exc)
-                return original(*args, **kwargs)
-            start = time.perf_counter()
-            with self.blocking(None if is_async else key):
-                work = original(*args, **kwargs)
-            if work is None or not is_async:
-                elapsed = time.perf_counter() - start
-                if host_timed:
-                    self.add_duration(key, elapsed)
-                self.add_exposed(elapsed, key if host_timed else None)
-                return work
-            try:
-                return TimedWork(work, self, key, start, host_timed=host_timed)
-            except Exception as exc:
-                self._internal_error(exc)
-                return work
-
-        return traced
-
-    def _wrap_functional(
-        self, packet: Any, op: str, tensor_index: int, group_index: int, size_index: int | None
-    ) -> Callable[..., Any]:
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            out = packet(*args, **kwargs)
-            try:
-                self.poll()
-                group = args[group_index]
-                nbytes = size_of(args[tensor_index]) * (int(args[size_index]) if size_index is not None else 1)
-                key = self._issue(group, op, nbytes)
-                with self._lock:
-                    self._pending[buffer_bytes(out)] = (key, time.perf_counter(), self.host_timed(group))
-                    if len(self._pending) > _MAX_PENDING:  # outputs whose wait was never seen
-                        del self._pending[next(iter(self._pending))]
-            except Exception as exc:
-                self._internal_error(exc)
-            return out
-
-        return traced
-
-    def _wrap_wait(self, packet: Any) -> Callable[..., Any]:
-        def traced(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            buffer = buffer_bytes(tensor)
-            pending = self._pending.get(buffer)
-            with self.blocking(pending[0] if pending is not None else None):
-                out = packet(tensor, *args, **kwargs)
-            end = time.perf_counter()
-            try:
-                self.poll()
-                with self._lock:
-                    pending = self._pending.pop(buffer, None)
-                if pending is not None:
-                    self.add_exposed(end - start, pending[0] if pending[2] else None)
-                    if pending[2]:
-                        self.add_duration(pending[0], end - pending[1])
-            except Exception as exc:
-                self._internal_error(exc)
-            return out
-
-        return traced
 
 
 #: The process-wide tracer (collectives are process-wide: one tracer per process).

@@ -98,12 +98,15 @@ def is_pipeline_transfer(key: Key | None) -> bool:
 class StepComms:
     """Collectives of one step: per (dimension, op, phase) counts, bytes and issue-to-completion seconds; exposed
     seconds; the seconds the training thread waited on the pipeline's sends and receives (its bubble: on a host-timed
-    group the waits, on one timed by its completion hook the transfers' durations), and how many it issued."""
+    group the waits, on one timed by its completion hook the transfers' durations), and how many it issued.
+    ``gpu_pending``: the collectives of the step whose duration the GPU has not reported yet (their completion hook
+    adds it here, to the step that issued them, whenever it fires: the step's figures are final at 0)."""
 
     phases: dict[Key, OpStats] = field(default_factory=dict)
     exposed_s: float = 0.0
     pipeline_wait_s: float = 0.0
     pipeline_transfers: int = 0
+    gpu_pending: int = 0
 
     @property
     def ops(self) -> dict[tuple[str, str], OpStats]:
@@ -128,6 +131,18 @@ class StepComms:
             acc.bytes += s.bytes
             acc.seconds += s.seconds
         return out
+
+
+class GroupInfo:
+    """What the tracer knows of a process group, looked up once per group: its name, the dimension it is labelled
+    with, and whether its completion hook reports the durations of its collectives."""
+
+    __slots__ = ("dim", "gpu_timed", "name")
+
+    def __init__(self, name: str, dim: str, gpu_timed: bool) -> None:
+        self.name = name
+        self.dim = dim
+        self.gpu_timed = gpu_timed
 
 
 @dataclass(frozen=True)

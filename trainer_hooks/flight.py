@@ -1,7 +1,10 @@
 """Flight Recorder dumps of a rank, for the post-mortem of a hang.
 
 PyTorch's Flight Recorder keeps the last ``TORCH_FR_BUFFER_SIZE`` (2,000) collectives a rank issued, on NCCL and on
-gloo alike, each with its process group, its sequence id in that group and the Python stack that issued it. When a
+gloo alike, each with its process group, its sequence id in that group and the Python stack that issued it. Each
+backend keeps its own record: gloo's comes from ``_dump_fr_trace``, NCCL's from ``_dump_nccl_trace`` (on an NCCL group
+``_dump_fr_trace`` has no entry; NCCL's entries also have the collective's GPU duration, ``duration_ms``). A world
+may have both (an NCCL world with a gloo group for checkpoints): a dump holds each. When a
 run hangs, the controller wants that record from every rank: it puts a ``dump_flight_recorder`` command in the
 policy (``trainer_hooks.policy_reader``), and a rank that waited too long on one collective dumps on its own
 (``timeout-<rank>-<step>``). The monitor's watchdog thread calls :meth:`FlightRecorder.poll` and
@@ -12,9 +15,10 @@ file renamed over it), that the node agent uploads to the controller (docs/fligh
 directory (a pod without the host directory) sends it to the agent at ``$OPSD_AGENT_HOST``, which writes it there
 (``opsd.protocol.node_agent``):
 
-- ``trace``: the Flight Recorder's own dump (``torch._C._distributed_c10d._dump_fr_trace``, with stack frames;
-  the JSON variant has none), frames kept on the newest entry of each process group only (the others are the same
-  few call sites over and over, and would make a dump of 2,000 entries several megabytes);
+- ``trace``: the Flight Recorder's own dump of the gloo (CPU) groups (``torch._C._distributed_c10d._dump_fr_trace``,
+  with stack frames; the JSON variant has none), frames kept on the newest entry of each process group only (the
+  others are the same few call sites over and over, and would make a dump of 2,000 entries several megabytes);
+- ``nccl_trace``: the same of the NCCL groups (``_dump_nccl_trace``), where torch was built with NCCL;
 - ``groups``: this rank's process groups, ``{name: {"desc", "ranks", "dim"}}``. gloo does not record their
   members in the trace (its ``pg_config`` is empty), and ``dim`` is the mesh dimension the monitor labelled;
 - ``stack``: the training thread's Python stack as this thread sees it (``sys._current_frames()``), so a hang
@@ -37,6 +41,7 @@ import threading
 import time
 import traceback
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +87,8 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def flight_trace() -> dict[str, Any]:
-    """The Flight Recorder's dump of this process, stack frames kept on the newest entry of each group."""
-    raw = torch._C._distributed_c10d._dump_fr_trace(  # type: ignore[attr-defined]
-        includeCollectives=True, includeStackTraces=True, onlyActive=False
-    )
-    trace = _plain(pickle.loads(raw))  # torch's own bytes, made in this process
+def _trim_frames(trace: dict[str, Any]) -> dict[str, Any]:
+    """``trace`` with stack frames kept on the newest entry of each process group only."""
     newest: dict[str, int] = {}
     entries = trace.get("entries", [])
     for i, entry in enumerate(entries):
@@ -97,7 +98,27 @@ def flight_trace() -> dict[str, Any]:
     for i, entry in enumerate(entries):
         if i not in keep:
             entry.pop("frames", None)
-    return dict(trace)
+    return trace
+
+
+def _dump(function: Callable[..., bytes]) -> dict[str, Any]:
+    raw = function(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+    trace = _plain(pickle.loads(raw))  # torch's own bytes, made in this process
+    return _trim_frames(trace) if isinstance(trace, dict) else {}
+
+
+#: backend -> torch's dump of its Flight Recorder (``nccl`` only where torch was built with NCCL)
+DUMPERS: dict[str, str] = {"gloo": "_dump_fr_trace", "nccl": "_dump_nccl_trace"}
+
+
+def flight_traces(dumpers: dict[str, Callable[..., bytes]] | None = None) -> dict[str, dict[str, Any]]:
+    """What each backend's Flight Recorder holds in this process, by backend; stack frames kept on the newest entry
+    of each group. ``dumpers`` replaces torch's dump functions (by default those of ``DUMPERS`` that exist)."""
+    if dumpers is None:
+        c10d_module = torch._C._distributed_c10d
+        found = {backend: getattr(c10d_module, name, None) for backend, name in DUMPERS.items()}
+        dumpers = {backend: function for backend, function in found.items() if function is not None}
+    return {backend: _dump(function) for backend, function in dumpers.items()}
 
 
 def python_stack(thread_id: int | None) -> str | None:
@@ -141,8 +162,11 @@ class FlightRecorder:
         policy_path: str | None = None,
         tracer: CollectiveTracer = TRACER,
         host: str | None = None,
+        dumpers: dict[str, Callable[..., bytes]] | None = None,
     ) -> None:
+        """``dumpers``: torch's dump function of each backend's Flight Recorder (default: ``flight_traces``')."""
         self.run = run
+        self.dumpers = dumpers
         self.rank = rank
         self.world_size = world_size
         self.host = host or socket.gethostname()
@@ -188,8 +212,9 @@ class FlightRecorder:
             return None
         try:
             started = time.perf_counter()
-            trace = flight_trace()
-            body = {
+            traces = flight_traces(self.dumpers)
+            trace = traces.get("gloo", {"entries": []})
+            body: dict[str, Any] = {
                 "v": DUMP_VERSION,
                 "run": self.run,
                 "trigger": path_part(trigger),
@@ -201,6 +226,8 @@ class FlightRecorder:
                 "stack": python_stack(self.training_thread),
                 "trace": trace,
             }
+            if "nccl" in traces:
+                body["nccl_trace"] = traces["nccl"]
             data = json.dumps(body).encode()
             if self.directory is None:
                 return self._send(data, trigger, started)
@@ -208,10 +235,10 @@ class FlightRecorder:
             write_atomically(path, data)
             self.dumps += 1
             log.warning(
-                "flight recorder of rank %d dumped for %s: %d entries, %s (%.2f s)",
+                "flight recorder of rank %d dumped for %s: %s entries, %s (%.2f s)",
                 self.rank,
                 trigger,
-                len(trace.get("entries", [])),
+                ", ".join(f"{len(t.get('entries', []))} {backend}" for backend, t in sorted(traces.items())),
                 path,
                 time.perf_counter() - started,
             )

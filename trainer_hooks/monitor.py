@@ -10,14 +10,20 @@ differ only in tp, pp or cp report the same number). Loops that do not fit a con
 ``begin_step()`` and ``end_step(tokens)``. Collectives are counted per phase of the step: backward is detected,
 and the trainer marks the rest, e.g. ``with monitor.phase("optimizer"): optimizer.step()`` (see
 ``trainer_hooks.collectives``); unmarked collectives of a step outside backward count as ``forward``.
-``monitor.record_loss(loss)`` inside a step reports the step's loss with it (a tensor is read at the end of the
-step, after the device has synchronised). A pipeline stage reports its bubble with each step: the time its
+``monitor.record_loss(loss)`` inside a step reports the step's loss with it. A pipeline stage reports its bubble
+with each step: the time its
 training thread waited on the pipeline's sends and receives (``trainer_hooks.collectives``); with
 ``monitor.watch_pipeline("1f1b", stages=4, microbatches=8)`` the schedule goes with it, for the theory it is
 compared to. A rank of a fault-tolerant replica group (torchft, one world per group) says so once with
 ``watch_replica_group(group, groups)`` and reports each step's quorum with ``record_quorum(...)``. Nothing here
 raises into training or blocks it: failures are counted (``internal_errors``) and logged once; undeliverable
 reports are dropped and counted.
+
+On CPU a step is timed on the host and reported at its end. On CUDA the monitor never waits for the device: the
+step time is the time between CUDA events recorded at its start and end, the loss is copied to host memory without
+blocking, and the step is reported once its events and its collectives' GPU durations are in, usually a step or two
+later, still labelled with its own step (``trainer_hooks.deferred``). Memory peaks are the caching allocator's,
+read at the end of the step.
 
 A watchdog thread reports a rank that has waited on one collective for longer than ``collective_timeout_s``
 (one ``collective_timeout`` message per wait, naming the dimension and the op): its peers are most likely stopped,
@@ -48,6 +54,7 @@ from opsd.protocol.env import LAUNCH_ENV, RUN_ENV
 from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
 from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
 from trainer_hooks.comm_tables import DIMENSIONS, FORWARD, OTHER, StepComms
+from trainer_hooks.deferred import EventFactory, PendingStep, PendingSteps, cuda_event, stage_loss
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
@@ -80,10 +87,17 @@ class MonitorConfig:
     trace_collectives: bool = True
     collective_timeout_s: float = 300.0  # a wait on one collective longer than this is reported (0: never)
     flight_dir: str | None = None  # Flight Recorder dumps go there (default $OPSD_FLIGHT_DIR; neither: none)
+    # on CUDA, a step's report waits for its events and GPU durations while at most this many newer steps wait
+    max_pending_steps: int = 16
+    close_wait_s: float = 2.0  # at close, how long to wait for the last steps' collective durations
 
     def __post_init__(self) -> None:
         if not self.run_id:
             raise ValueError("monitor.run_id must not be empty")
+        if self.max_pending_steps < 1:
+            raise ValueError("monitor.max_pending_steps must be >= 1")
+        if self.close_wait_s < 0:
+            raise ValueError("monitor.close_wait_s must be >= 0")
         if self.collective_timeout_s < 0:
             raise ValueError("monitor.collective_timeout_s must be >= 0")
         if self.launch is not None and self.launch < 0:
@@ -113,14 +127,19 @@ class Monitor:
         device: torch.device | None = None,
         tracer: CollectiveTracer = TRACER,
         flops_per_token: float | None = None,
+        events: EventFactory | None = None,
     ) -> None:
         """``flops_per_token`` overrides the formula of ``shape`` (e.g. the figure of ``measure_flops_per_token``
-        taken once at start-up); with neither, MFU is reported as 0."""
+        taken once at start-up); with neither, MFU is reported as 0. ``events`` makes the events that time a step on
+        its device (default: CUDA events on a CUDA device, none on CPU: host timing)."""
         self.config = config
         self.coords = dict(coords or {})
         self.batch_shards = batch_shards
         self.device = device or torch.device("cpu")
         self.tracer = tracer
+        self.events = events if events is not None else (cuda_event if self.device.type == "cuda" else None)
+        self.pending = PendingSteps(config.max_pending_steps)
+        self._begin_event: Any = None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.host = socket.gethostname()
@@ -129,6 +148,7 @@ class Monitor:
         self.resumed_from_step: int | None = None
         self.last_report: dict[str, Any] | None = None
         self._checkpoints: list[dict[str, Any]] = []
+        self.checkpoints_skipped = 0  # saves skipped: the previous one was still being written
         self._checkpoints_lock = threading.Lock()
         self._started: float | None = None
         self._loss: float | torch.Tensor | None = None
@@ -200,9 +220,10 @@ class Monitor:
         names = mesh.mesh_dim_names or ()
         coordinate = list(mesh.get_coordinate() or [])
         sizes = dict(zip(names, mesh.shape, strict=True))
+        tracer: CollectiveTracer = kwargs.get("tracer", TRACER)
         for name in names:
             if name in DIMENSIONS:
-                TRACER.label(mesh.get_group(name), name)
+                tracer.label(mesh.get_group(name), name)
         batch_shards = 1
         for name in BATCH_DIMENSIONS:
             batch_shards *= sizes.get(name, 1)
@@ -284,8 +305,8 @@ class Monitor:
             self._error(exc)
 
     def record_loss(self, loss: float | torch.Tensor) -> None:
-        """The loss to send with the next report: inside a step, that step's. A tensor is read at the end of the
-        step, after the device has synchronised; a loss that is not a finite number is not sent."""
+        """The loss to send with the step's report: inside a step, that step's. A tensor on the device is read once
+        the step's work is done on it, never by waiting for it; a loss that is not a finite number is not sent."""
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     @property
@@ -321,49 +342,88 @@ class Monitor:
             self.tracer.take_step()  # collectives before the step (set-up, evaluation) are not the step's
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+            self._begin_event = None
+            if self.events is not None:
+                self._begin_event = self.events()
+                self._begin_event.record()
         except Exception as exc:
             self._error(exc)
 
     def end_step(self, tokens: int) -> None:
+        """End the step; report it now if it is complete (on CPU), else once it is (``trainer_hooks.deferred``)."""
         try:
             if self._started is None:
                 return
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            step_s = time.perf_counter() - self._started
+            host_s = time.perf_counter() - self._started
             self._started = None
             self.tracer.default_phase = OTHER
             self.steps += 1
-            report = self._report(step_s, tokens)
-            self.last_report = report
-            data = encode(report)
-            for sink in self.sinks:
-                sink.send(data)
+            try:
+                comms = self.tracer.take_step()
+            except Exception as exc:  # the step is still reported, without its collectives
+                self._error(exc)
+                comms = StepComms()
+            loss, self._loss = self._loss, None
+            pending = PendingStep(self.steps, tokens, host_s, time.time(), comms, self._memory())
+            pending.quorum, self._quorum = self._quorum, None  # the step's, reported with it however late
+            pending.begin, self._begin_event = self._begin_event, None
+            if pending.begin is not None and self.events is not None:
+                pending.loss = stage_loss(loss) if loss is not None else None
+                pending.end = self.events()
+                pending.end.record()
+            else:
+                pending.begin, pending.loss = None, loss
+            self.pending.add(pending)
+            self._send(self.pending.ready())
         except Exception as exc:
             self._error(exc)
 
-    def _report(self, step_s: float, tokens: int) -> dict[str, Any]:
+    def _memory(self) -> dict[str, int]:
+        if self.device.type == "cuda":  # the caching allocator's figures: kept on the host, no wait for the device
+            return {
+                "allocated_peak_bytes": torch.cuda.max_memory_allocated(self.device),
+                "reserved_peak_bytes": torch.cuda.max_memory_reserved(self.device),
+            }
+        return {"rss_bytes": _rss_bytes()}
+
+    def _send(self, steps: list[PendingStep]) -> None:
+        for step in steps:
+            try:
+                report = self._report(step)
+                self.last_report = report
+                data = encode(report)
+                for sink in self.sinks:
+                    sink.send(data)
+            except Exception as exc:
+                self._error(exc)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Report every step still waiting: wait (up to ``timeout_s``, default ``close_wait_s``) for their
+        collectives' durations and their events. Blocks: for the end of training, not inside it."""
+        limit_s = self.config.close_wait_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit_s
         try:
-            comms = self.tracer.take_step()
-        except Exception as exc:  # the step is still reported, without its collectives
+            while len(self.pending) and time.monotonic() < deadline:
+                self._send(self.pending.ready())
+                if len(self.pending):
+                    time.sleep(0.01)
+            self._send(self.pending.drain())
+        except Exception as exc:
             self._error(exc)
-            comms = StepComms()
+
+    def _report(self, pending: PendingStep) -> dict[str, Any]:
+        comms, tokens = pending.comms, pending.tokens
+        step_s = pending.step_s()
         exposed = min(comms.exposed_s, step_s)
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
         shards = self.batch_shards
-        if self._quorum is not None and self._quorum["replica_groups"] > 0:  # the groups that trained in the step
-            shards = shards // self._quorum["replica_groups"] * self._quorum["participants"]
+        quorum = pending.quorum
+        if quorum is not None and quorum["replica_groups"] > 0:  # the groups that trained in the step
+            shards = shards // quorum["replica_groups"] * quorum["participants"]
         job_tokens_per_s = tokens_per_s * shards
         mfu = 0.0
         if self.peak_flops_per_s > 0 and self.flops_per_token > 0:
             mfu = mfu_ratio(job_tokens_per_s, self.flops_per_token, self.peak_flops_per_s * self.world_size)
-        if self.device.type == "cuda":
-            memory = {
-                "allocated_peak_bytes": torch.cuda.max_memory_allocated(self.device),
-                "reserved_peak_bytes": torch.cuda.max_memory_reserved(self.device),
-            }
-        else:
-            memory = {"rss_bytes": _rss_bytes()}
         report: dict[str, Any] = {
             "v": VERSION,
             "kind": "step",
@@ -371,8 +431,8 @@ class Monitor:
             "rank": self.rank,
             "world_size": self.world_size,
             "host": self.host,
-            "step": self.steps,
-            "time_unix_s": time.time(),
+            "step": pending.step,
+            "time_unix_s": pending.time_unix_s,
             "step_s": step_s,
             "compute_s": step_s - exposed,
             "exposed_comm_s": exposed,
@@ -381,19 +441,25 @@ class Monitor:
             "tokens_per_s": tokens_per_s,
             "job_tokens_per_s": job_tokens_per_s,
             "mfu_ratio": mfu,
-            "memory": memory,
+            "memory": pending.memory,
             "coords": self.coords,
             "comms": [
-                [dim, op, s.count, s.bytes, s.seconds, phase] for (dim, op, phase), s in sorted(comms.phases.items())
+                # a copy: a step sent before all its GPU durations came may still receive one, on another thread
+                [dim, op, s.count, s.bytes, s.seconds, phase]
+                for (dim, op, phase), s in sorted(dict(comms.phases).items())
             ],
             "dropped_reports_total": self.dropped_reports,
-            "internal_errors_total": self.internal_errors + self.tracer.internal_errors,
+            "internal_errors_total": self.internal_errors + self.tracer.internal_errors + self.pending.incomplete,
         }
+        if self.tracer.timing_fallbacks:
+            report["comm_timing_fallbacks_total"] = self.tracer.timing_fallbacks
+        if self.checkpoints_skipped:
+            report["checkpoints_skipped_total"] = self.checkpoints_skipped
         if self._pipeline is not None or comms.pipeline_transfers:
             report["pipeline"] = {"bubble_s": min(comms.pipeline_wait_s, step_s), **(self._pipeline or {})}
-        if self._quorum is not None:
-            report["ft"], self._quorum = self._quorum, None
-        loss, self._loss = self._loss, None
+        if pending.quorum is not None:
+            report["ft"] = pending.quorum
+        loss = pending.loss
         if loss is not None:
             try:
                 value = float(loss)
@@ -436,7 +502,14 @@ class Monitor:
         except Exception as exc:
             self._error(exc)
 
+    def record_checkpoint_skipped(self, step: int) -> None:
+        """The save of ``step`` was skipped: the previous one was still being written. Every later report counts
+        it (``checkpoints_skipped_total``)."""
+        self.checkpoints_skipped += 1
+
     def close(self) -> None:
+        """Report the steps still waiting (``flush``), stop the watchdog, close the sinks."""
+        self.flush()
         self._closing.set()
         for sink in self.sinks:
             sink.close()

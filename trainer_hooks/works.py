@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -25,7 +24,9 @@ class WorkObserver(Protocol):
 
     def add_exposed(self, seconds: float, key: Key | None = None) -> None: ...
 
-    def blocking(self, key: Key | None) -> AbstractContextManager[None]: ...
+    def waited(self, key: Key, exposed_s: float, seconds: float | None) -> None: ...
+
+    def block(self, key: Key | None) -> None: ...
 
 
 def completion_seconds(info: Any) -> float:
@@ -114,14 +115,25 @@ class TimedWork(dist.Work):
         return self.done
 
     def wait(self, timeout: Any = None) -> bool:
+        tracer = self._tracer
         start = time.perf_counter()
-        self.poll(start)
-        with self._tracer.blocking(None if self.done else self._key):
+        completed = self.done or self._inner.is_completed()
+        if not completed:
+            tracer.block(self._key)
+        try:
             result = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        finally:
+            if not completed:
+                tracer.block(None)
         end = time.perf_counter()
-        # on a host-timed group the wait is what the training thread lost to the peer (a pipeline stage's bubble)
-        self._tracer.add_exposed(end - start, self._key if self._host_timed else None)
-        self.finish(end)
+        if self._host_timed:
+            # the wait is what the training thread lost to the peer (a pipeline stage's bubble); the duration ends
+            # when the work was first seen complete
+            seconds = None if self.done else (start if completed else end) - self._issued
+            self.done = True
+            tracer.waited(self._key, end - start, seconds)
+        else:
+            tracer.add_exposed(end - start)
         return bool(result)
 
     def is_completed(self) -> bool:

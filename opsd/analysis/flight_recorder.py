@@ -17,15 +17,57 @@ whose entries stay ``scheduled``, that is the only completion there is). Then, p
 
 Point-to-point operations (pipeline ``send``/``recv``) have no collective sequence id and are not matched; they
 still show as a rank's last operation.
+
+A dump holds one trace per backend: ``trace`` (gloo's Flight Recorder) and ``nccl_trace`` (NCCL's, on a GPU world).
+Each has its own process-group ids (``pg_id``, the key of its ``pg_status``); groups are matched across ranks by
+name, which is unique in a process whatever the backend. NCCL's entries carry the collective's duration on the GPU
+(``duration_ms``): a collective's ``duration_s`` in the analysis. ``load_trace`` reads a trace from the bytes torch
+writes (its pickle, read without importing anything, or JSON), e.g. NCCL's own dump files.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from opsd.errors import BodyError
+
 NS_PER_S = 1e9
+MS_PER_S = 1e3
+#: the fields of a rank's dump that hold a backend's Flight Recorder trace
+TRACE_FIELDS = ("trace", "nccl_trace")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle makes without naming a class (dicts, lists, tuples, strings, numbers, None): torch's
+    Flight Recorder pickle needs nothing else, and a file that asks for anything more is refused, never run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a Flight Recorder trace names no class ({module}.{name})")
+
+
+def load_trace(data: bytes) -> dict[str, Any]:
+    """A Flight Recorder trace from the bytes torch writes: its pickle (``_dump_fr_trace``, ``_dump_nccl_trace``,
+    NCCL's dump files) or JSON (the ``_json`` variants, or the JSON values of either). Raises ``BodyError``."""
+    try:
+        value = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainUnpickler(io.BytesIO(data)).load()
+    except (ValueError, pickle.UnpicklingError, EOFError, IndexError, TypeError) as exc:
+        raise BodyError(f"not a Flight Recorder trace (pickle or JSON): {exc}") from None
+    if not isinstance(value, dict):
+        raise BodyError(f"not a Flight Recorder trace: a {type(value).__name__}, not an object")
+    return {str(k): _plain(v) for k, v in value.items()}
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists and keys as strings, as in JSON."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 @dataclass
@@ -86,8 +128,10 @@ def _label(name: str, info: dict[str, Any]) -> str:
 
 
 def _op(entry: dict[str, Any]) -> str:
-    """``gloo:all_reduce`` / ``nccl:all_gather`` -> ``all_reduce`` / ``all_gather``."""
-    return str(entry.get("profiling_name", "")).rsplit(":", 1)[-1] or "unknown"
+    """``gloo:all_reduce`` -> ``all_reduce``; NCCL's ``nccl:_all_gather_base`` -> ``all_gather``, ``nccl:send 0->1``
+    -> ``send``."""
+    words = str(entry.get("profiling_name", "")).rsplit(":", 1)[-1].split()
+    return words[0].strip("_").removesuffix("_base") if words else "unknown"
 
 
 def format_frames(frames: Any) -> str | None:
@@ -102,12 +146,13 @@ def format_frames(frames: Any) -> str | None:
 
 
 def read_dump(rank: int, dump: dict[str, Any], world: tuple[int, ...]) -> RankSeen:
-    """What one rank's dump says, per process group (tolerant: what is missing or malformed is left out)."""
-    trace, declared = _dict(dump.get("trace")), _dict(dump.get("groups"))
-    config = _dict(trace.get("pg_config"))
-    raw = trace.get("entries")
-    entries = [e for e in raw if isinstance(e, dict)] if isinstance(raw, list) else []
-    entries.sort(key=lambda e: _int(e.get("record_id"), 0) or 0)
+    """What one rank's dump says, per process group, over its backends' traces (tolerant: what is missing or
+    malformed is left out)."""
+    declared = _dict(dump.get("groups"))
+    traces = [_dict(dump.get(name)) for name in TRACE_FIELDS]
+    config: dict[str, Any] = {}
+    for trace in traces:
+        config.update(_dict(trace.get("pg_config")))
 
     groups: dict[str, GroupSeen] = {}
 
@@ -122,45 +167,59 @@ def read_dump(rank: int, dump: dict[str, Any], world: tuple[int, ...]) -> RankSe
 
     for name in declared:
         group(str(name))
-    pg_names: dict[str, str] = {}  # pg_id (a per-process counter) -> name
     last_entry = None
-    for e in entries:
-        pg = e.get("process_group")
-        if not (isinstance(pg, list) and len(pg) == 2):
-            continue
-        g = group(str(pg[0]), str(pg[1]))
-        pg_names[str(e.get("pg_id"))] = g.name
-        last_entry = {**e, "_group": g}
-        if e.get("is_p2p"):
-            continue
-        seq = _int(e.get("collective_seq_id"))
-        if seq is None or seq <= 0:
-            continue
-        g.entries[seq] = e
-        g.enqueued = max(g.enqueued or 0, seq)
-        g.first_seq = seq if g.first_seq is None else min(g.first_seq, seq)
-        if e.get("state") == "completed" or e.get("retired") is True:
-            g.completed = max(g.completed or 0, seq)
-    for pg_id, status in _dict(trace.get("pg_status")).items():
-        named = pg_names.get(str(pg_id))
-        if named is None or not isinstance(status, dict):
-            continue
-        g = groups[named]
-        enqueued = _int(status.get("last_enqueued_collective"))
-        completed = _int(status.get("last_completed_collective"))
-        if enqueued is not None and enqueued > 0:
-            g.enqueued = max(g.enqueued or 0, enqueued)
-        if completed is not None and completed >= 0:
-            g.completed = completed  # the process group's own count wins over the entries' states
+    for trace in traces:
+        raw = trace.get("entries")
+        entries = [e for e in raw if isinstance(e, dict)] if isinstance(raw, list) else []
+        entries.sort(key=lambda e: _int(e.get("record_id"), 0) or 0)
+        pg_names: dict[str, str] = {}  # pg_id (a per-process counter of the backend) -> name
+        for e in entries:
+            pg = e.get("process_group")
+            if not (isinstance(pg, list) and len(pg) == 2):
+                continue
+            g = group(str(pg[0]), str(pg[1]))
+            pg_names[str(e.get("pg_id"))] = g.name
+            if last_entry is None or _created(e) >= _created(last_entry):
+                last_entry = {**e, "_group": g}
+            if e.get("is_p2p"):
+                continue
+            seq = _int(e.get("collective_seq_id"))
+            if seq is None or seq <= 0:
+                continue
+            g.entries[seq] = e
+            g.enqueued = max(g.enqueued or 0, seq)
+            g.first_seq = seq if g.first_seq is None else min(g.first_seq, seq)
+            if e.get("state") == "completed" or e.get("retired") is True:
+                g.completed = max(g.completed or 0, seq)
+        for pg_id, status in _dict(trace.get("pg_status")).items():
+            named = pg_names.get(str(pg_id))
+            if named is None or not isinstance(status, dict):
+                continue
+            g = groups[named]
+            enqueued = _int(status.get("last_enqueued_collective"))
+            completed = _int(status.get("last_completed_collective"))
+            if enqueued is not None and enqueued > 0:
+                g.enqueued = max(g.enqueued or 0, enqueued)
+            if completed is not None and completed >= 0:
+                g.completed = completed  # the process group's own count wins over the entries' states
     stack = dump.get("stack") if isinstance(dump.get("stack"), str) else None
     if stack is None and last_entry is not None:
         stack = format_frames(last_entry.get("frames"))
     return RankSeen(rank, {(g.name, g.ranks): g for g in groups.values()}, last_entry, stack)
 
 
+def _created(entry: dict[str, Any]) -> int:
+    """When an entry was created (ns), to order the entries of several traces; 0 when not said."""
+    return _int(entry.get("time_created_ns"), 0) or 0
+
+
 def _collective(g: GroupSeen, seq: int, entry: dict[str, Any], completed: int | None) -> dict[str, Any]:
     state = "completed" if completed is not None and seq <= completed else str(entry.get("state", "scheduled"))
     created = _int(entry.get("time_created_ns"))
+    duration_ms = entry.get("duration_ms")  # NCCL's, once the collective completed on the GPU (gloo has none)
+    duration_s = None
+    if isinstance(duration_ms, int | float) and not isinstance(duration_ms, bool) and duration_ms >= 0:
+        duration_s = duration_ms / MS_PER_S
     return {
         "group": g.label,
         "pg_id": g.name,
@@ -168,6 +227,7 @@ def _collective(g: GroupSeen, seq: int, entry: dict[str, Any], completed: int | 
         "op": _op(entry),
         "state": state,
         "time_unix_s": created / NS_PER_S if created else None,
+        "duration_s": duration_s,
     }
 
 

@@ -86,7 +86,8 @@ class FlightDumpIn(In):
     time_unix_s: float
     groups: dict[Annotated[str, Field(max_length=200)], GroupIn] = {}
     stack: Annotated[str, Field(max_length=1 << 20)] | None = None
-    trace: TraceIn
+    trace: TraceIn  # gloo's Flight Recorder
+    nccl_trace: TraceIn | None = None  # NCCL's, on a GPU world
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> FlightDumpIn:

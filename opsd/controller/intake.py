@@ -164,7 +164,7 @@ class Intake(ControllerCore):
             live.bubble = RankBubble(rank, live.stage, p.bubble_ratio, p.schedule, p.stages, p.microbatches)
         checkpoints = r.checkpoints
         if checkpoints != live.checkpoints:
-            run_live.count_checkpoints(live, checkpoints, r.checkpoint_blocking_s)
+            run_live.count_checkpoints(live, checkpoints, r.checkpoint_blocking_s, r.checkpoint_total_s)
             if run_live.checkpoints >= len(run_live.ranks) * (run_live.checkpoints_done + 1):
                 run_live.checkpoints_done = run_live.checkpoints // len(run_live.ranks)
                 memory.checkpointed_s = now_s  # the last rank finished its save: the checkpoint is committed

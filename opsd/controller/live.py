@@ -153,6 +153,7 @@ class RankLive:
     job_tokens_per_s: float = 0.0
     checkpoints: int = 0
     checkpoint_blocking_s: float = 0.0
+    checkpoint_total_s: float = 0.0
     exit_code: int | None = None
     timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
     resumed_from_step: int | None = None  # the checkpoint its launch resumed from, as its reports say
@@ -184,6 +185,7 @@ class RunLive:
     waiting: set[int] = field(default_factory=set)  # ranks that reported a collective timeout
     checkpoints: int = 0  # the ranks' checkpoints, summed
     checkpoint_blocking_s: float = 0.0  # and the seconds they blocked training
+    checkpoint_total_s: float = 0.0  # and the seconds from their start to their commit (the write, async)
     checkpoints_done: int = 0  # checkpoints every rank of the launch has finished
     finished: Samples = field(default_factory=Samples)  # samples of ended slots, not taken yet
     scored_slot: int | None = None  # samples of the slots up to this one are taken
@@ -202,10 +204,11 @@ class RunLive:
         self.exited.discard(live.rank)
         self.waiting.discard(live.rank)
 
-    def count_checkpoints(self, live: RankLive, checkpoints: int, blocking_s: float) -> None:
+    def count_checkpoints(self, live: RankLive, checkpoints: int, blocking_s: float, total_s: float = 0.0) -> None:
         self.checkpoints += checkpoints - live.checkpoints
         self.checkpoint_blocking_s += blocking_s - live.checkpoint_blocking_s
-        live.checkpoints, live.checkpoint_blocking_s = checkpoints, blocking_s
+        self.checkpoint_total_s += total_s - live.checkpoint_total_s
+        live.checkpoints, live.checkpoint_blocking_s, live.checkpoint_total_s = checkpoints, blocking_s, total_s
 
     def add_sample(self, live: RankLive, slot: int, compute_s: float, steps: int) -> None:
         """Add ``steps`` steps of ``compute_s`` seconds in all to the rank's sums of ``slot``."""

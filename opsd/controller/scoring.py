@@ -98,6 +98,7 @@ class Scoring(ControllerCore):
             if live is None or not live.step_times_s or not live.checkpoints:
                 return  # nothing measured yet: the ranks keep their local cadence
             cost_s = live.checkpoint_blocking_s / live.checkpoints
+            write_s = live.checkpoint_total_s / live.checkpoints
             nodes = max(1, len(live.rank_nodes))
             step_time_s = statistics.median(live.step_times_s)
             current_step = live.newest_step
@@ -113,6 +114,7 @@ class Scoring(ControllerCore):
             nodes=nodes,
             config=self.config.cadence,
             previous=previous,
+            write_s=write_s,
         )
         if cadence is not previous:
             log.info(

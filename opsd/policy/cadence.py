@@ -12,6 +12,10 @@ Pure: counts, hours and seconds in; numbers and a ``Cadence`` out. No clocks.
   sqrt(2 d M) (J. W. Young, CACM 1974) is its leading term. Bounded by ``min_interval_s`` / ``max_interval_s``.
 - Steps: the interval over the observed step time, at least 1, published as "every K steps from step E" with E
   far enough ahead (``lead_s``, at least ``min_lead_steps``) that every node has the new policy before it.
+- Never shorter than the write: an asynchronous save keeps writing after training resumed, and a save due while
+  the previous one is still writing is skipped (``trainer_hooks.checkpoint``). The interval is at least the
+  measured write time (a save's start to its commit, ``write_s``), so that a cadence never asks for saves that
+  would be skipped.
 """
 
 from __future__ import annotations
@@ -95,19 +99,29 @@ def plan_cadence(
     nodes: int,
     config: CadenceConfig,
     previous: Cadence | None = None,
+    write_s: float = 0.0,
 ) -> Cadence:
-    """The cadence to publish now. Keeps ``previous`` (same K, same E) unless K changes by more than
+    """The cadence to publish now, never more often than a save takes to be written (``write_s``: the measured
+    time from a save's start to its commit). Keeps ``previous`` (same K, same E) unless K changes by more than
     ``change_ratio``, so that agents and ranks are not sent a new schedule every heartbeat."""
     if step_time_s <= 0:
         raise ValueError("step_time_s must be > 0")
+    if write_s < 0:
+        raise ValueError("write_s must be >= 0")
     mtbf = run_mtbf_s(failures, node_hours, nodes, config)
     tau = interval_s(checkpoint_cost_s, mtbf, config)
     every = max(1, round(tau / step_time_s))
-    if previous is not None and abs(every - previous.every_steps) <= config.change_ratio * previous.every_steps:
-        return previous
+    floor = math.ceil(write_s / step_time_s)
+    if previous is not None:
+        small_move = abs(every - previous.every_steps) <= config.change_ratio * previous.every_steps
+        if small_move and min(every, previous.every_steps) >= floor:  # and both leave the write time
+            return previous
     lead = max(config.min_lead_steps, math.ceil(config.lead_s / step_time_s))
     reason = (
         f"MTBF {mtbf / 3600:.2f} h ({failures} failures in {node_hours:.0f} node-hours, {nodes} nodes), checkpoint "
         f"cost {checkpoint_cost_s:.2f} s -> Daly interval {tau:.0f} s = {every} steps of {step_time_s:.3f} s"
     )
+    if floor > every:
+        reason += f"; a save takes {write_s:.1f} s to write: every {floor} steps, no sooner"
+        every = floor
     return Cadence(every, current_step + lead, tau, mtbf, reason)

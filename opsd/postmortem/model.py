@@ -75,12 +75,14 @@ class Collective:
     op: str | None
     state: str | None
     time_unix_s: float | None
+    duration_s: float | None = None  # its time on the GPU (NCCL's Flight Recorder), once it completed
 
     def describe(self) -> str:
         where = f"{self.op or 'collective'} #{self.seq if self.seq is not None else '?'} on {self.group or '?'}"
         where += f" (pg {self.pg_id})" if self.pg_id is not None else ""
         when = f" at {clock(self.time_unix_s)}" if self.time_unix_s is not None else ""
-        return f"{where}, {self.state or 'state unknown'}{when}"
+        took = f" in {self.duration_s * 1e3:.3g} ms on the GPU" if self.duration_s is not None else ""
+        return f"{where}, {self.state or 'state unknown'}{took}{when}"
 
 
 @dataclass(frozen=True)

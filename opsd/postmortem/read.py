@@ -110,6 +110,7 @@ def read_collective(value: Any, where: str) -> Collective | None:
         op=read_str(c.get("op"), f"{where}.op"),
         state=read_str(c.get("state"), f"{where}.state"),
         time_unix_s=read_num(c.get("time_unix_s"), f"{where}.time_unix_s"),
+        duration_s=read_num(c.get("duration_s"), f"{where}.duration_s"),
     )
 
 

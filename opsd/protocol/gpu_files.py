@@ -22,22 +22,25 @@ XIDS_FILE = "xids.jsonl"
 
 @dataclass(frozen=True)
 class GpuSample:
+    """One GPU's health. A field the GPU does not support (NVML's ``NotSupported``; ``null`` in ``gpus.json``) is
+    None: it is not exported, rather than read as 0."""
+
     index: int
     uuid: str
-    temperature_c: float = 0.0
-    sm_clock_hz: float = 0.0
-    power_w: float = 0.0
-    clock_event_reasons: int = 0  # NVML's bitmask of why clocks are held down (thermal, power, ...)
-    ecc_volatile_corrected: int = 0
-    ecc_volatile_uncorrected: int = 0
-    ecc_aggregate_corrected: int = 0
-    ecc_aggregate_uncorrected: int = 0
-    retired_pages_sbe: int = 0
-    retired_pages_dbe: int = 0
-    remapped_rows_correctable: int = 0
-    remapped_rows_uncorrectable: int = 0
-    row_remap_pending: bool = False
-    nvlink_errors: int = 0  # CRC, replay and recovery errors summed over the links
+    temperature_c: float | None = 0.0
+    sm_clock_hz: float | None = 0.0
+    power_w: float | None = 0.0
+    clock_event_reasons: int | None = 0  # NVML's bitmask of why clocks are held down (thermal, power, ...)
+    ecc_volatile_corrected: int | None = 0
+    ecc_volatile_uncorrected: int | None = 0
+    ecc_aggregate_corrected: int | None = 0
+    ecc_aggregate_uncorrected: int | None = 0
+    retired_pages_sbe: int | None = 0
+    retired_pages_dbe: int | None = 0
+    remapped_rows_correctable: int | None = 0
+    remapped_rows_uncorrectable: int | None = 0
+    row_remap_pending: bool | None = False
+    nvlink_errors: int | None = 0  # CRC, replay and recovery errors summed over the links
 
 
 def write_samples(directory: str | Path, samples: list[GpuSample]) -> None:

@@ -71,6 +71,7 @@ class HeartbeatRank(Struct, kw_only=True):
     job_tokens_per_s: NonNegative = 0.0
     checkpoints: Count = 0  # saves so far
     checkpoint_blocking_s: NonNegative = 0.0  # and the seconds they blocked training, summed
+    checkpoint_total_s: NonNegative = 0.0  # and the seconds from their start to their commit, summed
     last_report_unix_s: float = 0.0
     coords: dict[str, Count] = {}
     resumed_from_step: Count | None = None  # the checkpoint the rank's launch resumed from (its step reports say)

@@ -111,6 +111,10 @@ class StepReport(Struct, frozen=True):
     pipeline: PipelineReport | None = None  # ranks of a pipeline stage: the step's bubble and the schedule
     launch: Count | None = None  # the launch of the run this rank belongs to ($OPSD_LAUNCH), when the backend says
     ft: FtReport | None = None  # a rank of a fault-tolerant replica group: the step's quorum
+    # process groups whose collectives are timed on the host because their GPU completion hook was refused
+    comm_timing_fallbacks_total: Count = 0
+    # checkpoint saves skipped because the previous one was still being written
+    checkpoints_skipped_total: Count = 0
 
 
 def pipeline_bubble_ratio(report: StepReport) -> float | None:
@@ -138,7 +142,17 @@ class TimeoutReport(Struct, frozen=True):
 
 
 #: the required fields
-OPTIONAL_FIELDS = ("truncated", "checkpoints", "loss", "resumed_from_step", "pipeline", "launch", "ft")
+OPTIONAL_FIELDS = (
+    "truncated",
+    "checkpoints",
+    "loss",
+    "resumed_from_step",
+    "pipeline",
+    "launch",
+    "ft",
+    "comm_timing_fallbacks_total",
+    "checkpoints_skipped_total",
+)
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
 
 #: the values of ``WireError.reason``
