@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +19,12 @@ from typer.testing import CliRunner
 
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
-from opsd.api.app import create_app
 from opsd.api.auth import Credentials
-from opsd.api.server import ServeConfig, server
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from opsd.runtime.server import ServeConfig, Serving
 from tests.test_agent import step
 
 OPERATOR, AGENT = "tls-operator", "tls-agent"
@@ -77,16 +75,12 @@ def https(tmp_path: Path) -> Iterator[tuple[str, Path, Controller]]:
         tls_keyfile=str(pem(tmp_path / "tls.key", key_pem)),
     )
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    api = server(config, create_app(controller, Credentials(operator=OPERATOR, agent=AGENT)))
-    threading.Thread(target=api.run, daemon=True).start()
-    deadline = time.monotonic() + 20
-    while not api.started:
-        assert time.monotonic() < deadline, "the API did not start"
-        time.sleep(0.02)
+    serving = Serving(config, controller, Credentials(operator=OPERATOR, agent=AGENT))
+    serving.start()  # the API alone: the test drives the controller
     try:
         yield f"https://localhost:{config.port}", pem(tmp_path / "ca.crt", ca.public_bytes(encoding)), controller
     finally:
-        api.should_exit = True
+        serving.close()
 
 
 def test_agents_and_the_cli_speak_https_to_a_controller_whose_ca_they_trust(

@@ -15,8 +15,8 @@ import pytest
 
 from opsd.backends.fake import FakeBackend
 from opsd.backends.local.backend import LocalBackend, effects
-from opsd.backends.local.runner import start_run
 from opsd.backends.local.spec import LocalRunSpec
+from opsd.backends.local.supervise import start_run
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
 from opsd.controller.rows import RunSpec

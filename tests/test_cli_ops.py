@@ -16,11 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
 from opsd.cli.connection import config_file
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from tests.serving import start_api
 
 TOKEN = "cli-token"
 

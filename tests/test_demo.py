@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 
 from bench.measured_costs import demo_costs
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
 from opsd.cli.demo import RUN, trainer_command
 from opsd.controller.controller import Controller
@@ -37,6 +36,7 @@ from opsd.postmortem.model import seconds
 from tests.launch import ROOT, run_module
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from tests.prometheus import PrometheusServer, ScrapeTargets
+from tests.serving import start_api
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,6 @@ from agent.state import RUN_OVERFLOW, NodeState
 from opsd.analysis.flamegraph import DIMENSION_COLOURS, MARGIN_PX, fold, parse_folded, render_svg, to_folded
 from opsd.api.app import create_app
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
@@ -38,6 +37,7 @@ from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode, decode_report, encode
 from tests.launch import run_module
+from tests.serving import start_api
 from tests.test_agent import samples, step, value
 from tests.test_collectives import FakeWorkInfo, NcclLikeGroup
 from tests.test_wire import report

@@ -28,7 +28,6 @@ from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
 from agent.metrics import FlightCollector
 from opsd.analysis.flight_recorder import analyze
 from opsd.api.app import create_app
-from opsd.backends.local.runner import start_api
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.flight import collect_dumps
@@ -36,6 +35,7 @@ from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
 from tests.launch import run_module
+from tests.serving import start_api
 
 RUN = "fr"
 TOKEN = "s3cret"

@@ -42,12 +42,12 @@ from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 from agent.daemon import Agent, AgentConfig
 from opsd.backends.kubernetes.credentials import main as credentials_main
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import start_api
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 from tests.kube.emulator import KubeEmulator
 from tests.kube.training import kubeconfig
 from tests.pod_security import api_refusals, level_of, violations
+from tests.serving import start_api
 
 Obj = dict[str, Any]
 
@@ -528,7 +528,7 @@ def test_opsd_reads_the_rendered_settings_and_every_variable_the_chart_sets(
     path = tmp_path / "opsd.yaml"
     path.write_text(configs[0]["data"]["opsd.yaml"])
     controller = settings.load("controller", str(path), env={})
-    assert controller.backend in (settings.BackendKind.NONE, settings.BackendKind.KUBERNETES)
+    assert controller.backend in ("none", "kubernetes")
     settings.load("agent", str(path), env={})
     known = {k.env for section in settings.SECTIONS for k in settings.keys(section)}
     known |= {v for k, v in vars(opsd_env).items() if k.endswith("_ENV") and isinstance(v, str)}

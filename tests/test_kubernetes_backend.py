@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 
-from opsd.api.server import ServeConfig
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
-from opsd.backends.kubernetes.runner import label_self, run_kubernetes
+from opsd.backends.kubernetes.leader import label_self
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome, Pending
 from opsd.controller.rows import RunSpec
@@ -44,6 +43,8 @@ from opsd.protocol.cluster import (
     STATE_LABEL,
 )
 from opsd.protocol.states import NodeRole, RunState
+from opsd.runtime.kubernetes import run_kubernetes
+from opsd.runtime.server import ServeConfig
 from tests.backend_contract import BY_NAME, RUN, play
 from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist, wait_until

@@ -21,7 +21,6 @@ from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import start_api
 from opsd.cli.app import app
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
@@ -30,6 +29,7 @@ from opsd.protocol.states import NodeRole
 from tests.kube.emulator import KubeEmulator
 from tests.kube.machines import NAMESPACE, jobset, listed_reconciler, node, relist
 from tests.rows import stored
+from tests.serving import start_api
 
 TOKEN = "k8s-cli"
 RUN = "job"

@@ -19,7 +19,7 @@ import pytest
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
-from opsd.backends.kubernetes.runner import KubernetesController
+from opsd.backends.kubernetes.leader import KubernetesController
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.rows import RunSpec

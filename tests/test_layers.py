@@ -47,6 +47,7 @@ BREACHES = {
     "torch in the policy": ("opsd/policy/cadence.py", "import torch", "opsd.policy is pure"),
     "the controller imports the API": ("opsd/controller/core.py", "import opsd.api.app", "Layers"),
     "the agent imports the controller": ("agent/state.py", "import opsd.controller.state", "Layers"),
+    "a backend imports the API": ("opsd/backends/fake.py", "import opsd.api.app", "Layers"),
     "the hooks import the post-mortem": ("trainer_hooks/sinks.py", "import opsd.postmortem.build", "The trainer hooks"),
     "a deferred import closes a cycle": (
         "opsd/controller/core.py",

@@ -11,8 +11,8 @@ import pytest
 
 from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.processes import kill_orphans, start_time
-from opsd.backends.local.runner import start_run
 from opsd.backends.local.spec import LocalRunSpec
+from opsd.backends.local.supervise import start_run
 from opsd.controller.controller import Controller
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore

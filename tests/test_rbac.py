@@ -23,8 +23,8 @@ from opsd.backends.kubernetes import credentials
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.leader import KubernetesController, label_self, require_jobsets
 from opsd.backends.kubernetes.lease import elect
-from opsd.backends.kubernetes.runner import KubernetesController, label_self, require_jobsets
 from opsd.cli import settings
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller

@@ -27,10 +27,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from opsd.api.server import ServeConfig
 from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import run_local
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.app import app
 from opsd.controller.config import ControllerConfig
@@ -39,6 +37,8 @@ from opsd.controller.port import FaultKind
 from opsd.controller.rows import IncidentRow
 from opsd.errors import PermanentError
 from opsd.policy.detection import DetectionConfig
+from opsd.runtime.local import run_local
+from opsd.runtime.server import ServeConfig
 from tests.faults import inject
 from tests.spares import implied_pool
 

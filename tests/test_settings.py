@@ -14,11 +14,11 @@ import pytest
 import typer.main
 
 from agent.daemon import AgentConfig
-from opsd.api.server import ServeConfig
 from opsd.backends.local.processes import free_port
 from opsd.cli import settings
 from opsd.cli.app import app
 from opsd.errors import ConfigError
+from opsd.runtime.server import ServeConfig
 from tests.launch import ROOT, agent_until_sigterm
 
 #: every key of the settings file; a change here is a change users see (docs/configuration.md, the Helm chart)
@@ -264,6 +264,7 @@ def other_value(key: settings.Key) -> Any:
         "controller.pipeline.margin_ratio": 0.2,
         "controller.cadence.max_interval_s": 7200.0,
         "agent.gpu_source": "nvml",
+        "controller.backend": "kubernetes",
         "agent.metrics_port": 9000,
         "agent.datagram_port": 9465,
         "agent.receive_buffer_bytes": 1 << 23,

@@ -21,10 +21,8 @@ from typing import Any
 
 import pytest
 
-from opsd.api.server import ServeConfig
 from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import run_local
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
@@ -34,6 +32,8 @@ from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
 from opsd.controller.state import StateStore
 from opsd.policy.detection import DetectionConfig
+from opsd.runtime.local import run_local
+from opsd.runtime.server import ServeConfig
 from tests.faults import inject
 from tests.launch import ROOT
 

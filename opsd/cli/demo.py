@@ -24,10 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.api.server import ServeConfig
 from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.runner import run_local
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
@@ -36,6 +34,8 @@ from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
 from opsd.policy.detection import DetectionConfig
 from opsd.protocol.states import IncidentKind, NodeRole, RunState
+from opsd.runtime.local import run_local
+from opsd.runtime.server import ServeConfig
 
 RUN = "demo"
 

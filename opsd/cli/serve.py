@@ -122,7 +122,7 @@ def serve(
     heartbeat_floor_s: HeartbeatFloor = None,
     hang_floor_s: HangFloor = None,
     backend: Annotated[
-        settings.BackendKind | None,
+        str | None,
         setting("what recovers runs: none (incidents only), or kubernetes (JobSets on this cluster) [default: none]"),
     ] = None,
     config: Settings = None,
@@ -131,7 +131,7 @@ def serve(
     """Run the controller: the HTTP API for agents and the CLI, failure detection, incidents (OpenAPI at
     /openapi.json, metrics at /metrics); with --backend kubernetes, the recoveries of the cluster's JobSets
     (docs/kubernetes.md)."""
-    from opsd.api.server import run_server
+    from opsd.runtime import registry
 
     _logging(log_level)
     flags = {
@@ -146,13 +146,9 @@ def serve(
         "backend": backend,
     }
     loaded = _load("controller", config, flags)
+    chosen = registry.backend(loaded.backend)
     try:
-        if loaded.backend is settings.BackendKind.KUBERNETES:
-            from opsd.backends.kubernetes.runner import run_kubernetes
-
-            run_kubernetes(loaded.serve, loaded.kubernetes)
-        else:
-            run_server(loaded.serve)
+        chosen.serve(loaded.serve, getattr(loaded, chosen.name, None))  # with its section of the settings
     except OpsError as exc:
         typer.echo(f"opsd serve: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -197,8 +193,8 @@ def run(
     --gpus-per-node 2 --spares 1 -- python -m examples.train ... --resume`. Failures are detected and recovered
     (swap, relaunch, resume from the newest checkpoint) until every rank exits 0. Run it again with the same --run
     and --state-dir to take up a run whose controller died; SIGINT or SIGTERM stops the run."""
-    from opsd.backends.local.runner import run_local
     from opsd.backends.local.spec import LocalRunSpec
+    from opsd.runtime.local import run_local
 
     _logging(log_level)
     flags = {

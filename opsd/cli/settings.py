@@ -34,7 +34,6 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 import yaml
 
 from agent.daemon import AgentConfig
-from opsd.api.server import ServeConfig
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.errors import ConfigError
 from opsd.protocol.env import (
@@ -46,11 +45,8 @@ from opsd.protocol.env import (
     STATE_URL_ENV,
     TOKEN_ENV,
 )
-
-
-class BackendKind(enum.StrEnum):
-    NONE = "none"  # incidents recorded, cadence published, nothing recovered
-    KUBERNETES = "kubernetes"  # the cluster's nodes and JobSets (opsd.backends.kubernetes)
+from opsd.runtime.registry import BACKENDS
+from opsd.runtime.server import ServeConfig
 
 
 @dataclass(frozen=True)
@@ -59,8 +55,12 @@ class ControllerSettings:
     ``controller.detection.hang_floor_s``), the backend, and the Kubernetes backend's (``controller.kubernetes``)."""
 
     serve: ServeConfig = field(default_factory=ServeConfig, metadata={"inline": True})
-    backend: BackendKind = BackendKind.NONE
-    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    backend: str = "none"  # a name of the registry (opsd.runtime.registry): what recovers runs
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)  # each backend's section is named after it
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"controller.backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
 
 
 #: the file's sections and the dataclass each one is

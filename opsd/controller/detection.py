@@ -7,12 +7,14 @@ waiting for a spare taken up again once one is there. Straggler scoring and cade
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 
 from opsd.controller.incidents import failure_key, failure_of, generation_of, is_failure, unfinished_incident
 from opsd.controller.live import RankLive
 from opsd.controller.rows import IncidentRow, RunRow
 from opsd.controller.scoring import Scoring
+from opsd.errors import OpsError
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, detect_failures
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from opsd.protocol.xid_table import XidAction
@@ -23,6 +25,17 @@ XID_CLOCK_SLACK_S = 60.0  # an XID's failure time is its event time, but no earl
 
 
 class Detection(Scoring):
+    def tick_every(self, interval_s: float, stop: threading.Event) -> None:
+        """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set; a pass that
+        fails is logged and the next one runs."""
+        while not stop.wait(interval_s):
+            try:
+                self.tick(self.clock())
+            except OpsError as exc:
+                log.warning("detection pass skipped: %s", exc)
+            except Exception:
+                log.exception("detection pass failed")
+
     def tick(self, now_s: float) -> list[Failure]:
         """Detect failures of running runs and start their recovery; score stragglers; plan cadences."""
         found: list[Failure] = []

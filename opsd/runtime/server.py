@@ -1,4 +1,5 @@
-"""``opsd serve``: the controller's API on uvicorn, with a detection pass every ``tick_interval_s``."""
+"""A controller's process: its settings (``ServeConfig``), the controller and credentials they make (``build``), and
+one way to serve them (``Serving``: the API on uvicorn beside the controller's work), whatever the backend."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 
@@ -87,30 +88,6 @@ def build(config: ServeConfig) -> tuple[Controller, Credentials]:
     return Controller(StateStore.open(url), config.controller, tracing=tracing), credentials(config)
 
 
-def server(config: ServeConfig, app: Any) -> uvicorn.Server:
-    """uvicorn for the API, over HTTPS when the settings name a certificate and its key."""
-    return uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            ssl_certfile=config.tls_certfile or None,
-            ssl_keyfile=config.tls_keyfile or None,
-        )
-    )
-
-
-def tick_forever(controller: Controller, interval_s: float, stop: threading.Event) -> None:
-    while not stop.wait(interval_s):
-        try:
-            controller.tick(time.time())
-        except OpsError as exc:
-            log.warning("detection pass skipped: %s", exc)
-        except Exception:
-            log.exception("detection pass failed")
-
-
 def tune_interpreter() -> None:
     """For a process whose event loop takes thousands of heartbeats a second beside a detection thread, and holds
     hundreds of thousands of long-lived objects (the live records of 24,576 ranks):
@@ -135,18 +112,79 @@ def collect_young(interval_s: float, stop: threading.Event) -> None:
         gc.collect(1)
 
 
-def run_server(config: ServeConfig) -> None:
-    controller, token = build(config)
-    stop = threading.Event()
-    ticker = threading.Thread(target=tick_forever, args=(controller, config.tick_interval_s, stop), daemon=True)
-    ticker.start()
-    api = server(config, create_app(controller, token))
-    tune_interpreter()
-    threading.Thread(target=collect_young, args=(0.1, stop), name="gc", daemon=True).start()
-    scheme = "https" if config.tls_certfile else "http"
-    log.info("opsd controller on %s://%s:%d (OpenAPI at /openapi.json)", scheme, config.host, config.port)
-    try:
-        api.run()
-    finally:
-        stop.set()
-        controller.tracing.shutdown()  # the traces still queued exported
+Lead = Callable[[threading.Event], None]
+
+
+class Serving:
+    """A controller's process: the API on uvicorn (over HTTPS when the settings name a certificate and its key),
+    the controller's work on a thread of its own (``lead``: the detection pass every ``tick_interval_s`` unless a
+    backend leads otherwise, e.g. a Kubernetes leader's informers first), the collector's schedule, and the
+    incidents' traces flushed at the end. ``run`` does it all in this thread until the server stops; ``start``
+    serves the API in a thread of its own and returns once it listens, and ``begin`` starts the controller's work
+    (``opsd run`` registers its run in between, and supervises it meanwhile)."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        controller: Controller,
+        credentials: Credentials | str,
+        *,
+        lead: Lead | None = None,
+        describe: str = "",
+    ) -> None:
+        self.config = config
+        self.controller = controller
+        self.stop = threading.Event()
+        self.lead = lead or (lambda stop: controller.tick_every(config.tick_interval_s, stop))
+        self.describe = describe
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(controller, credentials),
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                ssl_certfile=config.tls_certfile or None,
+                ssl_keyfile=config.tls_keyfile or None,
+            )
+        )
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.config.tls_certfile else "http"
+        return f"{scheme}://{self.config.host}:{self.config.port}"
+
+    def begin(self) -> None:
+        """Start the controller's work (``lead``) and the collector's schedule."""
+        threading.Thread(target=self.lead, args=(self.stop,), name="opsd-controller", daemon=True).start()
+        tune_interpreter()
+        threading.Thread(target=collect_young, args=(0.1, self.stop), name="gc", daemon=True).start()
+        log.info("opsd controller on %s%s (OpenAPI at /openapi.json)", self.url, self.describe)
+
+    def run(self) -> None:
+        """Serve until the server stops (a signal); then close."""
+        self.begin()
+        try:
+            self.server.run()
+        finally:
+            self.close()
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve the API in a thread of its own; returns once it listens (``begin`` starts the controller's
+        work)."""
+        threading.Thread(target=self.server.run, name="opsd-api", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise OpsError(f"the API did not start on {self.config.host}:{self.config.port}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.should_exit = True
+        self.controller.tracing.shutdown()  # the traces still queued exported
+
+
+def run_server(config: ServeConfig, _: object = None) -> None:
+    """``opsd serve`` without a backend: incidents are recorded, nothing is recovered."""
+    controller, credentials = build(config)
+    Serving(config, controller, credentials).run()

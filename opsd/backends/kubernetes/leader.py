@@ -1,4 +1,6 @@
-"""``opsd serve --backend kubernetes``: a controller whose backend is the cluster, highly available.
+"""The Kubernetes backend's leader: what the replica that holds the Lease does (``KubernetesController``: the
+informers, the reconciler, the detection pass, and what it takes up from the leader before it), and the checks and
+labels around it. The process that campaigns and serves is ``opsd.runtime.kubernetes``.
 
 Every replica serves the API (its ``/healthz`` for liveness). With leader election (``kubernetes.leader_election``:
 a ``coordination.k8s.io/v1`` Lease, the client's ``LeaseLock``) one replica leads: it alone labels its pod
@@ -12,16 +14,12 @@ run on. Without leader election the one replica leads from the start.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
-from opsd.api.app import create_app
-from opsd.api.server import ServeConfig, build, collect_young, server, tick_forever, tune_interpreter
-from opsd.backends.kubernetes.api import KubeApi, connect
+from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
-from opsd.backends.kubernetes.lease import elect
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.controller import Controller
@@ -33,9 +31,7 @@ from opsd.protocol.cluster import (
     JOBSET_NAME_LABEL,
     JOBSET_PLURAL,
     JOBSET_VERSION,
-    LEADER,
     ROLE_LABEL,
-    STANDBY,
 )
 from opsd.protocol.states import ActionKind, RunState
 
@@ -91,7 +87,7 @@ class KubernetesController:
         self.reconciler.sync(time.time())
         self.take_up(time.time())
         threading.Thread(target=self._sync_forever, name="opsd-reconcile", daemon=True).start()
-        tick_forever(self.controller, self.tick_interval_s, self.stop)
+        self.controller.tick_every(self.tick_interval_s, self.stop)
 
     def take_up(self, now_s: float) -> None:
         """Go on with the recoveries a previous leader left unfinished; a run left recovering with nothing to do
@@ -147,41 +143,3 @@ def require_jobsets(api: KubeApi) -> None:
             f"this cluster serves no {JOBSET_PLURAL}.{JOBSET_GROUP}/{JOBSET_VERSION}: install JobSet"
             f" {JOBSET_MIN_RELEASE} or newer (https://jobset.sigs.k8s.io, docs/kubernetes.md), then start opsd again"
         )
-
-
-def run_kubernetes(config: ServeConfig, kube: KubernetesConfig, *, api: KubeApi | None = None) -> None:
-    """Check that the cluster serves JobSets, serve the API, lead (elected, or alone) until stopped; exit when
-    leadership is lost."""
-    api = api or KubeApi(connect(kube.kubeconfig, kube.context))
-    require_jobsets(api)
-    controller, token = build(config)
-    controller.backend = KubernetesBackend(api, kube)
-    leader = KubernetesController(controller, api, kube, config.tick_interval_s)
-    api_server = server(config, create_app(controller, token))
-    identity = kube.pod_name or f"{os.uname().nodename}-{os.getpid()}"
-
-    def lead() -> None:
-        log.warning("%s leads", identity)
-        label_self(api, kube, LEADER)
-        leader.lead()
-
-    def campaign() -> None:
-        if kube.leader_election:
-            label_self(api, kube, STANDBY)
-            elect(api, kube, identity, lead)
-            log.critical("%s: leadership lost; exiting", identity)
-            os._exit(1)
-        lead()
-
-    threading.Thread(target=campaign, name="opsd-leader", daemon=True).start()
-    tune_interpreter()
-    gc_stop = threading.Event()
-    threading.Thread(target=collect_young, args=(0.1, gc_stop), name="gc", daemon=True).start()
-    scheme = "https" if config.tls_certfile else "http"
-    log.info("opsd controller (kubernetes) on %s://%s:%d as %s", scheme, config.host, config.port, identity)
-    try:
-        api_server.run()
-    finally:
-        gc_stop.set()
-        leader.close()
-        controller.tracing.shutdown()  # the traces still queued exported
