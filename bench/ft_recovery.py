@@ -15,7 +15,7 @@ each round, from the ranks' own step reports:
 - ``missed_steps``: the steps the job took without group 1 (its data shard not trained in them);
 - ``false_drops``: the survivor's steps outside the failure (both groups alive) that were discarded or taken
   without group 1: a live group the Lighthouse took for dead (a heartbeat timeout too short for the machine);
-- the Lighthouse's start, as ``torchft_lighthouse`` (which imports torch) and as ``examples/lighthouse.py``
+- the Lighthouse's start, as ``torchft_lighthouse`` (which imports torch) and as ``opsd/backends/local/lighthouse.py``
   (which loads torchft's extension alone), taking turns.
 
 ``--json PATH`` writes the medians (``bench/ft_costs.json`` holds this machine's). Last line:
@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from examples import lighthouse
 from examples.ft_launch import (
     ReplicaGroup,
     free_port,
@@ -46,6 +45,7 @@ from examples.ft_launch import (
     start_lighthouse,
     step_reports,
 )
+from opsd.backends.local import lighthouse
 from opsd.protocol.ft import LIGHTHOUSE_COMMAND, LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
 from opsd.protocol.wire import StepReport
 
@@ -162,10 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeouts_ms = [int(v) for v in args.heartbeat_timeouts_ms.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    starts: dict[str, list[float]] = {"torchft_lighthouse": [], "examples/lighthouse.py": []}
+    starts: dict[str, list[float]] = {"torchft_lighthouse": [], "opsd/backends/local/lighthouse.py": []}
     for i in range(3):
         for console in (i % 2 == 0, i % 2 == 1):
-            starts["torchft_lighthouse" if console else "examples/lighthouse.py"].append(lighthouse_start_s(console))
+            name = "torchft_lighthouse" if console else "opsd/backends/local/lighthouse.py"
+            starts[name].append(lighthouse_start_s(console))
     for name, values in starts.items():
         print(f"lighthouse start, {name}: median {statistics.median(values):.2f} s of {values}", flush=True)
 

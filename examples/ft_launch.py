@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from examples import lighthouse
+from opsd.backends.local import lighthouse
 from opsd.protocol.ft import LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
 from opsd.protocol.wire import StepReport, decode_report

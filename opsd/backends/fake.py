@@ -30,6 +30,8 @@ class FakeRun:
     generation: int = 0
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> node, of the current launch
     resumed_from_step: int | None = None
+    groups: dict[int, int] = field(default_factory=dict)  # a fault-tolerant run's: rank -> replica group
+    group_launches: dict[int, int] = field(default_factory=dict)  # replica group -> its launch
 
 
 class FakeBackend:
@@ -50,16 +52,19 @@ class FakeBackend:
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str) -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
         def stop() -> Outcome:
             state = self.runs.setdefault(run, FakeRun())
-            killed = len(state.ranks)
-            if killed:
-                state.ranks.clear()
-                self._effect("stop_ranks", request_id, run=run)
-            return Done({"killed": killed, "launch": state.generation})
+            stopped = [r for r in state.ranks if group is None or state.groups.get(r) == group]
+            for rank in stopped:
+                del state.ranks[rank]
+            if stopped:
+                self._effect("stop_ranks", request_id, run=run, group=group)
+            launch = state.group_launches.get(group, state.generation) if group is not None else state.generation
+            return Done({"killed": len(stopped), "launch": launch})
 
-        return self._once("stop_ranks", request_id, {"run": run}, stop)
+        args = {"run": run, **({"group": group} if group is not None else {})}
+        return self._once("stop_ranks", request_id, args, stop)
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
         def quarantine() -> Outcome:
@@ -92,20 +97,34 @@ class FakeBackend:
 
         return self._once("promote_spare", request_id, {"run": run, "spare": spare, "replaces": replaces}, promote)
 
-    def relaunch(self, run: str, generation: int, nodes: Sequence[str], request_id: str) -> Outcome:
+    def relaunch(
+        self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
+    ) -> Outcome:
         def launch() -> Outcome:
             bad = [n for n in nodes if self.nodes.get(n) != "ready"]
             if bad or not nodes:
                 return Failed(ErrorKind.PERMANENT, f"cannot launch on {list(nodes)}: not ready {bad}")
             state = self.runs.setdefault(run, FakeRun())
             gpn = self.gpus_per_node
-            state.generation = generation
-            state.ranks = {i * gpn + g: node for i, node in enumerate(nodes) for g in range(gpn)}
-            state.resumed_from_step = self.checkpoint_step
-            self._effect("relaunch", request_id, run=run, generation=generation, nodes=list(nodes))
-            return Done({"resumed_from_step": self.checkpoint_step, "skipped": [], "launch": generation})
+            if group is None:
+                state.generation = generation
+                state.ranks = {i * gpn + g: node for i, node in enumerate(nodes) for g in range(gpn)}
+                state.resumed_from_step = self.checkpoint_step
+            else:  # the group's ranks keep their numbers in the job: the first ``len(nodes) * gpn`` of the group's
+                first = group * len(nodes) * gpn
+                state.ranks.update({first + i * gpn + g: node for i, node in enumerate(nodes) for g in range(gpn)})
+                state.groups.update({first + i: group for i in range(len(nodes) * gpn)})
+                state.group_launches[group] = generation
+            self._effect("relaunch", request_id, run=run, generation=generation, nodes=list(nodes), group=group)
+            resumed = self.checkpoint_step if group is None else None
+            return Done({"resumed_from_step": resumed, "skipped": [], "launch": generation})
 
-        args = {"run": run, "generation": generation, "nodes": list(nodes)}
+        args = {
+            "run": run,
+            "generation": generation,
+            "nodes": list(nodes),
+            **({"group": group} if group is not None else {}),
+        }
         return self._once("relaunch", request_id, args, launch)
 
     def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:

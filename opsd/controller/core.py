@@ -20,9 +20,9 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from opsd.controller.config import ControllerConfig
-from opsd.controller.live import NodeLive, RankLive, Ratios, RunLive, RunMemory, Window
+from opsd.controller.live import GroupDown, NodeLive, RankLive, Ratios, RunLive, RunMemory, Window
 from opsd.controller.port import Backend
-from opsd.controller.rows import NodeRow
+from opsd.controller.rows import NodeRow, RunRow
 from opsd.controller.state import LaunchSample, StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.policy.detection import Failure
@@ -190,6 +190,8 @@ class ControllerCore:
             memory = self.remember(run)
             memory.live, memory.stragglers, memory.recorded = None, [], None
             memory.launched_s = now_s
+            memory.group_launches.clear()  # every replica group (if any) is of this launch now
+            memory.groups_down.clear()
             if launch is not None:
                 memory.launch = launch
 
@@ -213,6 +215,50 @@ class ControllerCore:
                 steps = [r.step for r in ended.ranks.values() if r.launch is None or r.launch == ended_launch]
                 memory.ended_step = max(steps, default=-1)
             memory.launched_s = now_s
+
+    def forget_group(self, run: str, group: int, now_s: float) -> None:
+        """Replica group ``group`` of a fault-tolerant run was stopped: its ranks leave the launch (the others train
+        on), and what it had done and what the others had waited for a quorum so far are kept for its incident."""
+        with self.lock:
+            memory = self.remember(run)
+            live = memory.live
+            mine = [r for r in live.ranks.values() if r.group == group] if live is not None else []
+            others = {r.rank: r.quorum_wait_total_s for r in live.ranks.values() if r.group != group} if live else {}
+            if group not in memory.groups_down:
+                ended = max((r.step for r in mine), default=-1)
+                memory.groups_down[group] = GroupDown(ended, now_s, others)
+            for r in mine:
+                assert live is not None
+                live.remove(r.rank)
+
+    def group_launched(self, run: str, group: int, launch: int | None) -> None:
+        """Replica group ``group`` runs again (its launch ``launch``, when the backend named it): its ranks'
+        reports are taken again."""
+        with self.lock:
+            memory = self.remember(run)
+            if launch is not None:
+                memory.group_launches[group] = launch
+            down = memory.groups_down.get(group)
+            if down is not None:
+                down.relaunched = True
+
+    def recall_groups(self, run: RunRow, now_s: float) -> None:
+        """A controller that took a fault-tolerant run up knows its groups' launches from the store: the groups out
+        waiting for a node are down (their ranks' last reports, still remembered by their agents, are not taken)."""
+        with self.lock:
+            memory = self.remember(run.id)
+            if memory.group_launches or not run.groups:
+                return
+            memory.group_launches = {g: launch.launch for g, launch in run.groups.items()}
+            for g, launch in run.groups.items():
+                if launch.out:
+                    memory.groups_down.setdefault(g, GroupDown(-1, now_s, {}))
+
+    def rank_groups(self, run: str) -> dict[int, int]:
+        """A fault-tolerant run's ranks of the current launches: rank -> replica group, as their reports say."""
+        with self.lock:
+            live = self.live_of(run)
+            return {r.rank: r.group for r in live.ranks.values() if r.group is not None} if live else {}
 
     def ended_step(self, run: str) -> int:
         """The newest step the launch before the current one made (-1: not known)."""

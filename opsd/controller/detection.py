@@ -10,13 +10,21 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from opsd.controller.incidents import failure_key, failure_of, generation_of, is_failure, unfinished_incident
+from opsd.controller.incidents import (
+    failure_key,
+    failure_of,
+    generation_of,
+    is_failure,
+    took_step,
+    unfinished_incident,
+)
 from opsd.controller.live import RankLive
 from opsd.controller.rows import IncidentRow, RunRow
 from opsd.controller.scoring import Scoring
 from opsd.errors import OpsError
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, detect_failures
-from opsd.protocol.states import IncidentState, NodeRole, RunState
+from opsd.policy.replicas import Scope, failed_group, recovery_scope
+from opsd.protocol.states import ActionKind, IncidentState, NodeRole, RunState
 from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
@@ -44,12 +52,16 @@ class Detection(Scoring):
                 self._record(run, now_s)
                 if run.state == RunState.WAITING_FOR_SPARE:
                     self._retry_waiting(run, now_s)
+                if run.state == RunState.RUNNING and run.groups:
+                    self.recall_groups(run, now_s)
+                    if any(launch.out for launch in run.groups.values()):
+                        self._retry_out_groups(run, now_s)
                 if run.state.finished and not self.settled(run.id):
                     self._settle(run, now_s)
                 if run.state != RunState.RUNNING:
                     continue
                 self._progress(run, now_s)
-                failures = self._detect(run.id, now_s)
+                failures = self._detect(run.id, now_s, run.spec.replicas.fault_tolerant)
                 if failures:
                     found.extend(failures)
                     self.open_failure(run, failures, now_s)
@@ -67,8 +79,9 @@ class Detection(Scoring):
         if due or ended:
             self.record_launch(run_id, int(run.generation), now_s)
 
-    def _detect(self, run: str, now_s: float) -> list[Failure]:
+    def _detect(self, run: str, now_s: float, fault_tolerant: bool = False) -> list[Failure]:
         active = self.store.node_names(run, NodeRole.ACTIVE)
+        groups = self.rank_groups(run) if fault_tolerant else None
         with self.lock:
             live = self.live_of(run)
             names = active | live.rank_nodes.keys() if live is not None else active
@@ -95,16 +108,22 @@ class Detection(Scoring):
                 timeouts=timeouts,
                 step_times_s=live.step_times_s if live is not None else (),
                 config=self.config.detection,
+                rank_groups=groups,
             )
 
     def open_failure(self, run: RunRow, failures: list[Failure], now_s: float) -> int:
         """One incident per launch: the first failure (a swap first) is the cause; the rest are its consequences.
-        The incident is recorded (once: the same failure seen again finds it) and, with a backend, recovered from;
-        returns its id."""
+        In a fault-tolerant run, a failure confined to a replica group is that group's incident, one per launch of
+        the group, and the other groups train on (``opsd.policy.replicas``). The incident is recorded (once: the
+        same failure seen again finds it) and, with a backend, recovered from; returns its id."""
         cause = failures[0]
         failed_s = self._failed_at(run.id, cause, now_s)
+        scope = self._scope(run, cause)
+        key = failure_key(run.id, run.generation)
+        if scope.group is not None:
+            key = failure_key(run.id, run.groups[scope.group].launch, scope.group)
         incident, new = self.store.open_incident(
-            key=failure_key(run.id, int(run.generation)),
+            key=key,
             run=run.id,
             kind=cause.kind.value,
             node=cause.node,
@@ -112,6 +131,7 @@ class Detection(Scoring):
             detail=cause.detail,
             failed_s=failed_s,
             detected_s=now_s,
+            replica_group=scope.group,
         )
         if new:
             self._trace_ids(incident, cause)
@@ -126,11 +146,27 @@ class Detection(Scoring):
                 cause.detail,
                 others,
             )
+            if run.spec.replicas.fault_tolerant:
+                log.warning("run %s: incident %d: %s", run.id, incident, scope.why)
         self._handled_events(cause, now_s)
         if self.backend is not None:
-            self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
+            if scope.group is None:
+                self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
             self.recovery.start(run.id, incident, cause, now_s)
         return incident
+
+    def _scope(self, run: RunRow, cause: Failure) -> Scope:
+        """What the recovery from ``cause`` stops: one replica group of a fault-tolerant run, or the whole job."""
+        layout = run.spec.replicas
+        if not layout.fault_tolerant or not run.groups:
+            return recovery_scope(cause, layout, None, ())
+        node_groups = {node: g for g, launch in run.groups.items() for node in launch.nodes}
+        group = failed_group(cause, self.rank_groups(run.id), node_groups)
+        with self.lock:
+            memory = self.memory.get(run.id)
+            down = set(memory.groups_down) if memory is not None else set()
+        live = [g for g in run.active_groups() if g not in down or g == group]
+        return recovery_scope(cause, layout, group, live)
 
     def _progress(self, run: RunRow, now_s: float) -> None:
         """Keep the run's newest step, and close the incidents a relaunch has recovered from."""
@@ -154,7 +190,8 @@ class Detection(Scoring):
         left to close, the run is settled (not looked at again)."""
         if run.state == RunState.COMPLETED:
             current = int(run.generation)
-            if any(is_failure(i) and generation_of(i.key) >= current for i in self._open(run)):
+            unfinished = [i for i in self._open(run) if is_failure(i) and i.replica_group is None]
+            if any(generation_of(i.key) >= current for i in unfinished):
                 return  # its recovery has not relaunched yet (a leader that took over goes on with it)
             self._close_recovered(run, now_s, ended=True)
         self.settle(run.id, now_s)
@@ -166,8 +203,13 @@ class Detection(Scoring):
         """Close the incidents of earlier launches: the first progress of the new launch is the first productive
         step (lost steps: from the checkpoint resumed from to the newest step before the failure). ``ended``: the
         run finished, and an incident of an earlier launch is closed even when nothing of the last launch was
-        heard (then when and where it resumed are not known)."""
-        earlier = [i for i in self._open(run) if generation_of(i.key) < int(run.generation)]
+        heard (then when and where it resumed are not known). A replica recovery's incident closes when its group
+        is back (``_close_group``)."""
+        opened = self._open(run)
+        for incident in opened:
+            if incident.replica_group is not None:
+                self._close_group(run, incident, now_s, ended=ended)
+        earlier = [i for i in opened if i.replica_group is None and generation_of(i.key) < run.generation]
         if not earlier:
             return
         with self.lock:
@@ -209,6 +251,59 @@ class Detection(Scoring):
             )
             if is_failure(incident):  # a straggler warning of the old launch is closed, not traced
                 self.tracing.trace(self.store, int(incident.id))
+
+    def _close_group(self, run: RunRow, incident: IncidentRow, now_s: float, *, ended: bool) -> None:
+        """A replica recovery is over when its group's new launch made its first step in the quorum (it healed from
+        a live group): then, the steps the other groups made while it was out (``missed_steps``), the longest they
+        waited for a quorum meanwhile (``stall_s``: their stall around the failure) and where it healed to. Nothing
+        was lost (``lost_steps`` 0): the other groups' steps all counted. ``ended``: the run finished without it."""
+        group = incident.replica_group
+        assert group is not None
+        with self.lock:
+            memory = self.memory.get(run.id)
+            if memory is None:
+                return
+            launch = memory.group_launches.get(group, memory.launch)
+            relaunched = launch is not None and launch > generation_of(incident.key)
+            live = memory.live
+            members = [r for r in live.ranks.values() if r.group == group and r.step >= 0] if live else []
+            others = [r for r in live.ranks.values() if r.group != group] if live else []
+            down = memory.groups_down.get(group)
+            if not (relaunched and members) and not ended:
+                return
+            memory.groups_down.pop(group, None)
+        healed_to = min((r.step for r in members), default=None)
+        missed = (
+            healed_to - down.ended_step if down is not None and healed_to is not None and down.ended_step >= 0 else None
+        )
+        stall = None
+        if down is not None and others:
+            stall = max(
+                0.0, *(r.quorum_wait_total_s - down.waited_s.get(r.rank, r.quorum_wait_total_s) for r in others)
+            )
+        resumed_s = min((r.progress_s for r in members), default=float(run.updated_s))
+        self.store.update_incident(
+            incident.id,
+            state=IncidentState.RECOVERED,
+            resumed_s=resumed_s,
+            resumed_from_step=healed_to,
+            lost_steps=0,
+            missed_steps=missed,
+            stall_s=stall,
+        )
+        log.info(
+            "run %s: incident %d recovered: replica group %d back at step %s after %.1f s (%s steps missed; the"
+            " others waited %s s more for a quorum)",
+            run.id,
+            incident.id,
+            group,
+            healed_to,
+            resumed_s - incident.detected_s,
+            missed,
+            None if stall is None else round(stall, 2),
+        )
+        if is_failure(incident):
+            self.tracing.trace(self.store, incident.id)
 
     def _first_productive(self, run: RunRow, now_s: float) -> None:
         """The run's first progress ends its launch and initialisation (the ``startup`` badput): when its ranks
@@ -261,6 +356,22 @@ class Detection(Scoring):
         with self.lock:
             for seq in [seq for seq in live.events if seq <= newest]:
                 del live.events[seq]
+
+    def _retry_out_groups(self, run: RunRow, now_s: float) -> None:
+        """Replica groups wait out of the quorum for a node: once a spare is there, their recoveries go on (the
+        group is relaunched and heals); the run trained on without them meanwhile."""
+        if self.backend is None or self.choose_spare(run.id, "") is None:
+            return
+        for incident in self._open(run):
+            if incident.replica_group is None or not is_failure(incident):
+                continue
+            if took_step(self.store, incident.id, ActionKind.LAUNCH):
+                continue
+            log.info(
+                "run %s: a spare is available; replica group %d's recovery goes on", run.id, incident.replica_group
+            )
+            self.recovery.start(run.id, incident.id, failure_of(incident), now_s)
+            return  # one at a time: the next pass takes the next group up
 
     def _retry_waiting(self, run: RunRow, now_s: float) -> None:
         """A run waits for a spare: once one is there (a node uncordoned or added), go on with its recovery."""

@@ -17,8 +17,10 @@ from opsd.protocol.states import FAILURE_KINDS, ActionKind, ActionState, Inciden
 NOT_FAILURES = frozenset({IncidentKind.STRAGGLER, IncidentKind.MANUAL_RESTART})
 
 
-def failure_key(run: str, generation: int) -> str:
-    return f"{run}/gen{generation}"
+def failure_key(run: str, generation: int, group: int | None = None) -> str:
+    """A failure's incident key: one per launch of the run, or, for a replica recovery, of its group (``group``:
+    the group, ``generation`` its launch)."""
+    return f"{run}/gen{generation}" if group is None else f"{run}/gen{generation}/group{group}"
 
 
 def straggler_key(run: str, generation: int, rank: int) -> str:

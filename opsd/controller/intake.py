@@ -122,8 +122,14 @@ class Intake(ControllerCore):
         if run in self.forgotten:
             return  # an agent still remembers a rank of a run that ended a while ago
         memory = self.remember(run)
-        if r.launch is not None and memory.launch is not None:
-            if r.launch < memory.launch:
+        group = r.ft.replica_group if r.ft is not None else None
+        down = memory.groups_down.get(group) if group is not None else None
+        if down is not None and not down.relaunched:
+            return  # its replica group was stopped: a rank of the stopped launch, still remembered by its agent
+        # a fault-tolerant run's groups are launched apart: a rank is of its group's launch, or of an earlier one
+        launch = memory.group_launches.get(group, memory.launch) if group is not None else memory.launch
+        if r.launch is not None and launch is not None:
+            if r.launch < launch:
                 return  # a rank of an earlier launch (on a cluster: stopping, or remembered by its agent)
         elif r.last_report_unix_s < memory.launched_s:
             return  # the agent still remembers a rank of an earlier launch
@@ -157,6 +163,12 @@ class Intake(ControllerCore):
         live.mfu_ratio = r.mfu_ratio
         live.job_tokens_per_s = r.job_tokens_per_s
         live.resumed_from_step = r.resumed_from_step
+        if r.ft is not None:
+            live.group, live.quorum_replicas, live.quorum_wait_total_s = (
+                group,
+                r.ft.quorum_replicas,
+                r.ft.quorum_wait_total_s,
+            )
         live.launch = r.launch
         p = r.pipeline
         live.bubble = None

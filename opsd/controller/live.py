@@ -159,6 +159,9 @@ class RankLive:
     resumed_from_step: int | None = None  # the checkpoint its launch resumed from, as its reports say
     bubble: RankBubble | None = None  # a pipeline stage's last bubble and schedule, as its reports say
     launch: int | None = None  # the launch of the run it belongs to, as its reports say (OPSD_LAUNCH)
+    group: int | None = None  # a fault-tolerant run's: its replica group, as its reports say
+    quorum_replicas: int = 0  # the replica groups in its last step's quorum
+    quorum_wait_total_s: float = 0.0  # the seconds its training thread waited for a quorum, summed by its agent
 
 
 @dataclass(slots=True)
@@ -203,6 +206,18 @@ class RunLive:
         self.latest_progress_s = max(self.latest_progress_s, live.progress_s)
         self.exited.discard(live.rank)
         self.waiting.discard(live.rank)
+
+    def remove(self, rank: int) -> None:
+        """``rank`` leaves the launch (its replica group was stopped): its sums and places go with it."""
+        old = self.ranks.pop(rank, None)
+        if old is None:
+            return
+        self.count_checkpoints(old, 0, 0.0)
+        self.rank_nodes[old.node] -= 1
+        if not self.rank_nodes[old.node]:
+            del self.rank_nodes[old.node]
+        self.exited.discard(rank)
+        self.waiting.discard(rank)
 
     def count_checkpoints(self, live: RankLive, checkpoints: int, blocking_s: float, total_s: float = 0.0) -> None:
         self.checkpoints += checkpoints - live.checkpoints
@@ -312,4 +327,17 @@ class RunMemory:
     comms: RunComms | None = None  # its collective seconds per node and stack (the flame graph)
     comms_before: dict[tuple[str, str, str], float] = field(default_factory=dict)  # its totals when its launch began
     recorded: tuple[float, int] | None = None  # when its launch was last recorded, and its newest step then
+    group_launches: dict[int, int] = field(default_factory=dict)  # a fault-tolerant run's groups' launches
+    groups_down: dict[int, GroupDown] = field(default_factory=dict)  # its groups stopped, until they are back
     settled_s: float | None = None  # it finished with nothing left to close (forgotten some time after)
+
+
+@dataclass
+class GroupDown:
+    """A replica group of a fault-tolerant run stopped by a recovery: the newest step it had made, when, and what the
+    other groups had waited for a quorum by then (their stall is what they wait more until it is back)."""
+
+    ended_step: int
+    since_s: float
+    waited_s: dict[int, float]  # rank of another group -> its quorum wait so far
+    relaunched: bool = False  # launched again: its new launch's reports are taken (it heals, then trains)

@@ -106,9 +106,10 @@ class Backend(Protocol):
         """``local``, ``kubernetes``, ``fake``: recorded with the runs it starts."""
         ...
 
-    def stop_ranks(self, run: str, request_id: str) -> Outcome:
-        """Stop every rank of the run's current launch. Done: ``{"killed": n}``, the ranks still running, and
-        ``"launch"``, the launch stopped, where the backend names its launches (see ``relaunch``)."""
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
+        """Stop every rank of the run's current launch, or (``group``) of one replica group of a fault-tolerant run
+        (the other groups go on). Done: ``{"killed": n}``, the ranks still running, and ``"launch"``, the launch
+        stopped, where the backend names its launches (see ``relaunch``)."""
         ...
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
@@ -123,10 +124,14 @@ class Backend(Protocol):
         """Make a spare node one of the run's: the next launch may place ranks there."""
         ...
 
-    def relaunch(self, run: str, generation: int, nodes: Sequence[str], request_id: str) -> Outcome:
+    def relaunch(
+        self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
+    ) -> Outcome:
         """Launch ``generation`` of the run's ranks on ``nodes`` (what still runs of an earlier one is stopped
-        first); the ranks resume from their newest committed checkpoint. Done: ``{"generation", "nodes",
-        "resumed_from_step", "skipped"}`` (newer checkpoints that could not be resumed from, and why), and
+        first); the ranks resume from their newest committed checkpoint. With ``group``: launch one replica group
+        of a fault-tolerant run on ``nodes`` (the others run on; it heals from them, no checkpoint read). Done:
+        ``{"generation", "nodes", "resumed_from_step", "skipped"}`` (newer checkpoints that could not be resumed
+        from, and why), and
         ``"launch"`` where the backend tells its ranks which launch they belong to (``OPSD_LAUNCH``: their reports
         carry it, and the controller takes the reports of that launch and no earlier one, whenever they come)."""
         ...

@@ -26,8 +26,17 @@ class Reads(ControllerCore):
             ranks = live.ranks.values() if live is not None else ()
             blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
             step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
+        groups = run.spec.replica_groups
         interruptions = [
-            Interruption(i.failed_s, i.detected_s, i.resumed_s, int(i.lost_steps or 0), step)
+            Interruption(
+                i.failed_s,
+                i.detected_s,
+                i.resumed_s,
+                int(i.lost_steps or 0),
+                step,
+                share=1.0 / groups if i.replica_group is not None else 1.0,  # a replica recovery: its group's share
+                stall_s=i.stall_s or 0.0,
+            )
             for i in incidents
             if i.kind != IncidentKind.STRAGGLER and i.resumed_s is not None
         ]

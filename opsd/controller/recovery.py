@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from opsd.checkpoints.layout import inspect_checkpoints
@@ -28,7 +29,7 @@ from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
 from opsd.controller.port import Backend, Done, ErrorKind, Outcome, Pending
-from opsd.controller.rows import RunRow, RunSpec
+from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import Action
 from opsd.errors import OpsError
 from opsd.policy.detection import Failure, FailureKind
@@ -155,8 +156,12 @@ class Recovery:
         if row is None:
             raise StepFailedError(f"run {run!r} is not in the state store")
         at_step = self.core.checkpoint_step_ahead(run) if failure.kind is FailureKind.MANUAL_RESTART else None
-        generation = int(row.generation)
-        steps = plan_recovery(failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step)
+        generation = row.generation
+        incident = store.incident(incident_id)
+        group = incident.replica_group if incident is not None else None
+        steps = plan_recovery(
+            failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step, group=group
+        )
         seq = -1
         while seq + 1 < len(steps):
             seq += 1
@@ -170,7 +175,12 @@ class Recovery:
             if quarantine:  # the dumps blamed a node that hung before: the rest of the plan swaps it
                 why = Quarantine(str(quarantine["node"]), str(quarantine["reason"]))
                 steps = plan_recovery(
-                    failure, incident_id=incident_id, generation=generation, checkpoint_at_step=at_step, quarantine=why
+                    failure,
+                    incident_id=incident_id,
+                    generation=generation,
+                    checkpoint_at_step=at_step,
+                    quarantine=why,
+                    group=group,
                 )
 
     def _step(
@@ -205,8 +215,21 @@ class Recovery:
         GPU would hang or fail in its next collective, and a waiting run holds no GPUs."""
         stop = next(i for i in range(seq + 1, len(steps)) if steps[i].kind is ActionKind.STOP)
         _, stopped = self._step(run, incident_id, failure, stop, steps[stop], now_s)
+        group = steps[stop].args.get("group")
+        if group is not None:  # a replica group: the run goes on with the groups it has, elastically
+            self._mark_group(run, int(group), out=True)
+            log.warning("run %s: no spare left; replica group %s stopped, the others train on without it", run, group)
+            return
         self.core.store.update_run(run, self.core.clock(), state=RunState.WAITING_FOR_SPARE)
         log.warning("run %s: no spare left; its ranks stopped (%s), it waits for one", run, stopped.get("killed", "?"))
+
+    def _mark_group(self, run: str, group: int, *, out: bool) -> None:
+        """Record that replica group ``group`` is out of the quorum waiting for a node (or back)."""
+        row = self.core.store.run(run)
+        if row is None or group not in row.groups:
+            return
+        groups = {**row.groups, group: replace(row.groups[group], out=out)}
+        self.core.store.update_run(run, self.core.clock(), groups=groups)
 
     def _passed(self, point: str, action: Action) -> None:
         if self.on_step is not None:
@@ -226,7 +249,12 @@ class Recovery:
             collected = collect_dumps(self.core, run, str(args["trigger"]), ranks, wait_s)
             return {**collected, **self._blame(run, incident_id, str(args["trigger"]), collected["ranks_expected"])}
         if kind is ActionKind.STOP:
-            return self._call(lambda: backend.stop_ranks(run, rid), action)
+            group = args.get("group")
+            if group is None:
+                return self._call(lambda: backend.stop_ranks(run, rid), action)
+            stopped = self._call(lambda: backend.stop_ranks(run, rid, int(group)), action)
+            self.core.forget_group(run, int(group), self.core.clock())  # its ranks leave; the others train on
+            return stopped
         if kind is ActionKind.CORDON:
             node, reason = str(args["node"]), str(args["reason"])
             done = self._call(lambda: backend.quarantine_node(run, node, reason, rid), action)
@@ -236,6 +264,8 @@ class Recovery:
             return self._take_spare(run, incident_id, str(args["for"]), action)
         if kind is ActionKind.LAUNCH:
             generation = int(args["after_generation"]) + 1  # the record's: a repeat launches the same
+            if args.get("group") is not None:
+                return self._launch_group(run, int(args["group"]), generation, rid, incident_id)
             return self._launch(run, generation, rid, self.core.clock(), self._stopped_launch(incident_id))
         raise StepFailedError(f"run {run}: unknown recovery step {kind!r}")
 
@@ -276,6 +306,8 @@ class Recovery:
         incident = store.incident(incident_id)
         chosen = (incident.spare if incident is not None else None) or self.core.choose_spare(run, failed)
         if chosen is None:
+            if incident is not None and incident.replica_group is not None:
+                raise WaitForSpare  # a replica group waits out of the quorum: the others train on
             row = store.run(run)
             spec = row.spec if row is not None else RunSpec()
             left = len(store.node_names(run, NodeRole.ACTIVE))
@@ -307,12 +339,40 @@ class Recovery:
         launch = done.get("launch")
         self.core.launched(run, self.core.clock(), int(launch) if isinstance(launch, int) else None)
         row = store.run(run)
-        if row is not None and RunState(row.state).finished:  # it ran to its end before this controller looked
-            store.update_run(run, self.core.clock(), generation=generation)
-        else:
-            store.update_run(run, self.core.clock(), state=RunState.RUNNING, generation=generation)  # detection watches
+        fields: dict[str, Any] = {"generation": generation}
+        if row is not None and row.spec.replicas.fault_tolerant:  # every group launched, the nodes split in order
+            layout, k = row.spec.replicas, len(nodes) // row.spec.replica_groups
+            fields["groups"] = {
+                g: GroupLaunch(generation, tuple(nodes[g * k : (g + 1) * k])) for g in range(layout.groups)
+            }
+        if row is None or not RunState(row.state).finished:  # else it ran to its end before this controller looked
+            fields["state"] = RunState.RUNNING  # detection watches
+        store.update_run(run, self.core.clock(), **fields)
         log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.get("nodes", nodes)))
         return {"generation": generation, "nodes": nodes, **done}
+
+    def _launch_group(self, run: str, group: int, generation: int, rid: str, incident_id: int) -> dict[str, Any]:
+        """Launch replica group ``group`` again, as ``generation``, on its nodes still in service and the spare its
+        incident took: the other groups train on, and it heals from them (no checkpoint is read)."""
+        store = self.core.store
+        row = store.run(run)
+        if row is None or group not in row.groups:
+            raise StepFailedError(f"run {run!r} has no replica group {group}")
+        active = store.node_names(run, NodeRole.ACTIVE)
+        nodes = [n for n in row.groups[group].nodes if n in active]
+        incident = store.incident(incident_id)
+        if incident is not None and incident.spare and incident.spare not in nodes:
+            nodes.append(incident.spare)
+        backend = self._backend()
+        done = self._call(lambda: backend.relaunch(run, generation, nodes, rid, group), None)
+        launch = done.get("launch")
+        self.core.group_launched(run, group, int(launch) if isinstance(launch, int) else None)
+        row = store.run(run)
+        assert row is not None
+        groups = {**row.groups, group: GroupLaunch(generation, tuple(nodes))}
+        store.update_run(run, self.core.clock(), generation=max(generation, row.generation), groups=groups)
+        log.info("run %s: replica group %d launched again (%d) on %s", run, group, generation, ", ".join(nodes))
+        return {"generation": generation, "nodes": nodes, "group": group, **done}
 
     def _checkpoint_now(self, run: str, at_step: int | None) -> dict[str, Any]:
         """Ask the ranks for a checkpoint at ``at_step`` and wait until it is committed, a rank ends, or

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from opsd.policy.recovery import OnNoSpare
+from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,26 @@ class RunSpec:
     jobset: str = ""
     attached: bool = False
     observed: bool = False
+    replica_groups: int = 1  # fault-tolerant replica groups (torchft), each a launch of its own; 1: none
+    min_replicas: int = 1  # the fewest groups that keep a quorum
+
+    @property
+    def replicas(self) -> ReplicaGroups:
+        return ReplicaGroups(self.replica_groups, self.min_replicas)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLaunch:
+    """A replica group of a fault-tolerant run, as the store keeps it: the launch (generation) it was last launched
+    at, on which nodes, and whether it is out of the quorum waiting for a node (the run goes on without it)."""
+
+    launch: int
+    nodes: tuple[str, ...]
+    out: bool = False
 
 
 _SPEC_DECODER = msgspec.json.Decoder(RunSpec)
+_GROUPS_DECODER = msgspec.json.Decoder(dict[int, GroupLaunch])
 
 
 def decode_spec(data: str | bytes) -> RunSpec:
@@ -60,6 +78,21 @@ def decode_spec(data: str | bytes) -> RunSpec:
 
 def encode_spec(spec: RunSpec) -> str:
     return msgspec.json.encode(spec).decode()
+
+
+def decode_groups(data: str | bytes | None) -> dict[int, GroupLaunch]:
+    """A run's replica groups as the store keeps them (none for a run without groups, or a store before them)."""
+    if not data:
+        return {}
+    try:
+        return _GROUPS_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        log.warning("a run's replica groups in the state store do not fit (%r): read as none", data[:200])
+        return {}
+
+
+def encode_groups(groups: dict[int, GroupLaunch]) -> str:
+    return msgspec.json.encode(groups).decode()
 
 
 def as_json(value: Any) -> Any:
@@ -78,6 +111,15 @@ class RunRow:
     last_step: int  # the newest step its ranks reported, of any launch
     final_step: int | None  # where a finished run ended
     first_productive_s: float | None  # its first productive step (the end of its launch and initialisation)
+    groups: dict[int, GroupLaunch] = field(default_factory=dict)  # a fault-tolerant run's replica groups
+
+    def active_groups(self) -> list[int]:
+        """The replica groups in service (not out waiting for a node)."""
+        return sorted(g for g, launch in self.groups.items() if not launch.out)
+
+    def group_of(self, node: str) -> int | None:
+        """The replica group ``node`` was last launched in, if any."""
+        return next((g for g, launch in self.groups.items() if node in launch.nodes), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +152,9 @@ class IncidentRow:
     trace_id: str | None = None  # its OpenTelemetry trace (W3C hex), when the controller exports traces
     gpu_trace_id: str | None = None  # the agent's span of the GPU event that caused it, which the trace links to
     gpu_span_id: str | None = None
+    replica_group: int | None = None  # a replica recovery's group (the others trained on); None: the whole job
+    missed_steps: int | None = None  # a replica recovery's: the steps the other groups made while the group was out
+    stall_s: float | None = None  # a replica recovery's: the longest the other groups waited for a quorum meanwhile
 
 
 @dataclass(frozen=True, slots=True)

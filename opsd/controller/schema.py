@@ -45,6 +45,7 @@ runs = Table(
     Column("last_step", Integer, nullable=False, default=0),
     Column("final_step", Integer),
     Column("first_productive_s", Float),  # its first productive step (the end of its launch and initialisation)
+    Column("groups", Text),  # JSON: a fault-tolerant run's replica groups, their launch and nodes (rows.GroupLaunch)
 )
 
 nodes = Table(
@@ -81,6 +82,11 @@ incidents = Table(
     Column("trace_id", String(32)),
     Column("gpu_trace_id", String(32)),
     Column("gpu_span_id", String(16)),
+    # a replica recovery (one group of a fault-tolerant run stopped, the others trained on): its group, the steps the
+    # others made while it was out, and the longest they waited for a quorum meanwhile
+    Column("replica_group", Integer),
+    Column("missed_steps", Integer),
+    Column("stall_s", Float),
 )
 
 actions = Table(

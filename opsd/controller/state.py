@@ -42,7 +42,9 @@ from opsd.controller.rows import (
     NodeRow,
     RunRow,
     RunSpec,
+    decode_groups,
     decode_spec,
+    encode_groups,
     encode_spec,
 )
 from opsd.controller.schema import actions, flight_dumps, incidents, launches, nodes, open_engine, runs
@@ -95,11 +97,13 @@ class StateStore:
         return [_run_row(r) for r in rows]
 
     def update_run(self, run: str, now_s: float, **fields: Any) -> None:
-        allowed = {"state", "generation", "last_step", "final_step", "spec", "first_productive_s"}
+        allowed = {"state", "generation", "last_step", "final_step", "spec", "first_productive_s", "groups"}
         if not set(fields) <= allowed:
             raise ValueError(f"update_run: unknown fields {sorted(set(fields) - allowed)}")
         if "spec" in fields:
             fields["spec"] = encode_spec(fields["spec"])
+        if "groups" in fields:
+            fields["groups"] = encode_groups(fields["groups"])
         with self._tx() as c:
             c.execute(update(runs).where(runs.c.id == run).values(updated_s=now_s, **fields))
 
@@ -182,8 +186,10 @@ class StateStore:
         detail: str,
         failed_s: float,
         detected_s: float,
+        replica_group: int | None = None,
     ) -> tuple[int, bool]:
-        """The incident's id, and whether it is new (False: the same failure was recorded before)."""
+        """The incident's id, and whether it is new (False: the same failure was recorded before);
+        ``replica_group``: the group a replica recovery is confined to."""
         row = {
             "key": key,
             "run": run,
@@ -194,6 +200,7 @@ class StateStore:
             "state": IncidentState.OPEN,
             "failed_s": failed_s,
             "detected_s": detected_s,
+            "replica_group": replica_group,
         }
         try:
             with self._tx() as c:
@@ -208,7 +215,7 @@ class StateStore:
 
     def update_incident(self, incident_id: int, **fields: Any) -> None:
         allowed = {"state", "resumed_s", "resumed_from_step", "lost_steps", "spare", "detail", "node", "rank"}
-        allowed |= {"trace_id", "gpu_trace_id", "gpu_span_id"}
+        allowed |= {"trace_id", "gpu_trace_id", "gpu_span_id", "replica_group", "missed_steps", "stall_s"}
         if not set(fields) <= allowed:
             raise ValueError(f"update_incident: unknown fields {sorted(set(fields) - allowed)}")
         with self._tx() as c:
@@ -383,7 +390,8 @@ class LaunchSample:
 
 
 def _run_row(row: Any) -> RunRow:
-    return RunRow(**{**row, "spec": decode_spec(row["spec"]), "state": RunState(row["state"])})
+    spec, groups = decode_spec(row["spec"]), decode_groups(row["groups"])
+    return RunRow(**{**row, "spec": spec, "state": RunState(row["state"]), "groups": groups})
 
 
 def _node_row(row: Any) -> NodeRow:

@@ -21,10 +21,11 @@ floor (a timeout is never shorter than its floor).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from opsd.protocol.ft import EXIT_NO_QUORUM
 from opsd.protocol.states import FAILURE_KINDS, IncidentKind
 
 #: a failure's kind is an incident's (one definition: ``opsd.protocol.states.IncidentKind``), any but ``STRAGGLER``;
@@ -148,8 +149,11 @@ def detect_failures(
     timeouts: Iterable[CollectiveTimeout] = (),
     step_times_s: Sequence[float] = (),
     config: DetectionConfig,
+    rank_groups: Mapping[int, int] | None = None,
 ) -> list[Failure]:
-    """Every failure visible now, the ones that need a swap first."""
+    """Every failure visible now, the ones that need a swap first. ``rank_groups``: a fault-tolerant run's ranks'
+    replica groups (rank -> group): a group that made no progress while others did hangs on its own, and a rank
+    that exited with ``EXIT_NO_QUORUM`` found no quorum (``NO_QUORUM``)."""
     out: list[Failure] = []
     for n in nodes:
         silent = now_s - n.last_heartbeat_s
@@ -165,7 +169,9 @@ def detect_failures(
     rank_list = list(ranks)
     for r in rank_list:
         if r.exit_code is not None and r.exit_code != 0:
-            out.append(Failure(FailureKind.PROCESS_EXIT, r.node, r.rank, f"rank {r.rank} exited with {r.exit_code}"))
+            no_quorum = rank_groups is not None and r.exit_code == EXIT_NO_QUORUM
+            kind = FailureKind.NO_QUORUM if no_quorum else FailureKind.PROCESS_EXIT
+            out.append(Failure(kind, r.node, r.rank, f"rank {r.rank} exited with {r.exit_code}"))
     running = [r for r in rank_list if r.exit_code is None]
     waiting = list(timeouts)
     if waiting:
@@ -180,14 +186,27 @@ def detect_failures(
             node, rank, named = waiting[0].node, waiting[0].rank, "every rank waits"
         detail = "; ".join(t.detail for t in waiting[:3]) + (f" (+{len(waiting) - 3} more)" if len(waiting) > 3 else "")
         out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, node, rank, f"{detail}; {named}"))
-    if running:
-        latest = max(r.progress_s for r in running)
-        stalled = now_s - latest
-        # the median step time only when quiet for longer than the floor (the limit is never below it)
-        limit = hang_timeout_s(step_times_s, config) if stalled > config.hang_floor_s else config.hang_floor_s
-        if stalled > limit:
-            # the culprit is most likely the rank furthest behind (the others wait for it in a collective)
-            behind = min(running, key=lambda r: (r.step, r.progress_s, r.rank))
-            detail = f"no step progress for {stalled:.1f} s > {limit:.1f} s; furthest behind: rank {behind.rank}"
-            out.append(Failure(FailureKind.HANG, behind.node, behind.rank, detail))
+    groups: dict[int | None, list[RankLike]] = {}
+    for r in running:  # a fault-tolerant run's groups step on their own: each may hang alone
+        groups.setdefault(rank_groups.get(r.rank) if rank_groups is not None else None, []).append(r)
+    for group, members in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        hang = _hang(now_s, members, step_times_s, config, "" if group is None else f" in replica group {group}")
+        if hang is not None:
+            out.append(hang)
     return sorted(out, key=lambda f: (not f.swap, f.node, -1 if f.rank is None else f.rank))
+
+
+def _hang(
+    now_s: float, running: list[RankLike], step_times_s: Sequence[float], config: DetectionConfig, where: str
+) -> Failure | None:
+    """A hang of ``running`` ranks: none of them stepped for longer than the hang timeout."""
+    latest = max(r.progress_s for r in running)
+    stalled = now_s - latest
+    # the median step time only when quiet for longer than the floor (the limit is never below it)
+    limit = hang_timeout_s(step_times_s, config) if stalled > config.hang_floor_s else config.hang_floor_s
+    if stalled <= limit:
+        return None
+    # the culprit is most likely the rank furthest behind (the others wait for it in a collective)
+    behind = min(running, key=lambda r: (r.step, r.progress_s, r.rank))
+    detail = f"no step progress{where} for {stalled:.1f} s > {limit:.1f} s; furthest behind: rank {behind.rank}"
+    return Failure(FailureKind.HANG, behind.node, behind.rank, detail)

@@ -5,6 +5,12 @@ or to its first failure when that came first), then per interruption: ``detectio
 ``spare_wait`` (waiting for a spare), ``restart`` (detection to the first productive step after the resume, restore
 included, spare wait excluded), ``recompute`` (the steps done again after the resume: those since the checkpoint
 resumed from). Over the run: ``checkpoint`` (the time saves stopped training). ``productive`` is the rest.
+
+A replica recovery (one replica group of a fault-tolerant run stopped and relaunched, the other groups training
+on: ``opsd.policy.replicas``) stops only its group's share of the job (``Interruption.share``): its detection,
+spare wait and restart (to its first step in the quorum, after it healed) count at that share, and the other
+groups' steps meanwhile are productive. What the other groups lost is the time they waited for a quorum around the
+failure (``Interruption.stall_s``, the ``quorum`` bucket, at the whole job's share).
 ETTR = productive / wall time (as MegaScale and ByteRobust report it). Only time spent on training steps is
 productive, as in Llama 3's effective training time ("The Llama 3 Herd of Models", 2024, section 3.3.4) and in
 Kokolis et al.'s ETTR ("Revisiting Reliability in Large-Scale Machine Learning Research Clusters", 2024): the first
@@ -30,6 +36,7 @@ class BadputBucket(StrEnum):
     RECOMPUTE = "recompute"  # steps done again after the resume
     STRAGGLER = "straggler"  # (the simulator's) a straggler left to slow the job down
     MAINTENANCE = "maintenance"  # (the simulator's) planned stops: the save before, the restart after
+    QUORUM = "quorum"  # replica groups waited for a quorum around another group's failure
 
 
 #: the badput buckets of a run, in the order reports show them
@@ -40,6 +47,7 @@ BADPUT = (
     BadputBucket.SPARE_WAIT,
     BadputBucket.RESTART,
     BadputBucket.RECOMPUTE,
+    BadputBucket.QUORUM,
 )
 
 
@@ -51,12 +59,16 @@ class Interruption:
     lost_steps: int  # steps done again
     step_time_s: float
     spare_wait_s: float = 0.0
+    share: float = 1.0  # the fraction of the job it stopped: a replica group's (0-1), or the whole job
+    stall_s: float = 0.0  # the rest of the job's wait for a quorum around it (a replica recovery's)
 
     def __post_init__(self) -> None:
         if not self.failed_s <= self.detected_s <= self.resumed_s:
             raise ValueError("an interruption needs failed_s <= detected_s <= resumed_s")
-        if self.lost_steps < 0 or self.step_time_s < 0 or self.spare_wait_s < 0:
-            raise ValueError("lost_steps, step_time_s and spare_wait_s must be >= 0")
+        if self.lost_steps < 0 or self.step_time_s < 0 or self.spare_wait_s < 0 or self.stall_s < 0:
+            raise ValueError("lost_steps, step_time_s, spare_wait_s and stall_s must be >= 0")
+        if not 0 < self.share <= 1:
+            raise ValueError("an interruption's share of the job must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class Goodput:
     restart_s: float
     recompute_s: float
     startup_s: float = 0.0
+    quorum_s: float = 0.0
 
     @property
     def ettr(self) -> float:
@@ -96,6 +109,7 @@ class Goodput:
             BadputBucket.SPARE_WAIT: self.spare_wait_s,
             BadputBucket.RESTART: self.restart_s,
             BadputBucket.RECOMPUTE: self.recompute_s,
+            BadputBucket.QUORUM: self.quorum_s,
         }
 
 
@@ -111,18 +125,19 @@ def account(
     if wall_s < 0 or checkpoint_blocking_s < 0:
         raise ValueError("wall_s and checkpoint_blocking_s must be >= 0")
     interruptions = list(interruptions)
-    detection = spare = restart = recompute = startup_s = 0.0
+    detection = spare = restart = recompute = startup_s = quorum = 0.0
     for i in interruptions:
-        detection += i.detected_s - i.failed_s
-        spare += i.spare_wait_s
-        restart += max(0.0, i.resumed_s - i.detected_s - i.spare_wait_s)
-        recompute += i.lost_steps * i.step_time_s
+        detection += (i.detected_s - i.failed_s) * i.share
+        spare += i.spare_wait_s * i.share
+        restart += max(0.0, i.resumed_s - i.detected_s - i.spare_wait_s) * i.share
+        recompute += i.lost_steps * i.step_time_s * i.share
+        quorum += i.stall_s
     if startup is not None:
         end_s = startup.started_s + wall_s
         first = startup.first_productive_s if startup.first_productive_s is not None else end_s
         ended_s = min([first, end_s, *(i.failed_s for i in interruptions)])
         startup_s = max(0.0, ended_s - startup.started_s)
-    bad = startup_s + checkpoint_blocking_s + detection + spare + restart + recompute
+    bad = startup_s + checkpoint_blocking_s + detection + spare + restart + recompute + quorum
     return Goodput(
-        wall_s, max(0.0, wall_s - bad), checkpoint_blocking_s, detection, spare, restart, recompute, startup_s
+        wall_s, max(0.0, wall_s - bad), checkpoint_blocking_s, detection, spare, restart, recompute, startup_s, quorum
     )

@@ -60,10 +60,13 @@ def plan_recovery(
     generation: int,
     checkpoint_at_step: int | None,
     quarantine: Quarantine | None = None,
+    group: int | None = None,
 ) -> list[PlannedStep]:
     """The steps that recover from ``failure`` (incident ``incident_id``), the ranks being at launch ``generation``;
     ``checkpoint_at_step``: the step a graceful restart's checkpoint is asked for (None: the ranks do not progress,
-    the checkpoint is skipped); ``quarantine``: a node to swap all the same (a hang's dumps blamed it again)."""
+    the checkpoint is skipped); ``quarantine``: a node to swap all the same (a hang's dumps blamed it again);
+    ``group``: the replica group the recovery is confined to (``opsd.policy.replicas.recovery_scope``; None: the
+    whole job), which its ``stop`` and ``launch`` name (``generation`` is then that group's launch)."""
     steps: list[PlannedStep] = []
     if failure.kind is FailureKind.MANUAL_RESTART:
         steps.append(PlannedStep(ActionKind.CHECKPOINT, {"at_step": checkpoint_at_step}))
@@ -75,8 +78,9 @@ def plan_recovery(
     elif quarantine is not None:
         steps.append(PlannedStep(ActionKind.CORDON, {"node": quarantine.node, "reason": quarantine.reason}))
         steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": quarantine.node}))
-    steps.append(PlannedStep(ActionKind.STOP, {"generation": generation}))
-    steps.append(PlannedStep(ActionKind.LAUNCH, {"after_generation": generation}))
+    scope = {"group": group} if group is not None else {}
+    steps.append(PlannedStep(ActionKind.STOP, {"generation": generation, **scope}))
+    steps.append(PlannedStep(ActionKind.LAUNCH, {"after_generation": generation, **scope}))
     return steps
 
 

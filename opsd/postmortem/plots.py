@@ -37,6 +37,7 @@ BADPUT_COLOURS: dict[str, str] = {
     BadputBucket.SPARE_WAIT: "#8e44ad",
     BadputBucket.RESTART: "#c0392b",
     BadputBucket.RECOMPUTE: "#f1c40f",
+    BadputBucket.QUORUM: "#d35400",
 }
 DPI = 100
 _P = ParamSpec("_P")

@@ -38,6 +38,10 @@ LEADER, STANDBY = "leader", "standby"
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+#: a child Job's index in its replicated job (a fault-tolerant run's replica group), and how many times JobSet's
+#: ``RestartJob`` failure policy recreated that Job alone (JobSet 0.12+, feature gate ``RestartJob``)
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+JOB_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/job-restart-attempt"
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 #: the oldest JobSet release with what opsd's runs use (failurePolicy rules on PodFailurePolicy,
 #: RestartJobSetAndIgnoreMaxRestarts)

@@ -48,6 +48,7 @@ class IncidentKind(StrEnum):
     COLLECTIVE_TIMEOUT = "collective_timeout"  # ranks waited on a collective past its timeout
     CONTROLLER_RESTART = "controller_restart"  # a controller took up a run whose own controller stopped
     MANUAL_RESTART = "manual_restart"  # an operator asked for a restart
+    NO_QUORUM = "no_quorum"  # a fault-tolerant replica group found no quorum: too few groups alive for too long
     STRAGGLER = "straggler"  # a warning: a rank persistently slower than its peers
 
 

@@ -39,7 +39,13 @@ from opsd.backends.kubernetes.events import Target, recorded, tell
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.controller.steps import Step, as_outcome
 from opsd.errors import NotFoundError
-from opsd.protocol.cluster import JOBSET_NAME_LABEL, QUARANTINE_TAINT, RESTART_ATTEMPT_LABEL
+from opsd.protocol.cluster import (
+    JOB_INDEX_LABEL,
+    JOB_RESTART_ATTEMPT_LABEL,
+    JOBSET_NAME_LABEL,
+    QUARANTINE_TAINT,
+    RESTART_ATTEMPT_LABEL,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,36 @@ def succeeded(pod: Json) -> bool:
     return (pod.get("status") or {}).get("phase") == "Succeeded"
 
 
+def job_index_of(pod: Json) -> int | None:
+    """A pod's child Job's index in its replicated job: a fault-tolerant run's replica group."""
+    try:
+        return int(((pod.get("metadata") or {}).get("labels") or {})[JOB_INDEX_LABEL])
+    except (KeyError, ValueError):
+        return None
+
+
+def job_attempt_of(pod: Json) -> int:
+    """How many times JobSet recreated the pod's child Job alone, when the pod was made."""
+    try:
+        return int(((pod.get("metadata") or {}).get("labels") or {}).get(JOB_RESTART_ATTEMPT_LABEL, "0"))
+    except ValueError:
+        return 0
+
+
+def job_restarts(jobset: Json, index: int) -> int:
+    """How many times JobSet recreated child Job ``index`` alone (its first replicated job's ``jobRestarts``)."""
+    statuses = (jobset.get("status") or {}).get("replicatedJobsStatus") or []
+    restarts = (statuses[0].get("jobRestarts") or []) if statuses else []
+    return int(restarts[index]) if 0 <= index < len(restarts) else 0
+
+
+def group_pods(jobset: Json) -> int:
+    """The pods of one child Job (a replica group): its parallelism."""
+    jobs = (jobset.get("spec") or {}).get("replicatedJobs") or []
+    job_spec = ((jobs[0].get("template") or {}).get("spec")) or {} if jobs else {}
+    return int(job_spec.get("parallelism", 1))
+
+
 def expected_pods(jobset: Json) -> int:
     """The pods a JobSet runs at once: each replicated Job's replicas times its parallelism."""
     total = 0
@@ -94,7 +130,9 @@ class KubernetesBackend:
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str) -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
+        if group is not None:
+            return self._step(f"stop {run} group {group}", lambda: self._stop_group(run, group, request_id))
         return self._step(f"stop {run}", lambda: self._stop(run, request_id))
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
@@ -127,7 +165,11 @@ class KubernetesBackend:
 
         return self._step(f"promote {spare}", promote)
 
-    def relaunch(self, run: str, generation: int, nodes_: Sequence[str], request_id: str) -> Outcome:
+    def relaunch(
+        self, run: str, generation: int, nodes_: Sequence[str], request_id: str, group: int | None = None
+    ) -> Outcome:
+        if group is not None:
+            return self._step(f"relaunch {run} group {group}", lambda: self._verify_group(run, group, request_id))
         return self._step(f"relaunch {run}", lambda: self._verify_restart(run, request_id))
 
     def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
@@ -175,6 +217,57 @@ class KubernetesBackend:
             except NotFoundError:
                 continue  # gone meanwhile
         return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+
+    def _stop_group(self, run: str, group: int, request_id: str) -> Outcome:
+        """Evict the running pods of replica group ``group`` (the child Job of that index) at its current
+        restart: JobSet's ``RestartJob`` failure policy recreates that Job alone; the other groups train on. The
+        Job's restart attempt is written first, in the step's Event, as for a whole stop."""
+        ref = self._ref(run)
+        target = Target("JobSet", ref.jobset, ref.namespace)
+        mine = [p for p in self._pods(ref) if job_index_of(p) == group]
+        record = recorded(self.api, target, request_id)
+        if record is not None:
+            attempt = int(((record.get("metadata") or {}).get("annotations") or {}).get(ATTEMPT_ANNOTATION, "0"))
+        else:
+            attempt = job_restarts(self.api.jobset(ref.namespace, ref.jobset), group)
+            message = f"evicting the pods of replica group {group} (its job's restart {attempt}): the Job restarts"
+            self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
+        running = [p for p in mine if job_attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
+        for pod in running:
+            try:
+                self.api.evict(ref.namespace, pod["metadata"]["name"])
+            except NotFoundError:
+                continue  # gone meanwhile
+        return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+
+    def _verify_group(self, run: str, group: int, request_id: str) -> Outcome:
+        """Replica group ``group``'s Job was recreated (its restart attempt went up), every pod of it is placed, on
+        no quarantined node, and none of its earlier attempt is left."""
+        ref = self._ref(run)
+        jobset = self.api.jobset(ref.namespace, ref.jobset)
+        target = job_restarts(jobset, group)
+        mine = [p for p in self._pods(ref) if job_index_of(p) == group]
+        now = self.clock()
+        old = [p for p in mine if job_attempt_of(p) < target and not finished(p)]
+        for pod in old:
+            self._force_if_stuck(ref, pod, now)
+        current = [
+            p for p in mine if job_attempt_of(p) == target and not terminating(p) and (succeeded(p) or not finished(p))
+        ]
+        wanted = group_pods(jobset)
+        placed = {p["metadata"]["name"]: (p.get("spec") or {}).get("nodeName") for p in current}
+        where = sorted({n for n in placed.values() if n})
+        bad = [n for n in where if nodes.unusable(self.api.node(n))]
+        if target == 0 or old or len(current) < wanted or not all(placed.values()) or bad:
+            why = (
+                f"replica group {group}, its job's restart {target}: {len(where)} of {wanted} pods placed"
+                + (f", {len(old)} of earlier attempts still there" if old else "")
+                + (f", pods on unusable nodes {bad}" if bad else "")
+            )
+            return Pending(why, retry_after_s=1.0)
+        message = f"replica group {group}, its job's restart {target}: {len(current)} pods on {', '.join(where)}"
+        self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
+        return Done({"restart_attempt": target, "nodes": where, "pods": len(current), "launch": target})
 
     def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
         current = self.api.node(node)

@@ -61,6 +61,9 @@ class LocalBackend:
         self.skipped: list[dict[str, Any]] = []  # checkpoints newer than the one resumed from, and why
         self.lock_fd: int | None = None
         self.instance = uuid.uuid4().hex[:12]  # names this backend's lines in backend.jsonl
+        self.lighthouse: subprocess.Popen[bytes] | None = None  # a fault-tolerant run's
+        self.lighthouse_address = ""
+        self.group_launches: dict[int, int] = {}  # a fault-tolerant run's: each replica group's launch
         self._once_per_request = Once()
 
     # -- the machines ------------------------------------------------------------------------------------------
@@ -69,9 +72,15 @@ class LocalBackend:
         self.lock_fd = processes.lock_run(self.spec)
 
     def start_agents(self) -> None:
-        """Start an agent on every node and spare of the run."""
+        """Start an agent on every node and spare of the run, and a fault-tolerant run's Lighthouse beside the
+        controller (the replica groups find each other through it)."""
         for node in self.spec.node_names():
             self.agents[node] = processes.start_agent(self.spec, node)
+        if self.spec.replica_groups > 1:
+            self.lighthouse, port = processes.start_lighthouse(self.spec)
+            self.lighthouse_address = f"http://127.0.0.1:{port}"
+            processes.wait_listening(self.lighthouse, port)
+            log.info("run %s: the Lighthouse listens at %s", self.spec.run, self.lighthouse_address)
         self._record_processes()
 
     def take_up_machines(self, generation: int) -> int:
@@ -84,7 +93,8 @@ class LocalBackend:
 
     def supervise(self) -> tuple[list[tuple[int, str, int]], bool]:
         """The rank exits not reported yet (rank, node, exit code: 0 included, a finished rank is no hang), and
-        whether every rank of the launch exited with 0 (the run is done)."""
+        whether every rank of the launch exited with 0 (the run is done; in a fault-tolerant run, every rank of the
+        groups running: a group stopped for want of a node does not hold the others' end)."""
         with self.lock:
             if not self.ranks:
                 return [], False
@@ -97,15 +107,22 @@ class LocalBackend:
                     exits.append((r.rank, r.node, code))
             return exits, all(code == 0 for code in codes)
 
-    def kill_ranks(self) -> int:
-        """Stop every rank now (``opsd run`` stopped by an operator); how many were running."""
+    def kill_ranks(self, group: int | None = None) -> int:
+        """Stop every rank now (``opsd run`` stopped by an operator), or every rank of replica group ``group``; how
+        many were running. The stopped ranks leave the launch."""
         with self.lock:
             self.injector.release()
-            return processes.stop_ranks(self.ranks)
+            chosen = [r for r in self.ranks if group is None or r.group == group]
+            killed = processes.stop_ranks(chosen)
+            self.ranks = [r for r in self.ranks if r not in chosen]
+            return killed
 
     def close(self) -> None:
-        """Stop the ranks and the agents, release the run's lock."""
+        """Stop the ranks, the agents and the Lighthouse, release the run's lock."""
         self.kill_ranks()
+        if self.lighthouse is not None:
+            processes.kill_group(self.lighthouse.pid)
+            self.lighthouse.wait(timeout=10)
         for proc in self.agents.values():
             proc.terminate()
         for proc in self.agents.values():
@@ -118,12 +135,13 @@ class LocalBackend:
             self.lock_fd = None
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str) -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
         def stop() -> Outcome:
-            killed = self.kill_ranks()
+            launch = self.group_launches.get(group, self.generation) if group is not None else self.generation
+            killed = self.kill_ranks(group)
             if killed:
-                self._effect(request_id, "stop_ranks", {"killed": killed, "generation": self.generation})
-            return Done({"killed": killed, "launch": self.generation})
+                self._effect(request_id, "stop_ranks", {"killed": killed, "generation": launch, "group": group})
+            return Done({"killed": killed, "launch": launch})
 
         return self._once(run, request_id, stop)
 
@@ -136,21 +154,35 @@ class LocalBackend:
     def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
         return self._once(run, request_id, lambda: self._known_node(spare) or Done({}))
 
-    def relaunch(self, run: str, generation: int, nodes: Sequence[str], request_id: str) -> Outcome:
+    def relaunch(
+        self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
+    ) -> Outcome:
         def launch() -> Outcome:
             unknown = [n for n in nodes if n not in self.spec.node_names()]
             if unknown or not nodes:
                 return Failed(ErrorKind.PERMANENT, f"cannot launch on {list(nodes)}: no such local nodes {unknown}")
+            if group is not None and not 0 <= group < self.spec.replica_groups:
+                return Failed(ErrorKind.PERMANENT, f"run {run!r} has no replica group {group}")
             with self.lock:
-                self.kill_ranks()
-                self.generation = generation
-                self.resumed_from_step = self._newest_checkpoint()
-                self.ranks = processes.start_ranks(self.spec, list(nodes), generation)
+                self.kill_ranks(group)
+                started = processes.start_ranks(
+                    self.spec, list(nodes), generation, group=group, lighthouse=self.lighthouse_address
+                )
+                if group is None:
+                    self.generation = generation
+                    self.resumed_from_step = self._newest_checkpoint()
+                    self.group_launches = dict.fromkeys(range(self.spec.replica_groups), generation)
+                else:  # the group heals from a live one: it resumes from no checkpoint
+                    self.group_launches[group] = generation
+                self.ranks += started
                 self._record_processes()
-            pids = [r.proc.pid for r in self.ranks]
-            self._effect(request_id, "relaunch", {"generation": generation, "nodes": list(nodes), "pids": pids})
-            log.info("run %s: generation %d started on %s (%d ranks)", run, generation, ", ".join(nodes), len(pids))
-            return Done({"resumed_from_step": self.resumed_from_step, "skipped": self.skipped, "launch": generation})
+            pids = [r.proc.pid for r in started]
+            detail = {"generation": generation, "nodes": list(nodes), "pids": pids, "group": group}
+            self._effect(request_id, "relaunch", detail)
+            what = "generation" if group is None else f"replica group {group}, launch"
+            log.info("run %s: %s %d started on %s (%d ranks)", run, what, generation, ", ".join(nodes), len(pids))
+            resumed = self.resumed_from_step if group is None else None
+            return Done({"resumed_from_step": resumed, "skipped": self.skipped, "launch": generation})
 
         return self._once(run, request_id, launch)
 
@@ -199,7 +231,8 @@ class LocalBackend:
 
     def _record_processes(self) -> None:
         with self.lock:
-            processes.write_processes(self.spec, self.generation, self.agents, self.ranks)
+            others = {"lighthouse": self.lighthouse} if self.lighthouse is not None else {}
+            processes.write_processes(self.spec, self.generation, self.agents, self.ranks, others)
 
     def _newest_checkpoint(self) -> int | None:
         if not self.spec.checkpoint_url:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from opsd.backends.local import lighthouse
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.errors import PermanentError
 from opsd.protocol.env import (
@@ -39,6 +40,7 @@ from opsd.protocol.env import (
     POLICY_FILE_ENV,
     RUN_ENV,
 )
+from opsd.protocol.ft import ReplicaGroupEnv
 from opsd.protocol.gpu_files import SAMPLES_FILE, GpuSample, write_samples
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class RankProcess:
-    rank: int
+    rank: int  # the job's (a fault-tolerant run's groups number their ranks on from each other's)
     node: str
     proc: subprocess.Popen[bytes]
+    group: int | None = None  # its replica group, in a fault-tolerant run
     reported_exit: bool = False
 
 
@@ -97,8 +100,38 @@ def start_agent(
         return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_ranks(spec: LocalRunSpec, nodes: list[str], generation: int) -> list[RankProcess]:
-    """Start ``generation`` of the run's ranks: ``gpus_per_node`` on each of ``nodes``, in torchrun's order."""
+def start_ranks(
+    spec: LocalRunSpec, nodes: list[str], generation: int, *, group: int | None = None, lighthouse: str = ""
+) -> list[RankProcess]:
+    """Start ``generation`` of the run's ranks: ``gpus_per_node`` on each of ``nodes``, in torchrun's order. A
+    fault-tolerant run's groups are worlds of their own, with torchft's variables (``lighthouse``: its address):
+    every group, the nodes split evenly in order, or (``group``) that one on ``nodes``."""
+    if spec.replica_groups == 1:
+        return _start_world(spec, nodes, generation, first_rank=0, env={})
+    per_group = spec.nodes // spec.replica_groups
+    chosen = [group] if group is not None else list(range(spec.replica_groups))
+    ranks = []
+    for g in chosen:
+        group_nodes = nodes if group is not None else nodes[g * per_group : (g + 1) * per_group]
+        replica = ReplicaGroupEnv(g, spec.replica_groups, lighthouse, spec.min_replicas, spec.ft_timeouts)
+        world = _start_world(
+            spec, group_nodes, generation, first_rank=g * per_group * spec.gpus_per_node, env=replica.env(), group=g
+        )
+        ranks += world
+    return ranks
+
+
+def _start_world(
+    spec: LocalRunSpec,
+    nodes: list[str],
+    generation: int,
+    *,
+    first_rank: int,
+    env: Mapping[str, str],
+    group: int | None = None,
+) -> list[RankProcess]:
+    """One torch.distributed world on ``nodes``, its own rendezvous port; its ranks known to the controller from
+    ``first_rank`` on (the job's numbering)."""
     gpn = spec.gpus_per_node
     world = len(nodes) * gpn
     port = free_port()
@@ -106,11 +139,39 @@ def start_ranks(spec: LocalRunSpec, nodes: list[str], generation: int) -> list[R
     for i, node in enumerate(nodes):
         for local in range(gpn):
             rank = i * gpn + local
-            env = rank_env(spec, node, rank=rank, local_rank=local, world=world, group_rank=i, port=port)
-            env[LAUNCH_ENV] = str(generation)
-            proc = start_rank(spec, node, env, f"rank{rank}.gen{generation}.log")
-            ranks.append(RankProcess(rank, node, proc))
+            rank_vars = rank_env(spec, node, rank=rank, local_rank=local, world=world, group_rank=i, port=port)
+            rank_vars.update(env)
+            rank_vars[LAUNCH_ENV] = str(generation)
+            proc = start_rank(spec, node, rank_vars, f"rank{first_rank + rank}.gen{generation}.log")
+            ranks.append(RankProcess(first_rank + rank, node, proc, group))
     return ranks
+
+
+def start_lighthouse(spec: LocalRunSpec) -> tuple[subprocess.Popen[bytes], int]:
+    """A fault-tolerant run's Lighthouse (torchft's, its extension loaded without torch: ``lighthouse``) on a free
+    port of loopback, in a session of its own, its output in ``<run>/lighthouse.log``; and its port. Its address
+    is given to the ranks once it listens (``wait_listening``)."""
+    port = free_port()
+    argv = [sys.executable, lighthouse.__file__, *spec.lighthouse.argv(port, host="127.0.0.1")[1:]]
+    spec.root.mkdir(parents=True, exist_ok=True)
+    with (spec.root / "lighthouse.log").open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, port
+
+
+def wait_listening(proc: subprocess.Popen[bytes], port: int, timeout_s: float = 60.0) -> None:
+    """Until ``proc`` accepts connections on loopback ``port``; ``PermanentError`` when it exits or does not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            if proc.poll() is not None:
+                raise PermanentError(f"the Lighthouse exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise PermanentError(f"the Lighthouse did not listen on port {port} within {timeout_s:.0f} s") from None
+            time.sleep(0.05)
 
 
 def rank_env(
@@ -163,13 +224,19 @@ def stop_ranks(ranks: list[RankProcess]) -> int:
 
 
 def write_processes(
-    spec: LocalRunSpec, generation: int, agents: dict[str, subprocess.Popen[bytes]], ranks: list[RankProcess]
+    spec: LocalRunSpec,
+    generation: int,
+    agents: dict[str, subprocess.Popen[bytes]],
+    ranks: list[RankProcess],
+    others: Mapping[str, subprocess.Popen[bytes]] | None = None,
 ) -> None:
-    """Record every agent and rank (pid and start time) in ``<run>/processes.json``, atomically."""
+    """Record every agent and rank, and the run's other processes (its Lighthouse), pid and start time, in
+    ``<run>/processes.json``, atomically."""
     record = {
         "generation": generation,
         "agents": {n: [p.pid, start_time(p.pid)] for n, p in agents.items()},
         "ranks": {str(r.rank): [r.proc.pid, start_time(r.proc.pid)] for r in ranks},
+        "others": {n: [p.pid, start_time(p.pid)] for n, p in (others or {}).items()},
     }
     path = spec.root / "processes.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +253,7 @@ def kill_orphans(spec: LocalRunSpec, timeout_s: float = 10.0) -> int:
         record = json.loads(path.read_text())
         pids = [
             int(p)
-            for group in ("agents", "ranks")
+            for group in ("agents", "ranks", "others")
             for p, start in record.get(group, {}).values()
             if start is not None and start_time(int(p)) == start
         ]

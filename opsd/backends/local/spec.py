@@ -8,6 +8,8 @@ from pathlib import Path
 
 from opsd.controller.rows import RunSpec
 from opsd.policy.recovery import OnNoSpare
+from opsd.policy.replicas import ReplicaGroups
+from opsd.protocol.ft import LighthouseConfig, ManagerTimeouts
 from opsd.protocol.states import ActionKind
 
 
@@ -28,6 +30,10 @@ class LocalRunSpec:
     on_no_spare: OnNoSpare = OnNoSpare.WAIT  # or shrink: relaunch on the nodes left, down to min_nodes
     min_nodes: int = 1
     crash_after_action: str = ""  # fault injection (tests): SIGKILL this controller once an action of this kind is done
+    replica_groups: int = 1  # fault-tolerant replica groups (torchft): the nodes split evenly, a world each
+    min_replicas: int = 1  # the fewest groups that keep a quorum (the Lighthouse's --min_replicas)
+    heartbeat_timeout_ms: int = LighthouseConfig().heartbeat_timeout_ms  # a group not heard from is dead after this
+    ft_timeouts: ManagerTimeouts = field(default_factory=ManagerTimeouts)  # torchft's Manager timeouts
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -44,6 +50,20 @@ class LocalRunSpec:
             raise ValueError("run: the run name must be non-empty, without '/'")
         if self.crash_after_action and self.crash_after_action not in tuple(ActionKind):
             raise ValueError(f"run: --crash-after-action must be one of {', '.join(ActionKind)}")
+        try:
+            self.replicas.group_of_node(0, self.nodes)
+        except ValueError as exc:
+            raise ValueError(f"run: --replica-groups: {exc}") from None
+        if self.replica_groups > 1 and self.on_no_spare is not OnNoSpare.WAIT:
+            raise ValueError("run: a fault-tolerant run goes on with the groups it has: --on-no-spare is for others")
+
+    @property
+    def replicas(self) -> ReplicaGroups:
+        return ReplicaGroups(self.replica_groups, self.min_replicas)
+
+    @property
+    def lighthouse(self) -> LighthouseConfig:
+        return LighthouseConfig(min_replicas=self.min_replicas, heartbeat_timeout_ms=self.heartbeat_timeout_ms)
 
     @property
     def root(self) -> Path:
@@ -67,4 +87,6 @@ class LocalRunSpec:
             checkpoint_url=self.checkpoint_url,
             on_no_spare=self.on_no_spare,
             min_nodes=self.min_nodes,
+            replica_groups=self.replica_groups,
+            min_replicas=self.min_replicas,
         )

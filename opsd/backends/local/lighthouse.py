@@ -1,4 +1,5 @@
-"""torchft's Lighthouse, started without importing torch: ``python examples/lighthouse.py --min_replicas 1 ...``.
+"""torchft's Lighthouse, started without importing torch: ``python opsd/backends/local/lighthouse.py --min_replicas 1
+...`` (the local backend starts it beside the controller for a fault-tolerant run; ``examples.ft_launch`` too).
 
 The ``torchft_lighthouse`` console script imports the ``torchft`` package, which imports torch: seconds of start-up
 (measured here: 2 s idle, up to 18 s on a loaded machine), during which every replica group waits for its next

@@ -1,0 +1,155 @@
+"""A fault-tolerant run's replica recoveries, driven step by step on the in-memory backend: 2 replica groups of one
+node each (rank 0 on node-0 is group 0, rank 1 on node-1 is group 1), a spare node-2, heartbeats and passes at the
+times each test gives.
+
+- An XID on group 1's node: node-1 quarantined, the spare promoted, group 1 alone stopped and relaunched; group 0
+  never stops; the incident closes when group 1 is back in the quorum, with the steps it missed and the others'
+  stall; the goodput counts group 0's steps as productive and only group 1's share of the time as lost.
+- No spare: group 1 is stopped and the run trains on with group 0 (running, not waiting); group 1 comes back once a
+  node is uncordoned.
+- The quorum cannot be kept (the minimum is both groups), or a group found no quorum: the whole job restarts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opsd.backends.fake import FakeBackend
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.rows import GroupLaunch, RunSpec
+from opsd.controller.state import StateStore
+from opsd.policy.detection import Failure, FailureKind
+from opsd.protocol.heartbeat import Heartbeat, HeartbeatFt, HeartbeatRank
+from opsd.protocol.states import IncidentState, NodeRole, RunState
+from tests.rows import stored
+
+RUN = "ft"
+T0 = 1e10
+
+
+def ft_run(tmp_path: Path, *, min_replicas: int = 1, spare: bool = True) -> tuple[Controller, FakeBackend]:
+    nodes = ["node-0", "node-1", "node-2"] if spare else ["node-0", "node-1"]
+    backend = FakeBackend(nodes)
+    c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), ControllerConfig(), backend, clock=lambda: T0)
+    c.recovery.threaded = False
+    c.store.create_run(RUN, RunSpec(backend="fake", replica_groups=2, min_replicas=min_replicas), 0.0)
+    for node in ("node-0", "node-1"):
+        c.store.upsert_node(node, 0.0, run=RUN, role=NodeRole.ACTIVE)
+    if spare:
+        c.store.upsert_node("node-2", 0.0, run=RUN, role=NodeRole.SPARE)
+    c.recovery.launch_first(RUN, 0.0)
+    backend.runs[RUN].groups = {0: 0, 1: 1}
+    return c, backend
+
+
+def beat(c: Controller, now_s: float, steps: dict[int, int], launches: dict[int, int], waited_s: float = 0.0) -> None:
+    """Each rank's agent: rank r (group r) at ``steps[r]``, of launch ``launches[r]``, on its node of the fake (a rank
+    the fake stopped: on the node it ran on, whose agent still remembers it)."""
+    backend = c.backend
+    assert isinstance(backend, FakeBackend)
+    placed = backend.runs[RUN].ranks
+    for rank, step in steps.items():
+        ft = HeartbeatFt(
+            replica_group=rank,
+            replica_groups=2,
+            quorum_id=1,
+            quorum_replicas=len(steps),
+            participants=len(steps),
+            quorum_wait_total_s=waited_s,
+        )
+        r = HeartbeatRank(
+            run=RUN, rank=rank, step=step, step_s=0.1, last_report_unix_s=now_s, launch=launches[rank], ft=ft
+        )
+        node = placed.get(rank, f"node-{rank}")
+        c.heartbeat(Heartbeat(v=1, node=node, time_unix_s=now_s, ranks=[r]), now_s)
+
+
+XID = Failure(FailureKind.FATAL_XID, "node-1", None, "XID 79 on GPU 0")
+
+
+def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Path) -> None:
+    c, backend = ft_run(tmp_path)
+    assert stored(c.store.run(RUN)).groups == {0: GroupLaunch(1, ("node-0",)), 1: GroupLaunch(1, ("node-1",))}
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+
+    incident = c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+
+    row = stored(c.store.incident(incident))
+    assert (row.replica_group, row.key) == (1, f"{RUN}/gen1/group1")
+    run = stored(c.store.run(RUN))
+    assert run.state == RunState.RUNNING  # the run never stopped
+    assert run.groups[1] == GroupLaunch(2, ("node-2",))
+    assert backend.runs[RUN].ranks == {0: "node-0", 1: "node-2"}  # rank 0 was never stopped
+    stops = [e for e in backend.effects if e.step == "stop_ranks"]
+    assert [e.args.get("group") for e in stops] == [1]
+    assert [(a.kind, a.args.get("group")) for a in c.store.actions(incident_id=incident)] == [
+        ("cordon", None),
+        ("take_spare", None),
+        ("stop", 1),
+        ("launch", 1),
+    ]
+
+    # group 0 trains on, waiting 2.5 s more for its quorum around the failure; group 1 heals to step 55
+    beat(c, T0 + 10, {0: 55}, {0: 1}, waited_s=2.5)
+    beat(c, T0 + 12, {0: 56, 1: 55}, {0: 1, 1: 2}, waited_s=2.5)
+    c.tick(T0 + 12.5)
+
+    closed = stored(c.store.incident(incident))
+    assert closed.state == IncidentState.RECOVERED
+    assert (closed.resumed_from_step, closed.lost_steps, closed.missed_steps, closed.stall_s) == (55, 0, 15, 2.5)
+    goodput = c.goodput(stored(c.store.run(RUN)), T0 + 100)
+    recovery_s = closed.resumed_s - closed.failed_s  # type: ignore[operator]
+    assert goodput.quorum_s == 2.5  # the others' stall, at the whole job's share
+    lost = goodput.detection_s + goodput.restart_s + goodput.spare_wait_s + goodput.recompute_s
+    assert lost == pytest.approx(recovery_s / 2)  # group 1's share of the time it was out
+
+
+def test_with_no_spare_the_run_trains_on_without_the_group_until_a_node_is_back(tmp_path: Path) -> None:
+    c, backend = ft_run(tmp_path, spare=False)
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+
+    incident = c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+
+    run = stored(c.store.run(RUN))
+    assert (run.state, run.groups[1].out) == (RunState.RUNNING, True)  # elastic: not waiting with GPUs idle
+    assert backend.runs[RUN].ranks == {0: "node-0"}
+    beat(c, T0 + 2, {0: 45, 1: 40}, {0: 1, 1: 1})  # node-1's agent still remembers rank 1: not taken
+    assert c.rank_groups(RUN) == {0: 0}
+    c.tick(T0 + 2)
+    assert stored(c.store.incident(incident)).state == IncidentState.OPEN
+
+    c.set_node_role("node-1", NodeRole.SPARE, "", T0 + 3)  # repaired: back as a spare
+    c.tick(T0 + 3)
+
+    run = stored(c.store.run(RUN))
+    assert run.groups[1] == GroupLaunch(2, ("node-1",))
+    assert backend.runs[RUN].ranks == {0: "node-0", 1: "node-1"}
+    beat(c, T0 + 9, {0: 60, 1: 60}, {0: 1, 1: 2})
+    c.tick(T0 + 9)
+    assert (stored(c.store.incident(incident)).state, stored(c.store.incident(incident)).missed_steps) == (
+        IncidentState.RECOVERED,
+        20,
+    )
+
+
+@pytest.mark.parametrize(
+    ("min_replicas", "failure"),
+    [(2, XID), (1, Failure(FailureKind.NO_QUORUM, "node-0", 0, "rank 0 exited with 75"))],
+    ids=["the quorum cannot be kept", "a group found no quorum"],
+)
+def test_the_whole_job_restarts_when_the_groups_cannot_go_on(
+    tmp_path: Path, min_replicas: int, failure: Failure
+) -> None:
+    c, backend = ft_run(tmp_path, min_replicas=min_replicas)
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+
+    incident = c.open_failure(stored(c.store.run(RUN)), [failure], T0 + 1)
+
+    assert stored(c.store.incident(incident)).replica_group is None
+    stops = [e for e in backend.effects if e.step == "stop_ranks"]
+    assert [e.args.get("group") for e in stops] == [None]  # every rank
+    run = stored(c.store.run(RUN))
+    assert (run.generation, run.groups[0].launch, run.groups[1].launch) == (2, 2, 2)
