@@ -14,7 +14,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS := tests/test_collectives.py tests/test_monitor.py tests/test_monitor_deferred.py tests/test_flight_nccl.py \
 	tests/test_checkpoint.py tests/test_dtype.py tests/test_docs.py::test_readme_monitor_example_runs_under_torchrun
 
-.PHONY: demo test lint typecheck pytest pytest-floor system-deps clean dashboard-pictures chart-files gpu-check gpu-wheels
+.PHONY: demo demo-ft test lint typecheck pytest pytest-floor system-deps clean dashboard-pictures chart-files gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ gpu-wheels:
 
 demo: $(STAMP)
 	$(PY) -m opsd.cli.demo
+
+# healthy replicas keep training: torchft replica groups, one swapped and healed while the other trains on
+demo-ft: $(STAMP)
+	$(PY) -m opsd.cli.demo_ft
 
 # dashboard pictures (docs/img/dashboard-*.png), drawn from the demo scraped by a real Prometheus
 dashboard-pictures: $(STAMP) system-deps

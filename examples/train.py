@@ -135,7 +135,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ft-kill-while-healing", action="store_true", help=argparse.SUPPRESS)  # fault injection (tests)
     # tests: the hashes of each rank's state after each step, in --losses-out
     p.add_argument("--state-digests", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--steps-file", type=Path, help=argparse.SUPPRESS)  # tests: the last step, once written there
+    p.add_argument(
+        "--steps-file",
+        type=Path,
+        help="the last step, read from this file once it is there (a supervisor ends the run when it chooses)",
+    )
     p.add_argument(
         "--losses-out",
         type=Path,

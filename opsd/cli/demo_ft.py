@@ -1,0 +1,193 @@
+"""``make demo-ft``: healthy replicas keep training while opsd swaps a failed replica group's node, in a few minutes.
+
+A controller with the local backend runs the reference trainer on torchft (``--ft``, docs/ft.md): 2 replica groups
+(``dp_replicate=2``) of 2 ranks (``dp_shard=2``), one node each, and a spare node; the backend runs the Lighthouse
+beside the controller. Once both groups have trained a while, an XID 79 is injected on node-1, group 1's node. The
+controller quarantines node-1, brings the spare in, stops and relaunches group 1 alone; group 0 trains on with a
+smaller quorum, and group 1 heals from it (no checkpoint is read) and joins again. Once group 1 is back, the demo
+lets the run train ``--after-heal`` more steps and end (``--steps-file``), and checks what the replicas hold.
+
+Printed: a summary in words, then, last, one JSON line: ``survivor_lost_steps`` (steps group 0 had to do again: 0),
+``heal_s`` (from group 1's relaunch to its first step in the quorum), ``recovered_s`` (from the injection to then),
+``replicas_equal`` (the two groups' final weights and optimizer states are the same, bit for bit), ``final_step``,
+and the incident's record. It exits 0 only when all of that held; else it says on stderr what did not and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opsd.backends.local.backend import LocalBackend, effects
+from opsd.backends.local.processes import free_port
+from opsd.backends.local.spec import LocalRunSpec
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.port import Fault, FaultKind
+from opsd.policy.detection import DetectionConfig
+from opsd.protocol.states import IncidentKind, RunState
+from opsd.runtime.local import run_local
+from opsd.runtime.server import ServeConfig
+
+RUN = "demo-ft"
+STEP_LINE = re.compile(r"^step (\d+)/")
+
+
+def trainer_command(ckpt_url: str, losses: Path, steps_file: Path) -> tuple[str, ...]:
+    return (
+        *(sys.executable, "-m", "examples.train", "--ft", "--mesh", "dp_replicate=2,dp_shard=2"),
+        *("--steps", "100000", "--steps-file", str(steps_file), "--opsd-monitor"),
+        *("--ckpt-dir", ckpt_url, "--ckpt-every", "25", "--resume"),
+        *("--losses-out", str(losses.with_name("losses-{replica_group}.json"))),
+    )
+
+
+class Scenario:
+    """From the runner's poll loop: the XID once both groups trained ``inject_at`` steps, then the run's last step
+    once group 1 is back in the quorum (``after_heal`` steps later)."""
+
+    def __init__(self, steps_file: Path, inject_at: int, after_heal: int) -> None:
+        self.steps_file = steps_file
+        self.inject_at = inject_at
+        self.after_heal = after_heal
+        self.injected_s: float | None = None
+        self.step_at_injection = 0
+        self.last_step: int | None = None
+
+    def __call__(self, controller: Controller, backend: LocalBackend, now_s: float) -> None:
+        status = controller.status(RUN, now_s)
+        if status is None:
+            return
+        if self.injected_s is None:
+            groups = set(controller.rank_groups(RUN).values())
+            if groups == {0, 1} and status["step"] >= self.inject_at:
+                print(f"injecting XID 79 on node-1 (replica group 1) at step {status['step']}", flush=True)
+                if backend.inject(RUN, Fault(FaultKind.XID, node="node-1", gpu=0, xid=79), "demo-ft-xid").ok:
+                    self.injected_s, self.step_at_injection = time.time(), int(status["step"])
+            return
+        recovered = [i for i in controller.store.incidents(RUN) if i.replica_group == 1 and i.resumed_s is not None]
+        if self.last_step is None and recovered and recovered[0].resumed_from_step is not None:
+            self.last_step = int(status["step"]) + self.after_heal
+            self.steps_file.write_text(str(self.last_step))
+            print(f"replica group 1 is back: the run ends at step {self.last_step}", flush=True)
+
+
+def printed_steps(log: Path) -> list[int]:
+    """The steps a group's rank 0 printed, in order (a step done again is printed again)."""
+    if not log.exists():
+        return []
+    return [int(m.group(1)) for line in log.read_text(errors="replace").splitlines() if (m := STEP_LINE.match(line))]
+
+
+def summary(status: dict[str, Any], spec: LocalRunSpec, scenario: Scenario, losses: Path) -> dict[str, Any]:
+    incidents = [i for i in status["incidents"] if i["kind"] != IncidentKind.STRAGGLER]
+    first = incidents[0] if incidents else None
+    launch = next(
+        (a for a in status["actions"] if first and a["incident_id"] == first["id"] and a["kind"] == "launch"), None
+    )
+    survivor = printed_steps(spec.node_dir("node-0") / "rank0.gen1.log")  # group 0's rank 0, its one launch
+    relaunched = sorted({e.get("group") for e in effects(spec) if e["step"] == "relaunch"} - {None}, key=str)
+    hashes = [json.loads(losses.with_name(f"losses-{g}.json").read_text()).get("state_hashes") for g in (0, 1)]
+    injected, resumed = scenario.injected_s, first["resumed_s"] if first else None
+    return {
+        "run": status["run"],
+        "state": status["state"],
+        "incident": first["kind"] if first else None,
+        "replica_group": first["replica_group"] if first else None,
+        "groups_relaunched": relaunched,
+        "survivor_lost_steps": len(survivor) - len(set(survivor)),  # steps group 0 printed twice: done again
+        "survivor_stall_s": round(first["stall_s"], 3) if first and first["stall_s"] is not None else None,
+        "missed_steps": first["missed_steps"] if first else None,
+        "healed_to_step": first["resumed_from_step"] if first else None,
+        "heal_s": round(resumed - launch["done_s"], 3) if resumed and launch and launch["done_s"] else None,
+        "recovered_s": round(resumed - injected, 3) if resumed and injected else None,
+        "replicas_equal": bool(hashes[0]) and hashes[0] == hashes[1],
+        "spare": first["spare"] if first else None,
+        "final_step": status["step"],
+        "ettr": round(status["ettr"], 4),
+        "badput_s": {bucket: round(v, 3) for bucket, v in status["badput_s"].items()},
+    }
+
+
+def shortfalls(result: dict[str, Any], scenario: Scenario) -> list[str]:
+    missing = []
+    if scenario.injected_s is None:
+        missing.append("no fault was injected")
+    if result["incident"] != IncidentKind.FATAL_XID or result["replica_group"] != 1:
+        missing.append(f"the XID was not recovered in replica group 1 alone (incident: {result['incident']})")
+    if result["groups_relaunched"] != [1]:
+        missing.append(f"groups relaunched: {result['groups_relaunched']} (group 1 alone was to be)")
+    if result["healed_to_step"] is None:
+        missing.append("replica group 1 never stepped in the quorum again")
+    if result["survivor_lost_steps"] != 0:
+        missing.append(f"group 0 did {result['survivor_lost_steps']} steps again")
+    if not result["replicas_equal"]:
+        missing.append("the replica groups' final states differ")
+    if result["state"] != RunState.COMPLETED:
+        missing.append(f"the run did not complete: it is {result['state']} at step {result['final_step']}")
+    return missing
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m opsd.cli.demo_ft", description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default=".opsd-demo-ft", help="state, checkpoints and logs (emptied first)")
+    p.add_argument("--inject-at", type=int, default=30, help="the step at which the XID is injected")
+    p.add_argument("--after-heal", type=int, default=20, help="steps the run makes once group 1 is back")
+    p.add_argument("--timeout-s", type=float, default=170.0)
+    args = p.parse_args(argv)
+    if args.inject_at < 1 or args.after_heal < 1 or args.timeout_s <= 0:
+        p.error("--inject-at and --after-heal must be >= 1, --timeout-s > 0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "uvicorn", "opsd.controller.state", "opsd.controller.scoring"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    workdir = Path(args.workdir).resolve()
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    ckpt_url, losses, steps_file = f"file://{workdir / 'ckpt'}", workdir / "losses.json", workdir / "last-step"
+    port = free_port()
+    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0, hang_floor_s=20.0))
+    config = ServeConfig(port=port, state_dir=str(workdir / "state"), tick_interval_s=0.25, controller=controller)
+    spec = LocalRunSpec(
+        run=RUN,
+        command=trainer_command(ckpt_url, losses, steps_file),
+        nodes=2,
+        gpus_per_node=2,
+        spares=1,
+        workdir=str(workdir / "runs"),
+        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
+        checkpoint_url=ckpt_url,
+        replica_groups=2,
+    )
+    scenario = Scenario(steps_file, args.inject_at, args.after_heal)
+    print(f"opsd demo-ft: controller on http://127.0.0.1:{port}, 2 replica groups x 2 ranks + 1 spare", flush=True)
+    status = run_local(config, spec, timeout_s=args.timeout_s, on_poll=scenario)
+    result = summary(status, spec, scenario, losses)
+    print()
+    print(f"run {result['run']}: {result['state']} at step {result['final_step']}")
+    if scenario.injected_s is not None:
+        print(
+            f"  XID 79 injected on node-1 at step {scenario.step_at_injection}; replica group 1 alone swapped to"
+            f" {result['spare']} and relaunched; group 0 trained on ({result['survivor_lost_steps']} steps done again,"
+            f" it waited {result['survivor_stall_s']} s for a quorum); group 1 healed to step"
+            f" {result['healed_to_step']} {result['heal_s']} s after its relaunch ({result['missed_steps']} steps"
+            f" missed), {result['recovered_s']} s after the injection; replicas equal: {result['replicas_equal']}"
+        )
+    badput = ", ".join(f"{bucket} {v:.1f} s" for bucket, v in result["badput_s"].items() if v > 0) or "none"
+    print(f"  ETTR {result['ettr']:.3f} (badput: {badput}); state, checkpoints and logs in {workdir}")
+    print(json.dumps(result), flush=True)
+    missing = shortfalls(result, scenario)
+    for reason in missing:
+        print(f"opsd demo-ft failed: {reason}", file=sys.stderr, flush=True)
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
