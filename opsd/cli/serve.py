@@ -183,6 +183,11 @@ def run(
         OnNoSpare, typer.Option(help="no spare left: wait for one, or shrink (relaunch on fewer nodes)")
     ] = OnNoSpare.WAIT,
     min_nodes: Annotated[int, typer.Option(help="shrink no further than this many nodes")] = 1,
+    replica_groups: Annotated[
+        int,
+        typer.Option(help="fault-tolerant replica groups (torchft, the trainer's --ft): the nodes split evenly"),
+    ] = 1,
+    min_replicas: Annotated[int, typer.Option(help="the fewest replica groups that keep a quorum")] = 1,
     crash_after_action: Annotated[
         str, typer.Option(hidden=True)
     ] = "",  # fault injection (tests): SIGKILL itself after it
@@ -219,6 +224,8 @@ def run(
             on_no_spare=on_no_spare,
             min_nodes=min_nodes,
             crash_after_action=crash_after_action,
+            replica_groups=replica_groups,
+            min_replicas=min_replicas,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
