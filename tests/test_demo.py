@@ -44,6 +44,7 @@ SCRAPE_INTERVAL_S = 1.0
 RATE_INTERVAL = "5s"  # what Grafana's $__rate_interval is at this scrape interval (at least 4 scrapes)
 FLAGGED_ONLY = "opsd_run_straggler_slowdown_ratio"  # a series the controller exports for flagged ranks only
 PIPELINE_ONLY = "pipeline_bubble"  # series of pipeline ranks and runs only (test_pipeline_bubble.py measures them)
+FT_ONLY = "replica_groups"  # series of fault-tolerant runs only (make demo-ft)
 
 
 @dataclass
@@ -191,6 +192,9 @@ def test_every_panel_of_every_dashboard_returns_data_from_the_demo(demo: Demo) -
         elif PIPELINE_ONLY in r.expr and not demo.pipelined:
             if r.samples:  # the demo's mesh has no pipeline: the bubble series must not exist
                 failures.append(f"{where}: {r.series} series although the demo runs no pipeline")
+        elif FT_ONLY in r.expr:
+            if r.samples:  # the demo's run has no replica groups: the quorum's series must not exist
+                failures.append(f"{where}: {r.series} series although the demo's run has no replica groups")
         elif FLAGGED_ONLY in r.expr and not demo.stragglers_flagged:
             if r.samples:  # no rank flagged during the demo: the series must not exist
                 failures.append(f"{where}: {r.series} series although opsd_run_stragglers stayed 0")

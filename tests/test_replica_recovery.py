@@ -15,10 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
+from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.rows import GroupLaunch, RunSpec
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
@@ -153,3 +155,36 @@ def test_the_whole_job_restarts_when_the_groups_cannot_go_on(
     assert [e.args.get("group") for e in stops] == [None]  # every rank
     run = stored(c.store.run(RUN))
     assert (run.generation, run.groups[0].launch, run.groups[1].launch) == (2, 2, 2)
+
+
+def test_the_quorum_and_the_missed_steps_are_exported(tmp_path: Path) -> None:
+    """While group 1 is out, the quorum is 1 of 2 groups and one group is out; once it is back, both are in and the
+    steps it missed are counted for it."""
+    c, _ = ft_run(tmp_path)
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+    c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+    beat(c, T0 + 5, {0: 50}, {0: 1})
+
+    during = scrape(c, T0 + 5)
+    assert (during["opsd_run_replica_groups"], during["opsd_run_replica_groups_out"]) == (2.0, 1.0)
+    assert during["opsd_run_quorum_replica_groups"] == 1.0
+
+    beat(c, T0 + 8, {0: 58, 1: 57}, {0: 1, 1: 2})
+    c.tick(T0 + 8)
+    after = scrape(c, T0 + 8)
+    assert (after["opsd_run_quorum_replica_groups"], after["opsd_run_replica_groups_out"]) == (2.0, 0.0)
+    assert after['opsd_replica_group_missed_steps_total{group="1"}'] == 17.0
+
+
+def scrape(c: Controller, now_s: float) -> dict[str, float]:
+    """The controller's /metrics of the run, as ``name{other labels}`` -> value (its run label left out)."""
+    registry = CollectorRegistry()
+    registry.register(ControllerCollector(c, ApiStats(), lambda: now_s))
+    out = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.labels.get("run") != RUN:
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "run")
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

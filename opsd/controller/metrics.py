@@ -98,6 +98,24 @@ class ControllerCollector(Collector):
             "How far the measured bubble may exceed the theory before the alert (controller.pipeline.margin_ratio).",
             labels=run_labels,
         )
+        replica_groups = GaugeMetricFamily(
+            "opsd_run_replica_groups", "A fault-tolerant run's replica groups (as laid out).", labels=run_labels
+        )
+        quorum = GaugeMetricFamily(
+            "opsd_run_quorum_replica_groups",
+            "Replica groups in the newest quorum a fault-tolerant run's ranks reported.",
+            labels=run_labels,
+        )
+        out = GaugeMetricFamily(
+            "opsd_run_replica_groups_out",
+            "A fault-tolerant run's replica groups out of service (being recovered, or waiting for a node).",
+            labels=run_labels,
+        )
+        missed = CounterMetricFamily(
+            "opsd_replica_group_missed_steps",
+            "Steps the other replica groups made while this one was out, over its replica recoveries.",
+            labels=["run", "group"],
+        )
         recovery = HistogramMetricFamily(
             "opsd_run_recovery_seconds",
             "Detection to first productive step, per recovered incident.",
@@ -141,6 +159,14 @@ class ControllerCollector(Collector):
                     theory.add_metric([run_id], pipeline["theoretical_ratio"])
             for s in status["stragglers"]:
                 slowdown.add_metric([run_id, str(s["rank"]), s["node"]], float(s["slowdown_ratio"]))
+            replicas = status["replicas"]
+            if replicas is not None:
+                replica_groups.add_metric([run_id], float(replicas["groups"]))
+                out.add_metric([run_id], float(len(replicas["out"])))
+                if replicas["quorum_replica_groups"] is not None:
+                    quorum.add_metric([run_id], float(replicas["quorum_replica_groups"]))
+                for group in range(replicas["groups"]):
+                    missed.add_metric([run_id, str(group)], float(replicas["missed_steps"].get(str(group), 0)))
             causes: dict[str, int] = {}
             recovered: list[float] = []
             for i in run_incidents:
@@ -155,7 +181,7 @@ class ControllerCollector(Collector):
         yield from pool_metrics(shared_pool(controller, now))
         yield from gauges.values()
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
-        yield from (bubble, theory, margin, incidents, recovery)
+        yield from (bubble, theory, margin, incidents, recovery, replica_groups, quorum, out, missed)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
         rejected = CounterMetricFamily(
             "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]

@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from opsd.controller.core import ControllerCore, pipeline_view
+from opsd.controller.live import RankLive
 from opsd.controller.rows import IncidentRow, LaunchRow, RunRow
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
@@ -90,7 +91,32 @@ class Reads(ControllerCore):
             ],
             "open_incidents": sum(1 for i in incidents if i.state == IncidentState.OPEN),
             "pipeline": pipeline_view(bubble),
+            "replicas": self._replicas_view(run, incidents, ranks),
             **measured(self.store.launches(run_id)),
+        }
+
+    def _replicas_view(self, run: RunRow, incidents: list[IncidentRow], ranks: list[RankLive]) -> dict[str, Any] | None:
+        """A fault-tolerant run's replica groups (None for another run): how many, the quorum's minimum, those in
+        service and those out (stopped by a recovery, or waiting for a node), the groups in the newest quorum its
+        ranks reported, and the steps each group missed while it was out (over its replica recoveries)."""
+        layout = run.spec.replicas
+        if not layout.fault_tolerant:
+            return None
+        with self.lock:
+            memory = self.memory.get(run.id)
+            down = set(memory.groups_down) if memory is not None else set()
+        out = sorted({g for g, launch in run.groups.items() if launch.out} | down)
+        missed: dict[str, int] = {}
+        for i in incidents:
+            if i.replica_group is not None and i.missed_steps:
+                missed[str(i.replica_group)] = missed.get(str(i.replica_group), 0) + i.missed_steps
+        return {
+            "groups": layout.groups,
+            "min_replicas": layout.min_replicas,
+            "in_service": [g for g in range(layout.groups) if g not in out],
+            "out": out,
+            "quorum_replica_groups": max((r.quorum_replicas for r in ranks), default=None),
+            "missed_steps": missed,
         }
 
 

@@ -251,6 +251,15 @@ def reliability() -> dict[str, Any]:
             lo=0,
         ),
         ts(
+            "Replica groups in the quorum",
+            "none",
+            (f"opsd_run_quorum_replica_groups{{{RUN}}}", "in the quorum"),
+            (f"opsd_run_replica_groups{{{RUN}}}", "laid out"),
+            (f"opsd_run_replica_groups_out{{{RUN}}}", "out of service"),
+            lo=0,
+            about="A fault-tolerant run's replica groups (torchft): the quorum dips while a group is recovered alone.",
+        ),
+        ts(
             "Time since the step last advanced",
             "s",
             (f"time() - opsd_run_last_progress_timestamp_seconds{{{RUN}}}", "since progress"),
