@@ -95,8 +95,8 @@ def save(measured: Measured, path: Path = DEFAULT_PATH) -> None:
 
 
 _STALL_LINES = {
-    "mb": re.compile(r"checkpoint (\d+) MB over (\d+) ranks"),
-    "sync": re.compile(r"sync save: median ([\d.]+) s blocking"),
+    "mb": re.compile(r"checkpoint (\d+) MB over \w+ x (\d+) rank"),
+    "sync": re.compile(r"opsd sync save: median ([\d.]+) s blocking"),
     "thread": re.compile(r"async save \(thread\): median ([\d.]+) s blocking, of which ([\d.]+) s staging"),
 }
 

@@ -194,8 +194,9 @@ def test_the_groups_carry_on_through_a_lighthouse_restart(failures: Job) -> None
     killed, started = failures.events["lighthouse_killed"], failures.events["lighthouse_started"]
     for rank in (0, 2):
         steps = steps_of(failures.root, rank)
-        after = [r for r in steps if r.time_unix_s > started and r.ft is not None and r.ft.committed]
-        assert after, f"rank {rank} committed no step after the Lighthouse came back"
+        # the new Lighthouse may serve a quorum before start_lighthouse returns: steps after the kill count
+        after = [r for r in steps if r.time_unix_s > killed and r.ft is not None and r.ft.committed]
+        assert any(r.time_unix_s > started for r in after), f"rank {rank} committed no step after the restart"
         before = [r for r in steps if r.time_unix_s < killed][-1]
         assert after[0].step <= before.step + 2  # it went on from where it was
         gap = longest_gap(steps, killed, started)

@@ -22,6 +22,7 @@ from opsd.cli.offline import Reader, StoreClient, store_url
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import PermanentError
+from opsd.protocol.states import FAILURE_KINDS
 
 RUN = "offline"
 STEPS = 50
@@ -65,8 +66,9 @@ def test_a_finished_runs_incidents_postmortem_and_flame_graph_need_no_controller
     offline = ("--url", url, "--state-dir", str(state))  # nothing listens there any more
     incidents = opsd("incidents", RUN, "--json", *offline)
     assert incidents.exit_code == 0, incidents.output
-    (incident,) = json.loads(incidents.stdout)
-    assert (incident["kind"], incident["state"]) == ("process_exit", "recovered")
+    every = json.loads(incidents.stdout)  # a straggler warning may come with a loaded machine; one failure only
+    failures = [(i["kind"], i["state"]) for i in every if i["kind"] in FAILURE_KINDS]
+    assert failures == [("process_exit", "recovered")], every
     assert "reading the state store" in incidents.stderr
 
     status = json.loads(opsd("status", RUN, "--json", *offline).stdout)

@@ -12,6 +12,7 @@ times each test gives.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,11 @@ from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.rows import GroupLaunch, RunSpec
 from opsd.controller.state import StateStore
+from opsd.controller.views import postmortem_bundle
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatFt, HeartbeatRank
+from opsd.postmortem.build import build
+from opsd.postmortem.render import to_markdown
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from tests.rows import stored
 
@@ -107,6 +111,15 @@ def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Pat
     assert goodput.quorum_s == 2.5  # the others' stall, at the whole job's share
     lost = goodput.detection_s + goodput.restart_s + goodput.spare_wait_s + goodput.recompute_s
     assert lost == pytest.approx(recovery_s / 2)  # group 1's share of the time it was out
+
+    # the post-mortem tells a replica recovery from a restart: no checkpoint read, no step lost, the steps it missed
+    bundle = json.loads(json.dumps(postmortem_bundle(c, RUN, T0 + 100), default=str))
+    (report,) = build(bundle, incident).incidents
+    assert (report.replica_group, report.missed_steps, report.stall_s, report.lost_steps) == (1, 15, 2.5, 0)
+    assert report.resume.reason == "step 55: healed from a live replica group, no checkpoint read"
+    md = to_markdown(build(bundle, incident))
+    assert "replica group 1 alone: the other groups trained on" in md
+    assert "- **steps the group missed**: 15" in md
 
 
 def test_with_no_spare_the_run_trains_on_without_the_group_until_a_node_is_back(tmp_path: Path) -> None:

@@ -182,6 +182,8 @@ def _resume(row: Mapping[str, Any], actions: Sequence[ActionRow], checkpoints: S
         step = row["resumed_from_step"]
     if step is None:
         return Resume(None, "not relaunched" + (" yet" if row["state"] == IncidentState.OPEN else ""), ())
+    if row["replica_group"] is not None:  # a replica recovery: the group healed from a live one, no checkpoint read
+        return Resume(step, f"step {step}: healed from a live replica group, no checkpoint read", ())
     states = {c.step: c for c in checkpoints}
     skipped: list[SkippedCheckpoint] = []
     if isinstance(result.get("skipped"), list):
@@ -285,6 +287,9 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
                 launch=(launch := _launch_of(r["key"])),
                 collectives=collectives.get(launch, ()) if launch is not None else (),
                 trace_id=r["trace_id"],
+                replica_group=r["replica_group"],
+                missed_steps=r["missed_steps"],
+                stall_s=r["stall_s"],
             )
         )
     reported = {i.id for i in reports}

@@ -166,6 +166,9 @@ class IncidentReport:
     launch: int | None = None  # the launch that failed
     collectives: tuple[tuple[str, float], ...] = ()  # its longest collective stacks: ("phase;dimension;op", s)
     trace_id: str | None = None  # its OpenTelemetry trace, when the controller exported one (docs/tracing.md)
+    replica_group: int | None = None  # a replica recovery's group (the other groups trained on; docs/ft.md)
+    missed_steps: int | None = None  # the steps the other groups made while it was out
+    stall_s: float | None = None  # the longest the other groups waited for a quorum meanwhile
 
     @property
     def is_failure(self) -> bool:

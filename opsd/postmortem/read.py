@@ -189,4 +189,7 @@ def read_incident(raw: Any, where: str) -> dict[str, Any]:
         "lost_steps": read_int(i.get("lost_steps"), f"{where}.lost_steps"),
         "spare": read_str(i.get("spare"), f"{where}.spare"),
         "trace_id": read_str(i.get("trace_id"), f"{where}.trace_id"),
+        "replica_group": read_int(i.get("replica_group"), f"{where}.replica_group"),
+        "missed_steps": read_int(i.get("missed_steps"), f"{where}.missed_steps"),
+        "stall_s": read_num(i.get("stall_s"), f"{where}.stall_s"),
     }

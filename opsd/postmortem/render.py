@@ -308,13 +308,19 @@ def _incident_sections(i: IncidentReport, *, with_plot: bool) -> list[_Section]:
         timeline.append(_Table(("phase / dimension / op", "time"), stacks))
     if with_plot:
         timeline.append(_Plot("timeline", "recovery phases in seconds after the failure"))
-    lost = (
+    lost: tuple[tuple[str, str], ...] = (
         ("detection delay", seconds(i.detection_delay_s)),
         ("down (failure to first productive step)", seconds(i.downtime_s) + (" so far" if i.state == "open" else "")),
         ("lost steps", _opt(i.lost_steps)),
         ("recomputed", seconds(i.recompute_s)),
         ("spare", i.spare or "none"),
     )
+    if i.replica_group is not None:
+        lost += (
+            ("replica recovery", f"replica group {i.replica_group} alone: the other groups trained on"),
+            ("steps the group missed", _opt(i.missed_steps)),
+            ("the other groups' wait for a quorum", seconds(i.stall_s)),
+        )
     resume: list[_Block] = [_Text(i.resume.reason)]
     if i.resume.skipped:
         rows = tuple((str(s.step), s.state, s.problem) for s in i.resume.skipped)
