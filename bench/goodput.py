@@ -12,7 +12,11 @@ The workload: Llama 3's 466 interruptions in 54 days on 16,384 GPUs: 419 unexpec
 - (b) what each cost is worth: the ETTR lost per extra minute of relaunch, per extra second of blocking save, per
   extra minute of detection (every signal a detector sees), at the measured costs;
 - (c) opsd at the measured costs, the best fixed interval of a sweep (known only after the fact) at the same costs,
-  and the practice at its own costs.
+  and the practice at its own costs;
+- (d) fault-tolerant replica groups (docs/ft.md) beside the checkpoint restart of (c), on the same failures: the
+  survivors' stall measured by ``bench.ft_recovery`` (``bench/ft_costs.json``), and a group's relaunch and heal
+  at the scaled relaunch's cost (its start-up and communicators as the whole job's, the heal's transfer at the
+  restore's rate: no cheaper than a restart), then at the heal measured here.
 
 ``--measure`` runs ``bench.checkpoint_stall`` and the demo first (a few minutes) and rewrites the costs file.
 Last lines: ``adaptive_vs_best_fixed=<lost GPU-hours of opsd over those of the best fixed interval>``, then
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +39,20 @@ from opsd.analysis.simulation import Costs, Policy, Result, Scenario, log_grid, 
 #: the reconstructed practice's costs (docs/simulation.md): a synchronous 10 s save, a 5-minute restart of the job
 PRACTICE_COSTS = Costs(checkpoint_blocking_s=10.0, checkpoint_background_s=0.0, restart_s=300.0, repair_h=24.0)
 PRACTICE_INTERVAL_S = 600.0
+#: ``bench.ft_recovery``'s medians on this machine; the Lighthouse heartbeat timeout of docs/ft.md's defaults
+FT_COSTS = Path(__file__).with_name("ft_costs.json")
+FT_HEARTBEAT = "heartbeat_timeout_2000ms"
+FT_GROUPS = (2, 8, 32)
+
+
+def ft_measured(path: Path = FT_COSTS) -> tuple[float, float, str]:
+    """(the survivors' stall, a restarted group's heal, where from) as ``bench.ft_recovery`` measured them."""
+    try:
+        body = json.loads(path.read_text())
+        at = body[FT_HEARTBEAT]
+        return float(at["stall_s"]), float(at["heal_s"]), str(body.get("source", path))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not bench.ft_recovery's medians: {exc}") from None
 
 
 def lost_gpu_hours(result: Result, gpus: int) -> float:
@@ -73,6 +92,23 @@ def sensitivities(scenario: Scenario, policy: Policy) -> list[tuple[str, float]]
 def describe(result: Result) -> str:
     buckets = ", ".join(f"{k} {v / result.wall_s:.2%}" for k, v in result.badput_s.items() if v)
     return f"ETTR {result.ettr:.4f}, checkpoint every {result.mean_interval_s:.0f} s ({buckets})"
+
+
+def print_replica_groups(scenario: Scenario, policy: Policy, restart: Result) -> None:
+    """(d): replica groups beside the checkpoint restart ``restart`` (opsd's policies), on the same failures."""
+    stall_s, heal_here_s, source = ft_measured()
+    c = scenario.costs
+    print(
+        f"(d) fault-tolerant replica groups, the other groups training on: a {stall_s:.2f} s stall of the survivors "
+        f"(measured: {source}); a group's relaunch and heal {c.restart_s:.0f} s (the relaunch above):"
+    )
+    print(f"  {'checkpoint restart':>24}: {describe(restart)}")
+    rows = [(g, c.restart_s) for g in FT_GROUPS] + [(8, heal_here_s)]
+    for groups, heal_s in rows:
+        costs = dataclasses.replace(c, heal_s=heal_s, quorum_stall_s=stall_s)
+        ft = simulate(dataclasses.replace(scenario, costs=costs), dataclasses.replace(policy, replica_groups=groups))
+        name = f"{groups} groups" + (f", heal {heal_s:.0f} s" if heal_s != c.restart_s else "")
+        print(f"  {name:>24}: {describe(ft)}; {ft.replica_recoveries} of {ft.failures} failures by one group")
 
 
 def print_costs(scaled: Scaled, measured: measured_costs.Measured, job: Job) -> None:
@@ -135,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     practice = simulate(scenario(PRACTICE_COSTS), policies(DETECTION["opsd"])[0][1])
     for name, r in (("opsd", opsd), ("best fixed", best), ("practice", practice)):
         print(f"  {name:>10}: {describe(r)}")
+    print_replica_groups(measured_scenario, Policy(detection=scaled.detection), opsd)
     print(f"adaptive_vs_best_fixed={lost_gpu_hours(opsd, workload.gpus) / lost_gpu_hours(best, workload.gpus):.4f}")
     print(f"ettr_llama3_16k={opsd.ettr:.4f}")
 

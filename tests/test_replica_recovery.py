@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -26,9 +27,9 @@ from opsd.controller.rows import GroupLaunch, RunSpec
 from opsd.controller.state import StateStore
 from opsd.controller.views import postmortem_bundle
 from opsd.policy.detection import Failure, FailureKind
-from opsd.protocol.heartbeat import Heartbeat, HeartbeatFt, HeartbeatRank
 from opsd.postmortem.build import build
 from opsd.postmortem.render import to_markdown
+from opsd.protocol.heartbeat import Heartbeat, HeartbeatFt, HeartbeatRank
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from tests.rows import stored
 
@@ -51,7 +52,9 @@ def ft_run(tmp_path: Path, *, min_replicas: int = 1, spare: bool = True) -> tupl
     return c, backend
 
 
-def beat(c: Controller, now_s: float, steps: dict[int, int], launches: dict[int, int], waited_s: float = 0.0) -> None:
+def beat(
+    c: Controller, now_s: float, steps: dict[int, int], launches: dict[int, int], waited_s: float = 0.0, **more: Any
+) -> None:
     """Each rank's agent: rank r (group r) at ``steps[r]``, of launch ``launches[r]``, on its node of the fake (a rank
     the fake stopped: on the node it ran on, whose agent still remembers it)."""
     backend = c.backend
@@ -67,7 +70,7 @@ def beat(c: Controller, now_s: float, steps: dict[int, int], launches: dict[int,
             quorum_wait_total_s=waited_s,
         )
         r = HeartbeatRank(
-            run=RUN, rank=rank, step=step, step_s=0.1, last_report_unix_s=now_s, launch=launches[rank], ft=ft
+            run=RUN, rank=rank, step=step, step_s=0.1, last_report_unix_s=now_s, launch=launches[rank], ft=ft, **more
         )
         node = placed.get(rank, f"node-{rank}")
         c.heartbeat(Heartbeat(v=1, node=node, time_unix_s=now_s, ranks=[r]), now_s)
@@ -168,6 +171,26 @@ def test_the_whole_job_restarts_when_the_groups_cannot_go_on(
     assert [e.args.get("group") for e in stops] == [None]  # every rank
     run = stored(c.store.run(RUN))
     assert (run.generation, run.groups[0].launch, run.groups[1].launch) == (2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("min_replicas", "counted"),
+    [(1, "0 failures"), (2, "1 failures")],
+    ids=["a replica recovery restored no checkpoint", "a whole-job restart did"],
+)
+def test_the_checkpoint_cadence_plans_for_the_failures_that_restore_one(
+    tmp_path: Path, min_replicas: int, counted: str
+) -> None:
+    c, _ = ft_run(tmp_path, min_replicas=min_replicas)
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+    c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+    launch = 2 if min_replicas == 2 else 1
+    for t in (10.0, 11.0):
+        beat(c, T0 + t, {0: 50 + int(t)}, {0: launch}, checkpoints=1, checkpoint_blocking_s=2.0)
+        c.tick(T0 + t)
+    status = c.status(RUN, T0 + 12)
+    assert status is not None
+    assert f"({counted} in " in status["cadence"]["reason"]
 
 
 def test_the_quorum_and_the_missed_steps_are_exported(tmp_path: Path) -> None:

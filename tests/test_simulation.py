@@ -17,12 +17,12 @@ from opsd.analysis.simulation import (
     Costs,
     Policy,
     Scenario,
-    Stragglers,
     log_grid,
     parse_interval,
     simulate,
     sweep,
 )
+from opsd.analysis.stragglers import Stragglers
 from opsd.cli.app import app
 from opsd.policy.cadence import CadenceConfig, daly_interval_s
 from opsd.policy.goodput import BadputBucket

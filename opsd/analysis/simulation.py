@@ -20,14 +20,16 @@ the pace of its slowest rank) until they end, or until opsd flags the rank and s
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from opsd.analysis.presets import CATEGORIES, DETECTION, Detection, Workload
+from opsd.analysis.presets import CATEGORIES, DETECTION, Category, Detection, Workload
+from opsd.analysis.replica_groups import DIES_AT_ONCE, ReplicaGroups
+from opsd.analysis.spare_pool import SparePool
+from opsd.analysis.stragglers import Stragglers, straggler_badput
 from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence, run_mtbf_s
 from opsd.policy.goodput import BadputBucket
 from opsd.policy.spares import spare_pool_size
@@ -43,6 +45,7 @@ BUCKETS = (
     BadputBucket.RESTART,
     BadputBucket.STRAGGLER,
     BadputBucket.MAINTENANCE,
+    BadputBucket.QUORUM,
 )
 
 
@@ -53,26 +56,16 @@ class Costs:
     restart_s: float = 120.0  # relaunch and restore, a spare in hand
     repair_h: float = 24.0  # a failed node is back in the pool this much later
     step_time_s: float = 5.0
+    heal_s: float = 120.0  # a replica group relaunched alone, a spare in hand, to its first step in the quorum
+    quorum_stall_s: float = 2.1  # the other groups' stall once a failed group died (1.05 x a 2 s heartbeat timeout)
 
     def __post_init__(self) -> None:
         if min(self.checkpoint_blocking_s, self.checkpoint_background_s, self.restart_s) < 0:
             raise ValueError("costs: checkpoint_blocking_s, checkpoint_background_s and restart_s must be >= 0")
+        if min(self.heal_s, self.quorum_stall_s) < 0:
+            raise ValueError("costs: heal_s and quorum_stall_s must be >= 0")
         if self.repair_h <= 0 or self.step_time_s <= 0:
             raise ValueError("costs.repair_h and costs.step_time_s must be > 0")
-
-
-@dataclass(frozen=True)
-class Stragglers:
-    episodes_per_day: float = 0.0  # of the whole job
-    duration_h: float = 2.0  # mean length of an episode left alone (exponential)
-    slowdown_ratio: float = 1.3  # the job's step time over its normal step time during an episode
-    detect_s: float = 60.0  # opsd flags the rank after this long (docs/controller.md: 10 two-second slots, and more)
-
-    def __post_init__(self) -> None:
-        if self.episodes_per_day < 0 or self.duration_h <= 0 or self.detect_s < 0:
-            raise ValueError("stragglers: episodes_per_day and detect_s must be >= 0, duration_h > 0")
-        if self.slowdown_ratio < 1:
-            raise ValueError("stragglers.slowdown_ratio must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -83,6 +76,8 @@ class Policy:
     swap_stragglers: bool = True
     spare_risk: float = 0.001  # the binomial rule's P(more failures than spares in one repair window)
     cadence: CadenceConfig = field(default_factory=CadenceConfig)
+    replica_groups: int = 1  # fault-tolerant replica groups (docs/ft.md); 1: every failure restarts the whole job
+    min_replicas: int = 1  # the fewest groups a quorum has: a failure that leaves fewer restarts the whole job
 
     def __post_init__(self) -> None:
         if self.interval_s is not None and self.interval_s <= 0:
@@ -93,12 +88,15 @@ class Policy:
             raise ValueError(f"policy.detection must be one of {', '.join(DETECTION)}")
         if not 0 < self.spare_risk < 1:
             raise ValueError("policy.spare_risk must be between 0 and 1")
+        if not 1 <= self.min_replicas <= self.replica_groups:
+            raise ValueError("policy: 1 <= min_replicas <= replica_groups")
 
     def describe(self) -> str:
         interval = "adaptive" if self.interval_s is None else f"every {self.interval_s:.0f} s"
         spares = "binomial" if self.spares is None else str(self.spares)
         detection = self.detection if isinstance(self.detection, str) else "custom"
-        return f"checkpoint {interval}, spares {spares}, detection {detection}"
+        groups = f", {self.replica_groups} replica groups (min {self.min_replicas})" if self.replica_groups > 1 else ""
+        return f"checkpoint {interval}, spares {spares}, detection {detection}{groups}"
 
     @property
     def delays(self) -> Detection:
@@ -130,6 +128,7 @@ class Result:
     mean_interval_s: float  # the checkpoint intervals used, weighted by the checkpoints taken
     planned: int = 0  # planned interruptions
     mtbf_estimate_s: float = math.inf  # the adaptive cadence's MTBF estimate at the end of a run, mean over runs
+    replica_recoveries: int = 0  # failures recovered by their replica group alone (the others trained on)
 
     @property
     def productive_s(self) -> float:
@@ -158,6 +157,7 @@ class Result:
             "lost_work_per_failure_s": self.lost_work_per_failure_s,
             "planned": self.planned,
             "mtbf_estimate_s": self.mtbf_estimate_s,
+            "replica_recoveries": self.replica_recoveries,
         }
 
 
@@ -176,18 +176,25 @@ def simulate(scenario: Scenario, policy: Policy) -> Result:
     if spares is None:
         spares = binomial_spares(scenario.workload, scenario.costs, policy.spare_risk)
     totals = dict.fromkeys(BUCKETS, 0.0)
-    failures = swaps = checkpoints = planned = 0
+    failures = swaps = checkpoints = planned = replica_recoveries = 0
     interval_sum = mtbf_sum = 0.0
     for replica in range(scenario.replicas):
         one = _Run(scenario, policy, spares, scenario.seed + replica)
         one.run()
         for bucket in BUCKETS:
             totals[bucket] += one.badput[bucket]
-        totals[BadputBucket.STRAGGLER] += _straggler_badput(scenario, policy, scenario.seed + replica)
+        totals[BadputBucket.STRAGGLER] += straggler_badput(
+            scenario.stragglers,
+            scenario.days,
+            swap=policy.swap_stragglers,
+            swap_cost_s=scenario.costs.checkpoint_blocking_s + scenario.costs.restart_s,
+            seed=scenario.seed + replica,
+        )
         failures += one.failures
         swaps += one.swaps
         checkpoints += one.checkpoints
         planned += one.planned
+        replica_recoveries += one.groups.recoveries
         interval_sum += one.interval_sum
         mtbf_sum += one.mtbf_estimate_s()
     wall = scenario.days * 86400.0 * scenario.replicas
@@ -202,6 +209,7 @@ def simulate(scenario: Scenario, policy: Policy) -> Result:
         mean_interval,
         planned=planned,
         mtbf_estimate_s=mtbf_sum / scenario.replicas,
+        replica_recoveries=replica_recoveries,
     )
 
 
@@ -252,24 +260,6 @@ def _swap_share(workload: Workload) -> float:
     return sum(w for c, w in workload.causes if CATEGORIES[c].swap) / total
 
 
-class _SparePool:
-    def __init__(self, size: int, repair_s: float) -> None:
-        self.free = size
-        self.repair_s = repair_s
-        self.repairs: list[float] = []  # when nodes in repair come back
-
-    def take(self, at_s: float) -> float:
-        """A failed node leaves at ``at_s``: the wait for a node to replace it."""
-        while self.repairs and self.repairs[0] <= at_s:
-            heapq.heappop(self.repairs)
-            self.free += 1
-        heapq.heappush(self.repairs, at_s + self.repair_s)
-        if self.free > 0:
-            self.free -= 1
-            return 0.0
-        return heapq.heappop(self.repairs) - at_s  # the first node back goes straight into the job
-
-
 class _Run:
     """One run of the event loop; the module docstring describes the model."""
 
@@ -283,11 +273,12 @@ class _Run:
         self.detect = policy.delays
         self.planned_rng = random.Random(seed ^ 0x9A1D)
         self.planned_per_s = scenario.workload.planned_per_day / 86400.0
-        self.pool = _SparePool(spares, self.c.repair_h * 3600.0)
+        self.pool = SparePool(spares, self.c.repair_h * 3600.0)
         self.badput = dict.fromkeys(BUCKETS, 0.0)
         self.failures = self.swaps = self.checkpoints = self.planned = 0
         self.interval_sum = 0.0
         self.cadence: Cadence | None = None
+        self.groups = ReplicaGroups(policy.replica_groups, policy.min_replicas, self.badput)
 
     def _next_failure(self, after_s: float) -> float:
         return after_s + self.rng.expovariate(self.rate_per_s) if self.rate_per_s > 0 else math.inf
@@ -298,7 +289,11 @@ class _Run:
     def mtbf_estimate_s(self) -> float:
         """The run's MTBF as the adaptive cadence estimates it from the failures of the whole run."""
         nodes = self.s.workload.nodes
-        return run_mtbf_s(self.failures, nodes * self.horizon_s / 3600.0, nodes, self.p.cadence)
+        return run_mtbf_s(self._restoring(), nodes * self.horizon_s / 3600.0, nodes, self.p.cadence)
+
+    def _restoring(self) -> int:
+        """The failures that restored a checkpoint: the cadence plans for those (as the controller's does)."""
+        return self.failures - self.groups.recoveries
 
     def _interval(self, t: float, work: float) -> float:
         if self.p.interval_s is not None:
@@ -307,7 +302,7 @@ class _Run:
             checkpoint_cost_s=self.c.checkpoint_blocking_s,
             step_time_s=self.c.step_time_s,
             current_step=int(work / self.c.step_time_s),
-            failures=self.failures,
+            failures=self._restoring(),
             node_hours=self.s.workload.nodes * t / 3600.0,
             nodes=self.s.workload.nodes,
             config=self.p.cadence,
@@ -352,9 +347,14 @@ class _Run:
                 t, fail_t, work = self._maintain(t, fail_t, work, durable, pending)
                 plan_t = self._next_planned(plan_t)
             else:
+                category = self._category()
+                if category.signal != "silent" and self.groups.can_recover(t):
+                    t, fail_t = self._recover_group(t, category)
+                    continue  # the others trained on: nothing restored, the checkpoints go on as planned
+                self.groups.stop_all(t)  # a silent corruption is in every replica: back to a checkpoint
                 self.badput[BadputBucket.RECOMPUTE] += work - durable
                 work = durable
-                t, fail_t = self._recover(t)
+                t, fail_t = self._recover(t, category)
             pending = None
             durable = work
             interval = self._interval(t, work)
@@ -366,6 +366,7 @@ class _Run:
         """A planned stop at ``t``: save, wait until the save is durable, restart. (when the job runs again, its
         next failure, the work it runs from). A failure during the stop falls back to the durable checkpoint."""
         self.planned += 1
+        self.groups.stop_all(t)
         behind = max(0.0, pending[1] - t) if pending is not None else 0.0
         durable_at = t + behind + self.c.checkpoint_blocking_s + self.c.checkpoint_background_s
         resume_at = durable_at + self.c.restart_s
@@ -381,11 +382,35 @@ class _Run:
         t, fail_t = self._recover(fail_t)
         return t, fail_t, durable
 
-    def _recover(self, t: float) -> tuple[float, float]:
-        """Failures from ``t`` until the job runs again: (when it runs again, its next failure)."""
+    def _category(self) -> Category:
+        return CATEGORIES[self.rng.choices(self.categories, self.weights)[0]]
+
+    def _recover_group(self, t: float, category: Category) -> tuple[float, float]:
+        """A failure at ``t`` recovered by its replica group alone (``opsd.analysis.replica_groups``): (when the
+        others train again, the next failure)."""
+        self.failures += 1
+        detection = self.detect.delay_s(category.signal)
+        wait = 0.0
+        if category.swap:
+            self.swaps += 1
+            wait = self.pool.take(t + detection)
+        next_fail = self._next_failure(t)
+        stall = self.c.quorum_stall_s + (0.0 if category.signal in DIES_AT_ONCE else detection)
+        phases = (
+            (BadputBucket.DETECTION, detection),
+            (BadputBucket.SPARE_WAIT, wait),
+            (BadputBucket.RESTART, self.c.heal_s),
+        )
+        resume = self.groups.fail_one(t, stall, phases, self.horizon_s)
+        return resume, max(next_fail, resume)  # a failure during the stall comes as it ends
+
+    def _recover(self, t: float, first: Category | None = None) -> tuple[float, float]:
+        """Failures from ``t`` until the job runs again (the first of category ``first``, else drawn): (when it runs
+        again, its next failure)."""
         while True:
             self.failures += 1
-            category = CATEGORIES[self.rng.choices(self.categories, self.weights)[0]]
+            category = first or self._category()
+            first = None
             detection = self.detect.delay_s(category.signal)
             wait = 0.0
             if category.swap:
@@ -407,24 +432,3 @@ class _Run:
                 t = next_fail  # failed again before it ran
                 continue
             return cut, next_fail
-
-
-def _straggler_badput(scenario: Scenario, policy: Policy, seed: int) -> float:
-    """Throughput lost to straggler episodes (drawn apart from the failures, so that both see the same failures):
-    the slowdown while an episode lasts, or until opsd flags the rank, plus the swap."""
-    st = scenario.stragglers
-    if st.episodes_per_day == 0:
-        return 0.0
-    rng = random.Random(seed ^ 0x5EED)
-    horizon = scenario.days * 86400.0
-    lost = 0.0
-    t = rng.expovariate(st.episodes_per_day / 86400.0)
-    while t < horizon:
-        length = rng.expovariate(1.0 / (st.duration_h * 3600.0))
-        swapped = policy.swap_stragglers and length > st.detect_s
-        exposure = min(length, st.detect_s) if swapped else length
-        lost += exposure * (1.0 - 1.0 / st.slowdown_ratio)
-        if swapped:  # checkpoint, then relaunch with a spare in the straggler's place
-            lost += scenario.costs.checkpoint_blocking_s + scenario.costs.restart_s
-        t += rng.expovariate(st.episodes_per_day / 86400.0)
-    return lost

@@ -34,6 +34,16 @@ def simulate(
     restart_s: Annotated[float, typer.Option(help="seconds to relaunch and restore, a spare in hand")] = 120.0,
     repair_h: Annotated[float, typer.Option(help="hours until a failed node is back in the spare pool")] = 24.0,
     step_time_s: Annotated[float, typer.Option(help="seconds per training step")] = 5.0,
+    replica_groups: Annotated[
+        int, typer.Option(help="fault-tolerant replica groups (docs/ft.md): a failure restarts its group alone")
+    ] = 1,
+    min_replicas: Annotated[
+        int, typer.Option(help="the fewest groups a quorum has; fewer: the whole job restarts")
+    ] = 1,
+    heal_s: Annotated[
+        float, typer.Option(help="seconds to relaunch a replica group and heal it from a live one, a spare in hand")
+    ] = 120.0,
+    quorum_stall_s: Annotated[float, typer.Option(help="seconds the other groups stall once a group died")] = 2.1,
     straggler_episodes_per_day: Annotated[float, typer.Option(help="straggler episodes of the job per day")] = 0.0,
     straggler_duration_h: Annotated[float, typer.Option(help="mean length of a straggler episode left alone")] = 2.0,
     straggler_slowdown: Annotated[float, typer.Option(help="the job's slowdown during an episode")] = 1.3,
@@ -52,6 +62,7 @@ def simulate(
 
     from opsd.analysis import simulation
     from opsd.analysis.presets import custom_workload, presets
+    from opsd.analysis.stragglers import Stragglers
     from opsd.policy.cadence import daly_interval_s
 
     try:
@@ -62,15 +73,19 @@ def simulate(
             workload = workload.scaled(gpus) if gpus else workload
         else:
             raise ValueError(f"no preset {preset!r}: llama3-405b, bloom-176b, opt-175b or custom")
-        costs = simulation.Costs(checkpoint_blocking_s, checkpoint_background_s, restart_s, repair_h, step_time_s)
+        costs = simulation.Costs(
+            checkpoint_blocking_s, checkpoint_background_s, restart_s, repair_h, step_time_s, heal_s, quorum_stall_s
+        )
         policy = simulation.Policy(
             interval_s=simulation.parse_interval(interval, step_time_s),
             spares=None if spares == "binomial" else _non_negative_int(spares, "spares"),
             detection=detection,
             swap_stragglers=swap_stragglers,
             spare_risk=spare_risk,
+            replica_groups=replica_groups,
+            min_replicas=min_replicas,
         )
-        stragglers = simulation.Stragglers(straggler_episodes_per_day, straggler_duration_h, straggler_slowdown)
+        stragglers = Stragglers(straggler_episodes_per_day, straggler_duration_h, straggler_slowdown)
         scenario = simulation.Scenario(workload, days or workload.days, costs, stragglers, seed, replicas)
         if plot and sweep_points < 2:
             raise ValueError("--sweep-points must be >= 2")
@@ -114,6 +129,7 @@ def simulate(
         f"{result.spares} spares, "
         f"checkpoint every {result.mean_interval_s:.0f} s on average, "
         f"{result.lost_work_per_failure_s / 60:.1f} min of work lost per failure"
+        + (f", {result.replica_recoveries} recovered by their replica group alone" if replica_groups > 1 else "")
     )
     if plot:
         sweep = body["sweep"]

@@ -103,7 +103,8 @@ class Scoring(ControllerCore):
             step_time_s = statistics.median(live.step_times_s)
             current_step = live.newest_step
             previous = self.remember(run.id).cadence
-        failures = [i for i in self.store.incidents(run.id) if i.kind not in NOT_FAILURES]
+        # the failures a checkpoint is for: a replica group recovered alone restored none (docs/ft.md)
+        failures = [i for i in self.store.incidents(run.id) if i.kind not in NOT_FAILURES and i.replica_group is None]
         node_hours = nodes * max(0.0, now_s - float(run.created_s)) / 3600.0
         cadence = plan_cadence(
             checkpoint_cost_s=cost_s,
