@@ -174,13 +174,13 @@ def part_mfu(tiny: bool) -> None:
             optimizer.zero_grad(set_to_none=True)
         report = monitor.last_report
         if report is not None:
-            step_s.append(report["step_s"])
-            mfu.append(report["mfu_ratio"])
+            step_s.append(report.step_s)
+            mfu.append(report.mfu_ratio)
     synchronize(device)
     monitor.close()
     if monitor.last_report is not None:
-        step_s.append(monitor.last_report["step_s"])
-        mfu.append(monitor.last_report["mfu_ratio"])
+        step_s.append(monitor.last_report.step_s)
+        mfu.append(monitor.last_report.mfu_ratio)
     say("flops_per_token_formula", f"{monitor.flops_per_token:.6e}")
     say("flops_per_token_measured", f"{measured:.6e}")
     say("step_s_bf16", f"{statistics.median(step_s[2:]):.6g}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -35,7 +36,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         result = {
-            "report": monitor.last_report,
+            "report": msgspec.to_builtins(monitor.last_report),
             "param_bytes": param_bytes,
             "replicas_equal": torch.equal(flat, highest),
         }

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -72,9 +73,10 @@ def run(config: dict[str, Any], cfg: ModelConfig, pp: int) -> list[dict[str, Any
             with monitor.phase("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        report = monitor.last_report or {}
-        if step >= WARMUP:
-            measured.append({"step_s": report.get("step_s"), "pipeline": report.get("pipeline")})
+        report = monitor.last_report
+        if step >= WARMUP and report is not None:
+            pipeline = msgspec.to_builtins(report.pipeline) if report.pipeline is not None else None
+            measured.append({"step_s": report.step_s, "pipeline": pipeline})
     monitor.close()
     dist.barrier()
     return measured

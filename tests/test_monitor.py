@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from opsd.protocol.wire import decode, decode_report
 from trainer_hooks.collectives import CollectiveTracer
@@ -19,8 +20,12 @@ SHAPE = ModelShape(n_layers=2, n_heads=4, head_dim=16, seq_len=128, dense_matmul
 
 
 def monitor(tmp_path: Path, **config: Any) -> Monitor:
-    defaults: dict[str, Any] = {"jsonl_path": str(tmp_path / "steps.jsonl"), "cpu_peak_flops_per_s": 1e9}
     # A tracer of its own, not installed: these tests issue no collectives.
+    defaults: dict[str, Any] = {
+        "jsonl_path": str(tmp_path / "steps.jsonl"),
+        "cpu_peak_flops_per_s": 1e9,
+        "trace_collectives": False,
+    }
     return Monitor(SHAPE, MonitorConfig(**{**defaults, **config}), tracer=CollectiveTracer())
 
 
@@ -44,6 +49,23 @@ def test_step_report_figures(tmp_path: Path) -> None:
     assert r["comms"] == []
 
 
+def test_a_monitor_takes_out_the_tracer_it_put_in(tmp_path: Path) -> None:
+    """Closed, a monitor leaves ``torch.distributed`` as it found it: its tracer out, one installed before left in."""
+    original = dist.all_reduce
+    m = Monitor(SHAPE, MonitorConfig(jsonl_path=str(tmp_path / "a.jsonl")), tracer=CollectiveTracer())
+    assert dist.all_reduce is not original
+    m.close()
+    assert dist.all_reduce is original
+    ours = CollectiveTracer()
+    ours.install()
+    try:
+        Monitor(SHAPE, MonitorConfig(jsonl_path=str(tmp_path / "b.jsonl")), tracer=ours).close()
+        assert ours.installed
+    finally:
+        ours.uninstall()
+    assert dist.all_reduce is original
+
+
 def test_begin_end_calls_and_batch_shards(tmp_path: Path) -> None:
     m = Monitor(
         SHAPE, MonitorConfig(jsonl_path=str(tmp_path / "steps.jsonl")), batch_shards=8, tracer=CollectiveTracer()
@@ -59,7 +81,7 @@ def test_begin_end_calls_and_batch_shards(tmp_path: Path) -> None:
 
 
 def test_measured_flops_override_the_formula(tmp_path: Path) -> None:
-    m = Monitor(SHAPE, MonitorConfig(), flops_per_token=123.0, tracer=CollectiveTracer())
+    m = Monitor(SHAPE, MonitorConfig(trace_collectives=False), flops_per_token=123.0, tracer=CollectiveTracer())
     assert m.flops_per_token == 123.0
     with pytest.raises(ValueError, match="flops_per_token must be > 0"):
         Monitor(SHAPE, MonitorConfig(), flops_per_token=0.0, tracer=CollectiveTracer())
@@ -84,6 +106,7 @@ def test_reports_reach_a_listening_socket(tmp_path: Path, monkeypatch: pytest.Mo
             pass
         agent.settimeout(5)
         received = decode(agent.recv(65536))
+        m.close()
     assert received["run"] == "job-1"
     assert received["tokens"] == 5
     assert m.dropped_reports == 0
@@ -93,12 +116,13 @@ def test_full_agent_buffer_never_blocks(tmp_path: Path) -> None:
     path = str(tmp_path / "agent.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
         agent.bind(path)  # bound, never read: the buffer fills
-        m = Monitor(SHAPE, MonitorConfig(socket_path=path), tracer=CollectiveTracer())
+        m = Monitor(SHAPE, MonitorConfig(socket_path=path, trace_collectives=False), tracer=CollectiveTracer())
         start = time.perf_counter()
         for _ in range(2000):
             m.begin_step()
             m.end_step(tokens=1)
         assert time.perf_counter() - start < 10
+        m.close()
     assert m.dropped_reports > 0
 
 
@@ -194,7 +218,7 @@ def test_steps_are_numbered_from_the_step_resumed_from(tmp_path: Path) -> None:
 def test_a_replica_group_rank_reports_as_the_job_and_each_step_with_its_quorum(tmp_path: Path) -> None:
     m = Monitor(
         SHAPE,
-        MonitorConfig(jsonl_path=str(tmp_path / "steps.jsonl"), cpu_peak_flops_per_s=1e9),
+        MonitorConfig(jsonl_path=str(tmp_path / "steps.jsonl"), cpu_peak_flops_per_s=1e9, trace_collectives=False),
         coords={"dp_shard": 1},
         batch_shards=2,
         tracer=CollectiveTracer(),
@@ -231,7 +255,7 @@ def test_a_replica_group_rank_reports_as_the_job_and_each_step_with_its_quorum(t
     with pytest.raises(ValueError, match="already told"):
         m.watch_replica_group(0, 3)
     with pytest.raises(ValueError, match=r"group 3 must be in \[0, 3\)"):
-        Monitor(SHAPE, MonitorConfig(), tracer=CollectiveTracer()).watch_replica_group(3, 3)
+        Monitor(SHAPE, MonitorConfig(trace_collectives=False), tracer=CollectiveTracer()).watch_replica_group(3, 3)
 
 
 class Waiting(CollectiveTracer):

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-OTHER = "other"
+from opsd.protocol.wire import PHASES as PHASES
+
+FORWARD, BACKWARD, OPTIMIZER, OTHER = PHASES  # the wire's phases
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", OTHER)
-FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
-PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
-#: (dimension, op, phase): what a collective is counted under
+#: (dimension, op, phase): what a collective is counted under (a phase of ``PHASES``)
 Key = tuple[str, str, str]
 # the arguments naming the peer of a point-to-point function: a global rank, or a rank in the group
 PEER_ARGUMENTS = {

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from opsd.protocol.wire import FtReport
 from trainer_hooks.comm_tables import StepComms
 
 
@@ -75,7 +76,7 @@ class PendingStep:
     begin: DeviceEvent | None = None
     end: DeviceEvent | None = None
     loss: float | torch.Tensor | None = None
-    quorum: dict[str, Any] | None = None  # a fault-tolerant rank's: the step's quorum (``Monitor.record_quorum``)
+    quorum: FtReport | None = None  # a fault-tolerant rank's: the step's quorum (``Monitor.record_quorum``)
 
     def complete(self) -> bool:
         """Every figure of the step is in: its end event completed, its collectives' durations arrived."""

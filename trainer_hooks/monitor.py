@@ -42,8 +42,9 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -51,13 +52,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from opsd.protocol.env import LAUNCH_ENV, RUN_ENV
-from opsd.protocol.wire import MAX_CHECKPOINTS_PER_REPORT, VERSION, encode
+from opsd.protocol.wire import (
+    VERSION,
+    CommEntry,
+    Phase,
+    PipelineReport,
+    StepReport,
+    TimeoutReport,
+    encode,
+)
 from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
 from trainer_hooks.comm_tables import DIMENSIONS, FORWARD, OTHER, StepComms
 from trainer_hooks.deferred import EventFactory, PendingStep, PendingSteps, cuda_event, stage_loss
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
+from trainer_hooks.report_parts import ReportParts
 from trainer_hooks.sinks import JsonlSink, Sink, agent_sink
 
 log = logging.getLogger(__name__)
@@ -116,7 +126,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-class Monitor:
+class Monitor(ReportParts):
     def __init__(
         self,
         shape: ModelShape | None,
@@ -145,16 +155,10 @@ class Monitor:
         self.host = socket.gethostname()
         self.internal_errors = 0
         self.steps = 0
-        self.resumed_from_step: int | None = None
-        self.last_report: dict[str, Any] | None = None
-        self._checkpoints: list[dict[str, Any]] = []
-        self.checkpoints_skipped = 0  # saves skipped: the previous one was still being written
-        self._checkpoints_lock = threading.Lock()
+        self._init_parts()
+        self.last_report: StepReport | None = None
         self._started: float | None = None
         self._loss: float | torch.Tensor | None = None
-        self._pipeline: dict[str, Any] | None = None  # the schedule, told by ``watch_pipeline``
-        self._replica_group: dict[str, int] | None = None  # told by ``watch_replica_group``
-        self._quorum: dict[str, Any] | None = None  # the step's, told by ``record_quorum``
         self._warned = False
         if flops_per_token is not None:
             if not flops_per_token > 0:
@@ -169,6 +173,7 @@ class Monitor:
             self.sinks.append(agent)
         if config.jsonl_path:
             self.sinks.append(JsonlSink(config.jsonl_path))
+        self._installed = config.trace_collectives and not tracer.installed  # then ``close`` uninstalls it
         if config.trace_collectives:
             tracer.install()
         self.timeouts_reported = 0
@@ -200,19 +205,19 @@ class Monitor:
             except Exception as exc:
                 self._error(exc)
 
-    def _timeout_report(self, dim: str, op: str, waited_s: float) -> dict[str, Any]:
-        return {
-            "v": VERSION,
-            "kind": "collective_timeout",
-            "run": self.config.run_id,
-            "rank": self.rank,
-            "host": self.host,
-            "step": self.steps,
-            "time_unix_s": time.time(),
-            "dim": dim,
-            "op": op,
-            "waited_s": waited_s,
-        }
+    def _timeout_report(self, dim: str, op: str, waited_s: float) -> TimeoutReport:
+        return TimeoutReport(
+            VERSION,
+            "collective_timeout",
+            self.config.run_id,
+            self.rank,
+            self.host,
+            self.steps,
+            time.time(),
+            dim,
+            op,
+            waited_s,
+        )
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, shape: ModelShape | None, config: MonitorConfig, **kwargs: Any) -> Monitor:
@@ -248,61 +253,6 @@ class Monitor:
         """``with monitor.phase("optimizer"):`` the collectives issued inside count under that phase (``forward``,
         ``backward``, ``optimizer``, ``other``); a few hundred nanoseconds."""
         return self.tracer.phase(name)
-
-    def watch_pipeline(self, schedule: str, *, stages: int, microbatches: int) -> None:
-        """This rank is a stage of a pipeline run by ``schedule`` (``gpipe``, ``1f1b``, ...; what its theory is
-        computed for) over ``stages`` stages with ``microbatches`` micro-batches a step: every report says so, with
-        the step's bubble."""
-        if stages < 1 or microbatches < 1:
-            raise ValueError("watch_pipeline: stages and microbatches must be >= 1")
-        self._pipeline = {"schedule": str(schedule), "stages": int(stages), "microbatches": int(microbatches)}
-
-    def watch_replica_group(self, group: int, groups: int) -> None:
-        """This rank is in replica group ``group`` of ``groups``, each group a world of its own (torchft's
-        fault-tolerant replicas): its reports name it by its rank in the whole job (``group`` x the group's world
-        size + its rank in the group), count the job's ranks and data-parallel shards, and carry ``group`` as its
-        ``dp_replicate`` coordinate. Call once, before the first step."""
-        if not 0 <= group < groups:
-            raise ValueError(f"watch_replica_group: group {group} must be in [0, {groups})")
-        if self._replica_group is not None:
-            raise ValueError("watch_replica_group: already told")
-        self._replica_group = {"replica_group": int(group), "replica_groups": int(groups)}
-        self.rank += group * self.world_size
-        self.world_size *= groups
-        self.batch_shards *= groups
-        self.coords["dp_replicate"] = int(group)
-        self.flight.rank, self.flight.world_size = self.rank, self.world_size
-
-    def record_quorum(
-        self,
-        *,
-        step: int,
-        quorum_id: int,
-        quorum_replicas: int,
-        participants: int,
-        committed: bool,
-        healing_s: float = 0.0,
-        quorum_wait_s: float = 0.0,
-    ) -> None:
-        """The quorum of the step in progress, sent with its report (``watch_replica_group`` first): the quorum's
-        id, the replica groups in it and how many of them trained (a healing group does not), whether the step's
-        update was committed, the seconds spent healing from a peer and waiting for the quorum. ``step`` is the
-        job's step once this one is done (the steps committed): the report carries it, so that a group that healed
-        reports its peers' step and a discarded step is not counted twice. The job's tokens per second (and MFU)
-        count the data-parallel shards of the groups that trained."""
-        try:
-            self._quorum = {
-                **(self._replica_group or {"replica_group": 0, "replica_groups": 1}),
-                "quorum_id": int(quorum_id),
-                "quorum_replicas": int(quorum_replicas),
-                "participants": int(participants),
-                "committed": bool(committed),
-                "healing_s": max(float(healing_s), 0.0),
-                "quorum_wait_s": max(float(quorum_wait_s), 0.0),
-            }
-            self.steps = int(step) - 1  # ``end_step`` counts the step
-        except Exception as exc:
-            self._error(exc)
 
     def record_loss(self, loss: float | torch.Tensor) -> None:
         """The loss to send with the step's report: inside a step, that step's. A tensor on the device is read once
@@ -411,105 +361,74 @@ class Monitor:
         except Exception as exc:
             self._error(exc)
 
-    def _report(self, pending: PendingStep) -> dict[str, Any]:
+    def _report(self, pending: PendingStep) -> StepReport:
         comms, tokens = pending.comms, pending.tokens
         step_s = pending.step_s()
         exposed = min(comms.exposed_s, step_s)
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
         shards = self.batch_shards
         quorum = pending.quorum
-        if quorum is not None and quorum["replica_groups"] > 0:  # the groups that trained in the step
-            shards = shards // quorum["replica_groups"] * quorum["participants"]
+        if quorum is not None and quorum.replica_groups > 0:  # the groups that trained in the step
+            shards = shards // quorum.replica_groups * quorum.participants
         job_tokens_per_s = tokens_per_s * shards
         mfu = 0.0
         if self.peak_flops_per_s > 0 and self.flops_per_token > 0:
             mfu = mfu_ratio(job_tokens_per_s, self.flops_per_token, self.peak_flops_per_s * self.world_size)
-        report: dict[str, Any] = {
-            "v": VERSION,
-            "kind": "step",
-            "run": self.config.run_id,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "host": self.host,
-            "step": pending.step,
-            "time_unix_s": pending.time_unix_s,
-            "step_s": step_s,
-            "compute_s": step_s - exposed,
-            "exposed_comm_s": exposed,
-            "overlapped_comm_s": max(comms.total_s - exposed, 0.0),
-            "tokens": tokens,
-            "tokens_per_s": tokens_per_s,
-            "job_tokens_per_s": job_tokens_per_s,
-            "mfu_ratio": mfu,
-            "memory": pending.memory,
-            "coords": self.coords,
-            "comms": [
-                # a copy: a step sent before all its GPU durations came may still receive one, on another thread
-                [dim, op, s.count, s.bytes, s.seconds, phase]
-                for (dim, op, phase), s in sorted(dict(comms.phases).items())
-            ],
-            "dropped_reports_total": self.dropped_reports,
-            "internal_errors_total": self.internal_errors + self.tracer.internal_errors + self.pending.incomplete,
-        }
-        if self.tracer.timing_fallbacks:
-            report["comm_timing_fallbacks_total"] = self.tracer.timing_fallbacks
-        if self.checkpoints_skipped:
-            report["checkpoints_skipped_total"] = self.checkpoints_skipped
+        pipeline = None
         if self._pipeline is not None or comms.pipeline_transfers:
-            report["pipeline"] = {"bubble_s": min(comms.pipeline_wait_s, step_s), **(self._pipeline or {})}
-        if pending.quorum is not None:
-            report["ft"] = pending.quorum
-        loss = pending.loss
-        if loss is not None:
+            bubble_s = min(comms.pipeline_wait_s, step_s)
+            pipeline = msgspec.structs.replace(self._pipeline or PipelineReport(0.0), bubble_s=bubble_s)
+        loss = None
+        if pending.loss is not None:
             try:
-                value = float(loss)
-                if math.isfinite(value):
-                    report["loss"] = value
+                value = float(pending.loss)
+                loss = value if math.isfinite(value) else None
             except Exception as exc:  # the step is still reported, without its loss
                 self._error(exc)
         with self._checkpoints_lock:
-            if self._checkpoints:
-                report["checkpoints"], self._checkpoints = self._checkpoints, []
-        if self.resumed_from_step is not None:
-            report["resumed_from_step"] = self.resumed_from_step
-        if self.config.launch is not None:
-            report["launch"] = self.config.launch
-        return report
-
-    def resume_at(self, step: int) -> None:
-        """Training resumed from a checkpoint of ``step``: the next step reported is ``step + 1``, and every report
-        of this launch says which checkpoint it resumed from."""
-        if step < 0:
-            raise ValueError("resume_at: step must be >= 0")
-        self.steps = int(step)
-        self.resumed_from_step = int(step)
-
-    def record_checkpoint(
-        self, step: int, blocking_s: float, total_s: float, nbytes: int, staging_s: float = 0.0
-    ) -> None:
-        """A checkpoint save of this rank finished: it goes out with the next step report (at most
-        ``MAX_CHECKPOINTS_PER_REPORT`` per report, the oldest dropped and counted as internal errors).
-        ``staging_s``: the part of ``blocking_s`` spent copying the state to host memory."""
-        try:
-            entry = {"step": int(step), "blocking_s": float(blocking_s), "total_s": float(total_s)}
-            entry["staging_s"] = float(staging_s)
-            entry["bytes"] = int(nbytes)
-            with self._checkpoints_lock:  # called from the checkpoint's saving thread
-                self._checkpoints.append(entry)
-                while len(self._checkpoints) > MAX_CHECKPOINTS_PER_REPORT:
-                    self._checkpoints.pop(0)
-                    self.internal_errors += 1
-        except Exception as exc:
-            self._error(exc)
-
-    def record_checkpoint_skipped(self, step: int) -> None:
-        """The save of ``step`` was skipped: the previous one was still being written. Every later report counts
-        it (``checkpoints_skipped_total``)."""
-        self.checkpoints_skipped += 1
+            checkpoints, self._checkpoints = self._checkpoints, []
+        return StepReport(
+            v=VERSION,
+            kind="step",
+            run=self.config.run_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            host=self.host,
+            step=pending.step,
+            time_unix_s=pending.time_unix_s,
+            step_s=step_s,
+            compute_s=step_s - exposed,
+            exposed_comm_s=exposed,
+            overlapped_comm_s=max(comms.total_s - exposed, 0.0),
+            tokens=tokens,
+            tokens_per_s=tokens_per_s,
+            job_tokens_per_s=job_tokens_per_s,
+            mfu_ratio=mfu,
+            memory=pending.memory,
+            coords=dict(self.coords),
+            # a copy: a step sent before all its GPU durations came may still receive one, on another thread
+            comms=[
+                CommEntry(dim, op, s.count, s.bytes, s.seconds, cast(Phase, phase))
+                for (dim, op, phase), s in sorted(dict(comms.phases).items())
+            ],
+            dropped_reports_total=self.dropped_reports,
+            internal_errors_total=self.internal_errors + self.tracer.internal_errors + self.pending.incomplete,
+            checkpoints=checkpoints,
+            loss=loss,
+            resumed_from_step=self.resumed_from_step,
+            pipeline=pipeline,
+            launch=self.config.launch,
+            ft=quorum,
+            comm_timing_fallbacks_total=self.tracer.timing_fallbacks,
+            checkpoints_skipped_total=self.checkpoints_skipped,
+        )
 
     def close(self) -> None:
-        """Report the steps still waiting (``flush``), stop the watchdog, close the sinks."""
+        """Report the steps still waiting (``flush``), stop the watchdog, close the sinks, and take the tracer out of
+        ``torch.distributed`` if this monitor put it there."""
         self.flush()
         self._closing.set()
         for sink in self.sinks:
             sink.close()
+        if self._installed:
+            self.tracer.uninstall()

@@ -9,14 +9,14 @@ Decoding parses and validates in one pass (msgspec, against ``StepReport``): a f
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 from opsd.errors import PermanentError
 
-VERSION = 1
+VERSION: Final = 1
 MAX_MESSAGE_BYTES = 8192
 
 Count = Annotated[int, Meta(ge=0)]
@@ -80,8 +80,9 @@ class FtReport(Struct, frozen=True):
     quorum_wait_s: Seconds = 0.0
 
 
-class StepReport(Struct, frozen=True):
-    """Version 1 of the step report; every field is required, unknown fields are ignored."""
+class StepReport(Struct, frozen=True, omit_defaults=True):
+    """Version 1 of the step report; every field without a default is required, unknown fields are ignored. The
+    monitor builds it; an optional field at its default is left out on the wire."""
 
     v: Literal[1]
     kind: Literal["step"]
@@ -171,9 +172,11 @@ class WireError(PermanentError, ValueError):
         self.reason = reason
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """Serialise a step report. Rather than exceed the bound it drops the comms' phases (entries merged per
-    dimension and op), then the comms detail, flagging ``truncated``."""
+def encode(report: StepReport | TimeoutReport | dict[str, Any]) -> bytes:
+    """Serialise a report (or a message as a dict, as tests write them). Rather than exceed the bound it drops the
+    comms' phases (entries merged per dimension and op), then the comms detail, flagging ``truncated``; a value
+    that is not a finite number raises ``ValueError``."""
+    message: dict[str, Any] = msgspec.to_builtins(report) if isinstance(report, Struct) else report
     data = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     if len(data) > MAX_MESSAGE_BYTES and message.get("comms"):
         merged: dict[tuple[str, str], list[Any]] = {}
