@@ -47,8 +47,9 @@ from opsd.runtime.kubernetes import run_kubernetes
 from opsd.runtime.server import ServeConfig
 from tests.backend_contract import BY_NAME, RUN, play
 from tests.kube.emulator import KubeEmulator, kube_emulator
-from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist, wait_until
+from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist
 from tests.rows import stored
+from tests.waiting import wait_for
 
 XID_REASON = "fatal_xid: XID 79 on GPU 0: fallen off the bus"
 OTHER_TAINT = {"key": "nvidia.com/gpu-xid-error", "value": "true", "effect": "NoSchedule"}
@@ -468,7 +469,7 @@ def test_an_informer_follows_changes_and_lists_again_when_its_watch_is_too_old(i
         assert informer.synced.wait(10)
         assert names(informer) == {"node-0"}
         kube.put(node("node-1"))
-        wait_until("node-1 seen", lambda: names(informer) == {"node-0", "node-1"})
+        wait_for("node-1 in the informer", lambda: names(informer) == {"node-0", "node-1"}, 20)
 
         api.gate.clear()  # the informer's next watch waits: what changes meanwhile is compacted away
         assert api.waiting.wait(10)
@@ -478,7 +479,7 @@ def test_an_informer_follows_changes_and_lists_again_when_its_watch_is_too_old(i
         assert informer.relists == 0
         api.gate.set()
 
-        wait_until("the changes seen", lambda: names(informer) == {"node-1", "node-2"})
+        wait_for("changes in the informer", lambda: names(informer) == {"node-1", "node-2"}, 20)
         assert informer.relists == 1  # the watch answered 410: listed again
     finally:
         informer.stop()
@@ -494,7 +495,7 @@ def test_bookmarks_move_a_quiet_informer_on(informer_kube: KubeEmulator) -> None
         assert informer.synced.wait(10)
         listed = int(informer.resource_version)
         kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "elsewhere"}})  # no node changes
-        wait_until("a bookmark", lambda: int(informer.resource_version) > listed)
+        wait_for("bookmark", lambda: int(informer.resource_version) > listed, 20)
         assert informer.relists == 0
         assert names(informer) == {"node-0"}
     finally:
