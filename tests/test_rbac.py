@@ -32,12 +32,12 @@ from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.cluster import LEADER, RESTART_ATTEMPT_LABEL
 from opsd.protocol.states import NodeRole
+from tests.helm_chart import Helm, parse
 from tests.kube.api import RecordedRequest, parse_target
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer
 from tests.kube.machines import NAMESPACE, jobset, node
 from tests.kube.training import kubeconfig
-from tests.test_helm import Helm, parse
 from tests.test_kubernetes_takeover import ScriptedKubelet
 from tests.waiting import wait_for
 
