@@ -125,13 +125,15 @@ class PrometheusServer:
 
     def wait_for(self, promql: str, count: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Poll until ``promql`` returns at least ``count`` series; returns them."""
-        found: list[dict[str, Any]] = []
 
         def enough() -> list[dict[str, Any]] | None:
-            found[:] = self.query(promql)
-            return list(found) if len(found) >= count else None
+            result = self.query(promql)
+            return result if len(result) >= count else None
 
-        return wait_for(f"{count} series of {promql!r}", enough, timeout_s, context=lambda: f"{len(found)} series")
+        def found() -> str:
+            return f"{len(self.query(promql))} series"
+
+        return wait_for(f"{count} series of {promql!r}", enough, timeout_s, context=found, interval_s=0.25)
 
     def wait_for_scrapes_after(self, unix_s: float, timeout_s: float = 30.0) -> None:
         """Until every target has been scraped again after ``unix_s``: then every sample taken before it is stored (a

@@ -93,14 +93,14 @@ class Job:
 
     def wait(self, what: str, done: Callable[[], bool]) -> None:
         """Until ``done()``; a group that fails meanwhile fails the wait at once."""
-        wait_for(
-            what,
-            done,
-            WAIT_S,
-            alive=lambda: all(job.poll() in (None, 0) for job in self.groups.values()),
-            context=lambda: f"exit statuses { ({g: job.poll() for g, job in self.groups.items()}) } ({self.root})",
-            interval_s=0.02,
-        )
+
+        def statuses() -> str:
+            return f"exit statuses {[(g, job.poll()) for g, job in self.groups.items()]} ({self.root})"
+
+        def none_failed() -> bool:
+            return all(job.poll() in (None, 0) for job in self.groups.values())
+
+        wait_for(what, done, WAIT_S, alive=none_failed, context=statuses, interval_s=0.02)
 
     def in_quorum_of_two_since(self, group: int, since: float) -> bool:
         report = self.last(group)
