@@ -1,4 +1,4 @@
-"""The tests' one waiting helper (tests/waiting.py): it returns what the check found, fails at its deadline with what
+"""How every test waits (tests/waiting.py): ``wait_for`` returns what the check found, fails at its deadline with what
 it waited for and the context, fails at once when what it waits on has died, and takes named exceptions as "not
 yet"."""
 
