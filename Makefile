@@ -65,7 +65,7 @@ dashboard-pictures: $(STAMP) system-deps
 	$(PY) -m tools.dashboard_pictures docs/img
 
 # the chart's own copy of the dashboards and the alert rules (helm/opsd/files/dashboards), so that the chart is
-# packaged and installed alone; tests/test_helm.py checks that it equals dashboards/
+# packaged and installed alone; tests/test_chart_files.py checks that it equals dashboards/
 chart-files:
 	rm -f helm/opsd/files/dashboards/*.json
 	cp dashboards/*.json helm/opsd/files/dashboards/

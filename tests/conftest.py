@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from opsd.controller.state import StateStore
+    from tests.helm_chart import Combo, Helm, Obj
     from tests.kube.emulator import KubeEmulator
-    from tests.test_helm import Helm
     from trainer_hooks.collectives import CollectiveTracer
 
 
@@ -50,14 +50,37 @@ def store(tmp_path: Path) -> StateStore:
 
 @pytest.fixture(scope="session")
 def helm() -> Helm:
-    """A real helm v4 (``tests.test_helm.find_helm``: .venv/bin/helm, $OPSD_HELM or PATH); the test is skipped
+    """A real helm v4 (``tests.helm_chart.find_helm``: .venv/bin/helm, $OPSD_HELM or PATH); the test is skipped
     without one."""
-    from tests.test_helm import Helm, find_helm
+    from tests.helm_chart import Helm, find_helm
 
     path = find_helm()
     if path is None:
         pytest.skip("no helm: run `python tools/install_helm.py .venv/bin/helm` (make does), or set OPSD_HELM")
     return Helm(path)
+
+
+@pytest.fixture(scope="session")
+def renders(helm: Helm) -> dict[Combo, list[Obj]]:
+    """The chart rendered for every combination of its matrix (``tests.helm_chart.COMBOS``), once for the session
+    (two at a time: helm is quick, the machine is small)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helm_chart import COMBOS, values_args
+
+    def one(combo: Combo) -> list[Obj]:
+        return helm.render(*values_args(combo.values), kube=combo.kube, api=combo.api)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(COMBOS, pool.map(one, COMBOS), strict=True))
+
+
+@pytest.fixture(scope="session")
+def default(renders: dict[Combo, list[Obj]]) -> list[Obj]:
+    """The chart rendered with its default values, for the newest Kubernetes, with the Prometheus Operator's API."""
+    from tests.helm_chart import DEFAULT
+
+    return renders[DEFAULT]
 
 
 @pytest.fixture

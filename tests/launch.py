@@ -10,13 +10,10 @@ A failed launch is not launched again, except by ``run_module_retrying``, for on
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ from typing import Any
 
 from bench.crash_rates import stop
 from bench.torchrun_failure import RootCause, root_cause
+from tests.waiting import get_json, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TIMEOUT_S = 240.0
@@ -147,16 +145,15 @@ def agent_until_sigterm(
         [sys.executable, "-m", "opsd", "agent", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                    health: dict[str, Any] = json.load(r)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "the agent's /healthz never answered"
-                time.sleep(0.1)
+        health: dict[str, Any] = wait_for(
+            "answer from the agent's /healthz",
+            lambda: get_json(f"http://127.0.0.1:{port}/healthz"),
+            20,
+            alive=proc,
+            context=lambda: proc.stderr.read() if proc.stderr and proc.poll() is not None else "",
+            retry_on=(OSError,),
+            interval_s=0.1,
+        )
         if while_running is not None:
             while_running()
         proc.send_signal(signal.SIGTERM)

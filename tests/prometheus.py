@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,6 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from opsd.backends.local.processes import free_port
+from tests.waiting import wait_for
 
 
 class PrometheusServer:
@@ -74,16 +74,16 @@ class PrometheusServer:
         self.log_path = workdir / "prometheus.log"
 
     def __enter__(self) -> PrometheusServer:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"prometheus did not become ready:\n{self.log_path.read_text()[-2000:]}")
+        def ready() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                return r.status == 200
+
+        try:
+            wait_for("ready Prometheus", ready, 30, alive=self._proc, retry_on=(OSError,), interval_s=0.1)
+        except AssertionError as exc:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"{exc}\n{self.log_path.read_text()[-2000:]}") from None
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._proc.terminate()
@@ -125,14 +125,26 @@ class PrometheusServer:
 
     def wait_for(self, promql: str, count: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Poll until ``promql`` returns at least ``count`` series; returns them."""
-        deadline = time.monotonic() + timeout_s
-        result: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
+
+        def enough() -> list[dict[str, Any]] | None:
             result = self.query(promql)
-            if len(result) >= count:
-                return result
-            time.sleep(0.25)
-        raise AssertionError(f"{promql!r}: {len(result)} series after {timeout_s} s, wanted {count}")
+            return result if len(result) >= count else None
+
+        def found() -> str:
+            return f"{len(self.query(promql))} series"
+
+        return wait_for(f"{count} series of {promql!r}", enough, timeout_s, context=found, interval_s=0.25)
+
+    def wait_for_scrapes_after(self, unix_s: float, timeout_s: float = 30.0) -> None:
+        """Until every target has been scraped again after ``unix_s``: then every sample taken before it is stored (a
+        scrape's samples carry its start time, a target's scrapes run one after the other, and ``up`` is written
+        last)."""
+
+        def oldest_scrape_s() -> float:
+            oldest = self.query("min(timestamp(up))")
+            return float(oldest[0]["value"][1]) if oldest else 0.0
+
+        wait_for(f"scrape of every target after {unix_s:.3f}", lambda: oldest_scrape_s() >= unix_s, timeout_s)
 
 
 def write_targets(path: Path, groups: list[dict[str, Any]]) -> None:

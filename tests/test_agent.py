@@ -6,7 +6,6 @@ import json
 import re
 import socket
 import stat
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import REASONS, StepReport, decode_report, encode
 from opsd.protocol.xid_table import load_xid_table
 from tests.test_wire import FT, report, timeout_report
+from tests.waiting import wait_for
 
 
 def sent(heartbeat: Heartbeat) -> dict[str, Any]:
@@ -186,9 +186,7 @@ def test_datagrams_over_the_socket_reach_metrics_over_http(running: Agent, tmp_p
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rank:
         rank.sendto(encode(report(rank=5)), running.config.socket)
         rank.sendto(b"garbage", running.config.socket)
-    deadline = time.monotonic() + 5
-    while running.stats.received < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for("two datagrams at the agent", lambda: running.stats.received >= 2, 5, interval_s=0.01)
     status, content_type, body = get(running, "/metrics")
     assert status == 200
     assert content_type.startswith("text/plain")
@@ -208,9 +206,7 @@ def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rank:
             rank.sendto(encode(report()), str(path))
-        deadline = time.monotonic() + 5
-        while a.stats.received < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("datagram at the agent", lambda: a.stats.received >= 1, 5, interval_s=0.01)
         assert a.stats.received == 1
     finally:
         a.stop()

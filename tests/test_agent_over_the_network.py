@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from opsd.protocol.env import AGENT_DATAGRAM_PORT_ENV, AGENT_HOST_ENV, AGENT_HTT
 from opsd.protocol.node_agent import FLIGHT_PATH, MAX_DUMP_BYTES, POLICY_PATH, AgentAddress, agent_address
 from opsd.protocol.wire import encode
 from tests.test_wire import report
+from tests.waiting import wait_for
 from trainer_hooks.policy_reader import PolicyReader, policy_source
 from trainer_hooks.sinks import DatagramSink, UdpSink, agent_sink
 
@@ -50,13 +50,6 @@ def env_of(agent: Agent) -> dict[str, str]:
         AGENT_DATAGRAM_PORT_ENV: str(agent.datagram_port),
         AGENT_HTTP_PORT_ENV: str(agent.metrics_port),
     }
-
-
-def wait_for(what: str, check: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"no {what}"
-        time.sleep(0.01)
 
 
 def test_the_agents_address_from_the_environment() -> None:
@@ -90,7 +83,7 @@ def test_reports_reach_the_agent_as_udp_datagrams(agent: Agent) -> None:
     assert isinstance(sink, UdpSink)
     sink.send(encode(report(rank=4, step=17)))
     sink.send(b"not json")  # a bad datagram: counted by the agent, as on the socket
-    wait_for("both datagrams", lambda: agent.stats.received == 2)
+    wait_for("second datagram", lambda: agent.stats.received == 2, 10, interval_s=0.01)
     sink.close()
     (rank,) = agent.state.snapshot()
     assert (rank.rank, rank.last.step) == (4, 17)
@@ -111,7 +104,12 @@ def test_the_monitor_sends_to_the_agent_at_its_host(agent: Agent, monkeypatch: p
         for _ in range(3):
             with monitor.step(tokens=8):
                 pass
-        wait_for("three steps", lambda: agent.state.snapshot() and agent.state.snapshot()[0].steps_total == 3)
+        wait_for(
+            "third step",
+            lambda: agent.state.snapshot() and agent.state.snapshot()[0].steps_total == 3,
+            10,
+            interval_s=0.01,
+        )
     finally:
         monitor.close()
     assert agent.state.snapshot()[0].run == "net"
@@ -157,7 +155,7 @@ def test_the_policy_comes_from_the_agents_http_and_never_holds_up_the_caller(age
         assert reader.remote
         agent.reporter = Reporter(ReporterConfig(url="http://127.0.0.1:1/v1/heartbeat"), "n1", agent.state, None)
         agent.reporter._apply({"policy": {"checkpoint": {"every_steps": 50, "from_step": 100}}})
-        wait_for("the new cadence", lambda: reader.current().checkpoint_every_steps == 50)
+        wait_for("new cadence", lambda: reader.current().checkpoint_every_steps == 50, 10, interval_s=0.01)
         assert reader.current().checkpoint_due(150)
     finally:
         reader.close()

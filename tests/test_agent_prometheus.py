@@ -3,7 +3,6 @@ and what Prometheus holds agrees with the trainer's own JSONL reports."""
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from opsd.protocol.wire import decode
 from tests.launch import run_module
 from tests.prometheus import PrometheusServer
 from tests.test_docs import blocks
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,17 @@ def test_prometheus_sees_every_rank_and_dimension(tmp_path: Path, agent: Agent) 
         assert proc.returncode == 0, proc.stderr[-3000:]
 
         # every report reached the agent, and a scrape after the run has them all
-        deadline = time.monotonic() + 30
-        steps: dict[int, float] = {}
-        while time.monotonic() < deadline:
-            steps = by_rank(prom.query('opsd_steps_total{run="local"}'))
-            if steps == dict.fromkeys(range(RANKS), float(STEPS)):
-                break
-            time.sleep(0.25)
-        assert steps == dict.fromkeys(range(RANKS), float(STEPS))
+        def steps() -> dict[int, float]:
+            return by_rank(prom.query('opsd_steps_total{run="local"}'))
+
+        every = dict.fromkeys(range(RANKS), float(STEPS))
+        wait_for(
+            "scrape of every rank's last step",
+            lambda: steps() == every,
+            30,
+            context=lambda: f"scraped: {steps()}",
+            interval_s=0.25,
+        )
         assert agent.stats.rejected == dict.fromkeys(agent.stats.rejected, 0)
 
         jsonl = {r: [decode(x) for x in (tmp_path / f"r{r}.jsonl").read_bytes().splitlines()] for r in range(RANKS)}

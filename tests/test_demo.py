@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +148,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Demo:
         ended = time.time()
         run = Demo(returncode, _read(stdout), _read(stderr), work, spans=otlp.spans())
         if returncode == 0:
-            time.sleep(SCRAPE_INTERVAL_S)  # the last scrape in
+            prom.wait_for_scrapes_after(ended)  # every sample of the run in
             run.panels = run_panel_queries(prom, started, ended)
             run.variables = run_variable_queries(prom, started, ended)
             flagged = prom.query_range(f'max(opsd_run_stragglers{{run="{RUN}"}})', started, ended, 2.0)
@@ -220,8 +219,7 @@ def test_the_post_mortem_of_the_demos_xid_names_node_gpu_meaning_delay_lost_step
     port = free_port()
     server = start_api(controller, "demo-reader", "127.0.0.1", port)
     try:
-        url = f"http://127.0.0.1:{port}"
-        until_up(url)
+        url = f"http://127.0.0.1:{port}"  # start_api returns once it listens
         (incident,) = [i for i in controller.store.incidents(RUN) if i.kind == "fatal_xid"]
         runner = CliRunner()
         md = runner.invoke(app, ["postmortem", RUN, str(incident.id), "--url", url, "--token", "demo-reader"])
@@ -296,17 +294,6 @@ def test_the_demos_incident_is_one_trace_of_its_recovery_steps_linked_to_the_xid
     assert xid.attributes["gpu.xid"] == 79
     assert [(t, s) for t, s, _ in root.links] == [(xid.trace_id, xid.span_id)]
     store.engine.dispose()
-
-
-def until_up(url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"{url} did not come up")
 
 
 def test_the_demo_fails_when_no_fault_is_injected(tmp_path: Path) -> None:

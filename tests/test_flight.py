@@ -36,6 +36,7 @@ from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
 from tests.launch import run_module
 from tests.serving import start_api
+from tests.waiting import wait_for
 
 RUN = "fr"
 TOKEN = "s3cret"
@@ -44,14 +45,6 @@ Stuck = list[tuple[str, list[int], list[int]]]  # stuck groups: (label, joined, 
 
 
 # -- the job (run by torchrun) -----------------------------------------------------------------------------------
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the job's peers did not get there in time")
-        time.sleep(0.05)
-
-
 def write_command(policy: Path, command_id: str) -> None:
     tmp = policy.with_name(f".{policy.name}.tmp")
     tmp.write_text(json.dumps({"v": 1, "commands": [{"id": command_id, "name": "dump_flight_recorder"}]}))
@@ -80,16 +73,17 @@ def job() -> None:
             dist.all_reduce(t, group=world)
             if rank < 2:
                 dist.all_reduce(t, group=tp)
-    wait_for(lambda: monitor.flight.policy_seen)  # commands from now on are this process's
+    # commands from now on are this process's
+    wait_for("first look at the policy file", lambda: monitor.flight.policy_seen, 30)
     dist.barrier()
     if rank == 0:
         write_command(policy, "cmd-1")
-    wait_for(lambda: (flight / "cmd-1" / f"rank-{rank}.json").exists())
+    wait_for("dump of cmd-1", (flight / "cmd-1" / f"rank-{rank}.json").exists, 30)
     dist.barrier()
     if rank == 2:  # stopped outside any collective: its peers wait for it, time out, dump
-        wait_for(lambda: len(list(flight.glob("timeout-*/rank-*.json"))) == 2)
+        wait_for("timeout dumps of both peers", lambda: len(list(flight.glob("timeout-*/rank-*.json"))) == 2, 30)
         write_command(policy, "cmd-2")
-        wait_for(lambda: len(list(flight.glob("cmd-2/rank-*.json"))) == 3)
+        wait_for("dumps of cmd-2 by every rank", lambda: len(list(flight.glob("cmd-2/rank-*.json"))) == 3, 30)
     with monitor.step(tokens=1):
         if rank < 2:
             dist.all_reduce(t, group=tp)
@@ -291,10 +285,12 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
     collecting.start()
     try:
         heartbeat = Heartbeat(v=1, node="node-0", time_unix_s=time.time())
-        wait_for(lambda: "commands" in (controller.heartbeat(heartbeat, time.time()).policy or {}), 5)
-        assert (controller.heartbeat(heartbeat, time.time()).policy or {})["commands"] == [
-            {"id": trigger, "name": "dump_flight_recorder"}
-        ]
+
+        def policy() -> dict[str, Any]:
+            return controller.heartbeat(heartbeat, time.time()).policy or {}
+
+        wait_for("command in the policy", lambda: "commands" in policy(), 5)
+        assert policy()["commands"] == [{"id": trigger, "name": "dump_flight_recorder"}]
         for rank in (0, 1):  # what the ranks do on that command
             place(tmp_path / "flight", recorded["cmd-2"][rank], trigger)
         collecting.join(timeout=10)
@@ -396,7 +392,7 @@ def test_a_rank_runs_only_the_commands_that_appear_after_it_started(tmp_path: Pa
     recorder.policy.check_every_s = 0  # type: ignore[union-attr]
     assert recorder.poll() == []
     assert recorder.policy_seen
-    time.sleep(0.01)  # a new modification time
+    time.sleep(0.01)  # what a rewrite of the file is: a new modification time, which the recorder looks for
     write_command(policy, "newer")
     (path,) = recorder.poll()
     assert path == tmp_path / "flight" / RUN / "newer" / "rank-0.json"

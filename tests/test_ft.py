@@ -42,6 +42,7 @@ from examples.ft_launch import (
 from opsd.protocol.ft import EXIT_NO_QUORUM, LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
 from opsd.protocol.wire import StepReport
 from tests.launch import run_module
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -91,13 +92,15 @@ class Job:
         return report.step if report is not None else 0
 
     def wait(self, what: str, done: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not done():
-            for g, job in self.groups.items():
-                if job.poll() not in (None, 0):
-                    raise AssertionError(f"{what}: group {g} exited {job.poll()} ({self.root})")
-            assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s ({self.root})"
-            time.sleep(0.02)
+        """Until ``done()``; a group that fails meanwhile fails the wait at once."""
+
+        def statuses() -> str:
+            return f"exit statuses {[(g, job.poll()) for g, job in self.groups.items()]} ({self.root})"
+
+        def none_failed() -> bool:
+            return all(job.poll() in (None, 0) for job in self.groups.values())
+
+        wait_for(what, done, WAIT_S, alive=none_failed, context=statuses, interval_s=0.02)
 
     def in_quorum_of_two_since(self, group: int, since: float) -> bool:
         report = self.last(group)

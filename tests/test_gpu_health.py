@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.xid_table import load_xid_table
 from tests.fake_nvml import CONSTANTS, ERRORS, FUNCTIONS, EventData, FakeGpu, FakeNvml
 from tests.test_agent import samples
+from tests.waiting import wait_for
 
 SAMPLE = GpuSample(
     index=0,
@@ -99,11 +99,9 @@ def start_file_agent(tmp_path: Path, node: str = "n") -> tuple[Agent, Path]:
     return agent, gpus
 
 
-def wait_for_xids(agent: Agent, count: int) -> None:
-    deadline = time.monotonic() + 10
-    while agent.gpu is None or sum(agent.gpu.xid_counts.values()) < count:
-        assert time.monotonic() < deadline, "the agent did not see the injected XIDs"
-        time.sleep(0.05)
+def xids_seen(agent: Agent) -> int:
+    """How many XID events the agent has counted so far."""
+    return 0 if agent.gpu is None else sum(agent.gpu.xid_counts.values())
 
 
 def test_agent_exports_gpu_health_and_injected_xids(tmp_path: Path) -> None:
@@ -112,8 +110,8 @@ def test_agent_exports_gpu_health_and_injected_xids(tmp_path: Path) -> None:
     try:
         inject_xid(gpus, 0, 79)
         inject_xid(gpus, 0, 79)
-        wait_for_xids(agent, 2)
-        time.sleep(0.2)  # a sample of the new gpus.json
+        wait_for("both injected XIDs at the agent", lambda: xids_seen(agent) >= 2, 10)
+        wait_for("sample of the new gpus.json", lambda: agent.gpu is not None and agent.gpu.samples == [SAMPLE], 10)
         m = samples(agent)
     finally:
         agent.stop()

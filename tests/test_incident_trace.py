@@ -50,13 +50,14 @@ class SlowFakeBackend(FakeBackend):
     """The in-memory backend, each machine-level step taking ``STEP_PAUSE_S``."""
 
     def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Any) -> Any:
-        time.sleep(STEP_PAUSE_S)
+        time.sleep(STEP_PAUSE_S)  # the step's own duration, which its span measures
         return super()._once(step, request_id, args, carry_out)
 
 
-def beat(node: str, ranks: dict[int, int], events: list[HeartbeatEvent] | None = None) -> Heartbeat:
-    """A heartbeat from ``node`` (rank -> step), through the wire format as the API takes it."""
-    now = time.time()
+def beat(node: str, ranks: dict[int, int], events: list[HeartbeatEvent] | None = None, at_s: float = 0.0) -> Heartbeat:
+    """A heartbeat from ``node`` (rank -> step) sent at ``at_s`` (now if 0), through the wire format as the API
+    takes it."""
+    now = at_s or time.time()
     listed = [HeartbeatRank(run=RUN, rank=r, step=s, step_s=0.1, last_report_unix_s=now) for r, s in ranks.items()]
     return decode_heartbeat(encode(Heartbeat(v=1, node=node, time_unix_s=now, ranks=listed, events=events or [])))
 
@@ -94,11 +95,12 @@ def running(tmp_path: Path, tracing: IncidentTracing, backend: FakeBackend) -> C
 
 
 def first_step(controller: Controller) -> None:
-    """The relaunched ranks (on node-0 and the spare) make their first step: the incident is recovered."""
-    time.sleep(STEP_PAUSE_S)  # the new launch's ranks start
-    controller.heartbeat(beat("node-0", {0: 4}), time.time())  # resumed from a checkpoint: its first step
-    controller.heartbeat(beat("node-2", {1: 4}), time.time())
-    controller.tick(time.time())
+    """The relaunched ranks (on node-0 and the spare) make their first step ``STEP_PAUSE_S`` after the relaunch (the
+    time they take to start, given to the controller as its clock): the incident is recovered."""
+    now = time.time() + STEP_PAUSE_S
+    controller.heartbeat(beat("node-0", {0: 4}, at_s=now), now)  # resumed from a checkpoint: its first step
+    controller.heartbeat(beat("node-2", {1: 4}, at_s=now), now)
+    controller.tick(now)
 
 
 def in_order(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:

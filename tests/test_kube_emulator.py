@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,19 +18,11 @@ from kubernetes.watch import Watch
 from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.patches import strategic_merge_patch
 from tests.kube.selectors import Selector, parse_label_selector
+from tests.waiting import wait_for
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 JOBSETS = ("jobset.x-k8s.io", "v1alpha2")
 _SERIALIZER = client.ApiClient()
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``condition`` every 20 ms until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def as_json(answer: object) -> dict[str, Any]:
@@ -414,7 +405,7 @@ def test_a_live_watch_applies_its_selector_and_sees_objects_enter_and_leave(kube
     since = list_rv(core.list_namespaced_pod("default"))
 
     def writes() -> None:
-        wait_for(lambda: kube.count("GET", "/api/v1/namespaces/default/pods") >= 2, what="the watch request")
+        wait_for("watch request", lambda: kube.count("GET", "/api/v1/namespaces/default/pods") >= 2, 10)
         kube.put(pod("in", {"app": "train"}))
         kube.put(pod("out", {"app": "eval"}))
         kube.put(pod("out", {"app": "train"}))  # enters the selection
@@ -543,16 +534,16 @@ def test_leader_election_renews_by_put_and_fails_over(kube: KubeEmulator) -> Non
 
     threads = [candidate("a")]
     try:
-        wait_for(started["a"].is_set, what="a to lead")
+        wait_for("leadership of a", started["a"].is_set, 10)
         threads.append(candidate("b"))
         first = renewals_by("a")
-        wait_for(lambda: renewals_by("a") >= first + 4, what="a to renew four times")
+        wait_for("four renewals by a", lambda: renewals_by("a") >= first + 4, 10)
         assert not started["b"].is_set()
         assert not stopped["a"].is_set()
         assert holder() == "a"
         stop["a"].set()  # a stops renewing; b takes over once the lease has run out
-        wait_for(stopped["a"].is_set, what="a to stop leading")
-        wait_for(started["b"].is_set, what="b to take over")
+        wait_for("end of the leadership of a", stopped["a"].is_set, 10)
+        wait_for("takeover by b", started["b"].is_set, 10)
         assert holder() == "b"
         assert kube.count("POST", LEASES) == 1  # created once, by a; every later write was a PUT
     finally:

@@ -1,13 +1,12 @@
 """The Kubernetes backend's steps on the emulated API server (tests.kube): what each does to nodes, pods and Events,
 and how it meets a cluster that pushes back (a node changed meanwhile, a PodDisruptionBudget, a pod stuck
-Terminating, a watch too old to resume, a circuit breaker's limit). The port's contract for this backend is in
-tests/test_backend_contract.py."""
+Terminating, a circuit breaker's limit); the reconciler that finds runs and node roles in the cluster, the leader's
+label on its own pod, and the start-up check for JobSets. The informers it reads the cluster through are in
+tests/test_kubernetes_informers.py; the port's contract for this backend is in tests/test_backend_contract.py."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
 from opsd.backends.kubernetes.leader import label_self
-from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome, Pending
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
@@ -47,7 +45,7 @@ from opsd.runtime.kubernetes import run_kubernetes
 from opsd.runtime.server import ServeConfig
 from tests.backend_contract import BY_NAME, RUN, play
 from tests.kube.emulator import KubeEmulator, kube_emulator
-from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist, wait_until
+from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist
 from tests.rows import stored
 
 XID_REASON = "fatal_xid: XID 79 on GPU 0: fallen off the bus"
@@ -427,78 +425,6 @@ def test_an_event_that_cannot_be_recorded_does_not_fail_the_step(
     backend.runs[RUN] = RunRef("gone", RUN)  # Events in a namespace that does not exist: 404
     assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done({"changed": True})
     assert "not recorded" in caplog.text
-
-
-# -- informers ---------------------------------------------------------------------------------------------------
-class GatedApi(KubeApi):
-    """Each watch opens only while ``gate`` is set (a controller that was away)."""
-
-    def __init__(self, kube: KubeEmulator) -> None:
-        super().__init__(kube.api_client)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.waiting = threading.Event()
-
-    def watch(self, kind: str, resource_version: str, timeout_s: int, **selectors: str) -> Iterator[Json]:
-        if not self.gate.is_set():
-            self.waiting.set()
-            self.gate.wait()
-        yield from super().watch(kind, resource_version, timeout_s, **selectors)
-
-
-def names(informer: Informer) -> set[str]:
-    return {o["metadata"]["name"] for o in informer.objects()}
-
-
-@pytest.fixture
-def informer_kube() -> Iterator[KubeEmulator]:
-    from tests.kube.emulator import kube_emulator
-
-    with kube_emulator(bookmark_interval_s=0.2, history_limit=50) as emulator:
-        yield emulator
-
-
-def test_an_informer_follows_changes_and_lists_again_when_its_watch_is_too_old(informer_kube: KubeEmulator) -> None:
-    kube = informer_kube
-    kube.put(node("node-0"))
-    api = GatedApi(kube)
-    informer = Informer(api, "nodes", lambda: api.nodes(""), timeout_s=1)
-    informer.start()
-    try:
-        assert informer.synced.wait(10)
-        assert names(informer) == {"node-0"}
-        kube.put(node("node-1"))
-        wait_until("node-1 seen", lambda: names(informer) == {"node-0", "node-1"})
-
-        api.gate.clear()  # the informer's next watch waits: what changes meanwhile is compacted away
-        assert api.waiting.wait(10)
-        kube.remove("nodes", None, "node-0")
-        kube.put(node("node-2"))
-        kube.compact()
-        assert informer.relists == 0
-        api.gate.set()
-
-        wait_until("the changes seen", lambda: names(informer) == {"node-1", "node-2"})
-        assert informer.relists == 1  # the watch answered 410: listed again
-    finally:
-        informer.stop()
-
-
-def test_bookmarks_move_a_quiet_informer_on(informer_kube: KubeEmulator) -> None:
-    kube = informer_kube
-    kube.put(node("node-0"))
-    api = KubeApi(kube.api_client)
-    informer = Informer(api, "nodes", lambda: api.nodes(""), timeout_s=30)
-    informer.start()
-    try:
-        assert informer.synced.wait(10)
-        listed = int(informer.resource_version)
-        kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "elsewhere"}})  # no node changes
-        wait_until("a bookmark", lambda: int(informer.resource_version) > listed)
-        assert informer.relists == 0
-        assert names(informer) == {"node-0"}
-    finally:
-        informer.stop()
 
 
 # -- the reconciler ----------------------------------------------------------------------------------------------

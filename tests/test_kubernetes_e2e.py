@@ -42,9 +42,9 @@ from tests.kube.training import (
     NodeAgents,
     ProcessKubelet,
     kubeconfig,
-    wait_for,
 )
 from tests.launch import run_module
+from tests.waiting import get_json, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +150,7 @@ def inject_after_a_checkpoint(stack: Stack, status: Any, after_step: int = 20) -
         step = int((status() or {}).get("step") or 0)
         return step if committed and max(committed) >= after_step and step >= max(committed) + 3 else None
 
-    step: int = wait_for("a committed checkpoint", ready, 240, context=stack.logs)
+    step: int = wait_for("a committed checkpoint", ready, 240, context=stack.logs, interval_s=0.2)
     inject_xid(stack.spec.node_dir("node-1") / "gpus", 0, 79)
     return step
 
@@ -162,7 +162,7 @@ def finished(stack: Stack, status: Any) -> dict[str, Any]:
         now = status() or {}
         return now if "Completed" in conditions and now.get("state") == "completed" else None
 
-    result: dict[str, Any] = wait_for("the run's completion", done, 300, context=stack.logs)
+    result: dict[str, Any] = wait_for("the run's completion", done, 300, context=stack.logs, interval_s=0.2)
     return result
 
 
@@ -289,14 +289,11 @@ def test_the_standby_takes_the_lease_and_finishes_a_recovery_its_leader_died_in(
     stack.service = service
     stack.controllers.update(replicas)
     stacks.append(stack)
-    first = wait_for("a leader", service.leader, 60, context=stack.logs)
+    first = wait_for("a leader", service.leader, 60, context=stack.logs, interval_s=0.2)
 
     def status() -> Any:
         try:
-            headers = {"Authorization": f"Bearer {TOKEN}"}
-            request = urllib.request.Request(f"{service.url}/v1/runs/{RUN}", headers=headers)
-            with urllib.request.urlopen(request, timeout=10) as r:
-                return json.load(r)
+            return get_json(f"{service.url}/v1/runs/{RUN}", token=TOKEN, timeout_s=10)
         except OSError:
             return None
 
@@ -305,14 +302,14 @@ def test_the_standby_takes_the_lease_and_finishes_a_recovery_its_leader_died_in(
     def evicted() -> bool:
         return any(e["reason"] == "OpsdEvict" for e in kube.objects("events"))
 
-    wait_for("the leader's evictions", evicted, 120, context=stack.logs)
+    wait_for("the leader's evictions", evicted, 120, context=stack.logs, interval_s=0.2)
     replicas[first].kill()  # SIGKILL: mid-recovery, its restart not yet verified
     dead = kube.get("pods", CONTROLLER_NAMESPACE, first)
     assert dead is not None
     kube.put({**dead, "status": {"conditions": [{"type": "Ready", "status": "False"}]}})  # as its kubelet tells
     killed_at = time.monotonic()
     successor = next(p for p in ports if p != first)
-    wait_for("the new leader", lambda: service.leader() == successor, 60, context=stack.logs)
+    wait_for("the new leader", lambda: service.leader() == successor, 60, context=stack.logs, interval_s=0.2)
     took_over_s = time.monotonic() - killed_at
 
     finished(stack, status)

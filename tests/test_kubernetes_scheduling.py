@@ -33,9 +33,10 @@ from opsd.protocol.cluster import (
 from opsd.protocol.states import IncidentState, NodeRole
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer
-from tests.kube.machines import GPU_LABEL, JOBSETS, Cluster, wait_until
+from tests.kube.machines import GPU_LABEL, JOBSETS, Cluster
 from tests.rows import stored
 from tests.test_kubernetes_takeover import ScriptedKubelet
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 Json = dict[str, Any]
@@ -103,7 +104,7 @@ def test_the_docs_jobset_schedules_on_a_fresh_cluster_and_an_xid_swaps_a_node_fo
     jobset = docs_jobset(nodes=2)
     run, namespace = jobset["metadata"]["annotations"]["opsd.io/run"], jobset["metadata"]["namespace"]
     kube.put(jobset)
-    wait_until("the pods placed", lambda: len(placement(kube, namespace, 0)) == 2)
+    wait_for("placement of both pods", lambda: len(placement(kube, namespace, 0)) == 2, 20)
     assert placement(kube, namespace, 0) == ["gpu-a", "gpu-b"]  # not the CPU node, not the spare
 
     backend = KubernetesBackend(KubeApi(kube.api_client), KubernetesConfig(namespace="opsd", quarantines_per_hour=10))
@@ -115,7 +116,7 @@ def test_the_docs_jobset_schedules_on_a_fresh_cluster_and_an_xid_swaps_a_node_fo
         # the nodes the run's pods landed on are labelled the run's, by opsd
         assert labels(kube, "gpu-a")[RUN_LABEL] == labels(kube, "gpu-b")[RUN_LABEL] == run
         assert RUN_LABEL not in labels(kube, "spare-1")
-        wait_until("the labels seen", lambda: _roles(watched, store) == {"gpu-a": "active", "gpu-b": "active"})
+        wait_for("roles from the labels", lambda: _roles(watched, store) == {"gpu-a": "active", "gpu-b": "active"}, 20)
         assert stored(store.node("spare-1")).role == NodeRole.SPARE
 
         kube.put(fresh_node("gpu-0"))  # an autoscaler adds a GPU node; it sorts first by name
@@ -153,10 +154,10 @@ def test_a_larger_run_takes_the_nodes_an_autoscaler_adds(
     jobset = copy.deepcopy(docs_jobset(nodes=3))
     namespace = jobset["metadata"]["namespace"]
     kube.put(jobset)
-    wait_until("two pods placed", lambda: len(placement(kube, namespace, 0)) == 2)
+    wait_for("placement of two pods", lambda: len(placement(kube, namespace, 0)) == 2, 20)
     assert placement(kube, namespace, 0) == ["gpu-a", "gpu-b"]
     kube.put(fresh_node("gpu-c"))
-    wait_until("the third pod placed", lambda: len(placement(kube, namespace, 0)) == 3)
+    wait_for("placement of the third pod", lambda: len(placement(kube, namespace, 0)) == 3, 20)
     assert placement(kube, namespace, 0) == ["gpu-a", "gpu-b", "gpu-c"]
     assert POOL_LABEL in labels(kube, "spare-1")
 

@@ -29,7 +29,8 @@ from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
 from opsd.protocol.states import IncidentState, RunState
 from tests.backend_contract import SimulatedCrashError, crash_at
 from tests.kube.emulator import KubeEmulator
-from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, wait_until
+from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines
+from tests.waiting import wait_for
 
 RUN = "job"
 XID = Failure(FailureKind.FATAL_XID, "node-1", None, "XID 79 on GPU 0: fallen off the bus")
@@ -75,7 +76,7 @@ def leader_died_after_the_evictions(kube: KubeEmulator, store: StateStore) -> tu
     with pytest.raises(SimulatedCrashError):
         first.open_failure(run, [XID], t)
     machines.clusters[-1].close()
-    wait_until("the new pods on node-0 and node-2", lambda: machines.placement() == {0: "node-0", 1: "node-2"})
+    wait_for("new pods on node-0 and node-2", lambda: machines.placement() == {0: "node-0", 1: "node-2"}, 20)
     return machines, kubelet
 
 
@@ -112,7 +113,7 @@ def test_the_new_pods_ran_to_their_end_before_the_successor_led(kube: KubeEmulat
         for pod in kube.objects("pods", NAMESPACE):
             if pod["metadata"]["labels"]["jobset.sigs.k8s.io/restart-attempt"] == "1":
                 kubelet.exits[pod["metadata"]["name"]] = 0
-        wait_until("the JobSet completed", lambda: completed(machines))
+        wait_for("completion of the JobSet", lambda: completed(machines), 20)
 
         controller, leader = successor(machines, store)
         try:

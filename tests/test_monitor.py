@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from opsd.protocol.wire import decode, decode_report
+from tests.waiting import wait_for
 from trainer_hooks.collectives import CollectiveTracer
 from trainer_hooks.comm_tables import Blocked
 from trainer_hooks.flops import ModelShape, flops_per_token
@@ -36,7 +37,7 @@ def lines(tmp_path: Path) -> list[dict[str, Any]]:
 def test_step_report_figures(tmp_path: Path) -> None:
     m = monitor(tmp_path)
     with m.step(tokens=1000):
-        time.sleep(0.02)
+        time.sleep(0.02)  # the step's work: what it measures
     m.close()
     (r,) = lines(tmp_path)
     assert r["step"] == 1
@@ -264,8 +265,10 @@ class Waiting(CollectiveTracer):
     def __init__(self) -> None:
         super().__init__()
         self.since: float | None = 1.0
+        self.asked = 0  # the watchdog asks once a round: its rounds so far
 
     def blocked(self) -> Blocked | None:
+        self.asked += 1
         return None if self.since is None else Blocked("tp", "all_reduce", self.since, 5.0)
 
 
@@ -276,14 +279,11 @@ def test_a_long_wait_on_a_collective_is_reported_once_per_wait(tmp_path: Path) -
     try:
 
         def reported(n: int) -> list[dict[str, Any]]:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                path = tmp_path / "steps.jsonl"
-                found = lines(tmp_path) if path.exists() else []
-                if len(found) >= n:
-                    time.sleep(0.3)  # a few more watchdog rounds: still n
-                    return lines(tmp_path)
-                time.sleep(0.05)
+            """The reports once there are ``n`` and the watchdog has gone 3 more rounds (still ``n``: once a wait)."""
+            path = tmp_path / "steps.jsonl"
+            wait_for(f"report {n}", lambda: path.exists() and len(lines(tmp_path)) >= n, 10)
+            rounds = tracer.asked
+            wait_for("3 more rounds of the watchdog", lambda: tracer.asked > rounds + 3, 10)
             return lines(tmp_path)
 
         (first,) = reported(1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import PermanentError
 from opsd.protocol.states import FAILURE_KINDS
+from tests.waiting import wait_for
 
 RUN = "offline"
 STEPS = 50
@@ -43,17 +43,24 @@ def test_a_finished_runs_incidents_postmortem_and_flame_graph_need_no_controller
     proc = subprocess.Popen(
         [*command, "--", *trainer], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+
+    def killed_past_step_23() -> bool:
+        """Rank 1 killed, once training is past the checkpoint of step 20."""
+        where = ("--url", url, "--state-dir", str(state))
+        status = opsd("status", RUN, "--json", *where)
+        if status.exit_code != 0 or json.loads(status.stdout)["step"] < 23:
+            return False
+        return opsd("inject", "kill", "--rank", "1", "--run", RUN, *where).exit_code == 0
+
     try:
-        deadline = time.monotonic() + 180
-        while True:  # kill rank 1 once training is past the checkpoint of step 20
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never got past step 23"
-            status = opsd("status", RUN, "--json", "--url", url, "--state-dir", str(state))
-            if status.exit_code == 0 and json.loads(status.stdout)["step"] >= 23:
-                killed = opsd("inject", "kill", "--rank", "1", "--run", RUN, "--url", url, "--state-dir", str(state))
-                if killed.exit_code == 0:
-                    break
-            time.sleep(0.5)
+        wait_for(
+            "kill past step 23",
+            killed_past_step_23,
+            180,
+            alive=proc,
+            context=lambda: "" if proc.poll() is None else str(proc.communicate()),
+            interval_s=0.5,
+        )
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

@@ -32,13 +32,14 @@ from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.cluster import LEADER, RESTART_ATTEMPT_LABEL
 from opsd.protocol.states import NodeRole
+from tests.helm_chart import Helm, parse
 from tests.kube.api import RecordedRequest, parse_target
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer
-from tests.kube.machines import NAMESPACE, jobset, node, wait_until
+from tests.kube.machines import NAMESPACE, jobset, node
 from tests.kube.training import kubeconfig
-from tests.test_helm import Helm, parse
 from tests.test_kubernetes_takeover import ScriptedKubelet
+from tests.waiting import wait_for
 
 RELEASE_NAMESPACE = "opsd"
 CONTROLLER, HOOK = "controller-token", "hook-token"  # the ServiceAccounts' tokens, as the pods present them
@@ -169,7 +170,7 @@ def cluster(kube: KubeEmulator) -> Iterator[tuple[KubeEmulator, JobSetPlayer]]:
     player = JobSetPlayer(kube, ScriptedKubelet())
     kube.put(jobset(RUN, 2, grace_s=1))  # a stuck pod is force-deleted a second past its grace period
     player.start()
-    wait_until("the run's pods", lambda: len(placed(kube, 0)) == 2)
+    wait_for("placement of the run's two pods", lambda: len(placed(kube, 0)) == 2, 20)
     try:
         yield kube, player
     finally:
@@ -198,8 +199,8 @@ def controller_scenario(kube: KubeEmulator, config: KubernetesConfig, store: Sta
             informer.start()
         for informer in (leader.nodes, leader.pods, leader.jobsets):
             assert informer.synced.wait(10), informer.kind
-        wait_until(
-            "the run's nodes labelled", lambda: _synced(leader) and kube.count("PUT", "/api/v1/nodes/node-0") > 0
+        wait_for(
+            "label on the run's nodes", lambda: _synced(leader) and kube.count("PUT", "/api/v1/nodes/node-0") > 0, 20
         )
         dead = next(p for p in kube.objects("pods", NAMESPACE) if p["spec"].get("nodeName") == "node-1")
         kube.stick_terminating(NAMESPACE, dead["metadata"]["name"])  # its node does not answer: force-deleted
@@ -223,7 +224,7 @@ def controller_scenario(kube: KubeEmulator, config: KubernetesConfig, store: Sta
 
         threading.Thread(target=campaign, name="election", daemon=True).start()
         lease = f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NAMESPACE}/leases/{config.lease_name}"
-        wait_until("the Lease renewed", lambda: kube.count("PUT", lease) > 0, timeout_s=20)
+        wait_for("renewal of the Lease", lambda: kube.count("PUT", lease) > 0, 20)
     finally:
         lease_renewed.set()
         leader.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +22,7 @@ from opsd.protocol.wire import encode
 from opsd.protocol.xid_table import load_xid_table
 from tests.test_agent import step
 from tests.test_wire import report
+from tests.waiting import wait_for
 from trainer_hooks.policy_reader import PolicyReader
 
 
@@ -201,10 +201,7 @@ def test_agent_sends_heartbeats_with_what_ranks_report(tmp_path: Path, controlle
     agent.start()
     try:
         agent.handle(encode(report(rank=2, step=9)))
-        deadline = time.monotonic() + 10
-        while not any(b["ranks"] for _, b in controller.requests):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for("heartbeat with the rank's step", lambda: any(b["ranks"] for _, b in controller.requests), 10)
         text = agent.metrics_text().decode()
     finally:
         agent.stop()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,30 +20,16 @@ from opsd.backends.local.processes import free_port
 from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.wire import encode
 from tests.test_wire import report
+from tests.waiting import get_json, wait_for
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "integration-token"
+HTTP: dict[str, Any] = {"retry_on": (OSError,), "interval_s": 0.2}  # a refused connection or an HTTP error: not yet
 
 
 def get(url: str) -> Any:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})  # reads want the token
-    with urllib.request.urlopen(request, timeout=5) as r:
-        return json.loads(r.read())
-
-
-def until(check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.2)
+    return get_json(url, token=TOKEN, timeout_s=5)  # reads want the token
 
 
 @pytest.fixture
@@ -86,9 +72,13 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+    def running() -> bool:
+        return serve.poll() is None and agent.poll() is None
+
     try:
-        until(lambda: get(f"{url}/healthz")["status"] == "ok")
-        yield {"url": url, "socket": sock, "gpus": gpus, "agent": agent}
+        wait_for("healthy controller", lambda: get(f"{url}/healthz")["status"] == "ok", 20, alive=running, **HTTP)
+        yield {"url": url, "socket": sock, "gpus": gpus, "agent": agent, "running": running}
     finally:
         for p in (agent, serve):
             p.terminate()
@@ -96,17 +86,19 @@ def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 def test_an_xid_on_a_node_becomes_an_incident(stack: dict[str, Any]) -> None:
-    url = stack["url"]
+    url, running = stack["url"], stack["running"]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        until(lambda: Path(stack["socket"]).exists())
+        wait_for("socket of the agent", Path(stack["socket"]).exists, 20, alive=running)
         for step in (1, 2, 3):
             s.sendto(encode(report(run="demo", rank=0, step=step)), stack["socket"])
             s.sendto(encode(report(run="demo", rank=1, step=step)), stack["socket"])
-    status = until(lambda: get(f"{url}/v1/runs/demo") if get(f"{url}/v1/runs") else None)
+    status = wait_for(
+        "run demo", lambda: get(f"{url}/v1/runs") and get(f"{url}/v1/runs/demo"), 20, alive=running, **HTTP
+    )
     assert status["ranks"] == 2
     injected = time.monotonic()
     inject_xid(stack["gpus"], gpu=1, xid=79)
-    (incident,) = until(lambda: get(f"{url}/v1/runs/demo/incidents"))
+    (incident,) = wait_for("incident", lambda: get(f"{url}/v1/runs/demo/incidents"), 20, alive=running, **HTTP)
     detected_after_s = time.monotonic() - injected
     assert (incident["kind"], incident["node"]) == ("fatal_xid", "node-a")
     assert "XID 79 on GPU 1" in incident["detail"]
@@ -117,7 +109,9 @@ def test_an_xid_on_a_node_becomes_an_incident(stack: dict[str, Any]) -> None:
         metrics = r.read().decode()
     assert 'opsd_run_incidents_total{cause="fatal_xid",run="demo"} 1.0' in metrics
     nodes = get(f"{url}/v1/nodes")
-    assert until(lambda: get(f"{url}/v1/nodes")[0]["events_acked"] >= 1)
+    assert wait_for(
+        "acknowledgement of the XID", lambda: get(f"{url}/v1/nodes")[0]["events_acked"] >= 1, 20, alive=running, **HTTP
+    )
     assert nodes[0]["name"] == "node-a"
     cli = [sys.executable, "-m", "opsd"]
     auth = ["--url", url, "--token", TOKEN]

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from opsd.runtime.local import run_local
 from opsd.runtime.server import ServeConfig
 from tests.faults import inject
 from tests.launch import ROOT
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,16 +64,6 @@ def past_a_checkpoint(ckpt: str, step: int) -> bool:
     """A checkpoint is committed and training is at least 3 steps past it."""
     committed = [c.step for c in inspect_checkpoints(open_store(ckpt)) if c.problem is None]
     return bool(committed) and step >= max(committed) + 3
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[str], log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.poll() is not None:
-            pytest.fail(f"opsd run exited ({proc.returncode}) while waiting for {what}: {log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def alive(pid: int) -> bool:
@@ -111,6 +100,10 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
         "WARNING",
     ]
     log = tmp_path / "first.log"
+
+    def tail() -> str:
+        return log.read_text()[-3000:]
+
     with log.open("w") as out:
         first = subprocess.Popen(
             [*command, "--crash-after-action", "cordon", "--", *trainer(ckpt)],
@@ -120,7 +113,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
             text=True,
         )
     try:
-        wait_for("token", (state / "token").exists, 30, first, log)
+        wait_for("token", (state / "token").exists, 30, alive=first, context=tail, interval_s=0.2)
         client = HttpClient(url, None, str(state))
 
         def progressed() -> bool:
@@ -130,7 +123,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
                 return False
             return past_a_checkpoint(ckpt, step)
 
-        wait_for("checkpoint", progressed, 120, first, log)
+        wait_for("checkpoint", progressed, 120, alive=first, context=tail, interval_s=0.2)
         inject = subprocess.run(
             [*INJECT, "--url", url, "--state-dir", str(state), "--run", "job"],
             cwd=ROOT,
@@ -139,7 +132,7 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
             timeout=60,
         )
         assert inject.returncode == 0, inject.stderr
-        assert first.wait(timeout=60) == -9, log.read_text()[-3000:]  # killed itself after the cordon
+        assert first.wait(timeout=60) == -9, tail()  # killed itself after the cordon
     finally:
         if first.poll() is None:
             first.kill()

@@ -9,7 +9,8 @@ import pytest
 from agent.daemon import Agent, AgentConfig
 from opsd.protocol.gpu_files import inject_xid
 from tests.otlp import OtlpReceiver
-from tests.test_gpu_health import start_file_agent, wait_for_xids
+from tests.test_gpu_health import start_file_agent, xids_seen
+from tests.waiting import wait_for
 
 
 def test_xid_events_become_spans_over_otlp_http(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -18,7 +19,7 @@ def test_xid_events_become_spans_over_otlp_http(tmp_path: Path, monkeypatch: pyt
         agent, gpus = start_file_agent(tmp_path, node="n3")
         try:
             inject_xid(gpus, 1, 79)
-            wait_for_xids(agent, 1)
+            wait_for("injected XID at the agent", lambda: xids_seen(agent) >= 1, 10)
         finally:
             agent.stop()  # flushes the spans
         assert receiver.requests, "no OTLP request arrived"

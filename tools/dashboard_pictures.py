@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if returncode != 0:
                 print(f"the demo failed (exit {returncode}):\n{stdout.read_text()[-3000:]}", file=sys.stderr)
                 return 1
-            time.sleep(2 * SCRAPE_INTERVAL_S)  # the last scrape in
+            prom.wait_for_scrapes_after(ended)  # every sample of the run in
             boards = build_all()
             names = list(boards) if args.all else list(DEFAULT_DASHBOARDS)
             config = RenderConfig(RUN, started, ended, step_s=2.0, rate_interval=RATE_INTERVAL, dpi=64)

@@ -9,7 +9,6 @@ controller's death is a new backend and reconciler over the same cluster (the cl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from opsd.backends.kubernetes.api import KubeApi
@@ -32,19 +31,12 @@ from opsd.protocol.cluster import (
 )
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer, Kubelet
+from tests.waiting import wait_for
 
 Json = dict[str, Any]
 GPU_LABEL = "nvidia.com/gpu.present"
 NAMESPACE = "train"
 JOBSETS = "jobsets.jobset.x-k8s.io"
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s:.0f} s")
-        time.sleep(0.02)
 
 
 def node(name: str, *, spare: bool = False, run: str = "") -> Json:
@@ -175,7 +167,7 @@ class KubeMachines:
             self.kube.put(node(f"node-{i}", spare=True))
         self.kube.put(jobset(self.run, nodes, grace_s=self.grace_s))
         self.player.start()
-        wait_until("pods running", lambda: len(self.placement()) == nodes)
+        wait_for("pod running on each node", lambda: len(self.placement()) == nodes, 20)
         self.cluster(controller.store, self.backend)
 
     def _backend(self) -> KubernetesBackend:

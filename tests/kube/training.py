@@ -31,9 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +49,7 @@ from opsd.protocol.env import (
 )
 from opsd.protocol.node_agent import AgentAddress
 from tests.kube.emulator import KubeEmulator
+from tests.waiting import get_json, wait_for
 
 Json = dict[str, Any]
 
@@ -121,13 +120,24 @@ class NodeAgents:
             )
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for node, proc in self.procs.items():
-            path = self.spec.node_dir(node) / "agent.sock"
-            while not path.exists():
-                assert proc.poll() is None, f"the agent of {node} exited: {self.log(node)[-2000:]}"
-                assert time.monotonic() < deadline, f"the agent of {node} never opened {path}"
-                time.sleep(0.1)
+        """Until the agent of every node has opened its socket; an agent that exits first fails the wait at once."""
+        sockets = {node: self.spec.node_dir(node) / "agent.sock" for node in self.procs}
+
+        def states() -> str:
+            return "\n".join(
+                f"{node}: socket {'open' if sockets[node].exists() else 'missing'}, exit status {proc.poll()}\n"
+                + self.log(node)[-2000:]
+                for node, proc in self.procs.items()
+            )
+
+        wait_for(
+            "socket of each node's agent",
+            lambda: all(path.exists() for path in sockets.values()),
+            timeout_s,
+            alive=lambda: all(proc.poll() is None for proc in self.procs.values()),
+            context=states,
+            interval_s=0.1,
+        )
 
     def log(self, node: str) -> str:
         path = self.spec.node_dir(node) / "agent.log"
@@ -181,20 +191,20 @@ class ControllerProcess:
             )
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2):
-                    return
-            except OSError:
-                assert self.proc.poll() is None, f"the controller exited: {self.tail()}"
-                assert time.monotonic() < deadline, f"the controller never answered: {self.tail()}"
-                time.sleep(0.2)
+        """Until ``/healthz`` answers; the process exiting first fails the wait at once, with the log's tail."""
+        healthz = f"{self.url}/healthz"
+        wait_for(
+            "answer from the controller",
+            lambda: get_json(healthz),
+            timeout_s,
+            alive=self.proc,
+            context=self.tail,
+            retry_on=(OSError,),
+            interval_s=0.2,
+        )
 
     def get(self, path: str) -> Any:
-        request = urllib.request.Request(f"{self.url}{path}", headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(request, timeout=10) as r:
-            return json.load(r)
+        return get_json(f"{self.url}{path}", token=self.token, timeout_s=10)
 
     def tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
@@ -289,15 +299,3 @@ class LeaderService:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, *, context: Callable[[], str] = str) -> Any:
-    """Poll ``check`` until it returns something true; that value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s:.0f} s\n{context()}")
-        time.sleep(0.2)

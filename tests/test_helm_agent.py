@@ -1,0 +1,173 @@
+"""What the chart renders for the agent (tests/test_helm.py renders it): its DaemonSet with default and custom
+values, the GPU nodes as one setting, each way of reaching the GPUs (``agent.gpuAccess``) in a pod the API server
+accepts, and a release without agents."""
+
+from __future__ import annotations
+
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+from tests.helm_chart import Combo, Helm, Obj, container, env, objects, one, secret_ref, values_of
+from tests.pod_security import api_refusals
+
+
+def test_agent_daemonset(default: list[Obj]) -> None:
+    daemonset = one(default, "DaemonSet", "opsd-agent")
+    pod = daemonset["spec"]["template"]["spec"]
+    c = container(daemonset)
+    assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == "opsd-agent"
+    assert c["command"] == ["opsd"]
+    assert c["args"] == ["agent", "--config", "/etc/opsd/opsd.yaml"]
+    assert c["ports"] == [  # the node's ports: the ranks reach the agent at their pod's status.hostIP
+        {"name": "metrics", "containerPort": 9464, "hostPort": 9464, "protocol": "TCP"},
+        {"name": "datagrams", "containerPort": 9465, "hostPort": 9465, "protocol": "UDP"},
+    ]
+    assert "hostNetwork" not in pod
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    variables = env(c)
+    assert variables["OPSD_AGENT_NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert variables["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://opsd-controller:8470/v1/heartbeat"
+    assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")  # heartbeats only
+    assert secret_ref(c, "OPSD_AGENT_METRICS_TOKEN") == ("opsd-credentials", "metrics")
+    assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert variables["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/var/spool/opsd"]]["emptyDir"] == {}  # the dumps the ranks send, until uploaded
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    assert volumes[mounts["/etc/opsd"]]["configMap"] == {"name": "opsd-config"}
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {}
+    security = c["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert "privileged" not in security
+    headless = one(default, "Service", "opsd-agent")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["ports"][0]["name"] == "metrics"
+    monitor = one(default, "PodMonitor", "opsd-agent")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    assert endpoint["honorLabels"] is True
+    assert endpoint["relabelings"][0] == {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "node",
+        "action": "replace",
+    }
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items()
+        <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("agent-custom-values.yaml", "1.29.0", True)]
+    daemonset = one(docs, "DaemonSet", "trainops-agent")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["tolerations"] == values_of("agent-custom-values.yaml")["agent"]["tolerations"]
+    assert pod["nodeSelector"] == {"cloud.example.com/pool": "h100"}
+    assert pod["runtimeClassName"] == "nvidia"
+    assert daemonset["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": "10%"}
+    run = next(v for v in pod["volumes"] if v["name"] == "run")
+    assert run["hostPath"] == {"path": "/var/run/opsd", "type": "DirectoryOrCreate"}  # transport: hostPath
+    c = container(daemonset)
+    assert next(m for m in c["volumeMounts"] if m["name"] == "run")["mountPath"] == "/run/opsd"
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]  # no host port
+    assert env(c)["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://trainops-controller:8470/v1/heartbeat"
+    assert env(c)["PYTHONFAULTHANDLER"]["value"] == "1"
+    settings = yaml.safe_load(one(docs, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
+    assert settings["agent"]["heartbeat_interval_s"] == 2
+    assert settings["agent"]["gpu_interval_s"] == 10
+    assert settings["agent"]["gpu_source"] == "nvml"
+    assert settings["controller"]["kubernetes"]["node_selector"] == "cloud.example.com/pool=h100"
+    assert (settings["agent"]["socket"], settings["agent"]["policy_file"]) == (
+        "/run/opsd/agent.sock",
+        "/run/opsd/policy.json",
+    )
+    assert "datagram_port" not in settings["agent"]
+
+
+def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
+    """gpuNodeSelector is both the agents' nodeSelector and the nodes the controller manages; the controller's own
+    key is refused, so that the two cannot disagree."""
+    docs = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null, "pool": "a", "gen": "h100"}')
+    assert one(docs, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a", "gen": "h100"}
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["node_selector"] == "gen=h100,pool=a"
+    every = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null}')
+    assert "nodeSelector" not in one(every, "DaemonSet")["spec"]["template"]["spec"]
+    every_settings = yaml.safe_load(one(every, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert every_settings["controller"]["kubernetes"]["node_selector"] == ""
+    proc = helm.template("--set", "controller.config.kubernetes.node_selector=pool=b")
+    assert proc.returncode != 0
+    assert "the GPU nodes are gpuNodeSelector" in proc.stderr
+
+
+GPU_ACCESS = {
+    "runtime": "default",
+    "privileged": "kube-prometheus-stack-values.yaml",
+    "hostDriver": "postgres-ha-values.yaml",
+}
+
+
+@pytest.mark.parametrize("access", sorted(GPU_ACCESS))
+def test_each_gpu_access_renders_an_agent_the_api_server_accepts(renders: dict[Combo, list[Obj]], access: str) -> None:
+    """agent.gpuAccess is the one value: the NVIDIA runtime, a privileged container (without the
+    allowPrivilegeEscalation: false the API server refuses beside it), or the host's driver mounted."""
+    values = GPU_ACCESS[access]
+    assert values_of(values).get("agent", {}).get("gpuAccess", "runtime") == access
+    daemonset = one(renders[Combo(values, "1.37.0", True)], "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert api_refusals(pod) == []
+    c = container(daemonset)  # (kubernetes-validate --strict checks it with the matrix)
+    security, variables = c["securityContext"], env(c)
+    assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert security["readOnlyRootFilesystem"] is True
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if access == "runtime":
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert "privileged" not in security
+    else:
+        assert security["privileged"] is True
+        assert "allowPrivilegeEscalation" not in security
+        assert "capabilities" not in security
+    if access == "hostDriver":
+        assert volumes["nvidia-driver"]["hostPath"] == {"path": "/home/kubernetes/bin/nvidia", "type": "Directory"}
+        assert mounts["nvidia-driver"] == {"name": "nvidia-driver", "mountPath": "/usr/local/nvidia", "readOnly": True}
+        assert variables["LD_LIBRARY_PATH"]["value"] == "/usr/local/nvidia/lib64"
+    else:
+        assert "nvidia-driver" not in volumes
+        assert "LD_LIBRARY_PATH" not in variables
+
+
+def test_a_privileged_agent_set_by_hand_is_refused(helm: Helm) -> None:
+    """agent.securityContext.privileged beside the default allowPrivilegeEscalation: false is what the API server
+    refuses (the check below proves it); the chart refuses it first and names the value to use."""
+    proc = helm.template("--set", "agent.securityContext.privileged=true")
+    assert proc.returncode != 0
+    assert 'set agent.gpuAccess to \\"privileged\\"' in proc.stderr or "set agent.gpuAccess to" in proc.stderr
+    merged = {
+        "containers": [{"name": "agent", "securityContext": {"privileged": True, "allowPrivilegeEscalation": False}}]
+    }
+    assert api_refusals(merged) == [
+        "containers[agent]: cannot set allowPrivilegeEscalation to false and privileged to true"
+    ]
+
+
+def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
+    docs = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"DaemonSet", "PodDisruptionBudget", "PersistentVolumeClaim", "PodMonitor"}
+    assert [s["metadata"]["name"] for s in objects(docs, "Service")] == ["opsd-controller"]
+    assert [c["metadata"]["name"] for c in objects(docs, "ConfigMap")] == ["opsd-config"]  # no dashboards
+    controller = one(docs, "StatefulSet")
+    state = next(v for v in controller["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
+    assert state == {"name": "state", "emptyDir": {}}
+    assert "AGENT_METRICS" not in env(one(docs, "Pod")["spec"]["containers"][0])
