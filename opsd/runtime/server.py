@@ -43,11 +43,17 @@ class ServeConfig:
     tls_certfile: str = ""  # HTTPS with this certificate (PEM) and the key below; none: plain HTTP
     tls_keyfile: str = ""
     tick_interval_s: float = 0.5  # between two detection passes
+    liveness_port: int | None = 8470  # UDP, the agents' liveness datagrams (0: any free port; None: none)
+    keep_alive_s: float = 30.0  # an idle keep-alive connection (an agent's, between heartbeats) is closed after this
     controller: ControllerConfig = field(default_factory=ControllerConfig, metadata={"inline": True})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("controller.port must be in 0..65535")
+        if self.liveness_port is not None and not 0 <= self.liveness_port <= 65535:
+            raise ValueError("controller.liveness_port must be in 0..65535")
+        if self.keep_alive_s <= self.controller.telemetry.max_interval_s:
+            raise ValueError("controller.keep_alive_s must be > controller.telemetry.max_interval_s")
         if self.tick_interval_s <= 0:
             raise ValueError("controller.tick_interval_s must be > 0")
         if bool(self.tls_certfile) != bool(self.tls_keyfile):
@@ -137,12 +143,15 @@ class Serving:
         self.stop = threading.Event()
         self.lead = lead or (lambda stop: controller.tick_every(config.tick_interval_s, stop))
         self.describe = describe
+        liveness = (config.host, config.liveness_port) if config.liveness_port is not None else None
         self.server = uvicorn.Server(
             uvicorn.Config(
-                create_app(controller, credentials),
+                create_app(controller, credentials, liveness=liveness),
                 host=config.host,
                 port=config.port,
                 log_level="warning",
+                access_log=False,
+                timeout_keep_alive=int(config.keep_alive_s),
                 ssl_certfile=config.tls_certfile or None,
                 ssl_keyfile=config.tls_keyfile or None,
             )
