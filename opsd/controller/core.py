@@ -261,21 +261,22 @@ class ControllerCore:
         with self.lock:
             memory = self.remember(run)
             live = memory.live
-            ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+            held = list(live.ranks.values()) if live is not None else []
             _, step_then = memory.recorded or (0.0, -1)
             newest = live.newest_step if live is not None else -1
-            sample = LaunchSample(
-                first_step=min((r.step for r in ranks), default=None) if step_then < 0 else None,
-                last_step=newest if newest >= 0 else None,
-                ranks=len(ranks),
-                progressed=bool(ranks) and newest > step_then,
-                mfu_ratio=math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0,
-                tokens_per_s=max((r.job_tokens_per_s for r in ranks), default=0.0),
-                pipeline=pipeline_view(
-                    run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
-                ),
-            )
             memory.recorded = (now_s, max(newest, step_then))
+        # the sums over the ranks without the lock, which heartbeats wait for (98,304 ranks: ~50 ms); a rank's record
+        # may change meanwhile, as it would a moment later
+        ranks = [r for r in held if r.step >= 0]
+        sample = LaunchSample(
+            first_step=min((r.step for r in ranks), default=None) if step_then < 0 else None,
+            last_step=newest if newest >= 0 else None,
+            ranks=len(ranks),
+            progressed=bool(ranks) and newest > step_then,
+            mfu_ratio=math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0,
+            tokens_per_s=max((r.job_tokens_per_s for r in ranks), default=0.0),
+            pipeline=pipeline_view(run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)),
+        )
         comm = {";".join(stack): seconds for stack, seconds in self.launch_comm_seconds(run).items()}
         if ranks or comm:  # else nothing was heard of it
             self.store.record_launch(run, generation, now_s, replace(sample, comm=comm))

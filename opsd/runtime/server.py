@@ -25,6 +25,11 @@ from opsd.errors import ConfigError, OpsError
 
 log = logging.getLogger(__name__)
 
+#: connections waiting to be accepted: the agents of a 12,288-node job connect within a second when it starts or the
+#: controller restarts (uvicorn's default, 2048, leaves the others to retry their SYN after 1, 3, 7 s...); the
+#: kernel caps it at net.core.somaxconn (4096 on most)
+BACKLOG = 16384
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -152,6 +157,7 @@ class Serving:
                 log_level="warning",
                 access_log=False,
                 timeout_keep_alive=int(config.keep_alive_s),
+                backlog=BACKLOG,
                 ssl_certfile=config.tls_certfile or None,
                 ssl_keyfile=config.tls_keyfile or None,
             )
