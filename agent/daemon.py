@@ -72,6 +72,9 @@ class AgentConfig:
     controller_url: str | None = None  # heartbeats go there when set
     controller_token: str = ""
     heartbeat_interval_s: float = 1.0
+    liveness_datagrams: bool = (
+        True  # liveness by UDP datagram every heartbeat_interval_s, where the controller takes them
+    )
     policy_file: str | None = None  # where the controller's policy is written for the ranks
     flight_dir: str | None = None  # where the ranks write Flight Recorder dumps (sent with controller_url)
 
@@ -111,6 +114,7 @@ class AgentConfig:
             interval_s=self.heartbeat_interval_s,
             max_backoff_s=max(30.0, self.heartbeat_interval_s),
             policy_path=self.policy_file,
+            datagrams=self.liveness_datagrams,
         )
 
     def flight_config(self) -> FlightUploaderConfig:

@@ -194,6 +194,33 @@ class ReporterCollector(Collector):
         )
         pending.add_metric([self.node], len(r.gpu.pending_events()) if r.gpu else 0)
         yield pending
+        datagrams = CounterMetricFamily(
+            "opsd_agent_liveness_datagrams",
+            "Liveness datagrams to the controller: sent, acknowledged, or not sent (error).",
+            labels=["node", "result"],
+        )
+        sender = r.liveness
+        for result, n in zip(
+            ("sent", "acknowledged", "error"),
+            (sender.sent, sender.acknowledged, sender.errors) if sender else (0, 0, 0),
+            strict=True,
+        ):
+            datagrams.add_metric([self.node, result], n)
+        yield datagrams
+        over_http = GaugeMetricFamily(
+            "opsd_agent_liveness_over_http",
+            "1 while the node's liveness goes over HTTP (the controller takes no datagrams, or none is acknowledged).",
+            labels=["node"],
+        )
+        over_http.add_metric([self.node], 1.0 if r.over_http else 0.0)
+        yield over_http
+        interval = GaugeMetricFamily(
+            "opsd_agent_telemetry_interval_seconds",
+            "How often the ranks go to the controller, as it asks (the heartbeat interval when it does not say).",
+            labels=["node"],
+        )
+        interval.add_metric([self.node], r.telemetry_interval_s or r.config.interval_s)
+        yield interval
 
 
 class FlightCollector(Collector):

@@ -1,12 +1,18 @@
 """Heartbeats from the agent to the controller, and the controller's policy back to the ranks.
 
-About every ``interval_s`` the agent POSTs one JSON heartbeat (``docs/protocol.md``, "agent -> controller") with
-the node's identity, the ranks it has heard from and their last step, the GPU health events the controller has
-not acknowledged, the summaries buffered since the last delivery, and each run's collective totals on the node
-(cumulative, by phase, dimension and op: the controller's flame graph), with ``Authorization: Bearer <token>``.
+Every ``interval_s`` (a beat) the agent says it is alive, and now and then it POSTs one JSON heartbeat
+(``docs/protocol.md``, "agent -> controller") with the node's identity, the ranks it has heard from and their last
+step, the GPU health events the controller has not acknowledged, the summaries buffered since the last delivery, and
+each run's collective totals on the node (cumulative, by phase, dimension and op: the controller's flame graph), with
+``Authorization: Bearer <token>``, on a keep-alive connection (``agent.connection``).
 
-- Failures (connection refused, timeout, non-2xx) are retried at the next tick after an exponential backoff with
-  jitter (``backoff_s``), capped at ``max_backoff_s``.
+- How often: every beat, as long as the controller's replies do not say otherwise (an older controller). A reply
+  that names ``telemetry_interval_s`` and ``liveness_port`` asks for the ranks every ``telemetry_interval_s`` (and at
+  once when a GPU event or a collective timeout is new), and for a signed liveness datagram every beat
+  (``agent.liveness``); while the datagrams go unacknowledged, or without a port, the beats in between are
+  heartbeats without ranks over HTTP (liveness only).
+- Failures (connection refused, timeout, non-2xx) are retried after an exponential backoff with jitter
+  (``backoff_s``), capped at ``max_backoff_s``; the datagrams go on every beat meanwhile.
 - The buffer is bounded: summaries beyond ``max_summaries`` are dropped oldest first (and counted); health events
   are never dropped, they are resent until the controller acknowledges them (``ack_events_up_to``).
 - The reply may carry a policy (checkpoint cadence, commands): it is written atomically to ``policy_path``, where
@@ -15,20 +21,23 @@ not acknowledged, the summaries buffered since the last delivery, and each run's
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import math
 import os
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from agent.connection import Connection
 from agent.health import GpuHealth
+from agent.liveness import LivenessSender
 from agent.state import NodeState, RankSnapshot
 from opsd.protocol.heartbeat import (
     VERSION,
@@ -54,6 +63,7 @@ class ReporterConfig:
     max_summaries: int = 300
     max_backoff_s: float = 30.0
     policy_path: str | None = None
+    datagrams: bool = True  # liveness by datagram when the controller offers a port (else over HTTP)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -89,6 +99,14 @@ class Reporter:
         self.sent_failed = 0
         self.failures = 0  # consecutive
         self.last_policy: dict[str, Any] | None = None
+        self.connection = Connection(config.url, config.timeout_s)
+        self.telemetry_interval_s: float | None = None  # as the controller asks (None: it does not: every beat)
+        self.liveness: LivenessSender | None = None  # while the controller offers a datagram port
+        self.over_http = True  # the liveness goes over HTTP (no port, datagrams off, or unacknowledged)
+        self.delivered_s = -math.inf  # the last heartbeat with the ranks delivered
+        self.events_sent_up_to = 0  # the newest GPU event delivered
+        self.timeouts_sent: set[tuple[str, int, int]] = set()  # collective timeouts delivered (run, rank, step)
+        self.retry_mono_s = 0.0  # after a failure: no heartbeat before then (monotonic)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -155,33 +173,83 @@ class Reporter:
             comms=[(c.run, c.phase, c.dimension, c.op, c.seconds, c.count, c.bytes) for c in self.state.run_comms()],
         )
 
-    # -- sending -----------------------------------------------------------------------------------------------
+    # -- sending ---------------------------------------------------------------------------------------------
+    def beat(self, now_s: float, mono_s: float | None = None) -> None:
+        """One beat: a liveness datagram when the controller offers a port, and the heartbeat due: with the ranks
+        when their interval is up (or something new must go at once), else one without them when the liveness goes
+        over HTTP. After a failure, no heartbeat until its backoff is over."""
+        mono_s = time.monotonic() if mono_s is None else mono_s
+        sender = self.liveness
+        if sender is not None:
+            sender.receive()
+            self.over_http = sender.lost(mono_s)
+            sender.send(now_s, mono_s)
+        if self.failures and mono_s < self.retry_mono_s:
+            return
+        if self.ranks_due(now_s):
+            ok = self.send_once(now_s)
+        elif sender is None or self.over_http:
+            ok = self.send_liveness(now_s)
+        else:
+            return
+        if not ok:
+            jitter = random.random()
+            self.retry_mono_s = mono_s + backoff_s(
+                self.failures, self.config.interval_s, self.config.max_backoff_s, jitter
+            )
+
+    def ranks_due(self, now_s: float) -> bool:
+        """Whether the next heartbeat carries the ranks: every beat unless the controller asked for an interval
+        (and on each attempt after a failure); else when it is up, or a GPU event or a collective timeout is new."""
+        interval_s = self.telemetry_interval_s
+        if interval_s is None or self.failures or now_s - self.delivered_s >= interval_s - self.config.interval_s / 2:
+            return True
+        events = self.gpu.pending_events() if self.gpu is not None else []
+        if any(e.seq > self.events_sent_up_to for e in events):
+            return True
+        return any((t.run, t.rank, t.step) not in self.timeouts_sent for t in self.state.timeouts())
+
     def send_once(self, now_s: float) -> bool:
-        """Summarise, send one heartbeat, apply the reply; whether it was delivered."""
+        """Summarise, send one heartbeat with the ranks, apply the reply; whether it was delivered."""
         self.summarise(now_s)
         body = self.heartbeat(now_s)
-        sent_summaries = len(body.summaries)
-        request = urllib.request.Request(
-            self.config.url,
-            data=encode(body),
-            method="POST",
-            headers={"Content-Type": "application/json"}
-            | ({"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}),
-        )
+        reply = self._post(encode(body))
+        if reply is None:
+            return False
+        for _ in range(min(len(body.summaries), len(self.summaries))):
+            self.summaries.popleft()
+        self.delivered_s = now_s
+        self.events_sent_up_to = max([self.events_sent_up_to, *(e.seq for e in body.events)])
+        self.timeouts_sent = {(t.run, t.rank, t.step) for t in body.timeouts}
+        self._apply(reply)
+        return True
+
+    def send_liveness(self, now_s: float) -> bool:
+        """Send a heartbeat without the ranks (liveness only), apply the reply; whether it was delivered."""
+        reply = self._post(encode(Heartbeat(v=VERSION, node=self.node, time_unix_s=now_s)))
+        if reply is None:
+            return False
+        self._apply(reply)
+        return True
+
+    def _post(self, data: bytes) -> dict[str, Any] | None:
+        """POST a heartbeat; the reply (None: not delivered, counted)."""
+        headers = {"Content-Type": "application/json"}
+        if self.config.token:
+            headers["Authorization"] = f"Bearer {self.config.token}"
         try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
-                reply = json.loads(response.read() or b"{}")
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            status, answer = self.connection.post(data, headers)
+            if not 200 <= status < 300:
+                raise ValueError(f"HTTP {status}: {answer[:200]!r}")
+            reply = json.loads(answer or b"{}")
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             self.failures += 1
             self.sent_failed += 1
             log.warning("heartbeat to %s failed (%d in a row): %s", self.config.url, self.failures, exc)
-            return False
+            return None
         self.failures = 0
         self.sent_ok += 1
-        for _ in range(min(sent_summaries, len(self.summaries))):
-            self.summaries.popleft()
-        self._apply(reply if isinstance(reply, dict) else {})
-        return True
+        return reply if isinstance(reply, dict) else {}
 
     def _apply(self, reply: dict[str, Any]) -> None:
         ack = reply.get("ack_events_up_to")
@@ -193,13 +261,41 @@ class Reporter:
             if self.config.policy_path:
                 write_policy(self.config.policy_path, policy)
                 log.info("policy from the controller written to %s: %s", self.config.policy_path, policy)
+        interval = reply.get("telemetry_interval_s")
+        if isinstance(interval, int | float) and not isinstance(interval, bool) and 0 < interval < math.inf:
+            interval_s = max(float(interval), self.config.interval_s)
+            if interval_s != self.telemetry_interval_s:
+                log.info("the controller asks for the ranks every %g s", interval_s)
+            self.telemetry_interval_s = interval_s
+        else:
+            self.telemetry_interval_s = None  # an older controller: everything every beat
+        port = reply.get("liveness_port")
+        self._liveness(port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
+
+    def _liveness(self, port: int | None) -> None:
+        """Datagrams to ``port`` of the controller's host from now on (None: none)."""
+        if self.liveness is not None and (port is None or port != self.liveness.port):
+            self.liveness.close()
+            self.liveness = None
+            self.over_http = True
+        if port is None or self.liveness is not None or not self.config.datagrams or not self.config.token:
+            return
+        host = urlsplit(self.config.url).hostname or ""
+        try:
+            self.liveness = LivenessSender(self.node, self.config.token, host, port, 2 * self.config.interval_s)
+        except OSError as exc:  # the name does not resolve for UDP: liveness over HTTP, tried again next reply
+            log.warning("no liveness datagrams to %s:%d: %s", host, port, exc)
+            return
+        self.over_http = False
+        log.info("liveness datagrams to %s:%d every %g s", host, port, self.config.interval_s)
 
     def start(self) -> None:
         def loop() -> None:
-            delay = 0.0
-            while not self._stop.wait(delay):
-                self.send_once(time.time())
-                delay = backoff_s(self.failures, self.config.interval_s, self.config.max_backoff_s, random.random())
+            next_mono = time.monotonic()
+            while not self._stop.wait(max(0.0, next_mono - time.monotonic())):
+                next_mono += self.config.interval_s
+                self.beat(time.time())
+                next_mono = max(next_mono, time.monotonic())  # no burst to catch up after a slow beat
 
         self._thread = threading.Thread(target=loop, name="opsd-agent-reporter", daemon=True)
         self._thread.start()
@@ -208,6 +304,9 @@ class Reporter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s + 2)
+        self.connection.close()
+        if self.liveness is not None:
+            self.liveness.close()
 
 
 def _pipeline(report: StepReport) -> HeartbeatPipeline | None:

@@ -63,7 +63,7 @@ def machine_busy_s() -> tuple[float, float, float]:
 
 
 def get_json(conn: http.client.HTTPConnection, path: str) -> Any:
-    conn.request("GET", path)
+    conn.request("GET", path, headers={"authorization": f"Bearer {TOKEN}"})
     response = conn.getresponse()
     data = response.read()
     return json.loads(data) if response.status == 200 else None
@@ -135,6 +135,21 @@ def final_status(port: int) -> dict[str, Any]:
         return {}
 
 
+def controller_metrics(port: int) -> dict[str, float]:
+    """The controller's own series (``opsd_controller_*``) at the end, by name and labels."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics", headers={"authorization": f"Bearer {TOKEN}"})
+        text = conn.getresponse().read().decode()
+    except OSError as exc:
+        log.warning("reading the controller's metrics: %s", exc)
+        return {}
+    finally:
+        conn.close()
+    found = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("opsd_controller_"))
+    return {name: float(value) for name, value in found}
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
@@ -148,7 +163,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=30.0, help="the measured window")
     p.add_argument("--warmup-s", type=float, default=15.0, help="heartbeats before the window (first contact)")
     p.add_argument("--clients", type=int, default=2, help="load generator processes")
+    p.add_argument(
+        "--ramp-s",
+        type=float,
+        default=None,
+        help="the agents come up over this long (default: 10 s, at most half the warm-up)",
+    )
     p.add_argument("--heartbeat-floor-s", type=float, default=3.0, help="the controller's --heartbeat-floor-s")
+    p.add_argument(
+        "--mode",
+        choices=("datagrams", "http"),
+        default="datagrams",
+        help="agents that say they are alive by datagram and send their ranks at the controller's interval, or agents "
+        "that send a heartbeat with their ranks every second (as before liveness datagrams)",
+    )
     args = p.parse_args(argv)
     if args.duration_s <= 0 or args.warmup_s < 0 or args.clients < 1:
         p.error("--duration-s must be > 0, --warmup-s >= 0, --clients >= 1")
@@ -171,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             window_s=(begin, begin + args.duration_s),
             silent_node=args.nodes // 2,
             silent_s=begin + max(0.0, args.duration_s - SILENT_BEFORE_END_S),
+            datagrams=args.mode == "datagrams",
+            ramp_s=min(10.0, args.warmup_s / 2) if args.ramp_s is None else args.ramp_s,
         )
         generators = [
             context.Process(target=generate, args=(plan, part, args.clients, stop, results), daemon=True)
@@ -187,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cpu_after, machine_after = [cpu_s(pid) for pid in pids], machine_busy_s()
             wall = time.time() - read_s
             status, memory = final_status(port), rss_bytes(controller.pid)
+            series = controller_metrics(port)
             stop.set()
             tallies = [results.get(timeout=60) for _ in generators]
             for g in generators:
@@ -206,13 +237,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     g.kill()
 
     latencies: array.array[float] = array.array("d")
-    ok = errors = late = 0
+    datagram_ms: array.array[float] = array.array("d")
+    ok = errors = late = datagrams = lost = 0
     silent_last_s = 0.0
-    for _, data, n_ok, n_errors, n_late, last_s in tallies:
+    for _, data, acked, n_ok, n_errors, n_late, last_s, n_datagrams, n_lost in tallies:
         latencies.frombytes(data)
+        datagram_ms.frombytes(acked)
         ok, errors, late = ok + n_ok, errors + n_errors, late + n_late
+        datagrams, lost = datagrams + n_datagrams, lost + n_lost
         silent_last_s = max(silent_last_s, last_s)
-    ordered = sorted(latencies)
+    ordered, ordered_datagrams = sorted(latencies), sorted(datagram_ms)
     window = plan.window_s[1] - plan.window_s[0]
     shares = [(a - b) / wall for a, b in zip(cpu_after, cpu_before, strict=True)]
     busy, stolen = ((machine_after[i] - machine_before[i]) / (machine_after[2] - machine_before[2]) for i in (0, 1))
@@ -220,22 +254,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     found = incident is not None and (incident["kind"], incident["node"]) == ("heartbeat_loss", silent)
     detect_s = seen_s - silent_last_s if found else float("inf")
     ranks = args.nodes * args.gpus_per_node
+    http_p99, datagram_p99 = percentile(ordered, 0.99), percentile(ordered_datagrams, 0.99)
     print(
-        f"load: {args.nodes} nodes x {args.gpus_per_node} GPUs ({ranks} ranks), 1 heartbeat/s per node, "
-        f"{args.clients} load processes, window {window:.0f} s after {args.warmup_s:.0f} s of warm-up"
+        f"load: {args.nodes} nodes x {args.gpus_per_node} GPUs ({ranks} ranks), a beat a second per node "
+        f"({args.mode}), {args.clients} load processes, window {window:.0f} s after {args.warmup_s:.0f} s of warm-up"
     )
     print(
-        f"answered: {ok} heartbeats ({ok / window:.0f}/s; asked: {args.nodes}/s, one node silent for the last "
-        f"{plan.window_s[1] - plan.silent_s:.0f} s), {errors} errors, {late} sent over 0.5 s late"
+        f"heartbeats with ranks: {ok} answered ({ok / window:.0f}/s; at the interval the controller asks for: "
+        f"{series.get('opsd_controller_telemetry_interval_seconds', float('nan')):g} s), {errors} errors, {late} beats "
+        "over 0.5 s late"
     )
     print(
-        f"latency: p50 {percentile(ordered, 0.5):.1f} ms, p99 {percentile(ordered, 0.99):.1f} ms, "
+        f"  latency: p50 {percentile(ordered, 0.5):.1f} ms, p99 {http_p99:.1f} ms, "
         f"max {ordered[-1] if ordered else float('nan'):.1f} ms"
+    )
+    print(
+        f"liveness datagrams: {datagrams} sent ({datagrams / window:.0f}/s; one node silent for the last "
+        f"{plan.window_s[1] - plan.silent_s:.0f} s), {lost} not acknowledged; the controller took "
+        f"{series.get('opsd_controller_liveness_datagrams_total', 0):.0f} in all, refused "
+        f"{sum(v for k, v in series.items() if k.startswith('opsd_controller_liveness_refused_total')):.0f}"
+    )
+    print(
+        f"  latency to the acknowledgement: p50 {percentile(ordered_datagrams, 0.5):.1f} ms, p99 "
+        f"{datagram_p99:.1f} ms, max {ordered_datagrams[-1] if ordered_datagrams else float('nan'):.1f} ms"
     )
     print(
         f"CPU: controller {shares[0] * 100:.0f}% of a core, load generators "
         f"{sum(shares[1:]) * 100:.0f}%, machine busy {busy * 100:.0f}% of {os.cpu_count()} cores (stolen by the "
-        f"hypervisor {stolen * 100:.0f}%); controller memory {memory / 2**20:.0f} MiB"
+        f"hypervisor {stolen * 100:.0f}%), load average {os.getloadavg()[0]:.1f}; controller memory "
+        f"{memory / 2**20:.0f} MiB"
     )
     print(
         f"status: {status.get('ranks')} ranks, step {status.get('step')}, "
@@ -244,14 +291,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if incident is not None and found:
         print(
             f"silent node {silent}: {incident['detail']}; the controller took "
-            f"{incident['detected_s'] - incident['failed_s']:.1f} s after its last heartbeat, seen "
+            f"{incident['detected_s'] - incident['failed_s']:.1f} s after its last sign of life, seen "
             f"{detect_s:.1f} s after"
         )
     else:
         print(f"silent node {silent}: not detected; the incident: {incident}")
+    print(f"heartbeat_p99_ms={http_p99:.1f}")
+    print(f"datagram_p99_ms={datagram_p99:.1f}")
     print(f"controller_cpu_ratio={shares[0]:.2f}")
     print(f"heartbeats_per_s={ok / window:.0f}")
-    print(f"ingest_p99_ms={percentile(ordered, 0.99):.1f}")
+    print(f"datagrams_per_s={datagrams / window:.0f}")
+    print(f"ingest_p99_ms={max(http_p99, datagram_p99 if ordered_datagrams else 0.0):.1f}")
     print(f"silent_node_detect_s={detect_s:.1f}")
     return 0
 

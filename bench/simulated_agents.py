@@ -1,5 +1,11 @@
-"""The simulated agents of ``bench.controller_scale``: each node's heartbeat a second, as ``opsd agent`` sends it
-(``opsd.protocol.heartbeat``), on a keep-alive connection of its own, from asyncio load-generator processes.
+"""The simulated agents of ``bench.controller_scale``: what ``opsd agent`` sends, from asyncio load-generator
+processes, each node on a keep-alive connection of its own.
+
+Each node beats once a second at its phase. Like the agent (``agent.reporter``), it sends a heartbeat with its ranks
+(``opsd.protocol.heartbeat``) at the interval the controller's replies ask for, and a signed liveness datagram
+(``opsd.protocol.liveness``) every beat once a reply named the controller's datagram port; ``--mode http`` is an
+agent that knows neither (a heartbeat with the ranks every beat, as agents did before). The datagrams of a load
+process go from one UDP socket; their acknowledgements come back to it.
 
 A heartbeat: the node's ranks with their step advancing every ``STEP_S``, ``step_s``, ``compute_s``, the running
 sums ``steps_total`` and ``compute_total_s``, checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest),
@@ -11,16 +17,21 @@ from __future__ import annotations
 
 import array
 import asyncio
+import json
 import logging
 import random
 import re
+import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, cast
+
+import uvloop
 
 from opsd.protocol.heartbeat import VERSION, CommRow, Heartbeat, HeartbeatRank, encode
+from opsd.protocol.liveness import LivenessError, Signer, decode_ack, encode_alive, liveness_key
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,8 @@ CHECKPOINT_BLOCKING_S = 2.5
 FIRST_STEP = 1000  # the run has been going on for a while
 TP, PP = 8, 16
 POLL_S = 0.25
+PACE_S = 0.005  # the load processes send what is due every 5 ms
+STOP_WAIT_S = 10.0  # how long the load waits for the replies under way once told to stop
 SILENT_BEFORE_END_S = 10.0  # the silent node stops this long before the window ends (at its start if shorter)
 _LENGTH = re.compile(rb"content-length:\s*(\d+)", re.I)
 
@@ -62,6 +75,8 @@ class Plan:
     window_s: tuple[float, float]  # latencies are kept for heartbeats sent in [begin, end)
     silent_node: int
     silent_s: float  # the silent node sends nothing from then on
+    datagrams: bool = True  # False: agents that know no liveness datagrams nor intervals (a heartbeat every beat)
+    ramp_s: float = 0.0  # the agents come up over this long from start_s, in the order of their index
 
     def __post_init__(self) -> None:
         if self.nodes < 2 or self.gpus_per_node < 1:
@@ -93,6 +108,9 @@ class SimulatedAgent:
             f"authorization: Bearer {TOKEN}\r\ncontent-length: %d\r\n\r\n"
         )
         self.tokens_per_s = 4096 * plan.nodes * plan.gpus_per_node / STEP_S
+        self.interval_s: float | None = None  # the ranks' interval the controller asks for (None: every beat)
+        self.port: int | None = None  # its liveness datagrams' port
+        self.seq = 0
 
     def heartbeat(self, now_s: float) -> Heartbeat:
         elapsed = now_s - self.run_start_s
@@ -144,74 +162,186 @@ class SimulatedAgent:
         body = encode(self.heartbeat(now_s))
         return (self.head % len(body)).encode() + body
 
+    def alive(self, now_s: float, signer: Signer) -> bytes:
+        self.seq = max(self.seq + 1, int(now_s * 1000))
+        return encode_alive(self.name, self.seq, signer)
+
+    def answered(self, body: bytes, datagrams: bool) -> None:
+        """What a reply asks for from now on (an agent that knows no datagrams reads nothing of it)."""
+        if not datagrams:
+            return
+        reply = json.loads(body)
+        self.interval_s = reply.get("telemetry_interval_s")
+        self.port = reply.get("liveness_port")
+
 
 @dataclass
 class Tally:
-    latencies_ms: array.array[float]
-    ok: int = 0  # answered 200 within the window
+    latencies_ms: array.array[float]  # heartbeats: request written to reply read
+    datagram_ms: array.array[float]  # liveness datagrams: sent to acknowledgement received
+    ok: int = 0  # heartbeats answered 200 within the window
     errors: int = 0
-    late: int = 0  # heartbeats sent more than 0.5 s after their time (the previous one took that long)
-    silent_last_s: float = 0.0  # when the silent node sent its last heartbeat
+    late: int = 0  # beats more than 0.5 s after their time (the previous one took that long)
+    silent_last_s: float = 0.0  # the silent node's last sign of life
+    datagrams: int = 0  # liveness datagrams sent within the window
+    pending: dict[bytes, tuple[float, bool]] = field(default_factory=dict)  # tag -> (sent, within the window)
 
 
-async def drive(index: int, plan: Plan, stop: Event, tally: Tally) -> None:
-    """One agent: a heartbeat a second at its phase, on a keep-alive connection (opened again after an error),
-    until ``stop``."""
-    agent = SimulatedAgent(index, plan, plan.start_s - 3600.0)
+class Acknowledgements(asyncio.DatagramProtocol):
+    """The load process's UDP socket: acknowledgements timed against their datagrams."""
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)  # uvloop's is not a subclass of asyncio's
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            _, tag = decode_ack(data)
+        except LivenessError:
+            return
+        sent = self.tally.pending.pop(tag, None)
+        if sent is not None and sent[1]:
+            self.tally.datagram_ms.append((time.perf_counter() - sent[0]) * 1000.0)
+
+
+class Node:
+    """A simulated agent in its load process: what it sends, its connection, and whether a heartbeat is due."""
+
+    def __init__(self, index: int, plan: Plan) -> None:
+        self.index = index
+        self.agent = SimulatedAgent(index, plan, plan.start_s - 3600.0)
+        self.due = asyncio.Event()  # a heartbeat is due (set by the pacer, at the beat)
+        self.beat_s = 0.0  # when it was due
+        self.busy = False  # a heartbeat under way
+        self.delivered_s = -1e18
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.up_s = plan.start_s + plan.ramp_s * index / plan.nodes  # its agent starts then
+
+
+async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Acknowledgements, signer: Signer) -> None:
+    """The beats of the process's nodes, each once a second at its phase: its liveness datagram sent here, its
+    heartbeat handed to its coroutine when due. One loop wakes every ``PACE_S`` for the nodes due by then (a
+    coroutine woken for each node's beat cost the load more than the controller's work)."""
     begin, end = plan.window_s
-    due = plan.start_s + index / plan.nodes
-    streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    n = len(nodes)
+    phases = [plan.start_s + node.index / plan.nodes for node in nodes]  # ascending
+    k, cycle = 0, 0
+    while not stop.is_set():
+        due = phases[k] + cycle
+        now = time.time()
+        if due > now:
+            await asyncio.sleep(PACE_S)
+            continue
+        node = nodes[k]
+        k += 1
+        if k == n:  # the next second; a second or more behind: no burst to catch up, on from the current one
+            k, cycle = 0, max(cycle + 1, int(now - phases[0]))
+        if now < node.up_s:
+            continue
+        window = begin <= now < end
+        if now - due > 0.5:
+            tally.late += window  # the load process fell behind
+        if node.index == plan.silent_node:
+            if now >= plan.silent_s:
+                continue
+            tally.silent_last_s = now
+        agent = node.agent
+        if agent.port is not None and udp.transport is not None:
+            data = agent.alive(now, signer)
+            tally.pending[data[-16:]] = (time.perf_counter(), window)
+            tally.datagrams += window
+            udp.transport.sendto(data, (plan.host, agent.port))
+        if agent.interval_s is None or now - node.delivered_s >= agent.interval_s - 0.5:
+            if node.busy:
+                tally.late += window  # its last heartbeat is still under way
+            else:
+                node.beat_s, node.busy = now, True
+                node.due.set()
+
+
+async def drive(node: Node, plan: Plan, tally: Tally) -> None:
+    """One agent's heartbeats, each when the pacer says, on a keep-alive connection (opened again after an error)."""
+    begin, end = plan.window_s
     try:
-        while not stop.is_set():
-            now = time.time()
-            if due > now:
-                await asyncio.sleep(due - now)
-                now = time.time()
-            if index == plan.silent_node and now >= plan.silent_s:
-                return
-            if now - due > 0.5:
-                tally.late += begin <= now < end
-                due = now  # no burst to catch up: the next one a second after this one
-            due += 1.0
+        while True:
+            await node.due.wait()
+            node.due.clear()
+            now = node.beat_s
+            window = begin <= now < end
             try:
-                if streams is None:
-                    streams = await asyncio.open_connection(plan.host, plan.port)
-                reader, writer = streams
-                data = agent.request(now)
+                if node.streams is None:
+                    node.streams = await asyncio.open_connection(plan.host, plan.port)
+                reader, writer = node.streams
+                data = node.agent.request(now)
                 sent = time.perf_counter()
                 writer.write(data)
                 head = await reader.readuntil(b"\r\n\r\n")
                 found = _LENGTH.search(head)
-                if found:
-                    await reader.readexactly(int(found.group(1)))
+                body = await reader.readexactly(int(found.group(1))) if found else b""
                 took_ms = (time.perf_counter() - sent) * 1000.0
             except (OSError, asyncio.IncompleteReadError) as exc:
-                tally.errors += begin <= now < end
-                log.debug("%s: %s", node_name(index), exc)
-                if streams is not None:
-                    streams[1].close()
-                streams = None
+                tally.errors += window
+                log.debug("%s: %s", node_name(node.index), exc)
+                if node.streams is not None:
+                    node.streams[1].close()
+                node.streams = None
                 continue
-            if index == plan.silent_node:
-                tally.silent_last_s = now
-            if begin <= now < end:
-                if head.startswith(b"HTTP/1.1 200"):
+            finally:
+                node.busy = False
+            if head.startswith(b"HTTP/1.1 200"):
+                node.delivered_s = now
+                node.agent.answered(body, plan.datagrams)
+                if window:
                     tally.ok += 1
                     tally.latencies_ms.append(took_ms)
-                else:
-                    tally.errors += 1
+            else:
+                tally.errors += window
     finally:
-        if streams is not None:
-            streams[1].close()
+        if node.streams is not None:
+            node.streams[1].close()
 
 
 async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tally:
-    tally = Tally(array.array("d"))
-    await asyncio.gather(*(drive(i, plan, stop, tally) for i in indices))
+    tally = Tally(array.array("d"), array.array("d"))
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # a burst of acknowledgements is not dropped
+    sock.bind((plan.host, 0))
+    transport, udp = await loop.create_datagram_endpoint(lambda: Acknowledgements(tally), sock=sock)
+    signer = Signer(liveness_key(TOKEN))
+    nodes = [Node(i, plan) for i in indices]
+    tasks = [asyncio.create_task(drive(node, plan, tally)) for node in nodes]
+    try:
+        await pace(plan, nodes, stop, tally, udp, signer)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while any(node.busy for node in nodes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the replies under way
+        await asyncio.sleep(0.5)  # and the last acknowledgements
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        transport.close()
     return tally
 
 
 def generate(plan: Plan, part: int, parts: int, stop: Event, results: Any) -> None:
     """A load generator process: the nodes ``part::parts``."""
-    tally = asyncio.run(generate_async(plan, range(part, plan.nodes, parts), stop))
-    results.put((part, tally.latencies_ms.tobytes(), tally.ok, tally.errors, tally.late, tally.silent_last_s))
+    t = uvloop.run(generate_async(plan, range(part, plan.nodes, parts), stop))
+    lost = sum(1 for _, window in t.pending.values() if window)
+    results.put(
+        (
+            part,
+            t.latencies_ms.tobytes(),
+            t.datagram_ms.tobytes(),
+            t.ok,
+            t.errors,
+            t.late,
+            t.silent_last_s,
+            t.datagrams,
+            lost,
+        )
+    )

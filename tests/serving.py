@@ -13,6 +13,6 @@ from opsd.runtime.server import ServeConfig, Serving
 def start_api(controller: Controller, token: str | Credentials, host: str, port: int) -> uvicorn.Server:
     """The API of ``controller`` on ``host:port`` (``token``: the operators', or every role's); returns once it
     listens. Set ``should_exit`` on the answer to stop it."""
-    serving = Serving(ServeConfig(host=host, port=port), controller, token)
+    serving = Serving(ServeConfig(host=host, port=port, liveness_port=0), controller, token)
     serving.start()
     return serving.server

@@ -70,6 +70,7 @@ def https(tmp_path: Path) -> Iterator[tuple[str, Path, Controller]]:
     config = ServeConfig(
         host="127.0.0.1",
         port=free_port(),
+        liveness_port=0,
         state_dir=str(tmp_path / "state"),
         tls_certfile=str(pem(tmp_path / "tls.crt", leaf.public_bytes(encoding))),
         tls_keyfile=str(pem(tmp_path / "tls.key", key_pem)),

@@ -1,5 +1,6 @@
-"""``bench.controller_scale`` on a small load (32 nodes x 8 GPUs): the real ``opsd serve`` finds the node that went
-silent, and the benchmark's figures are printed last, as ``name=value``."""
+"""``bench.controller_scale`` on a small load (32 nodes x 8 GPUs): the real ``opsd serve`` takes heartbeats and
+liveness datagrams, finds the node that went silent, and the benchmark's figures are printed last, as
+``name=value``."""
 
 from __future__ import annotations
 
@@ -23,4 +24,6 @@ def test_a_small_load_finds_the_silent_node(capsys: pytest.CaptureFixture[str]) 
     assert 3.0 < figures["silent_node_detect_s"] < 10.0  # 5 x the 1 s interval, a pass and a poll after
     assert 0 < figures["ingest_p99_ms"] < 1000.0
     assert 25 <= figures["heartbeats_per_s"] <= 32  # 31 nodes heartbeat, one a second each
+    assert 25 <= figures["datagrams_per_s"] <= 32  # and say they are alive by datagram, once a second each
+    assert 0 < figures["datagram_p99_ms"] <= figures["ingest_p99_ms"]
     assert math.isfinite(figures["controller_cpu_ratio"])

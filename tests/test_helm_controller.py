@@ -105,7 +105,10 @@ def test_controller_statefulset(default: list[Obj]) -> None:
     assert c["image"] == "opsd:0.1.0"  # the tag defaults to the chart's appVersion
     assert c["command"] == ["opsd"]
     assert c["args"] == ["serve", "--config", "/etc/opsd/opsd.yaml", "--backend", "kubernetes"]
-    assert c["ports"] == [{"name": "http", "containerPort": 8470, "protocol": "TCP"}]
+    assert c["ports"] == [
+        {"name": "http", "containerPort": 8470, "protocol": "TCP"},
+        {"name": "liveness", "containerPort": 8470, "protocol": "UDP"},  # the agents' liveness datagrams
+    ]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
     assert secret_ref(c, "OPSD_TOKEN") == ("opsd-credentials", "operator")  # a token per role of the API
@@ -135,7 +138,10 @@ def test_controller_statefulset(default: list[Obj]) -> None:
 
 def test_controller_service_and_disruption_budget(default: list[Obj]) -> None:
     service = one(default, "Service", "opsd-controller")
-    assert service["spec"]["ports"] == [{"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"},
+        {"name": "liveness", "port": 8470, "targetPort": "liveness", "protocol": "UDP"},  # the port replies name
+    ]
     pod_labels = one(default, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     selector = dict(service["spec"]["selector"])
     assert selector.pop("opsd.io/role") == "leader"  # set at run time by the replica that leads
@@ -157,6 +163,7 @@ def test_settings_file(default: list[Obj]) -> None:
         "controller": {
             "host": "0.0.0.0",
             "port": 8470,
+            "liveness_port": 8470,
             "tick_interval_s": 0.5,
             "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
             "kubernetes": {
@@ -342,7 +349,7 @@ def test_credentials_refusals(helm: Helm, args: list[str], message: str) -> None
 def test_network_policies_let_in_what_the_pods_serve(default: list[Obj], renders: dict[Combo, list[Obj]]) -> None:
     controller = one(default, "NetworkPolicy", "opsd-controller")["spec"]
     (api,) = controller["ingress"]
-    assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert api["ports"] == [{"port": "http", "protocol": "TCP"}, {"port": "liveness", "protocol": "UDP"}]
     assert api["from"] == [
         {"podSelector": {}},  # the release namespace: agents, helm test, the other replica
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},  # Prometheus

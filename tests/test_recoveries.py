@@ -154,7 +154,9 @@ def two_nodes(
         *(*trainer_options, "--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume"),
     )
     controller = ControllerConfig(detection=DetectionConfig(**detection), flight_wait_s=flight_wait_s)
-    serve = ServeConfig(port=port, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller)
+    serve = ServeConfig(
+        port=port, liveness_port=0, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller
+    )
     spec = LocalRunSpec(
         run=RUN,
         command=command,

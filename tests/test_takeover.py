@@ -175,7 +175,9 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
 def local_run(tmp_path: Path, on_poll: Any, **spec: Any) -> dict[str, Any]:
     ckpt, port = f"file://{tmp_path / 'ckpt'}", free_port()
     controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0))
-    config = ServeConfig(port=port, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller)
+    config = ServeConfig(
+        port=port, liveness_port=0, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller
+    )
     run_spec = LocalRunSpec(
         run="job",
         command=tuple(trainer(ckpt, spec.pop("mesh", "dp_shard=2"))),

@@ -6,14 +6,16 @@ everything, readers the reads and ``/metrics``, agents their heartbeats and uplo
 OpenAPI document is a read too. Bad bodies get a 4xx with a message naming the field, and are counted
 (``opsd_controller_rejected_requests_total``).
 
-Heartbeats, which come at the nodes' rate, are taken by ``opsd.api.heartbeat`` in front of FastAPI's routing.
+Heartbeats, which come at the nodes' rate, are taken by ``opsd.api.heartbeat`` in front of FastAPI's routing; the
+liveness datagrams, a second each, by ``opsd.api.liveness`` on the same event loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -27,6 +29,7 @@ from opsd.analysis.flamegraph import fold, to_folded
 from opsd.api.auth import Credentials, Role, requirement
 from opsd.api.flight import flight_router
 from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
+from opsd.api.liveness import close_liveness, open_liveness
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import Fault, FaultKind
@@ -66,11 +69,34 @@ class InjectIn(Strict):
     factor: Annotated[float, Field(gt=1, le=100)] = 1.3
 
 
-def create_app(controller: Controller, token: str | Credentials, clock: Callable[[], float] = time.time) -> FastAPI:
-    """The API; ``token``: the operators' token alone (every role's work), or every role's ``Credentials``."""
+def create_app(
+    controller: Controller,
+    token: str | Credentials,
+    clock: Callable[[], float] = time.time,
+    liveness: tuple[str, int] | None = None,
+) -> FastAPI:
+    """The API; ``token``: the operators' token alone (every role's work), or every role's ``Credentials``;
+    ``liveness``: the UDP address (host, port; 0: any free port) where it takes the agents' liveness datagrams while
+    it serves (``opsd.api.liveness``), None: none."""
     credentials = token if isinstance(token, Credentials) else Credentials(operator=token)
-    app = FastAPI(title="opsd controller", version=opsd.__version__, openapi_url=None, docs_url=None, redoc_url=None)
     stats = ApiStats()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        transport = await open_liveness(controller, credentials, stats, clock, *liveness) if liveness else None
+        try:
+            yield
+        finally:
+            close_liveness(controller, transport)
+
+    app = FastAPI(
+        title="opsd controller",
+        version=opsd.__version__,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+    )
     registry = CollectorRegistry()
     registry.register(ControllerCollector(controller, stats, clock))
 

@@ -145,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt_url = f"file://{workdir / 'ckpt'}"
     port = free_port()
     controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0, hang_floor_s=10.0))
-    config = ServeConfig(port=port, state_dir=str(workdir / "state"), tick_interval_s=0.25, controller=controller)
+    config = ServeConfig(
+        port=port, liveness_port=0, state_dir=str(workdir / "state"), tick_interval_s=0.25, controller=controller
+    )
     spec = LocalRunSpec(
         run=RUN,
         command=trainer_command(ckpt_url, args.steps, workdir / "losses.json"),

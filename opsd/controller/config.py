@@ -8,6 +8,7 @@ from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig
 from opsd.policy.pipeline import PipelineConfig
 from opsd.policy.stragglers import StragglerConfig
+from opsd.policy.telemetry import TelemetryConfig
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,8 @@ class ControllerConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     cadence: CadenceConfig = field(default_factory=CadenceConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # the bubble alert's margin over the theory
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # how often agents send their ranks
+    liveness_max_skew_s: float = 30.0  # a liveness datagram whose sender's clock is further off is refused
     sample_slot_s: float = 2.0  # compute samples of ranks are compared within slots of this length
     history: int = 64  # heartbeat intervals and step times kept per node / rank
     run_history: int = 4096  # step times kept per run, of any rank: its median step time is theirs
@@ -35,6 +38,8 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:
             raise ValueError("controller.sample_slot_s must be > 0")
+        if self.liveness_max_skew_s <= 0:
+            raise ValueError("controller.liveness_max_skew_s must be > 0")
         if self.history < 2 or self.run_history < 2:
             raise ValueError("controller.history and controller.run_history must be >= 2")
         if self.restart_lead_s < 0 or self.restart_min_lead_steps < 1 or self.restart_checkpoint_wait_s < 0:

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from opsd.controller.config import ControllerConfig
-from opsd.controller.live import GroupDown, NodeLive, RankLive, Ratios, RunLive, RunMemory, Window
+from opsd.controller.live import GroupDown, NodeLive, RankLive, Ratios, RunLive, RunMemory, SlotClock, Window
 from opsd.controller.port import Backend
 from opsd.controller.rows import NodeRow, RunRow
 from opsd.controller.state import LaunchSample, StateStore
@@ -28,6 +28,7 @@ from opsd.controller.tracing import IncidentTracing
 from opsd.policy.detection import Failure
 from opsd.policy.pipeline import RunBubble, run_bubble
 from opsd.policy.spares import Spare, select_spare
+from opsd.policy.telemetry import TelemetryPlan
 from opsd.protocol.states import NodeRole
 
 LAUNCH_RECORD_S = 10.0  # a launch's record is written at most this often while it progresses (6x: while it does not)
@@ -66,6 +67,12 @@ class ControllerCore:
         self.forgotten: set[str] = set()  # finished runs whose memory was dropped: heartbeats naming them are ignored
         self.known_runs: set[str] = set()  # runs the store has (recorded once, not at every heartbeat)
         self.heartbeats_total = 0
+        self.datagrams_total = 0  # liveness datagrams taken
+        self.liveness_port: int | None = None  # where the API takes liveness datagrams (None: it does not)
+        self.telemetry = TelemetryPlan(self.config.telemetry.min_interval_s, self.config.sample_slot_s, "at start")
+        self.telemetry_due_s = -math.inf  # when the interval is planned again
+        self.telemetry_nodes = 1  # the nodes known when it was last planned
+        self.slots = SlotClock(self.config.sample_slot_s)  # the compute samples' slots (``telemetry``'s length)
 
     def remember(self, run: str) -> RunMemory:
         """The record of ``run`` in memory, made when there is none (the caller holds ``lock``)."""
@@ -132,14 +139,17 @@ class ControllerCore:
 
     def checkpoint_step_ahead(self, run: str) -> int | None:
         """A step far enough ahead that every rank has read a policy naming it before it gets there (the one-off
-        checkpoint of a graceful restart); None when the run's ranks are not progressing."""
+        checkpoint of a graceful restart); None when the run's ranks are not progressing. The lead is
+        ``restart_lead_s``, and at least three telemetry intervals: the newest step known is up to an interval old,
+        and the policy reaches a node with its next heartbeat, up to an interval later."""
         with self.lock:
             live = self.live_of(run)
             if live is None or not live.step_times_s or live.newest_step < 0:
                 return None
             step_s = statistics.median(live.step_times_s)
             newest = live.newest_step
-        lead = max(self.config.restart_min_lead_steps, math.ceil(self.config.restart_lead_s / max(step_s, 1e-6)))
+            lead_s = max(self.config.restart_lead_s, 3 * self.telemetry.interval_s)
+        lead = max(self.config.restart_min_lead_steps, math.ceil(lead_s / max(step_s, 1e-6)))
         return newest + lead
 
     def ask_checkpoint(self, run: str, step: int | None) -> None:
@@ -297,21 +307,22 @@ class ControllerCore:
         with self.lock:
             memory = self.remember(run)
             live = memory.live
-            ranks = [r for r in live.ranks.values() if r.step >= 0] if live is not None else []
+            held = list(live.ranks.values()) if live is not None else []
             _, step_then = memory.recorded or (0.0, -1)
             newest = live.newest_step if live is not None else -1
-            sample = LaunchSample(
-                first_step=min((r.step for r in ranks), default=None) if step_then < 0 else None,
-                last_step=newest if newest >= 0 else None,
-                ranks=len(ranks),
-                progressed=bool(ranks) and newest > step_then,
-                mfu_ratio=math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0,
-                tokens_per_s=max((r.job_tokens_per_s for r in ranks), default=0.0),
-                pipeline=pipeline_view(
-                    run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
-                ),
-            )
             memory.recorded = (now_s, max(newest, step_then))
+        # the sums over the ranks without the lock, which heartbeats wait for (98,304 ranks: ~50 ms); a rank's record
+        # may change meanwhile, as it would a moment later
+        ranks = [r for r in held if r.step >= 0]
+        sample = LaunchSample(
+            first_step=min((r.step for r in ranks), default=None) if step_then < 0 else None,
+            last_step=newest if newest >= 0 else None,
+            ranks=len(ranks),
+            progressed=bool(ranks) and newest > step_then,
+            mfu_ratio=math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0,
+            tokens_per_s=max((r.job_tokens_per_s for r in ranks), default=0.0),
+            pipeline=pipeline_view(run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)),
+        )
         comm = {";".join(stack): seconds for stack, seconds in self.launch_comm_seconds(run).items()}
         if ranks or comm:  # else nothing was heard of it
             self.store.record_launch(run, generation, now_s, replace(sample, comm=comm))

@@ -1,9 +1,10 @@
 """The controller's intake: the agents' heartbeats (``opsd.protocol.heartbeat``), taken into memory.
 
 A heartbeat writes to the state store only when it brings something new (a run, a node, GPU events); nearly all of
-them are taken in memory alone, at the nodes' rate (3,072 a second for 24,576 GPUs). The reply acknowledges the
-GPU events handled and carries the policy for the node's ranks (the checkpoint cadence, a one-off checkpoint,
-commands: docs/protocol.md).
+them are taken in memory alone, at the nodes' rate (3,072 a second for 24,576 GPUs whose agents send no liveness
+datagrams; ~1,400 for 98,304 GPUs whose agents do: ``opsd.controller.liveness``). The reply acknowledges the GPU
+events handled and carries the policy for the node's ranks (the checkpoint cadence, a one-off checkpoint,
+commands: docs/protocol.md), the interval at which to send the ranks, and the port of the liveness datagrams.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window
+from opsd.controller.liveness import Liveness
 from opsd.controller.rows import RunSpec
 from opsd.policy.detection import GpuEvent
 from opsd.policy.pipeline import RankBubble
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 ACTIONABLE_EVENTS = frozenset({XidAction.CORDON_AND_SWAP.value, XidAction.RESTART_JOB.value})
 
 
-class Intake(ControllerCore):
+class Intake(Liveness):
     def heartbeat(self, body: Heartbeat, now_s: float) -> HeartbeatReply:
         """Take one validated heartbeat; the reply: events acknowledged, and the policy."""
         node = body.node
@@ -49,9 +50,8 @@ class Intake(ControllerCore):
             live = self.nodes.get(node)
             if live is None:
                 live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
-            else:
-                live.intervals_s.append(now_s - live.last_heartbeat_s)
-                live.last_heartbeat_s = now_s
+            live.posted(now_s)
+            interval_s = self.telemetry_interval_s(now_s)
             for e in events:
                 if e.seq > acked and e.action in ACTIONABLE_EVENTS:
                     event = GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s, e.trace_id, e.span_id)
@@ -68,7 +68,12 @@ class Intake(ControllerCore):
             policy = self._policy(run_of_node) if run_of_node is not None else {}
         if ack > acked:
             self.store.ack_events(node, ack, now_s)
-        return HeartbeatReply(ack_events_up_to=ack, policy=policy or None)
+        return HeartbeatReply(
+            ack_events_up_to=ack,
+            policy=policy or None,
+            telemetry_interval_s=interval_s,
+            liveness_port=self.liveness_port,
+        )
 
     def heartbeat_writes(self, body: Heartbeat) -> bool:
         """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);
@@ -140,7 +145,7 @@ class Intake(ControllerCore):
             run_live.place(live)
         live.stage = r.coords.get("pp", 0)
         step = r.step
-        slot = int(now_s // self.config.sample_slot_s)
+        slot = self.slots.index(now_s)
         steps_total, compute_total_s = r.steps_total, r.compute_total_s
         if steps_total:  # the agent's running sums: the mean compute of the steps since the last heartbeat
             steps_before, compute_before_s = live.steps_total, live.compute_total_s

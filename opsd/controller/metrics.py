@@ -18,15 +18,23 @@ from opsd.protocol.states import NodeRole, RunState
 RECOVERY_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
+#: why a liveness datagram is refused: by the API (``opsd.protocol.liveness.REASONS``), by the controller
+DATAGRAM_REASONS = ("malformed", "version", "mac", "replay", "skew")
+
+
 class ApiStats:
-    """Requests the API refused, by reason."""
+    """Requests the API refused, by reason, and liveness datagrams refused, by reason."""
 
     def __init__(self) -> None:
         self.rejected: dict[str, int] = {}
         self.requests = 0
+        self.datagrams_refused: dict[str, int] = {}
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def refuse_datagram(self, reason: str) -> None:
+        self.datagrams_refused[reason] = self.datagrams_refused.get(reason, 0) + 1
 
 
 class ControllerCollector(Collector):
@@ -183,6 +191,7 @@ class ControllerCollector(Collector):
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
         yield from (bubble, theory, margin, incidents, recovery, replica_groups, quorum, out, missed)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
+        yield from liveness_metrics(controller, self.stats, now)
         rejected = CounterMetricFamily(
             "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]
         )
@@ -216,3 +225,29 @@ def pool_metrics(shared: dict[str, Any] | None) -> list[GaugeMetricFamily]:
     )
     recommended.add_metric(["shared"], float(shared["recommended"]))
     return [available, recommended]
+
+
+def liveness_metrics(controller: Controller, stats: ApiStats, now_s: float) -> list[Metric]:
+    """The liveness datagrams taken and refused, the nodes by the channel of their liveness, and the interval the
+    agents are asked to send their ranks at."""
+    taken = CounterMetricFamily(
+        "opsd_controller_liveness_datagrams", "Liveness datagrams taken.", value=controller.datagrams_total
+    )
+    refused = CounterMetricFamily(
+        "opsd_controller_liveness_refused", "Liveness datagrams refused, by reason.", labels=["reason"]
+    )
+    for reason in DATAGRAM_REASONS:
+        refused.add_metric([reason], stats.datagrams_refused.get(reason, 0))
+    channels = GaugeMetricFamily(
+        "opsd_controller_nodes_liveness",
+        "Nodes heard from in the last minute, by the channel of their liveness.",
+        labels=["channel"],
+    )
+    for channel, nodes in sorted(controller.liveness_channels(now_s).items()):
+        channels.add_metric([channel], float(nodes))
+    interval = GaugeMetricFamily(
+        "opsd_controller_telemetry_interval_seconds",
+        "How often agents are asked to send their ranks (the heartbeat replies' telemetry_interval_s).",
+        value=controller.telemetry.interval_s,
+    )
+    return [taken, refused, channels, interval]

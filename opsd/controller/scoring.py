@@ -30,8 +30,8 @@ class Scoring(ControllerCore):
     def _score(self, run: str, now_s: float) -> None:
         """Score the compute samples of the slots that ended since the last pass (each slot once, when all its
         samples are in), and flag the ranks persistently slower than their peers."""
-        current = int(now_s // self.config.sample_slot_s)
         with self.lock:
+            current = self.slots.index(now_s)
             live = self.live_of(run)
             if live is None or not live.slot_ended(current):
                 return

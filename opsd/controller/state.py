@@ -148,6 +148,11 @@ class StateStore:
         self.upsert_node(name, now_s, events_acked=seq)
 
     def node(self, name: str) -> NodeRow | None:
+        """A node's row, from memory once it is read: without the lock, which a write holds for its transaction
+        (a row in memory is a committed one), so that the heartbeats on the API's event loop never wait on one."""
+        rows = self._nodes
+        if rows is not None:
+            return rows.get(name)
         with self._nodes_lock:
             return self._node_rows().get(name)
 

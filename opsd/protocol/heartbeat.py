@@ -125,11 +125,15 @@ class Heartbeat(Struct, kw_only=True):
 
 
 class HeartbeatReply(Struct, kw_only=True):
-    """The controller's answer: GPU events handled up to ``ack_events_up_to``, and the policy for the node's ranks
-    (docs/protocol.md, "Policy"), when it has one."""
+    """The controller's answer: GPU events handled up to ``ack_events_up_to``, the policy for the node's ranks
+    (docs/protocol.md, "Policy") when it has one, how often to send the ranks, and where liveness datagrams go
+    (``opsd.protocol.liveness``; None: send liveness over HTTP). A controller older than the last two says neither:
+    its agents send everything every interval."""
 
     ack_events_up_to: int
     policy: dict[str, Any] | None = None
+    telemetry_interval_s: Annotated[float, Meta(gt=0)] | None = None
+    liveness_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
 
 _DECODER = msgspec.json.Decoder(Heartbeat)

@@ -324,6 +324,7 @@ render runs them once.
 {{- $controller := mustMergeOverwrite (deepCopy .Values.controller.config) $tls (dict
   "host" "0.0.0.0"
   "port" 8470
+  "liveness_port" 8470
   "kubernetes" (dict
     "namespace" .Release.Namespace
     "node_selector" (include "opsd.gpuNodeSelector" .)

@@ -1,0 +1,76 @@
+"""The nodes' liveness datagrams, taken into memory, and the interval at which agents send their ranks.
+
+An agent that knows the controller's datagram port says it is alive by a signed datagram every second
+(``opsd.protocol.liveness``, checked by the API before it gets here) and sends its ranks over HTTP every
+``telemetry.interval_s``, which the heartbeat replies carry: at 12,288 nodes, 12,288 datagrams and ~1,400 heartbeats
+a second instead of 12,288 heartbeats. The interval is planned (``opsd.policy.telemetry``) every ``PLAN_EVERY_S``
+from the nodes heard from within ``HEARD_WITHIN_S``, and at once when the nodes known grow by ``GROWTH``; the compute
+samples' slots follow it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from opsd.controller.core import ControllerCore
+from opsd.controller.live import NodeLive, Window
+from opsd.policy.telemetry import plan_telemetry
+
+log = logging.getLogger(__name__)
+
+PLAN_EVERY_S = 5.0
+HEARD_WITHIN_S = 60.0
+GROWTH = 1.25  # planned again at once when the nodes known grow by this much (a large job starting)
+
+
+class Liveness(ControllerCore):
+    def alive(self, node: str, seq: int, now_s: float) -> str | None:
+        """A node's signed liveness datagram (``seq``: its clock in milliseconds when it sent it): None when taken,
+        else why it is refused: ``skew`` (its clock is further than ``liveness_max_skew_s`` from ours) or ``replay``
+        (a datagram no newer than the last one taken from the node)."""
+        if abs(seq / 1000.0 - now_s) > self.config.liveness_max_skew_s:
+            return "skew"
+        with self.lock:
+            live = self.nodes.get(node)
+            if live is None:
+                live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+            elif seq <= live.liveness_seq:
+                return "replay"
+            live.alive(seq, now_s)
+            self.datagrams_total += 1
+        return None
+
+    def telemetry_interval_s(self, now_s: float) -> float:
+        """The interval agents are asked to send their ranks at, planned again every ``PLAN_EVERY_S`` (the caller
+        holds ``lock``)."""
+        if now_s >= self.telemetry_due_s or len(self.nodes) > GROWTH * self.telemetry_nodes:
+            self.telemetry_due_s = now_s + PLAN_EVERY_S
+            heard = sum(1 for n in self.nodes.values() if now_s - n.last_heartbeat_s <= HEARD_WITHIN_S)
+            self.telemetry_nodes = max(1, len(self.nodes))
+            plan = plan_telemetry(
+                nodes=heard,
+                current_interval_s=self.telemetry.interval_s,
+                sample_slot_s=self.config.sample_slot_s,
+                hang_floor_s=self.config.detection.hang_floor_s,
+                cadence_lead_s=self.config.cadence.lead_s,
+                config=self.config.telemetry,
+            )
+            if plan.interval_s != self.telemetry.interval_s:
+                log.info(
+                    "agents send their ranks every %g s (%s); samples compared in slots of %g s",
+                    plan.interval_s,
+                    plan.reason,
+                    plan.sample_slot_s,
+                )
+            self.slots.resize(plan.sample_slot_s, now_s)
+            self.telemetry = plan
+        return self.telemetry.interval_s
+
+    def liveness_channels(self, now_s: float) -> dict[str, int]:
+        """Nodes heard from within ``HEARD_WITHIN_S`` by the channel of their liveness: ``datagram`` when one came
+        within the last few seconds, else ``http``."""
+        with self.lock:
+            nodes = list(self.nodes.values())
+        recent = [n for n in nodes if now_s - n.last_heartbeat_s <= HEARD_WITHIN_S]
+        by_datagram = sum(1 for n in recent if now_s - n.datagram_s <= PLAN_EVERY_S)
+        return {"datagram": by_datagram, "http": len(recent) - by_datagram}
