@@ -13,7 +13,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
@@ -24,23 +23,10 @@ from agent.gpu import GpuSource
 from opsd.errors import OpsError
 from opsd.policy.xid import WatchWindow, XidDecision, XidEvent, decide
 from opsd.protocol.gpu_files import GpuSample
+from opsd.protocol.heartbeat import HeartbeatEvent
 from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HealthEvent:
-    """An XID event with its decision; ``seq`` orders the node's events for acknowledgement."""
-
-    seq: int
-    gpu: int
-    xid: int
-    time_s: float
-    action: str  # an XidAction value, or "count" when the event only needs counting
-    reason: str
-    trace_id: str = ""  # its span ("gpu.xid"), in W3C hex, when spans are exported: the controller links to it
-    span_id: str = ""
 
 
 class GpuHealth:
@@ -66,13 +52,13 @@ class GpuHealth:
         self.source_errors = 0
         self.tracer: Tracer = tracer or trace.NoOpTracer()
         self._history: deque[XidEvent] = deque(maxlen=max_history)
-        self._pending: list[HealthEvent] = []
+        self._pending: list[HeartbeatEvent] = []
         self._seq = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def record(self, gpu: int, xid: int, now_s: float) -> HealthEvent:
+    def record(self, gpu: int, xid: int, now_s: float) -> HeartbeatEvent:
         """Count one XID event and decide what it means."""
         event = XidEvent(gpu=gpu, xid=xid, time_s=now_s)
         # an event, not a duration: the span marks when it was seen; its ids go to the controller with the event
@@ -85,7 +71,17 @@ class GpuHealth:
             self._seq += 1
             action = decision.action.value if decision else "count"
             reason = decision.reason if decision else f"xid {xid} counted ({self.window.threshold} allowed per window)"
-            health = HealthEvent(self._seq, gpu, xid, now_s, action, reason, *ids)
+            trace_id, span_id = ids
+            health = HeartbeatEvent(
+                seq=self._seq,
+                gpu=gpu,
+                xid=xid,
+                time_s=now_s,
+                action=action,
+                reason=reason,
+                trace_id=trace_id,
+                span_id=span_id,
+            )
             if decision is not None:
                 self.action_counts[(gpu, action)] = self.action_counts.get((gpu, action), 0) + 1
                 self._pending.append(health)
@@ -97,7 +93,7 @@ class GpuHealth:
             log.info("gpu %d xid %d counted", gpu, xid)
         return health
 
-    def pending_events(self) -> list[HealthEvent]:
+    def pending_events(self) -> list[HeartbeatEvent]:
         with self._lock:
             return list(self._pending)
 

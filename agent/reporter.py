@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,7 +42,6 @@ from agent.state import NodeState, RankSnapshot
 from opsd.protocol.heartbeat import (
     VERSION,
     Heartbeat,
-    HeartbeatEvent,
     HeartbeatFt,
     HeartbeatPipeline,
     HeartbeatRank,
@@ -154,7 +153,7 @@ class Reporter:
             )
             for r in self.state.snapshot()
         ]
-        events = [HeartbeatEvent(**asdict(e)) for e in self.gpu.pending_events()] if self.gpu else []
+        events = self.gpu.pending_events() if self.gpu else []
         timeouts = [
             HeartbeatTimeout(
                 run=t.run, rank=t.rank, step=t.step, time_unix_s=t.time_unix_s, dim=t.dim, op=t.op, waited_s=t.waited_s

@@ -80,7 +80,7 @@ class HeartbeatRank(Struct, kw_only=True):
     ft: HeartbeatFt | None = None  # a rank of a fault-tolerant replica group: its quorum (its step reports say)
 
 
-class HeartbeatEvent(Struct, kw_only=True):
+class HeartbeatEvent(Struct, kw_only=True, frozen=True):
     """A GPU health event the controller has not acknowledged yet (resent until it is)."""
 
     seq: Count
