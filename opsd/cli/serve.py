@@ -123,7 +123,7 @@ def serve(
     hang_floor_s: HangFloor = None,
     backend: Annotated[
         str | None,
-        setting("what recovers runs: none (incidents only), or kubernetes (JobSets on this cluster) [default: none]"),
+        setting(f"what recovers runs: {settings.BACKEND_CHOICES} [default: none]"),
     ] = None,
     config: Settings = None,
     log_level: LogLevel = "INFO",

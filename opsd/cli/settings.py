@@ -63,6 +63,8 @@ class ControllerSettings:
             raise ValueError(f"controller.backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
 
 
+#: ``--backend``'s choices, from the registry: "none (incidents recorded, ...), kubernetes (...)"
+BACKEND_CHOICES = ", ".join(f"{entry.name} ({entry.description})" for entry in BACKENDS.values())
 #: the file's sections and the dataclass each one is
 SECTIONS: dict[str, type[Any]] = {"controller": ControllerSettings, "agent": AgentConfig}
 #: keys whose environment variable is not the generated one
