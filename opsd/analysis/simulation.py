@@ -385,15 +385,19 @@ class _Run:
     def _category(self) -> Category:
         return CATEGORIES[self.rng.choices(self.categories, self.weights)[0]]
 
+    def _detect_and_swap(self, t: float, category: Category) -> tuple[float, float]:
+        """A failure at ``t`` counted: (its detection delay, the wait for a spare when it needs one)."""
+        self.failures += 1
+        detection = self.detect.delay_s(category.signal)
+        if not category.swap:
+            return detection, 0.0
+        self.swaps += 1
+        return detection, self.pool.take(t + detection)
+
     def _recover_group(self, t: float, category: Category) -> tuple[float, float]:
         """A failure at ``t`` recovered by its replica group alone (``opsd.analysis.replica_groups``): (when the
         others train again, the next failure)."""
-        self.failures += 1
-        detection = self.detect.delay_s(category.signal)
-        wait = 0.0
-        if category.swap:
-            self.swaps += 1
-            wait = self.pool.take(t + detection)
+        detection, wait = self._detect_and_swap(t, category)
         next_fail = self._next_failure(t)
         stall = self.c.quorum_stall_s + (0.0 if category.signal in DIES_AT_ONCE else detection)
         phases = (
@@ -408,14 +412,9 @@ class _Run:
         """Failures from ``t`` until the job runs again (the first of category ``first``, else drawn): (when it runs
         again, its next failure)."""
         while True:
-            self.failures += 1
             category = first or self._category()
             first = None
-            detection = self.detect.delay_s(category.signal)
-            wait = 0.0
-            if category.swap:
-                self.swaps += 1
-                wait = self.pool.take(t + detection)
+            detection, wait = self._detect_and_swap(t, category)
             next_fail = self._next_failure(t)
             end = t + detection + wait + self.c.restart_s
             cut = min(next_fail, end, self.horizon_s)

@@ -15,9 +15,6 @@ that its exit status means something).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -25,17 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from opsd.backends.local.backend import LocalBackend
-from opsd.backends.local.processes import free_port
-from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
-from opsd.controller.config import ControllerConfig
+from opsd.cli.demo_run import checkpoint_url, finish, fresh_workdir, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
-from opsd.policy.detection import DetectionConfig
 from opsd.protocol.states import IncidentKind, NodeRole, RunState
 from opsd.runtime.local import run_local
-from opsd.runtime.server import ServeConfig
 
 RUN = "demo"
 
@@ -136,28 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.timeout_s <= 0:
         p.error("--steps must be >= 1 and --timeout-s > 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "uvicorn", "opsd.controller.state"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    workdir = Path(args.workdir).resolve()
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    ckpt_url = f"file://{workdir / 'ckpt'}"
-    port = free_port()
-    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0, hang_floor_s=10.0))
-    config = ServeConfig(
-        port=port, liveness_port=0, state_dir=str(workdir / "state"), tick_interval_s=0.25, controller=controller
-    )
-    spec = LocalRunSpec(
-        run=RUN,
-        command=trainer_command(ckpt_url, args.steps, workdir / "losses.json"),
-        nodes=2,
-        gpus_per_node=2,
-        spares=1,
-        workdir=str(workdir / "runs"),
-        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
-        checkpoint_url=ckpt_url,
-    )
+    workdir = fresh_workdir(args.workdir)
+    ckpt_url = checkpoint_url(workdir)
+    config = serve_config(workdir, hang_floor_s=10.0)
+    port = config.port
+    spec = run_spec(RUN, config, workdir, trainer_command(ckpt_url, args.steps, workdir / "losses.json"))
     injector = Injector(ckpt_url, after_checkpoint=20, node="node-1")
     print(
         f"opsd demo: controller on http://127.0.0.1:{port}, 2 nodes x 2 ranks + 1 spare, {args.steps} steps", flush=True
@@ -176,13 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if result["trace_id"]:
         print(f"  trace id {result['trace_id']}: the incident's timeline, in Jaeger or Tempo")
-    badput = ", ".join(f"{bucket} {v:.1f} s" for bucket, v in result["badput_s"].items() if v > 0) or "none"
-    print(f"  ETTR {result['ettr']:.3f} (badput: {badput}); state, checkpoints and logs in {workdir}")
-    print(json.dumps(result), flush=True)
-    missing = shortfalls(result, injector)
-    for reason in missing:
-        print(f"opsd demo failed: {reason}", file=sys.stderr, flush=True)
-    return 1 if missing else 0
+    return finish("opsd demo", result, workdir, shortfalls(result, injector))
 
 
 if __name__ == "__main__":

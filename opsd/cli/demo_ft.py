@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -27,15 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from opsd.backends.local.backend import LocalBackend, effects
-from opsd.backends.local.processes import free_port
 from opsd.backends.local.spec import LocalRunSpec
-from opsd.controller.config import ControllerConfig
+from opsd.cli.demo_run import checkpoint_url, finish, fresh_workdir, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
-from opsd.policy.detection import DetectionConfig
 from opsd.protocol.states import IncidentKind, RunState
 from opsd.runtime.local import run_local
-from opsd.runtime.server import ServeConfig
 
 RUN = "demo-ft"
 STEP_LINE = re.compile(r"^step (\d+)/")
@@ -145,27 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.inject_at < 1 or args.after_heal < 1 or args.timeout_s <= 0:
         p.error("--inject-at and --after-heal must be >= 1, --timeout-s > 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "uvicorn", "opsd.controller.state", "opsd.controller.scoring"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    workdir = Path(args.workdir).resolve()
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    ckpt_url, losses, steps_file = f"file://{workdir / 'ckpt'}", workdir / "losses.json", workdir / "last-step"
-    port = free_port()
-    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0, hang_floor_s=20.0))
-    config = ServeConfig(port=port, state_dir=str(workdir / "state"), tick_interval_s=0.25, controller=controller)
-    spec = LocalRunSpec(
-        run=RUN,
-        command=trainer_command(ckpt_url, losses, steps_file),
-        nodes=2,
-        gpus_per_node=2,
-        spares=1,
-        workdir=str(workdir / "runs"),
-        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
-        checkpoint_url=ckpt_url,
-        replica_groups=2,
-    )
+    workdir = fresh_workdir(args.workdir)
+    ckpt_url, losses, steps_file = checkpoint_url(workdir), workdir / "losses.json", workdir / "last-step"
+    config = serve_config(workdir, hang_floor_s=20.0)
+    port = config.port
+    spec = run_spec(RUN, config, workdir, trainer_command(ckpt_url, losses, steps_file), replica_groups=2)
     scenario = Scenario(steps_file, args.inject_at, args.after_heal)
     print(f"opsd demo-ft: controller on http://127.0.0.1:{port}, 2 replica groups x 2 ranks + 1 spare", flush=True)
     status = run_local(config, spec, timeout_s=args.timeout_s, on_poll=scenario)
@@ -180,13 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {result['healed_to_step']} {result['heal_s']} s after its relaunch ({result['missed_steps']} steps"
             f" missed), {result['recovered_s']} s after the injection; replicas equal: {result['replicas_equal']}"
         )
-    badput = ", ".join(f"{bucket} {v:.1f} s" for bucket, v in result["badput_s"].items() if v > 0) or "none"
-    print(f"  ETTR {result['ettr']:.3f} (badput: {badput}); state, checkpoints and logs in {workdir}")
-    print(json.dumps(result), flush=True)
-    missing = shortfalls(result, scenario)
-    for reason in missing:
-        print(f"opsd demo-ft failed: {reason}", file=sys.stderr, flush=True)
-    return 1 if missing else 0
+    return finish("opsd demo-ft", result, workdir, shortfalls(result, scenario))
 
 
 if __name__ == "__main__":
