@@ -87,8 +87,10 @@ class Scenario:
             if _recovered(incidents, "hang"):
                 hang = next(i for i in incidents if i.kind == "hang")
                 self.cli["postmortem"] = cli_json(self.url, self.state_dir, "postmortem", RUN)
-                md = CliRunner().invoke(app, ["postmortem", RUN, str(hang.id), "--url", self.url])
-                self.cli["postmortem_md"] = md.stdout
+                md = CliRunner().invoke(
+                    app, ["postmortem", RUN, str(hang.id), "--url", self.url, "--state-dir", self.state_dir]
+                )
+                self.cli["postmortem_md"] = (md.exit_code, md.stdout or md.output)
                 self._next("kill", now_s, lambda: inject(backend, FaultKind.KILL, rank=1))
         elif self.phase == "kill" and _recovered(incidents, "process_exit"):
             if controller.checkpoint_step_ahead(RUN) is None:
@@ -205,7 +207,9 @@ def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:
     assert [c["rank"] for c in culprit["culprits"]] == [0]  # the stopped rank sent none: it never joined
     assert culprit["culprits"][0]["reason"].startswith("sent no dump: never joined")
     assert any((g["group"], g["joined"], g["missing"]) == ("dp_shard", [1], [0]) for g in culprit["groups"])
-    assert "culprit rank" in scenario.cli["postmortem_md"]
+    code, markdown = scenario.cli["postmortem_md"]
+    assert code == 0, markdown
+    assert "culprit rank" in markdown
 
     killed = incidents["process_exit"]  # 4. the killed rank: its exit is the cause; relaunched; progress again
     assert (killed["rank"], killed["node"]) == (1, "node-1")
