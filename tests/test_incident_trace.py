@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,7 @@ def xid_incident(tmp_path: Path, tracing: IncidentTracing, agent_tracing: Tracin
 
     gpu = GpuHealth(FileGpuSource(tmp_path / "gpus"), load_xid_table(), WatchWindow(60, 1), tracer=agent_tracing.tracer)
     seen = gpu.record(0, 79, time.time())
-    controller.heartbeat(beat("node-1", {1: 6}, [HeartbeatEvent(**asdict(seen))]), time.time())
+    controller.heartbeat(beat("node-1", {1: 6}, [seen]), time.time())
     (_failure,) = controller.tick(time.time())  # detected: the recovery runs before the pass returns
     (incident,) = store.incidents(RUN)
     assert stored(store.run(RUN)).generation == 2, store.actions(run=RUN)
