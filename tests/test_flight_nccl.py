@@ -13,12 +13,13 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from opsd.analysis.flight_recorder import analyze, load_trace, read_dump
 from opsd.api.flight import FlightDumpIn
 from opsd.errors import BodyError
-from opsd.postmortem.read import read_analysis
+from opsd.postmortem.bundle import AnalysisIn
 from trainer_hooks.flight import FlightRecorder
 
 DATA = Path(__file__).parent / "data" / "flight_recorder_nccl_h100.json"
@@ -116,7 +117,7 @@ def test_a_hang_on_nccl_names_the_rank_that_never_joined_and_the_post_mortem_rea
     assert (last["group"], last["seq"], last["op"], last["state"]) == ("pg 1", 1, "all_reduce", "completed")
     assert last["duration_s"] == pytest.approx(1.3696e-5)
     assert report["summary"] == "rank 1 never joined all_reduce #6 on default_pg: ranks 0 wait for it"
-    read = read_analysis("incident-1", json.loads(json.dumps(report)), "flight_recorder")
+    read = msgspec.json.decode(json.dumps(report), type=AnalysisIn).model("incident-1")
     assert read.culprits[0].last_collective is not None
     assert "in 0.0137 ms on the GPU" in read.culprits[0].last_collective.describe()
 

@@ -176,6 +176,15 @@ def test_open_incident_and_process_exit(bundle: dict[str, Any]) -> None:
     assert "down (failure to first productive step)**: 10.0 s so far" in to_markdown(build(bundle, 5))
 
 
+def test_a_graceful_restarts_checkpoint_action_is_shown_as_the_controller_wrote_it(bundle: dict[str, Any]) -> None:
+    checkpoint = {"request_id": "incident-1-9-checkpoint", "incident_id": 1, "seq": -1, "kind": "checkpoint"}
+    checkpoint |= {"args": {"at_step": 44}, "state": "done", "created_s": 1795269051.3, "done_s": 1795269051.3}
+    bundle["actions"].append(checkpoint | {"result": {"checkpoint_step": None, "why": "no checkpoint store"}})
+    assert incident(build(bundle), 1).timeline[2].detail == "checkpoint_step=None; why=no checkpoint store"
+    bundle["actions"][-1]["result"] = {"checkpoint_step": 44, "asked_step": 44, "waited_s": 2.5}
+    assert incident(build(bundle), 1).timeline[2].detail == "checkpoint_step=44; asked_step=44; waited_s=2.5"
+
+
 @pytest.mark.parametrize(
     ("code", "name"), [(-9, "SIGKILL"), (-15, "SIGTERM"), (137, "SIGKILL"), (139, "SIGSEGV"), (1, None), (0, None)]
 )
@@ -210,34 +219,78 @@ def mutate(path: str, value: Any) -> Any:
     return apply
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (mutate("run", KeyError), "the bundle has no 'run'"),
-        (mutate("generated_unix_s", KeyError), "the bundle has no 'generated_unix_s'"),
-        (mutate("run.id", KeyError), "run has no 'id'"),
-        (mutate("run.id", ""), "run.id must be a non-empty string"),
-        (mutate("incidents", {"1": {}}), "incidents must be a list, not dict"),
-        (mutate("incidents.0.failed_s", "yesterday"), "incidents[0].failed_s must be a finite number, not 'yesterday'"),
-        (mutate("incidents.3.rank", 1.5), "incidents[3].rank must be an integer, not 1.5"),
-        (mutate("incidents.1.kind", KeyError), "incidents[1] has no 'kind'"),
-        (mutate("actions.0.result", [1]), "actions[0].result must be an object, not list"),
-        (mutate("checkpoints.0.step", None), "checkpoints[0].step must not be null"),
-        (mutate("status", 3), "status must be an object, not int"),
-        (mutate("status.badput_s.restart", -3.0), "status.badput_s.restart must be >= 0, not -3.0"),
-        (mutate("incidents.0.detected_s", float("inf")), "incidents[0].detected_s must be a finite number, not inf"),
-        (mutate("flight_recorder.incident-4.culprits.0.rank", "one"), "culprits[0].rank must be an integer"),
-    ],
-)
+BAD_BUNDLES = {
+    "no run": (mutate("run", KeyError), "Object missing required field `run`"),
+    "no time": (mutate("generated_unix_s", KeyError), "Object missing required field `generated_unix_s`"),
+    "a NaN time": (mutate("generated_unix_s", float("nan")), "Expected finite `float` - at `$.generated_unix_s`"),
+    "a run without id": (mutate("run.id", KeyError), "Object missing required field `id` - at `$.run`"),
+    "an empty run id": (mutate("run.id", ""), "Expected `str` of length >= 1 - at `$.run.id`"),
+    "incidents not a list": (
+        mutate("incidents", {"1": {}}),
+        "Expected `array | null`, got `object` - at `$.incidents`",
+    ),
+    "a time that is a word": (
+        mutate("incidents.0.failed_s", "yesterday"),
+        "Expected `float | null`, got `str` - at `$.incidents[0].failed_s`",
+    ),
+    "an infinite time": (
+        mutate("incidents.0.detected_s", float("inf")),
+        "finite `float` - at `$.incidents[0].detected_s`",
+    ),
+    "a NaN time of an incident": (
+        mutate("incidents.0.resumed_s", float("nan")),
+        "Expected finite `float` - at `$.incidents[0].resumed_s`",
+    ),
+    "a fractional rank": (
+        mutate("incidents.3.rank", 1.5),
+        "Expected `int | null`, got `float` - at `$.incidents[3].rank`",
+    ),
+    "an incident without id": (mutate("incidents.2.id", KeyError), "missing required field `id` - at `$.incidents[2]`"),
+    "an incident without kind": (
+        mutate("incidents.1.kind", KeyError),
+        "missing required field `kind` - at `$.incidents[1]`",
+    ),
+    "an action without kind": (mutate("actions.2.kind", KeyError), "missing required field `kind` - at `$.actions[2]`"),
+    "a result that is a list": (mutate("actions.0.result", [1]), "got `array` - at `$.actions[0].result`"),
+    "a skipped step that is a word": (
+        mutate("actions.3.result.skipped.0.step", "forty"),
+        "Expected `int | null`, got `str` - at `$.actions[3].result.skipped[0].step`",
+    ),
+    "a null checkpoint step": (
+        mutate("checkpoints.0.step", None),
+        "Expected `int`, got `null` - at `$.checkpoints[0].step`",
+    ),
+    "a checkpoint without step": (
+        mutate("checkpoints.1.step", KeyError),
+        "missing required field `step` - at `$.checkpoints[1]`",
+    ),
+    "a status that is a number": (mutate("status", 3), "Expected `object | null`, got `int` - at `$.status`"),
+    "negative badput": (
+        mutate("status.badput_s.restart", -3.0),
+        "Expected `float` >= 0.0 - at `$.status.badput_s[...]`",
+    ),
+    "a culprit rank that is a word": (
+        mutate("flight_recorder.incident-4.culprits.0.rank", "one"),
+        "got `str` - at `$.flight_recorder[...].culprits[0].rank`",
+    ),
+}
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_BUNDLES.values(), ids=BAD_BUNDLES.keys())
 def test_bad_bundles_are_refused_naming_the_field(bundle: dict[str, Any], change: Any, message: str) -> None:
     change(bundle)
-    with pytest.raises(PermanentError, match=re.escape(message)):
+    with pytest.raises(PermanentError, match=re.escape(message)) as refused:
         build(bundle)
+    assert str(refused.value).startswith("post-mortem bundle: ")
 
 
-def test_not_a_bundle_and_unknown_incident(bundle: dict[str, Any]) -> None:
-    with pytest.raises(PermanentError, match="the bundle must be an object, not list"):
-        build([])  # type: ignore[arg-type]
+@pytest.mark.parametrize("raw", [[], "bundle", None, 3])
+def test_not_a_bundle_is_refused(raw: Any) -> None:
+    with pytest.raises(PermanentError, match=r"^post-mortem bundle: Expected `object`, got `\w+`$"):
+        build(raw)
+
+
+def test_an_unknown_incident_is_refused(bundle: dict[str, Any]) -> None:
     with pytest.raises(PermanentError, match=r"run 'demo' has no incident 9 \(its incidents: 1, 2, 3, 4\)"):
         build(bundle, 9)
 

@@ -26,6 +26,20 @@ from typing import Any
 
 from opsd.errors import PermanentError
 from opsd.policy.goodput import BadputBucket
+from opsd.postmortem.bundle import (
+    ActionIn,
+    AverageIn,
+    BlameIn,
+    BlockingIn,
+    IncidentIn,
+    LaunchIn,
+    MeasuredIn,
+    MtbfIn,
+    ResultIn,
+    StatusIn,
+    XidIn,
+    read_bundle,
+)
 from opsd.postmortem.model import (
     BADPUT_BUCKETS,
     KIND_WORDS,
@@ -47,20 +61,6 @@ from opsd.postmortem.model import (
     Totals,
     XidFacts,
 )
-from opsd.postmortem.read import (
-    ActionRow,
-    bad,
-    need,
-    read_action,
-    read_analysis,
-    read_checkpoint,
-    read_incident,
-    read_int,
-    read_list,
-    read_num,
-    read_obj,
-    read_str,
-)
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
 
 _XID = re.compile(r"^XID (\d+) on GPU (\d+):\s*(.*)$", re.S)
@@ -80,17 +80,15 @@ def signal_name(exit_code: int) -> str | None:
         return f"signal {number}"
 
 
-def _root_cause(row: Mapping[str, Any], xid_table: Mapping[str, Any], analysis: FlightRecorder | None) -> RootCause:
-    kind, node, rank, detail = row["kind"], row["node"], row["rank"], row["detail"]
+def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: FlightRecorder | None) -> RootCause:
+    kind, node, rank, detail = row.kind, row.node, row.rank, row.detail
     words = KIND_WORDS.get(kind, kind.replace("_", " "))
     where = f"{node}" + (f" (rank {rank})" if rank is not None else "")
     match = _XID.match(detail)
     if kind in (IncidentKind.FATAL_XID, IncidentKind.APPLICATION_XID) and match:
         code, gpu = int(match.group(1)), int(match.group(2))
-        entry = xid_table.get(str(code))
-        entry = entry if isinstance(entry, dict) else {}
-        meaning = str(entry.get("meaning") or match.group(3) or "not in the XID table")
-        action = None if entry.get("action") is None else str(entry["action"])
+        entry = xid_table.get(str(code)) or XidIn()
+        meaning, action = entry.meaning or match.group(3) or "not in the XID table", entry.action
         todo = f"; action: {action} ({XID_ACTION_WORDS.get(action, action)})" if action else ""
         summary = f"XID {code} ({meaning}) on GPU {gpu} of {node}{todo}"
         return RootCause(kind, words, node, rank, summary, xid=XidFacts(code, gpu, node, meaning, action))
@@ -113,51 +111,49 @@ def _root_cause(row: Mapping[str, Any], xid_table: Mapping[str, Any], analysis: 
     return RootCause(kind, words, node, rank, summary, flight_recorder=analysis)
 
 
-def _action_detail(a: ActionRow) -> str:
-    r, args = a.result, a.args
+def _action_detail(a: ActionIn) -> str:
+    r, args = a.result or ResultIn(), a.args
     if a.kind == ActionKind.STOP:
-        text = f"stopped generation {args.get('generation', '?')}"
-        text += f": {r['killed']} processes killed" if "killed" in r else ""
+        text = f"stopped generation {'?' if args.generation is None else args.generation}"
+        text += f": {r.killed} processes killed" if r.killed is not None else ""
     elif a.kind == ActionKind.CORDON:
-        text = f"cordoned {r.get('node') or args.get('node') or '?'}"
+        text = f"cordoned {r.node or args.node or '?'}"
     elif a.kind == ActionKind.TAKE_SPARE:
-        if r.get("spare"):
-            text = f"took spare {r['spare']}"
-        elif "shrunk_to_nodes" in r:
-            text = f"no spare: went on with {r['shrunk_to_nodes']} nodes"
+        if r.spare:
+            text = f"took spare {r.spare}"
+        elif r.shrunk_to_nodes is not None:
+            text = f"no spare: went on with {r.shrunk_to_nodes} nodes"
         else:
             text = "waiting for a spare"
     elif a.kind == ActionKind.LAUNCH:
-        nodes = r.get("nodes")
-        on = ", ".join(str(n) for n in nodes) if isinstance(nodes, list) else "?"
-        text = f"generation {r.get('generation', '?')} on {on}"
-        if r.get("resumed_from_step") is not None:
-            text += f", from the checkpoint of step {r['resumed_from_step']}"
+        on = ", ".join(r.nodes) if r.nodes is not None else "?"
+        text = f"generation {'?' if r.generation is None else r.generation} on {on}"
+        if r.resumed_from_step is not None:
+            text += f", from the checkpoint of step {r.resumed_from_step}"
     elif a.kind == ActionKind.DUMP:
         text = "Flight Recorder dump asked of every rank"
-        culprit = r.get("culprit") if isinstance(r.get("culprit"), dict) else None
-        if culprit is not None:
-            first = culprit.get("first_blamed") if isinstance(culprit.get("first_blamed"), dict) else {}
-            text += f"; it names rank {culprit.get('rank')} on {culprit.get('node')}"
-            if (first.get("rank"), first.get("node")) != (culprit.get("rank"), culprit.get("node")):
-                text += f" (first blamed: rank {first.get('rank')} on {first.get('node')})"
-        if isinstance(r.get("quarantine"), dict):
-            text += f"; {r['quarantine'].get('node')} is swapped: {r['quarantine'].get('reason')}"
+        if (culprit := r.culprit) is not None:
+            first = culprit.first_blamed or BlameIn()
+            text += f"; it names rank {culprit.rank} on {culprit.node}"
+            if (first.rank, first.node) != (culprit.rank, culprit.node):
+                text += f" (first blamed: rank {first.rank} on {first.node})"
+        if r.quarantine is not None:
+            text += f"; {r.quarantine.node} is swapped: {r.quarantine.reason}"
     else:
-        text = "; ".join(f"{k}={v}" for k, v in r.items()) or a.kind
+        text = r.shown() or a.kind
     return text if a.state == ActionState.DONE else f"{text} (not done)"
 
 
-def _timeline(row: Mapping[str, Any], actions: Sequence[ActionRow]) -> tuple[Phase, ...]:
-    t0 = row["failed_s"]
+def _timeline(row: IncidentIn, actions: Sequence[ActionIn]) -> tuple[Phase, ...]:
+    t0 = row.failed_s
 
     def rel(t: float | None) -> float | None:
         return None if t is None or t0 is None else t - t0
 
-    detected = row["detected_s"]
+    detected = row.detected_s
     phases = [
-        Phase("failure", rel(t0), rel(t0), row["detail"]),
-        Phase("detection", rel(t0), rel(detected), f"{row['kind']} detected on {row['node']}"),
+        Phase("failure", rel(t0), rel(t0), row.detail),
+        Phase("detection", rel(t0), rel(detected), f"{row.kind} detected on {row.node}"),
     ]
     previous = detected
     for a in sorted(actions, key=lambda a: a.seq):
@@ -165,38 +161,34 @@ def _timeline(row: Mapping[str, Any], actions: Sequence[ActionRow]) -> tuple[Pha
         end = a.done_s if a.state == ActionState.DONE else None
         phases.append(Phase(PHASE_NAMES.get(a.kind, a.kind), rel(start), rel(end), _action_detail(a)))
         previous = end if end is not None else previous
-    resumed = row["resumed_s"]
-    if resumed is not None or row["state"] == IncidentState.OPEN:
-        step = row["resumed_from_step"]
+    resumed = row.resumed_s
+    if resumed is not None or row.state == IncidentState.OPEN:
+        step = row.resumed_from_step
         after = f" after restoring step {step}" if step is not None else ""
         detail = "first productive step" + after if resumed is not None else "no productive step yet"
         phases.append(Phase("first step", rel(previous), rel(resumed), detail))
     return tuple(phases)
 
 
-def _resume(row: Mapping[str, Any], actions: Sequence[ActionRow], checkpoints: Sequence[Checkpoint]) -> Resume:
+def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[Checkpoint]) -> Resume:
     launches = [a for a in actions if a.kind == ActionKind.LAUNCH and a.state == ActionState.DONE]
-    result = launches[-1].result if launches else {}
-    step = read_int(result.get("resumed_from_step"), "actions[launch].result.resumed_from_step")
+    result = (launches[-1].result if launches else None) or ResultIn()
+    step = result.resumed_from_step if result.resumed_from_step is not None else row.resumed_from_step
     if step is None:
-        step = row["resumed_from_step"]
-    if step is None:
-        return Resume(None, "not relaunched" + (" yet" if row["state"] == IncidentState.OPEN else ""), ())
-    if row["replica_group"] is not None:  # a replica recovery: the group healed from a live one, no checkpoint read
+        return Resume(None, "not relaunched" + (" yet" if row.state == IncidentState.OPEN else ""), ())
+    if row.replica_group is not None:  # a replica recovery: the group healed from a live one, no checkpoint read
         return Resume(step, f"step {step}: healed from a live replica group, no checkpoint read", ())
     states = {c.step: c for c in checkpoints}
     skipped: list[SkippedCheckpoint] = []
-    if isinstance(result.get("skipped"), list):
-        for i, s in enumerate(result["skipped"]):
-            s = read_obj(s, f"actions[launch].result.skipped[{i}]")
-            n = read_int(s.get("step"), f"actions[launch].result.skipped[{i}].step")
-            if n is None:
+    if result.skipped is not None:
+        for gone in result.skipped:
+            if gone.step is None:
                 continue
-            known = states.get(n)
-            problem = read_str(s.get("problem"), "skipped.problem") or (known.problem if known else None) or "unusable"
-            skipped.append(SkippedCheckpoint(n, known.state if known else "unusable", problem))
-    elif row["lost_steps"] is not None:
-        newest = step + int(row["lost_steps"])
+            known = states.get(gone.step)
+            problem = gone.problem or (known.problem if known else None) or "unusable"
+            skipped.append(SkippedCheckpoint(gone.step, known.state if known else "unusable", problem))
+    elif row.lost_steps is not None:
+        newest = step + row.lost_steps
         for c in checkpoints:
             if step < c.step <= newest and c.state != "committed":
                 skipped.append(SkippedCheckpoint(c.step, c.state, c.problem or "not committed"))
@@ -214,39 +206,26 @@ def _resume(row: Mapping[str, Any], actions: Sequence[ActionRow], checkpoints: S
     return Resume(step, f"{head}: {why}", tuple(skipped))
 
 
-def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
-    """The post-mortem of one incident, or of the whole run when ``incident_id`` is None. Raises PermanentError
-    naming the field when the bundle does not follow docs/postmortem.md, or when the run has no such incident."""
-    bundle = read_obj(bundle, "the bundle")
-    for key in ("generated_unix_s", "run", "status", "incidents", "actions", "checkpoints"):
-        need(bundle, key, "the bundle")
-    now_s = read_num(bundle["generated_unix_s"], "generated_unix_s")
-    if now_s is None:
-        raise bad("generated_unix_s", "must not be null")
-    run = read_obj(bundle["run"], "run")
-    run_id = read_str(need(run, "id", "run"), "run.id")
-    if not run_id:
-        raise bad("run.id", "must be a non-empty string")
-    status = read_obj(bundle["status"], "status") if bundle["status"] is not None else {}
-    rows = [read_incident(r, f"incidents[{n}]") for n, r in enumerate(read_list(bundle["incidents"], "incidents"))]
-    actions = [read_action(a, f"actions[{n}]") for n, a in enumerate(read_list(bundle["actions"], "actions"))]
-    rows_of_checkpoints = enumerate(read_list(bundle["checkpoints"], "checkpoints"))
-    checkpoints = sorted(
-        (read_checkpoint(c, f"checkpoints[{n}]") for n, c in rows_of_checkpoints), key=lambda c: c.step
-    )
-    fr = bundle.get("flight_recorder") or {}
-    analyses = [read_analysis(str(t), a, f"flight_recorder[{t!r}]") for t, a in read_obj(fr, "flight_recorder").items()]
-    xid_table = read_obj(bundle.get("xid_table") or {}, "xid_table")
+def build(raw: Any, incident_id: int | None = None) -> Report:
+    """The post-mortem of one incident, or of the whole run when ``incident_id`` is None, from the bundle as
+    decoded JSON. Raises PermanentError naming the field's path when the bundle does not follow docs/postmortem.md,
+    or when the run has no such incident."""
+    bundle = read_bundle(raw)
+    now_s, run, status = bundle.generated_unix_s, bundle.run, bundle.status or StatusIn()
+    rows, actions = bundle.incidents or (), bundle.actions or ()
+    checkpoints = sorted((c.model() for c in bundle.checkpoints or ()), key=lambda c: c.step)
+    analyses = [a.model(trigger) for trigger, a in (bundle.flight_recorder or {}).items()]
     if incident_id is not None and (isinstance(incident_id, bool) or not isinstance(incident_id, int)):
         raise PermanentError(f"incident id must be an integer, not {incident_id!r}")
-    if incident_id is not None and incident_id not in {r["id"] for r in rows}:
-        known = ", ".join(str(r["id"]) for r in rows) or "none"
-        raise PermanentError(f"run {run_id!r} has no incident {incident_id} (its incidents: {known})")
+    if incident_id is not None and incident_id not in {r.id for r in rows}:
+        known = ", ".join(str(r.id) for r in rows) or "none"
+        raise PermanentError(f"run {run.id!r} has no incident {incident_id} (its incidents: {known})")
 
-    goodput = _goodput(status, bundle.get("checkpoint_blocking_s"), bundle.get("mtbf"))
-    collectives = _collectives(bundle.get("launches"))
+    mtbf = bundle.mtbf or MtbfIn(mtbf_s=status.mtbf_s)  # older bundles: the status's MTBF alone
+    goodput = _goodput(status, bundle.checkpoint_blocking_s or BlockingIn(), mtbf)
+    collectives = _collectives(bundle.launches or ())
     recompute_total = dict(goodput.badput_s).get(BadputBucket.RECOMPUTE)
-    lost_total = sum(r["lost_steps"] or 0 for r in rows if r["kind"] != IncidentKind.STRAGGLER)
+    lost_total = sum(r.lost_steps or 0 for r in rows if r.kind != IncidentKind.STRAGGLER)
 
     def analysis_of(ident: int) -> FlightRecorder | None:
         for a in analyses:
@@ -256,40 +235,40 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
 
     reports = []
     for r in rows:
-        if incident_id is not None and r["id"] != incident_id:
+        if incident_id is not None and r.id != incident_id:
             continue
-        mine = [a for a in actions if a.incident_id == r["id"]]
-        failed, detected, resumed = r["failed_s"], r["detected_s"], r["resumed_s"]
-        end = resumed if resumed is not None else now_s if r["state"] == IncidentState.OPEN else None
+        mine = [a for a in actions if a.incident_id == r.id]
+        failed, detected, resumed = r.failed_s, r.detected_s, r.resumed_s
+        end = resumed if resumed is not None else now_s if r.state == IncidentState.OPEN else None
         recompute = None
-        if recompute_total is not None and r["lost_steps"] is not None and r["kind"] != IncidentKind.STRAGGLER:
-            recompute = recompute_total * r["lost_steps"] / lost_total if lost_total else 0.0
+        if recompute_total is not None and r.lost_steps is not None and r.kind != IncidentKind.STRAGGLER:
+            recompute = recompute_total * r.lost_steps / lost_total if lost_total else 0.0
         reports.append(
             IncidentReport(
-                id=r["id"],
-                key=r["key"],
-                kind=r["kind"],
-                node=r["node"],
-                rank=r["rank"],
-                state=r["state"],
-                detail=r["detail"],
+                id=r.id,
+                key=r.key,
+                kind=r.kind,
+                node=r.node,
+                rank=r.rank,
+                state=r.state,
+                detail=r.detail,
                 failed_unix_s=failed,
                 detected_unix_s=detected,
                 resumed_unix_s=resumed,
                 detection_delay_s=None if failed is None or detected is None else detected - failed,
                 downtime_s=None if failed is None or end is None else end - failed,
-                lost_steps=r["lost_steps"],
+                lost_steps=r.lost_steps,
                 recompute_s=recompute,
-                spare=r["spare"],
-                root_cause=_root_cause(r, xid_table, analysis_of(r["id"])),
-                timeline=_timeline(r, mine) if r["kind"] != IncidentKind.STRAGGLER else (),
+                spare=r.spare,
+                root_cause=_root_cause(r, bundle.xid_table or {}, analysis_of(r.id)),
+                timeline=_timeline(r, mine) if r.kind != IncidentKind.STRAGGLER else (),
                 resume=_resume(r, mine, checkpoints),
-                launch=(launch := _launch_of(r["key"])),
+                launch=(launch := _launch_of(r.key)),
                 collectives=collectives.get(launch, ()) if launch is not None else (),
-                trace_id=r["trace_id"],
-                replica_group=r["replica_group"],
-                missed_steps=r["missed_steps"],
-                stall_s=r["stall_s"],
+                trace_id=r.trace_id,
+                replica_group=r.replica_group,
+                missed_steps=r.missed_steps,
+                stall_s=r.stall_s,
             )
         )
     reported = {i.id for i in reports}
@@ -298,42 +277,37 @@ def build(bundle: dict[str, Any], incident_id: int | None = None) -> Report:
         for a in analyses
         if incident_id is None and not any(a.incident_id == n or a.trigger == f"incident-{n}" for n in reported)
     )
-    stragglers = tuple(_straggler(r) for r in rows if r["kind"] == IncidentKind.STRAGGLER)
-    nodes = read_list(status.get("nodes"), "status.nodes")
-    cordoned = []
-    for n, node in enumerate(nodes):
-        node = read_obj(node, f"status.nodes[{n}]")
-        if node.get("role") == NodeRole.CORDONED:
-            cordoned.append((str(node.get("name") or "?"), str(node.get("reason") or "")))
+    stragglers = tuple(_straggler(r) for r in rows if r.kind == IncidentKind.STRAGGLER)
+    cordoned = tuple((n.name, n.reason) for n in status.nodes if n.role == NodeRole.CORDONED)
     return Report(
-        run_id=run_id,
-        run_state=read_str(run.get("state"), "run.state"),
+        run_id=run.id,
+        run_state=run.state,
         generated_unix_s=now_s,
-        created_unix_s=read_num(run.get("created_s"), "run.created_s"),
-        updated_unix_s=read_num(run.get("updated_s"), "run.updated_s"),
-        generation=read_int(run.get("generation"), "run.generation"),
-        last_step=read_int(run.get("last_step"), "run.last_step"),
-        final_step=read_int(run.get("final_step"), "run.final_step"),
+        created_unix_s=run.created_s,
+        updated_unix_s=run.updated_s,
+        generation=run.generation,
+        last_step=run.last_step,
+        final_step=run.final_step,
         incident_id=incident_id,
         incidents=tuple(reports),
         totals=_totals(reports) if incident_id is None else None,
         goodput=goodput,
         stragglers=stragglers,
         checkpoints=tuple(checkpoints),
-        cordoned=tuple(cordoned),
+        cordoned=cordoned,
         dumps=dumps,
     )
 
 
-def _straggler(r: Mapping[str, Any]) -> StragglerWarning:
-    match = _STRAGGLER.search(r["detail"])
-    rank = r["rank"] if r["rank"] is not None else int(match.group(1)) if match else None
+def _straggler(r: IncidentIn) -> StragglerWarning:
+    match = _STRAGGLER.search(r.detail)
+    rank = r.rank if r.rank is not None else int(match.group(1)) if match else None
     try:
         ratio = float(match.group(3).rstrip(".")) if match else None
     except ValueError:
         ratio = None
-    time_s = r["detected_s"] if r["detected_s"] is not None else r["failed_s"]
-    return StragglerWarning(r["id"], time_s, rank, r["node"], ratio, r["detail"])
+    time_s = r.detected_s if r.detected_s is not None else r.failed_s
+    return StragglerWarning(r.id, time_s, rank, r.node, ratio, r.detail)
 
 
 _LAUNCH = re.compile(r"/gen(\d+)$")
@@ -345,80 +319,52 @@ def _launch_of(key: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _collectives(raw: Any) -> dict[int, tuple[tuple[str, float], ...]]:
+def _collectives(launches: Sequence[LaunchIn]) -> dict[int, tuple[tuple[str, float], ...]]:
     """Each launch's longest collective stacks, from the bundle's ``launches`` (absent from older bundles)."""
     out: dict[int, tuple[tuple[str, float], ...]] = {}
-    for n, row in enumerate(read_list(raw or [], "launches")):
-        row = read_obj(row, f"launches[{n}]")
-        generation = read_int(need(row, "generation", f"launches[{n}]"), f"launches[{n}].generation")
-        comm = read_obj(row.get("comm") or {}, f"launches[{n}].comm")
-        stacks = [(str(k), read_num(v, f"launches[{n}].comm[{k!r}]")) for k, v in comm.items()]
-        if generation is not None:
-            out[generation] = tuple(sorted(((k, v) for k, v in stacks if v is not None), key=lambda kv: -kv[1]))
+    for row in launches:
+        stacks = [(k, v) for k, v in (row.comm or {}).items() if v is not None]
+        if row.generation is not None:
+            out[row.generation] = tuple(sorted(stacks, key=lambda kv: -kv[1]))
     return out
 
 
-def _mtbf(raw: Any, status: Mapping[str, Any]) -> Mtbf:
-    """The MTBF and its inputs (the bundle's ``mtbf``; older bundles: the status's ``mtbf_s`` alone)."""
-    m = read_obj(raw or {}, "mtbf")
-    prior = read_obj(m.get("prior") or {}, "mtbf.prior")
-    return Mtbf(
-        mtbf_s=read_num(m.get("mtbf_s", status.get("mtbf_s")), "mtbf.mtbf_s"),
-        node_mtbf_h=read_num(m.get("node_mtbf_h"), "mtbf.node_mtbf_h"),
-        failures=read_int(m.get("failures"), "mtbf.failures"),
-        node_hours=read_num(m.get("node_hours"), "mtbf.node_hours"),
-        nodes=read_int(m.get("nodes"), "mtbf.nodes"),
-        prior_node_mtbf_h=read_num(prior.get("node_mtbf_h"), "mtbf.prior.node_mtbf_h"),
-        prior_node_hours=read_num(prior.get("node_hours"), "mtbf.prior.node_hours"),
-    )
-
-
-def _goodput(status: Mapping[str, Any], blocking: Any, mtbf: Any) -> Goodput:
-    raw = read_obj(status.get("badput_s") or {}, "status.badput_s")
-    badput = {str(k): read_num(v, f"status.badput_s.{k}") for k, v in raw.items()}
-    for k, v in badput.items():
-        if v is not None and v < 0:
-            raise bad(f"status.badput_s.{k}", f"must be >= 0, not {v!r}")
+def _goodput(status: StatusIn, blocking: BlockingIn, m: MtbfIn) -> Goodput:
+    badput = {k: v for k, v in (status.badput_s or {}).items() if v is not None}
     order = [b for b in BADPUT_BUCKETS if b in badput] + sorted(k for k in badput if k not in BADPUT_BUCKETS)
-    b = read_obj(blocking, "checkpoint_blocking_s") if blocking is not None else {}
-    last = read_obj(status.get("last_measured") or {}, "status.last_measured")
-    average = read_obj(status.get("run_average") or {}, "status.run_average")
+    last, average = status.last_measured or MeasuredIn(), status.run_average or AverageIn()
+    mtbf = Mtbf(m.mtbf_s, m.node_mtbf_h, m.failures, m.node_hours, m.nodes, m.prior.node_mtbf_h, m.prior.node_hours)
     return Goodput(
-        ettr=read_num(status.get("ettr"), "status.ettr"),
-        badput_s=tuple((k, v) for k in order if (v := badput[k]) is not None),
-        mtbf=_mtbf(mtbf, status),
-        mfu_ratio=read_num(status.get("mfu_ratio"), "status.mfu_ratio"),
-        tokens_per_s=read_num(status.get("tokens_per_s"), "status.tokens_per_s"),
-        checkpoint_saves=read_int(b.get("count"), "checkpoint_blocking_s.count"),
-        checkpoint_blocking_mean_s=read_num(b.get("mean_s"), "checkpoint_blocking_s.mean_s"),
-        checkpoint_blocking_max_s=read_num(b.get("max_s"), "checkpoint_blocking_s.max_s"),
-        mfu_last=read_num(last.get("mfu_ratio"), "status.last_measured.mfu_ratio"),
-        tokens_per_s_last=read_num(last.get("tokens_per_s"), "status.last_measured.tokens_per_s"),
-        last_launch=read_int(last.get("launch"), "status.last_measured.launch"),
-        mfu_average=read_num(average.get("mfu_ratio"), "status.run_average.mfu_ratio"),
-        tokens_per_s_average=read_num(average.get("tokens_per_s"), "status.run_average.tokens_per_s"),
+        ettr=status.ettr,
+        badput_s=tuple((k, badput[k]) for k in order),
+        mtbf=mtbf,
+        mfu_ratio=status.mfu_ratio,
+        tokens_per_s=status.tokens_per_s,
+        checkpoint_saves=blocking.count,
+        checkpoint_blocking_mean_s=blocking.mean_s,
+        checkpoint_blocking_max_s=blocking.max_s,
+        mfu_last=last.mfu_ratio,
+        tokens_per_s_last=last.tokens_per_s,
+        last_launch=last.launch,
+        mfu_average=average.mfu_ratio,
+        tokens_per_s_average=average.tokens_per_s,
         pipeline=_pipeline(status, last, average),
     )
 
 
-def _pipeline(status: Mapping[str, Any], last: Mapping[str, Any], average: Mapping[str, Any]) -> PipelineBubble | None:
+def _pipeline(status: StatusIn, last: MeasuredIn, average: AverageIn) -> PipelineBubble | None:
     """The run's pipeline bubble: live while its ranks report, else the last one recorded; None for no pipeline."""
-    live = status.get("pipeline")
-    where = "status.pipeline" if live else "status.last_measured.pipeline"
-    raw = read_obj(live, where) if live else read_obj(last.get("pipeline") or {}, where)
-    if not raw:
+    p = status.pipeline or last.pipeline
+    if p is None:
         return None
-    measured = read_num(raw.get("bubble_ratio"), f"{where}.bubble_ratio")
-    if measured is None:
-        raise bad(where, "has no bubble_ratio")
     return PipelineBubble(
-        bubble_ratio=measured,
-        theoretical_ratio=read_num(raw.get("theoretical_ratio"), f"{where}.theoretical_ratio"),
-        schedule=read_str(raw.get("schedule"), f"{where}.schedule") or "",
-        stages=read_int(raw.get("stages"), f"{where}.stages"),
-        micro_batches=read_int(raw.get("microbatches"), f"{where}.microbatches"),
-        launch=None if live else read_int(last.get("pipeline_launch"), "status.last_measured.pipeline_launch"),
-        average_ratio=read_num(average.get("bubble_ratio"), "status.run_average.bubble_ratio"),
+        bubble_ratio=p.bubble_ratio,
+        theoretical_ratio=p.theoretical_ratio,
+        schedule=p.schedule,
+        stages=p.stages,
+        micro_batches=p.microbatches,
+        launch=None if status.pipeline else last.pipeline_launch,
+        average_ratio=average.bubble_ratio,
     )
 
 
