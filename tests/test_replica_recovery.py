@@ -23,6 +23,7 @@ from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
+from opsd.controller.recovery import group_launches
 from opsd.controller.rows import GroupLaunch, RunSpec
 from opsd.controller.state import StateStore
 from opsd.controller.views import postmortem_bundle
@@ -224,3 +225,23 @@ def scrape(c: Controller, now_s: float) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "run")
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
+
+
+@pytest.mark.parametrize(
+    ("done", "expected"),
+    [
+        ({}, {0: GroupLaunch(3, ("a", "b")), 1: GroupLaunch(3, ("c", "d"))}),
+        (
+            {"launches": [2, 5], "group_nodes": [["d", "a"], ["b", "c"]]},
+            {0: GroupLaunch(2, ("d", "a")), 1: GroupLaunch(5, ("b", "c"))},
+        ),
+        ({"launches": [2, 5]}, {0: GroupLaunch(2, ("a", "b")), 1: GroupLaunch(5, ("c", "d"))}),
+        ({"launches": [7]}, {0: GroupLaunch(7, ("a", "b")), 1: GroupLaunch(3, ("c", "d"))}),
+    ],
+    ids=["one launch for all, the nodes split in order", "each group as the cluster has it", "launches only", "short"],
+)
+def test_a_whole_launch_gives_each_group_the_launch_and_nodes_the_backend_names(
+    done: dict[str, Any], expected: dict[int, GroupLaunch]
+) -> None:
+    spec = RunSpec(backend="kubernetes", replica_groups=2)
+    assert group_launches(spec, 3, ["a", "b", "c", "d"], done) == expected

@@ -15,7 +15,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -188,28 +188,32 @@ class ControllerCore:
             live = self.live_of(run)
             return bool(live is not None and live.exited)
 
-    def launched(self, run: str, now_s: float, launch: int | None = None) -> None:
+    def launched(
+        self, run: str, now_s: float, launch: int | None = None, group_launches: Sequence[int] | None = None
+    ) -> None:
         """The backend says the new launch runs. Its ranks are known by ``launch``, the launch their reports carry,
         when the backend names one: reports of an earlier launch are ignored, and the new launch's are taken
         whenever they come (before this call too: its ranks may have stepped, or even finished, while a
         controller that took over waited for the cluster). Reports without a launch are told apart by time: what
         agents report from before ``now_s`` belongs to the old one. (On a cluster a stopped rank may go on
         reporting for its grace period, after the relaunch began; the relaunch is done only once the old ranks are
-        gone.)"""
+        gone.) ``group_launches``: a fault-tolerant run's groups launched apart, each at its own launch."""
         with self.lock:
             memory = self.remember(run)
             memory.live, memory.stragglers, memory.recorded = None, [], None
             memory.launched_s = now_s
             memory.group_launches.clear()  # every replica group (if any) is of this launch now
+            memory.group_launches.update(enumerate(group_launches or ()))
             memory.groups_down.clear()
             if launch is not None:
                 memory.launch = launch
 
-    def forget_ranks(self, run: str, now_s: float, ended_launch: int | None = None) -> None:
+    def forget_ranks(self, run: str, now_s: float, ended_launch: int | Sequence[int] | None = None) -> None:
         """A relaunch: the ranks of ``run`` start over (their progress and samples belong to the old launch, whose
         record is written first); what agents report from before ``now_s`` is ignored. ``ended_launch``: the
-        launch the recovery stopped, when the backend named it: the newest step it made is taken from its own
-        ranks alone (a controller that took over may have heard from the new launch already)."""
+        launch the recovery stopped, when the backend named it (or each replica group's, in order): the newest step
+        it made is taken from its own ranks alone (a controller that took over may have heard from the new launch
+        already)."""
         row = self.store.run(run)
         if row is not None and row.generation > 0:
             self.record_launch(run, row.generation, now_s)
@@ -222,7 +226,7 @@ class ControllerCore:
             elif ended_launch is None:
                 memory.ended_step = ended.newest_step
             else:
-                steps = [r.step for r in ended.ranks.values() if r.launch is None or r.launch == ended_launch]
+                steps = [r.step for r in ended.ranks.values() if r.launch is None or r.launch == _of(ended_launch, r)]
                 memory.ended_step = max(steps, default=-1)
             memory.launched_s = now_s
 
@@ -378,3 +382,10 @@ def pipeline_view(bubble: RunBubble | None) -> dict[str, Any] | None:
         "microbatches": bubble.micro_batches,
         "stage_ratios": {str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
     }
+
+
+def _of(ended: int | Sequence[int], rank: RankLive) -> int | None:
+    """The launch a recovery stopped that ``rank`` was of: the whole job's, or its replica group's."""
+    if isinstance(ended, int):
+        return ended
+    return ended[rank.group] if rank.group is not None and 0 <= rank.group < len(ended) else None

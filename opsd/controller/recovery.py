@@ -321,30 +321,38 @@ class Recovery:
         log.info("run %s: %s replaces %s", run, chosen, failed)
         return {"spare": chosen}
 
-    def _stopped_launch(self, incident_id: int) -> int | None:
-        """The launch the incident's ``stop`` stopped, as its record says (when the backend named it)."""
+    def _stopped_launch(self, incident_id: int) -> int | list[int] | None:
+        """The launch the incident's ``stop`` stopped, as its record says (when the backend named it): one for the
+        whole job, or one per replica group (``launches``) where the backend launches the groups apart."""
         stops = [a for a in self.core.store.actions(incident_id=incident_id) if a.kind == ActionKind.STOP]
-        launch = (stops[-1].result or {}).get("launch") if stops else None
+        result = (stops[-1].result or {}) if stops else {}
+        launch, launches = result.get("launch"), result.get("launches")
+        if isinstance(launches, list) and all(isinstance(n, int) for n in launches):
+            return [int(n) for n in launches]
         return launch if isinstance(launch, int) else None
 
-    def _launch(self, run: str, generation: int, rid: str, now_s: float, stopped: int | None = None) -> dict[str, Any]:
+    def _launch(
+        self, run: str, generation: int, rid: str, now_s: float, stopped: int | list[int] | None = None
+    ) -> dict[str, Any]:
         """Launch ``generation`` on the run's active nodes: the controller forgets the old launch's ranks (the
         launch ``stopped``, when the record of the stop names it), the backend starts the new one, the run is
-        running again."""
+        running again. A fault-tolerant run's groups are all launched: each at the launch and on the nodes the
+        backend names for it (``launches``, ``group_nodes``: a cluster numbers and places each group's pods), else
+        at the run's launch, the nodes split in order."""
         store = self.core.store
         nodes = sorted(store.node_names(run, NodeRole.ACTIVE))
         self.core.forget_ranks(run, now_s, stopped)
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
         launch = done.get("launch")
-        self.core.launched(run, self.core.clock(), int(launch) if isinstance(launch, int) else None)
+        launch = int(launch) if isinstance(launch, int) else None
+        named = done.get("launches")
+        launches = [int(n) for n in named] if isinstance(named, list) else None
+        self.core.launched(run, self.core.clock(), launch, launches)
         row = store.run(run)
         fields: dict[str, Any] = {"generation": generation}
-        if row is not None and row.spec.replicas.fault_tolerant:  # every group launched, the nodes split in order
-            layout, k = row.spec.replicas, len(nodes) // row.spec.replica_groups
-            fields["groups"] = {
-                g: GroupLaunch(generation, tuple(nodes[g * k : (g + 1) * k])) for g in range(layout.groups)
-            }
+        if row is not None and row.spec.replicas.fault_tolerant:
+            fields["groups"] = group_launches(row.spec, generation if launch is None else launch, nodes, done)
         if row is None or not RunState(row.state).finished:  # else it ran to its end before this controller looked
             fields["state"] = RunState.RUNNING  # detection watches
         store.update_run(run, self.core.clock(), **fields)
@@ -366,10 +374,14 @@ class Recovery:
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid, group), None)
         launch = done.get("launch")
-        self.core.group_launched(run, group, int(launch) if isinstance(launch, int) else None)
+        launch = int(launch) if isinstance(launch, int) else None
+        self.core.group_launched(run, group, launch)
         row = store.run(run)
         assert row is not None
-        groups = {**row.groups, group: GroupLaunch(generation, tuple(nodes))}
+        placed = done.get("nodes")  # where a cluster's scheduler put the group's pods, when the backend says
+        if isinstance(placed, list) and placed:
+            nodes = [str(n) for n in placed]
+        groups = {**row.groups, group: GroupLaunch(generation if launch is None else launch, tuple(nodes))}
         store.update_run(run, self.core.clock(), generation=max(generation, row.generation), groups=groups)
         log.info("run %s: replica group %d launched again (%d) on %s", run, group, generation, ", ".join(nodes))
         return {"generation": generation, "nodes": nodes, "group": group, **done}
@@ -426,6 +438,20 @@ class Recovery:
             wait_s = min(outcome.retry_after_s, config.step_retry_max_s)
             log.warning("%s: %s (attempt %d); again in %.1f s", what, outcome.message, failures, wait_s)
             self.sleep(wait_s)
+
+
+def group_launches(spec: RunSpec, launch: int, nodes: list[str], done: dict[str, Any]) -> dict[int, GroupLaunch]:
+    """Every replica group of a whole launch: at the launch and on the nodes the relaunch's result ``done`` names
+    for it (``launches``, ``group_nodes``), else at ``launch`` on ``nodes`` split in order."""
+    groups = spec.replicas.groups
+    launches, placed = done.get("launches"), done.get("group_nodes")
+    k = len(nodes) // groups
+    out = {}
+    for g in range(groups):
+        at = int(launches[g]) if isinstance(launches, list) and g < len(launches) else launch
+        where = placed[g] if isinstance(placed, list) and g < len(placed) else nodes[g * k : (g + 1) * k]
+        out[g] = GroupLaunch(at, tuple(str(n) for n in where))
+    return out
 
 
 def newest_checkpoint(url: str) -> int | None:

@@ -54,8 +54,10 @@ class RunSpec:
 
 @dataclass(frozen=True, slots=True)
 class GroupLaunch:
-    """A replica group of a fault-tolerant run, as the store keeps it: the launch (generation) it was last launched
-    at, on which nodes, and whether it is out of the quorum waiting for a node (the run goes on without it)."""
+    """A replica group of a fault-tolerant run, as the store keeps it: the launch it was last launched at (the one
+    its ranks report, ``OPSD_LAUNCH``: the generation, or the backend's own number for the group when it names one,
+    as a cluster's count of the group's Job restarts), on which nodes, and whether it is out of the quorum waiting
+    for a node (the run goes on without it)."""
 
     launch: int
     nodes: tuple[str, ...]

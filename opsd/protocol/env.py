@@ -22,7 +22,8 @@ A fault-tolerant job's replica groups get theirs from ``opsd.protocol.ft`` (``TO
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``OPSD_FT_MIN_REPLICAS`` and torchft's timeouts).
 
 ``OPSD_LAUNCH`` is the local backend's generation; on Kubernetes, the JobSet's restart attempt (the pod's label
-``jobset.sigs.k8s.io/restart-attempt``, through the downward API).
+``jobset.sigs.k8s.io/restart-attempt``, through the downward API), or for a fault-tolerant run's replica group its
+child Job's restart count (the label ``jobset.sigs.k8s.io/job-restart-attempt``).
 """
 
 from __future__ import annotations

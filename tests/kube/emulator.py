@@ -329,6 +329,11 @@ class KubeEmulator:
         rtype = resource_named(resource)
         return self._call(lambda: self._api.store.select(rtype, namespace))
 
+    def last_state(self, resource: str, namespace: str | None, name: str) -> Json | None:
+        """The object as its newest retained change left it, deleted or not (what a watcher saw last), or None."""
+        rtype = resource_named(resource)
+        return self._call(lambda: self._api.store.last_state(rtype, namespace or "", name))
+
     def remove(self, resource: str, namespace: str | None, name: str) -> Json | None:
         """Delete at once, whatever holds the object (finalizers, a stuck kubelet); its last state, or None."""
         rtype = resource_named(resource)

@@ -109,6 +109,16 @@ class ObjectStore:
             raise errors.not_found(rtype, name)
         return obj
 
+    def last_state(self, rtype: ResourceType, namespace: str, name: str) -> Json | None:
+        """The object as the newest retained change left it (for a deleted one, its last state, as a watch's DELETED
+        event carries it); None when no retained change is of it."""
+        key = self._key(rtype, namespace, name)
+        for event in reversed(self._history):
+            meta = event.obj.get("metadata") or {}
+            if self._key(event.rtype, meta.get("namespace", ""), meta.get("name", "")) == key:
+                return copy.deepcopy(event.obj)
+        return None
+
     def select(self, rtype: ResourceType, namespace: str | None, selector: Selector | None = None) -> list[Json]:
         """The objects of a resource (in one namespace, or all), sorted by namespace and name as etcd keys are."""
         items = [

@@ -86,6 +86,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ include "opsd.fullname" . }}-agent
 {{- end }}
 
+{{- define "opsd.lighthouseName" -}}
+{{ include "opsd.fullname" . }}-lighthouse
+{{- end }}
+
 {{- define "opsd.configName" -}}
 {{ include "opsd.fullname" . }}-config
 {{- end }}
@@ -115,6 +119,16 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/* The Lighthouse's image (lighthouse.image: one with torchft), its tag defaulting to the chart's appVersion. */}}
+{{- define "opsd.lighthouseImage" -}}
+{{- $image := .Values.lighthouse.image }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository ($image.tag | default .Chart.AppVersion) }}
 {{- end }}
 {{- end }}
 

@@ -16,6 +16,11 @@ and onto a spare it promoted. The port's steps, here:
   then; a pod of an earlier attempt stuck Terminating (its node does not answer) is force-deleted after
   ``force_delete_after_s``. Its ranks report the restart attempt as their launch (``OPSD_LAUNCH``, from the pod's
   label through the downward API);
+- a fault-tolerant run's replica group ``g`` (``group=g``) is the child Job of index ``g``: its pods alone are evicted,
+  JobSet's ``RestartJob`` failure policy recreates that Job alone, and the relaunch waits for its restart count
+  (``jobRestarts[g]``) to go up. Its ranks report that count as their launch (the pod's ``job-restart-attempt``
+  label). The whole job of such a JobSet (which never restarts whole) is every group's Job stopped and recreated
+  alone, each at its own count (``launches``, one per group; ``jobsets`` says why);
 - ``request_dump``: nothing: the controller knows the run's ranks from their heartbeats;
 - ``inject``: not here (``UNSUPPORTED``).
 
@@ -36,21 +41,36 @@ from opsd.backends.kubernetes import nodes
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import Target, recorded, tell
+from opsd.backends.kubernetes.jobsets import (
+    attempt_of,
+    expected_pods,
+    finished,
+    group_pods,
+    groups_of,
+    job_attempt_of,
+    job_index_of,
+    job_restarts,
+    labels_job_restarts,
+    restarts_jobs_alone,
+    succeeded,
+    terminating,
+)
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.controller.steps import Step, as_outcome
 from opsd.errors import NotFoundError
-from opsd.protocol.cluster import (
-    JOB_INDEX_LABEL,
-    JOB_RESTART_ATTEMPT_LABEL,
-    JOBSET_NAME_LABEL,
-    QUARANTINE_TAINT,
-    RESTART_ATTEMPT_LABEL,
-)
+from opsd.protocol.cluster import JOBSET_NAME_LABEL, JOBSET_RESTART_JOB_RELEASE, QUARANTINE_TAINT
 
 log = logging.getLogger(__name__)
 
 HOUR_S = 3600.0
 ATTEMPT_ANNOTATION = "opsd.io/restart-attempt"  # on a stop's Event: the attempt it evicts
+#: on a whole stop's Event of a JobSet that recreates its Jobs alone: each Job's restart count it evicts ("0,2")
+JOB_RESTARTS_ANNOTATION = "opsd.io/job-restarts"
+GATE_OFF = (
+    f"no pod carries jobset.sigs.k8s.io/job-restart-attempt: JobSet's feature gate RestartJob is off (it needs"
+    f" JobSet {JOBSET_RESTART_JOB_RELEASE} or newer with featureGates RestartJob: true, docs/kubernetes.md), and"
+    f" no failed Job is recreated alone"
+)
 
 
 @dataclass(frozen=True)
@@ -61,62 +81,15 @@ class RunRef:
     jobset: str
 
 
-def attempt_of(pod: Json) -> int:
-    try:
-        return int(((pod.get("metadata") or {}).get("labels") or {}).get(RESTART_ATTEMPT_LABEL, "0"))
-    except ValueError:
-        return 0
+@dataclass(frozen=True)
+class GroupState:
+    """A replica group's child Job as the cluster has it now (``KubernetesBackend._group_now``)."""
 
-
-def terminating(pod: Json) -> bool:
-    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-
-
-def finished(pod: Json) -> bool:
-    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-
-
-def succeeded(pod: Json) -> bool:
-    return (pod.get("status") or {}).get("phase") == "Succeeded"
-
-
-def job_index_of(pod: Json) -> int | None:
-    """A pod's child Job's index in its replicated job: a fault-tolerant run's replica group."""
-    try:
-        return int(((pod.get("metadata") or {}).get("labels") or {})[JOB_INDEX_LABEL])
-    except (KeyError, ValueError):
-        return None
-
-
-def job_attempt_of(pod: Json) -> int:
-    """How many times JobSet recreated the pod's child Job alone, when the pod was made."""
-    try:
-        return int(((pod.get("metadata") or {}).get("labels") or {}).get(JOB_RESTART_ATTEMPT_LABEL, "0"))
-    except ValueError:
-        return 0
-
-
-def job_restarts(jobset: Json, index: int) -> int:
-    """How many times JobSet recreated child Job ``index`` alone (its first replicated job's ``jobRestarts``)."""
-    statuses = (jobset.get("status") or {}).get("replicatedJobsStatus") or []
-    restarts = (statuses[0].get("jobRestarts") or []) if statuses else []
-    return int(restarts[index]) if 0 <= index < len(restarts) else 0
-
-
-def group_pods(jobset: Json) -> int:
-    """The pods of one child Job (a replica group): its parallelism."""
-    jobs = (jobset.get("spec") or {}).get("replicatedJobs") or []
-    job_spec = ((jobs[0].get("template") or {}).get("spec")) or {} if jobs else {}
-    return int(job_spec.get("parallelism", 1))
-
-
-def expected_pods(jobset: Json) -> int:
-    """The pods a JobSet runs at once: each replicated Job's replicas times its parallelism."""
-    total = 0
-    for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []:
-        job_spec = ((rj.get("template") or {}).get("spec")) or {}
-        total += int(rj.get("replicas", 1)) * int(job_spec.get("parallelism", 1))
-    return total
+    restarts: int  # its Job's restart count (jobRestarts): the launch of its current pods
+    pods: int  # its current pods, not stopping
+    nodes: tuple[str, ...]  # where those are placed
+    placed: bool  # every one of them is
+    old: int  # pods of its earlier restarts still there
 
 
 class KubernetesBackend:
@@ -198,25 +171,47 @@ class KubernetesBackend:
     def _stop(self, run: str, request_id: str) -> Outcome:
         """Evict the running pods of the run's current restart attempt. The attempt is written first, in the step's
         Event on the JobSet: a stop told again (after a controller's restart) evicts what is left of that attempt,
-        never the pods of the attempt the JobSet started since."""
+        never the pods of the attempt the JobSet started since. A JobSet that recreates its Jobs alone on an
+        eviction (a fault-tolerant run's) never restarts whole: every replica group's Job is stopped at its own
+        restart count instead (``_stop_every_group``)."""
         ref = self._ref(run)
         target = Target("JobSet", ref.jobset, ref.namespace)
-        pods = self._pods(ref)
         record = recorded(self.api, target, request_id)
         if record is not None:
-            attempt = int(((record.get("metadata") or {}).get("annotations") or {}).get(ATTEMPT_ANNOTATION, "0"))
+            annotations = (record.get("metadata") or {}).get("annotations") or {}
+            if JOB_RESTARTS_ANNOTATION in annotations:
+                counts = [int(n) for n in annotations[JOB_RESTARTS_ANNOTATION].split(",") if n]
+                return self._stop_every_group(ref, counts)
+            attempt = int(annotations.get(ATTEMPT_ANNOTATION, "0"))
         else:
             jobset = self.api.jobset(ref.namespace, ref.jobset)
+            if restarts_jobs_alone(jobset):
+                counts = [job_restarts(jobset, g) for g in range(groups_of(jobset))]
+                message = f"evicting the pods of every replica group (their jobs' restarts {counts}): each Job restarts"
+                annotations = {JOB_RESTARTS_ANNOTATION: ",".join(map(str, counts))}
+                self._tell([target], "OpsdEvict", message, request_id, annotations=annotations)
+                return self._stop_every_group(ref, counts)
             attempt = int((jobset.get("status") or {}).get("restarts", 0))
             message = f"evicting the pods of restart attempt {attempt}: the JobSet restarts"
             self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
-        running = [p for p in pods if attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
-        for pod in running:
-            try:
-                self.api.evict(ref.namespace, pod["metadata"]["name"])
-            except NotFoundError:
-                continue  # gone meanwhile
+        running = [p for p in self._pods(ref) if attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
+        self._evict(ref, running)
         return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+
+    def _stop_every_group(self, ref: RunRef, counts: list[int]) -> Outcome:
+        """Evict the running pods of every replica group's Job at its restart count ``counts[g]`` (or before): each
+        Job is recreated alone, and ``launches`` are the groups' launches stopped."""
+        running = [
+            p
+            for p in self._pods(ref)
+            if (g := job_index_of(p)) is not None
+            and g < len(counts)
+            and job_attempt_of(p) <= counts[g]
+            and not terminating(p)
+            and not finished(p)
+        ]
+        self._evict(ref, running)
+        return Done({"killed": len(running), "launches": counts})
 
     def _stop_group(self, run: str, group: int, request_id: str) -> Outcome:
         """Evict the running pods of replica group ``group`` (the child Job of that index) at its current
@@ -233,41 +228,55 @@ class KubernetesBackend:
             message = f"evicting the pods of replica group {group} (its job's restart {attempt}): the Job restarts"
             self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
         running = [p for p in mine if job_attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
-        for pod in running:
+        self._evict(ref, running)
+        return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+
+    def _evict(self, ref: RunRef, pods: list[Json]) -> None:
+        for pod in pods:
             try:
                 self.api.evict(ref.namespace, pod["metadata"]["name"])
             except NotFoundError:
                 continue  # gone meanwhile
-        return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+
+    def _group_now(self, ref: RunRef, jobset: Json, pods: list[Json], group: int, now_s: float) -> GroupState:
+        """Replica group ``group`` as the cluster has it: its Job's restart count, the pods of that restart (placed
+        or not, and on which nodes), and how many of its earlier restarts are left (a pod stuck Terminating past
+        ``force_delete_after_s`` is deleted at once)."""
+        restarts = job_restarts(jobset, group)
+        mine = [p for p in pods if job_index_of(p) == group]
+        old = [p for p in mine if job_attempt_of(p) < restarts and not finished(p)]
+        for pod in old:
+            self._force_if_stuck(ref, pod, now_s)
+        # a pod of the restart that ran to its end was launched (its ranks may finish before a new leader looks)
+        current = [
+            p
+            for p in mine
+            if job_attempt_of(p) == restarts and not terminating(p) and (succeeded(p) or not finished(p))
+        ]
+        placed = [(p.get("spec") or {}).get("nodeName") or "" for p in current]
+        return GroupState(restarts, len(current), tuple(sorted({n for n in placed if n})), all(placed), len(old))
 
     def _verify_group(self, run: str, group: int, request_id: str) -> Outcome:
         """Replica group ``group``'s Job was recreated (its restart attempt went up), every pod of it is placed, on
         no quarantined node, and none of its earlier attempt is left."""
         ref = self._ref(run)
         jobset = self.api.jobset(ref.namespace, ref.jobset)
-        target = job_restarts(jobset, group)
-        mine = [p for p in self._pods(ref) if job_index_of(p) == group]
-        now = self.clock()
-        old = [p for p in mine if job_attempt_of(p) < target and not finished(p)]
-        for pod in old:
-            self._force_if_stuck(ref, pod, now)
-        current = [
-            p for p in mine if job_attempt_of(p) == target and not terminating(p) and (succeeded(p) or not finished(p))
-        ]
+        pods = self._pods(ref)
+        state = self._group_now(ref, jobset, pods, group, self.clock())
         wanted = group_pods(jobset)
-        placed = {p["metadata"]["name"]: (p.get("spec") or {}).get("nodeName") for p in current}
-        where = sorted({n for n in placed.values() if n})
-        bad = [n for n in where if nodes.unusable(self.api.node(n))]
-        if target == 0 or old or len(current) < wanted or not all(placed.values()) or bad:
+        bad = [n for n in state.nodes if nodes.unusable(self.api.node(n))]
+        if state.restarts == 0 or state.old or state.pods < wanted or not state.placed or bad:
             why = (
-                f"replica group {group}, its job's restart {target}: {len(where)} of {wanted} pods placed"
-                + (f", {len(old)} of earlier attempts still there" if old else "")
+                f"replica group {group}, its job's restart {state.restarts}: {len(state.nodes)} of {wanted} pods placed"
+                + (f", {state.old} of earlier attempts still there" if state.old else "")
                 + (f", pods on unusable nodes {bad}" if bad else "")
+                + (f"; {GATE_OFF}" if pods and not any(labels_job_restarts(p) for p in pods) else "")
             )
             return Pending(why, retry_after_s=1.0)
-        message = f"replica group {group}, its job's restart {target}: {len(current)} pods on {', '.join(where)}"
+        where = list(state.nodes)
+        message = f"replica group {group}, its job's restart {state.restarts}: {state.pods} pods on {', '.join(where)}"
         self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
-        return Done({"restart_attempt": target, "nodes": where, "pods": len(current), "launch": target})
+        return Done({"restart_attempt": state.restarts, "nodes": where, "pods": state.pods, "launch": state.restarts})
 
     def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
         current = self.api.node(node)
@@ -307,6 +316,8 @@ class KubernetesBackend:
     def _verify_restart(self, run: str, request_id: str) -> Outcome:
         ref = self._ref(run)
         jobset = self.api.jobset(ref.namespace, ref.jobset)
+        if restarts_jobs_alone(jobset):
+            return self._verify_every_group(run, ref, jobset, request_id)
         restarts = int((jobset.get("status") or {}).get("restarts", 0))
         pods = self._pods(ref)
         now = self.clock()
@@ -331,6 +342,38 @@ class KubernetesBackend:
         message = f"restart attempt {restarts}: {len(current)} pods on {', '.join(where)}"
         self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
         return Done({"restart_attempt": restarts, "nodes": where, "pods": len(current), "launch": restarts})
+
+    def _verify_every_group(self, run: str, ref: RunRef, jobset: Json, request_id: str) -> Outcome:
+        """A whole relaunch of a JobSet that recreates its Jobs alone (``_stop_every_group``): every replica group's
+        Job was recreated (none is back before it restarted once: its pods were evicted), every pod placed, on no
+        quarantined node, none of an earlier restart left. ``launches`` and ``group_nodes``: each group's launch
+        (its Job's restart count, its pods' ``job-restart-attempt``) and nodes."""
+        pods = self._pods(ref)
+        now = self.clock()
+        states = [self._group_now(ref, jobset, pods, g, now) for g in range(groups_of(jobset))]
+        wanted = group_pods(jobset)
+        where = sorted({n for s in states for n in s.nodes})
+        bad = [n for n in where if nodes.unusable(self.api.node(n))]
+        waiting = [g for g, s in enumerate(states) if s.restarts == 0 or s.old or s.pods < wanted or not s.placed]
+        if waiting or bad:
+            why = (
+                f"replica groups {waiting} not recreated yet (their jobs' restarts {[s.restarts for s in states]},"
+                f" {sum(len(s.nodes) for s in states)} of {wanted * len(states)} pods placed)"
+                + (f", pods on unusable nodes {bad}" if bad else "")
+                + (f"; {GATE_OFF}" if pods and not any(labels_job_restarts(p) for p in pods) else "")
+            )
+            return Pending(why, retry_after_s=1.0)
+        launches = [s.restarts for s in states]
+        message = f"every replica group recreated (their jobs' restarts {launches}): pods on {', '.join(where)}"
+        self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
+        return Done(
+            {
+                "nodes": where,
+                "pods": sum(s.pods for s in states),
+                "launches": launches,
+                "group_nodes": [list(s.nodes) for s in states],
+            }
+        )
 
     def _force_if_stuck(self, ref: RunRef, pod: Json, now_s: float) -> None:
         """A pod still Terminating ``force_delete_after_s`` past the end of its grace period (its

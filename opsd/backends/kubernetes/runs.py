@@ -8,6 +8,12 @@ runs); ``active`` for a run when it carries the run's label or runs one of its p
 gets the run's label (``nodes.mark_active``), which the run's pods prefer when the JobSet restarts them: the run's
 nodes are never labelled by hand. Other nodes are not the controller's business. A JobSet that completed or failed
 ends its run.
+
+A JobSet annotated ``opsd.io/replica-groups`` is a fault-tolerant run when it is laid out for it
+(``jobsets.fault_tolerance``): its replica groups are its child Jobs, each launched at its Job's restart count, on
+the nodes its pods run on (filled in once they are placed). One that is not laid out for it, or whose pods show
+that JobSet's feature gate ``RestartJob`` is off (no ``job-restart-attempt`` label), is told to the operator once,
+in the log and in a Warning Event on the JobSet (``OpsdNotFaultTolerant``, ``OpsdRestartJobOff``).
 """
 
 from __future__ import annotations
@@ -17,10 +23,21 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
+from opsd.backends.kubernetes.backend import GATE_OFF, KubernetesBackend, RunRef
+from opsd.backends.kubernetes.events import Target, tell
+from opsd.backends.kubernetes.jobsets import (
+    fault_tolerance,
+    finished,
+    groups_of,
+    job_attempt_of,
+    job_index_of,
+    job_restarts,
+    labels_job_restarts,
+    terminating,
+)
 from opsd.backends.kubernetes.nodes import has_taint, mark_active
 from opsd.backends.kubernetes.watch import Informer
-from opsd.controller.rows import RunSpec
+from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import OpsError
 from opsd.policy.recovery import OnNoSpare
@@ -53,6 +70,7 @@ def run_spec(jobset: Json) -> RunSpec:
         min_nodes = max(1, int(annotations.get(MIN_NODES_ANNOTATION, "1")))
     except ValueError:
         min_nodes = 1
+    groups, min_replicas, _ = fault_tolerance(jobset)
     return RunSpec(
         backend="kubernetes",
         namespace=meta.get("namespace", ""),
@@ -60,7 +78,24 @@ def run_spec(jobset: Json) -> RunSpec:
         checkpoint_url=annotations.get(CHECKPOINT_URL_ANNOTATION, ""),
         on_no_spare=OnNoSpare(on_no_spare) if on_no_spare in tuple(OnNoSpare) else OnNoSpare.WAIT,
         min_nodes=min_nodes,
+        replica_groups=groups,
+        min_replicas=min_replicas,
     )
+
+
+def placed_groups(jobset: Json, pods: list[Json]) -> dict[int, GroupLaunch]:
+    """A fault-tolerant run's replica groups as the cluster has them: each at its Job's restart count (the launch its
+    pods report), on the nodes that Job's running pods are placed on."""
+    out = {}
+    for g in range(groups_of(jobset)):
+        launch = job_restarts(jobset, g)
+        where = {
+            (p.get("spec") or {}).get("nodeName") or ""
+            for p in pods
+            if job_index_of(p) == g and job_attempt_of(p) == launch and not terminating(p) and not finished(p)
+        }
+        out[g] = GroupLaunch(launch, tuple(sorted(where - {""})))
+    return out
 
 
 def run_name(jobset: Json) -> str | None:
@@ -93,6 +128,7 @@ class Reconciler:
         self.pods = pods
         self.nodes = nodes
         self.final_step = final_step
+        self.told: set[str] = set()  # the warnings told (their Events' request ids), once each
 
     def runs(self) -> dict[str, Json]:
         """run -> its JobSet: the annotated ones, and the ones attached (recorded in the store)."""
@@ -124,6 +160,7 @@ class Reconciler:
                     self.store.update_run(name, now_s, spec=spec, generation=max(1, row.generation))
                     log.info("run %s: the spec of JobSet %s/%s", name, spec.namespace, spec.jobset)
             self.backend.runs[name] = RunRef(spec.namespace, spec.jobset)
+            self._fault_tolerance(name, jobset, now_s)
             ended = jobset_state(jobset)
             row = self.store.run(name)
             if ended is not None and row is not None and not RunState(row.state).finished:
@@ -131,6 +168,53 @@ class Reconciler:
                 self.store.update_run(name, now_s, state=ended, final_step=final)
                 log.info("run %s: its JobSet is %s", name, ended)
         self._nodes(runs, now_s)
+
+    def _fault_tolerance(self, run: str, jobset: Json, now_s: float) -> None:
+        """A fault-tolerant run's groups filled in from the cluster where the store has none yet (or none placed);
+        a JobSet not laid out for its replica groups, or whose JobSet controller does not recreate Jobs alone, told
+        to the operator once."""
+        meta = jobset.get("metadata") or {}
+        namespace, name, uid = meta.get("namespace", ""), meta.get("name", ""), meta.get("uid") or meta.get("name")
+        _, _, problem = fault_tolerance(jobset)
+        if problem:
+            self._warn(run, jobset, f"{uid}/not-fault-tolerant/{problem}", "OpsdNotFaultTolerant", problem, now_s)
+            return
+        row = self.store.run(run)
+        if row is None or not row.spec.replicas.fault_tolerant:
+            return
+        pods = [
+            p
+            for p in self.pods.objects()
+            if (p.get("metadata") or {}).get("namespace") == namespace
+            and ((p.get("metadata") or {}).get("labels") or {}).get(JOBSET_NAME_LABEL) == name
+        ]
+        if pods and not any(labels_job_restarts(p) for p in pods):
+            self._warn(run, jobset, f"{uid}/restart-job-off", "OpsdRestartJobOff", GATE_OFF, now_s)
+        self._fill_groups(row, placed_groups(jobset, pods), now_s)
+
+    def _fill_groups(self, row: RunRow, placed: dict[int, GroupLaunch], now_s: float) -> None:
+        """The groups the store has not placed yet, from the cluster (once their pods are): a running run's only,
+        and never a group waiting out of the quorum (its recovery owns it)."""
+        if row.state != RunState.RUNNING:
+            return
+        groups = dict(row.groups)
+        for g, launch in placed.items():
+            known = groups.get(g)
+            if (known is None or (not known.nodes and not known.out)) and launch.nodes:
+                groups[g] = launch
+        if groups != row.groups:
+            self.store.update_run(row.id, now_s, groups=groups)
+            log.info("run %s: replica groups placed: %s", row.id, {g: list(x.nodes) for g, x in groups.items()})
+
+    def _warn(self, run: str, jobset: Json, request_id: str, reason: str, message: str, now_s: float) -> None:
+        """``message`` in the log and in a Warning Event on the JobSet, once (the Event's name is its request id's)."""
+        if request_id in self.told:
+            return
+        self.told.add(request_id)
+        log.warning("run %s: %s", run, message)
+        meta = jobset.get("metadata") or {}
+        target = Target("JobSet", meta.get("name", ""), meta.get("namespace", ""), meta.get("uid", ""))
+        tell(self.backend.api, [target], reason, message, request_id, now_s, warning=True)
 
     def _nodes(self, runs: dict[str, Json], now_s: float) -> None:
         by_jobset = {
