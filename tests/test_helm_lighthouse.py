@@ -18,8 +18,8 @@ import pytest
 from opsd.backends.local import lighthouse
 from opsd.backends.local.processes import free_port, kill_group, wait_listening
 from opsd.protocol.ft import LighthouseConfig
+from tests.helm_chart import KUBE_VERSIONS, RELEASE, Helm, Obj, container, one
 from tests.pod_security import api_refusals, violations
-from tests.test_helm import KUBE_VERSIONS, RELEASE, Helm, Obj, container, one
 
 IMAGE = (
     "--set",

@@ -26,10 +26,10 @@ from opsd.controller.state import StateStore
 from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL
 from opsd.protocol.ft import ReplicaGroupEnv, group_layout
 from opsd.protocol.mesh import MeshSpec
+from tests.helm_chart import CHART, KUBE_VERSIONS, crd_errors, env
 from tests.kube.emulator import KubeEmulator
 from tests.kube.machines import Cluster
 from tests.pod_security import violations
-from tests.test_helm import CHART, KUBE_VERSIONS, crd_errors, env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "jobset-ft.yaml"

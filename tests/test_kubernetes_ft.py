@@ -42,9 +42,10 @@ from opsd.protocol.heartbeat import Heartbeat, HeartbeatEvent, HeartbeatFt, Hear
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer
-from tests.kube.machines import JOBSETS, Cluster, node, wait_until
+from tests.kube.machines import JOBSETS, Cluster, node
 from tests.rows import stored
 from tests.test_kubernetes_takeover import ScriptedKubelet
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ class FtCluster:
         kube.put(ft_jobset(min_replicas))
         self.player = JobSetPlayer(kube, ScriptedKubelet(), restart_job_gate=restart_job_gate)
         self.player.start()
-        wait_until("both groups running", lambda: len(self.running()) == 2)
+        wait_for("both groups running", lambda: len(self.running()) == 2, 20)
         backend = KubernetesBackend(
             KubeApi(kube.api_client),
             KubernetesConfig(namespace="opsd", quarantines_per_hour=10, force_delete_after_s=1.0),
@@ -180,7 +181,7 @@ def started(
         row = store.run(RUN)
         return row is not None and all(g in row.groups and row.groups[g].nodes for g in (0, 1))
 
-    wait_until("the groups placed", placed)
+    wait_for("the groups placed", placed, 20)
     run = stored(store.run(RUN))
     assert (run.spec.replica_groups, run.spec.min_replicas) == (2, min_replicas)
     assert run.groups == {0: GroupLaunch(0, ("node-0",)), 1: GroupLaunch(0, ("node-1",))}
@@ -326,7 +327,7 @@ def test_a_whole_stop_told_again_never_evicts_the_groups_recreated_since(
     assert isinstance(backend, KubernetesBackend)
     first = backend.stop_ranks(RUN, "incident-9-2-stop")
     assert first == Done({"killed": 2, "launches": [0, 0]})
-    wait_until("both groups recreated", lambda: {launch_of(p) for p in cluster.group_pods().values()} == {1})
+    wait_for("both groups recreated", lambda: {launch_of(p) for p in cluster.group_pods().values()} == {1}, 20)
     again = backend.stop_ranks(RUN, "incident-9-2-stop")
     assert again == Done({"killed": 0, "launches": [0, 0]})
     (event,) = [e for e in kube.objects("events", NAMESPACE) if e["reason"] == "OpsdEvict"]  # told once
