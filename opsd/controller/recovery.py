@@ -25,10 +25,10 @@ from typing import Any
 
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
+from opsd.controller.calls import BackendCalls, StepFailedError
 from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
-from opsd.controller.port import Backend, Done, ErrorKind, Outcome, Pending
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import Action
 from opsd.errors import OpsError
@@ -55,15 +55,11 @@ RECORDED, CARRIED_OUT, COMPLETED = "recorded", "carried_out", "completed"
 OnStep = Callable[[str, Action], None]
 
 
-class StepFailedError(OpsError):
-    """A recovery step the backend could not carry out."""
-
-
 class WaitForSpare(Exception):  # noqa: N818 (a signal within the executor, not an error)
     """No spare is left and the run may not shrink: the recovery waits (the detection pass takes it up)."""
 
 
-class Recovery:
+class Recovery(BackendCalls):
     """The recovery executor of a controller (``core``): its store, configuration, backend and policy state."""
 
     def __init__(self, core: ControllerCore, *, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -408,36 +404,6 @@ class Recovery:
         finally:
             self.core.ask_checkpoint(run, None)
         return {"checkpoint_step": None, "asked_step": at_step, "why": "not committed in time"}
-
-    def _backend(self) -> Backend:
-        backend = self.core.backend
-        if backend is None:
-            raise StepFailedError("this controller has no backend to recover with")
-        return backend
-
-    def _call(self, step: Callable[[], Outcome], action: Action | None) -> dict[str, Any]:
-        """Call a backend step until it is done: again after a transient failure (``step_attempts`` in all), again
-        while it is under way (``step_timeout_s``); its data, or ``StepFailedError``."""
-        config = self.core.config
-        what = action.request_id if action is not None else "launch"
-        failures = 0
-        deadline = time.monotonic() + config.step_timeout_s
-        while True:
-            outcome = step()
-            if isinstance(outcome, Done):
-                return dict(outcome.data)
-            if isinstance(outcome, Pending):
-                if time.monotonic() >= deadline:
-                    raise StepFailedError(f"{what}: not done within {config.step_timeout_s:.0f} s: {outcome.message}")
-                log.info("%s: %s", what, outcome.message)
-                self.sleep(min(outcome.retry_after_s, config.step_retry_max_s))
-                continue
-            failures += 1
-            if outcome.kind is not ErrorKind.TRANSIENT or failures >= config.step_attempts:
-                raise StepFailedError(f"{what}: {outcome.kind}: {outcome.message}")
-            wait_s = min(outcome.retry_after_s, config.step_retry_max_s)
-            log.warning("%s: %s (attempt %d); again in %.1f s", what, outcome.message, failures, wait_s)
-            self.sleep(wait_s)
 
 
 def group_launches(spec: RunSpec, launch: int, nodes: list[str], done: dict[str, Any]) -> dict[int, GroupLaunch]:
