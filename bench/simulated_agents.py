@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
-from typing import Any, cast
+from typing import Any
 
 import uvloop
 
@@ -187,24 +187,34 @@ class Tally:
     pending: dict[bytes, tuple[float, bool]] = field(default_factory=dict)  # tag -> (sent, within the window)
 
 
-class Acknowledgements(asyncio.DatagramProtocol):
-    """The load process's UDP socket: acknowledgements timed against their datagrams."""
+class Acknowledgements:
+    """The load process's UDP socket: acknowledgements timed against their datagrams, every one queued taken at each
+    wake-up of the loop (uvloop's datagram transport takes 32 a turn: behind a turn that builds heartbeats, the
+    acknowledgements queued up and were timed late)."""
 
-    def __init__(self, tally: Tally) -> None:
+    def __init__(self, sock: socket.socket, tally: Tally) -> None:
+        self.sock = sock
         self.tally = tally
-        self.transport: asyncio.DatagramTransport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.DatagramTransport, transport)  # uvloop's is not a subclass of asyncio's
+    def readable(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                _, tag = decode_ack(data)
+            except LivenessError:
+                continue
+            sent = self.tally.pending.pop(tag, None)
+            if sent is not None and sent[1]:
+                self.tally.datagram_ms.append((time.perf_counter() - sent[0]) * 1000.0)
 
-    def datagram_received(self, data: bytes, addr: Any) -> None:
+    def send(self, data: bytes, to: tuple[str, int]) -> None:
         try:
-            _, tag = decode_ack(data)
-        except LivenessError:
-            return
-        sent = self.tally.pending.pop(tag, None)
-        if sent is not None and sent[1]:
-            self.tally.datagram_ms.append((time.perf_counter() - sent[0]) * 1000.0)
+            self.sock.sendto(data, to)
+        except OSError as exc:  # a full send buffer: counted as not acknowledged
+            log.debug("liveness datagram: %s", exc)
 
 
 class Node:
@@ -249,11 +259,11 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
                 continue
             tally.silent_last_s = now
         agent = node.agent
-        if agent.port is not None and udp.transport is not None:
+        if agent.port is not None:
             data = agent.alive(now, signer)
             tally.pending[data[-16:]] = (time.perf_counter(), window)
             tally.datagrams += window
-            udp.transport.sendto(data, (plan.host, agent.port))
+            udp.send(data, (plan.host, agent.port))
         if agent.interval_s is None or now - node.delivered_s >= agent.interval_s - 0.5:
             if node.busy:
                 tally.late += window  # its last heartbeat is still under way
@@ -310,7 +320,9 @@ async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tal
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # a burst of acknowledgements is not dropped
     sock.bind((plan.host, 0))
-    transport, udp = await loop.create_datagram_endpoint(lambda: Acknowledgements(tally), sock=sock)
+    sock.setblocking(False)
+    udp = Acknowledgements(sock, tally)
+    loop.add_reader(sock.fileno(), udp.readable)
     signer = Signer(liveness_key(TOKEN))
     nodes = [Node(i, plan) for i in indices]
     tasks = [asyncio.create_task(drive(node, plan, tally)) for node in nodes]
@@ -324,7 +336,8 @@ async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tal
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        transport.close()
+        loop.remove_reader(sock.fileno())
+        sock.close()
     return tally
 
 

@@ -83,11 +83,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        transport = await open_liveness(controller, credentials, stats, clock, *liveness) if liveness else None
+        sock = await open_liveness(controller, credentials, stats, clock, *liveness) if liveness else None
         try:
             yield
         finally:
-            close_liveness(controller, transport)
+            close_liveness(controller, sock)
 
     app = FastAPI(
         title="opsd controller",

@@ -9,23 +9,20 @@ store cannot be reached; ``HeartbeatIn`` is also the request's schema in the Ope
 
 The body is parsed and validated in one pass by msgspec. A heartbeat that changes nothing in the store (a known node
 of known runs, without GPU events: nearly all of them) is taken on the event loop, in memory; one that may write
-goes to the one thread that writes them. One: the store takes one write at a time anyway, and when a job of 12,288
-nodes starts, 12,288 first heartbeats on the 40 threads of the default pool would fight over the interpreter lock
-and starve the event loop (and the liveness datagrams it takes) for seconds.
+goes to the one thread that writes them, in batches (``opsd.api.writer``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from opsd.api.auth import Credentials, Role, check
+from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.errors import BodyError, TransientError
 from opsd.protocol.heartbeat import PATH, decode_heartbeat, json_schemas
@@ -70,7 +67,7 @@ class HeartbeatEndpoint:
         self.credentials = credentials
         self.reject = reject  # counts a refused request by reason
         self.clock = clock
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="opsd-heartbeat-writer")
+        self.writer = HeartbeatWriter(controller, clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != PATH:
@@ -105,8 +102,7 @@ class HeartbeatEndpoint:
             return
         try:
             if self.controller.heartbeat_writes(body):
-                loop = asyncio.get_running_loop()
-                reply = await loop.run_in_executor(self.writer, self.controller.heartbeat, body, self.clock())
+                reply = await self.writer.take(body)
             else:  # in memory alone: a few tens of microseconds, less than the hop to a thread
                 reply = self.controller.heartbeat(body, self.clock())
         except TransientError as exc:

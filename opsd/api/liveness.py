@@ -13,12 +13,19 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import Any
 
 from opsd.api.auth import Credentials
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
-from opsd.protocol.liveness import LivenessError, Signer, decode_alive, encode_ack, liveness_key
+from opsd.protocol.liveness import (
+    MAX_DATAGRAM_BYTES,
+    LivenessError,
+    Signer,
+    decode_alive,
+    encode_ack,
+    liveness_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +33,42 @@ log = logging.getLogger(__name__)
 RECEIVE_BUFFER_BYTES = 4 << 20
 
 
-class LivenessEndpoint(asyncio.DatagramProtocol):
+#: datagrams taken per wake-up of the loop at most (~15 ms of work), so that the HTTP requests get their turn
+DRAIN_MAX = 1024
+
+
+class LivenessEndpoint:
+    """The UDP socket's reader on the event loop: at each wake-up it takes every datagram queued (up to
+    ``DRAIN_MAX``). Not an ``asyncio.DatagramProtocol``: uvloop's datagram transport reads at most 32 datagrams per
+    turn of the loop, and a turn that also answers HTTP heartbeats takes several milliseconds: 12,288 datagrams a
+    second overflowed the socket's queue."""
+
     def __init__(
-        self, controller: Controller, credentials: Credentials, stats: ApiStats, clock: Callable[[], float]
+        self,
+        sock: socket.socket,
+        controller: Controller,
+        credentials: Credentials,
+        stats: ApiStats,
+        clock: Callable[[], float],
     ) -> None:
+        self.sock = sock
         self.controller = controller
         self.signers = [Signer(liveness_key(t)) for t in (credentials.agent, credentials.operator) if t]
         self.stats = stats
         self.clock = clock
-        self.transport: asyncio.DatagramTransport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.DatagramTransport, transport)  # uvloop's is not a subclass of asyncio's
+    def readable(self) -> None:
+        for _ in range(DRAIN_MAX):
+            try:
+                data, addr = self.sock.recvfrom(MAX_DATAGRAM_BYTES + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # an acknowledgement that found no one (ICMP unreachable), reported here
+                log.debug("liveness endpoint: %s", exc)
+                continue
+            self.take(data, addr)
 
-    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+    def take(self, data: bytes, addr: Any) -> None:
         try:
             node, seq, tag = decode_alive(data, self.signers)
         except LivenessError as exc:
@@ -49,11 +78,10 @@ class LivenessEndpoint(asyncio.DatagramProtocol):
         if refused is not None:
             self.stats.refuse_datagram(refused)
             return
-        if self.transport is not None:
-            self.transport.sendto(encode_ack(seq, tag), addr)
-
-    def error_received(self, exc: Exception) -> None:
-        log.debug("liveness endpoint: %s", exc)  # an acknowledgement that found no one (ICMP unreachable)
+        try:
+            self.sock.sendto(encode_ack(seq, tag), addr)
+        except OSError as exc:  # a full send buffer: the agent's next datagram is acknowledged instead
+            log.debug("liveness acknowledgement to %s: %s", addr, exc)
 
 
 async def open_liveness(
@@ -63,7 +91,7 @@ async def open_liveness(
     clock: Callable[[], float],
     host: str,
     port: int,
-) -> asyncio.DatagramTransport | None:
+) -> socket.socket | None:
     """Take liveness datagrams on ``host:port`` (0: any free port) on the running loop; the controller's replies
     name the port from then on. None when the port cannot be bound: agents then send their liveness over HTTP."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -72,20 +100,19 @@ async def open_liveness(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
         sock.bind((host, port))
         sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: LivenessEndpoint(controller, credentials, stats, clock), sock=sock
-        )
+        endpoint = LivenessEndpoint(sock, controller, credentials, stats, clock)
+        asyncio.get_running_loop().add_reader(sock.fileno(), endpoint.readable)
     except OSError as exc:
         sock.close()
         log.error("no liveness datagrams on udp %s:%d (%s): agents send their liveness over HTTP", host, port, exc)
         return None
     controller.liveness_port = int(sock.getsockname()[1])
     log.info("liveness datagrams on udp %s:%d", host, controller.liveness_port)
-    return transport
+    return sock
 
 
-def close_liveness(controller: Controller, transport: asyncio.DatagramTransport | None) -> None:
+def close_liveness(controller: Controller, sock: socket.socket | None) -> None:
     controller.liveness_port = None
-    if transport is not None:
-        transport.close()
+    if sock is not None:
+        asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()

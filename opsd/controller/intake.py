@@ -10,6 +10,7 @@ commands: docs/protocol.md), the interval at which to send the ranks, and the po
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window
@@ -74,6 +75,22 @@ class Intake(Liveness):
             telemetry_interval_s=interval_s,
             liveness_port=self.liveness_port,
         )
+
+    def register(self, bodies: Sequence[Heartbeat], now_s: float) -> None:
+        """What the heartbeats ``bodies`` would write first, written at once: their new runs, and their nodes not yet
+        members of a run made active members of one, in one transaction (``heartbeat`` then finds them known). For
+        the heartbeats that queue up while a job of thousands of nodes starts."""
+        for run in sorted({r.run for b in bodies for r in b.ranks} - self.known_runs):
+            if self.store.create_run(run, RunSpec(observed=True), now_s):
+                log.info("run %s first seen in a heartbeat", run)
+            self.known_runs.add(run)
+        joining: dict[str, str] = {}
+        for body in bodies:
+            known = self.store.node(body.node)
+            if body.ranks and (known is None or known.run is None):
+                joining.setdefault(body.node, min(r.run for r in body.ranks))
+        if joining:
+            self.store.activate_nodes(joining, now_s)
 
     def heartbeat_writes(self, body: Heartbeat) -> bool:
         """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -129,6 +129,27 @@ class StateStore:
                     c.execute(insert(nodes).values(**values))
                     row = NodeRow(**values)
             cached[name] = row  # committed: the copy in memory follows
+
+    def activate_nodes(self, run_of: Mapping[str, str], now_s: float) -> None:
+        """Nodes made active members of a run (``node -> run``) in one transaction: for each, what
+        ``upsert_node(node, now_s, run=run, role=ACTIVE)`` does. The first heartbeats of a job of thousands of nodes
+        come within seconds, and a commit each would keep the store busy for as long."""
+        with self._nodes_lock:
+            cached = self._node_rows()
+            added = {n: run for n, run in run_of.items() if n not in cached}
+            changed = {n: run for n, run in run_of.items() if n in cached}
+            with self._tx() as c:
+                if added:
+                    new = [_active(n, run, now_s) for n, run in added.items()]
+                    c.execute(insert(nodes), [asdict(row) for row in new])
+                for name, run in changed.items():
+                    c.execute(
+                        update(nodes).where(nodes.c.name == name).values(run=run, role=NodeRole.ACTIVE, updated_s=now_s)
+                    )
+            for name, run in added.items():  # committed: the copy in memory follows
+                cached[name] = _active(name, run, now_s)
+            for name, run in changed.items():
+                cached[name] = replace(cached[name], run=run, role=NodeRole.ACTIVE, updated_s=now_s)
 
     def ack_events(self, name: str, seq: int, now_s: float) -> None:
         """Record that a node's GPU events are handled up to ``seq`` (a node not seen yet is added, as a spare);
@@ -397,6 +418,10 @@ class LaunchSample:
 def _run_row(row: Any) -> RunRow:
     spec, groups = decode_spec(row["spec"]), decode_groups(row["groups"])
     return RunRow(**{**row, "spec": spec, "state": RunState(row["state"]), "groups": groups})
+
+
+def _active(name: str, run: str, now_s: float) -> NodeRow:
+    return NodeRow(name, run, NodeRole.ACTIVE, "", "", 0, now_s)
 
 
 def _node_row(row: Any) -> NodeRow:
