@@ -77,6 +77,23 @@ def test_the_writer_answers_every_heartbeat_that_queued_up(tmp_path: Path) -> No
     assert len(counted) < 300  # batches, not a commit per node
 
 
+def test_a_closed_writer_has_taken_what_queued_up_and_its_thread_has_ended(tmp_path: Path) -> None:
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    writer = HeartbeatWriter(controller, lambda: 5.0)
+
+    async def some_then_close() -> int:
+        pending = [asyncio.ensure_future(writer.take(first_beat(f"node-{i}", i))) for i in range(100)]
+        await asyncio.sleep(0)  # every one queued
+        thread = writer._thread
+        await asyncio.get_running_loop().run_in_executor(None, writer.close)
+        assert thread is not None
+        assert not thread.is_alive()
+        return len(await asyncio.gather(*pending))
+
+    assert asyncio.run(some_then_close()) == 100
+    assert len(controller.store.node_names(RUN, NodeRole.ACTIVE)) == 100
+
+
 def test_the_writer_hands_an_error_to_its_heartbeat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
 

@@ -30,6 +30,7 @@ from opsd.api.auth import Credentials, Role, requirement
 from opsd.api.flight import flight_router
 from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
 from opsd.api.liveness import close_liveness, open_liveness
+from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import Fault, FaultKind
@@ -80,6 +81,7 @@ def create_app(
     it serves (``opsd.api.liveness``), None: none."""
     credentials = token if isinstance(token, Credentials) else Credentials(operator=token)
     stats = ApiStats()
+    writer = HeartbeatWriter(controller, clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -88,6 +90,7 @@ def create_app(
             yield
         finally:
             close_liveness(controller, sock)
+            writer.close()
 
     app = FastAPI(
         title="opsd controller",
@@ -101,7 +104,12 @@ def create_app(
     registry.register(ControllerCollector(controller, stats, clock))
 
     app.add_middleware(
-        HeartbeatEndpoint, controller=controller, credentials=credentials, reject=stats.reject, clock=clock
+        HeartbeatEndpoint,
+        controller=controller,
+        credentials=credentials,
+        reject=stats.reject,
+        clock=clock,
+        writer=writer,
     )
 
     def allow(*roles: Role) -> Any:

@@ -61,13 +61,14 @@ class HeartbeatEndpoint:
         credentials: Credentials,
         reject: Callable[[str], None],
         clock: Callable[[], float],
+        writer: HeartbeatWriter,
     ) -> None:
         self.app = app
         self.controller = controller
         self.credentials = credentials
         self.reject = reject  # counts a refused request by reason
         self.clock = clock
-        self.writer = HeartbeatWriter(controller, clock)
+        self.writer = writer  # the heartbeats that may write: on its thread
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != PATH:

@@ -26,13 +26,14 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 512
 
 _Item = tuple[Heartbeat, asyncio.AbstractEventLoop, "asyncio.Future[HeartbeatReply]"]
+CLOSE_WAIT_S = 10.0
 
 
 class HeartbeatWriter:
     def __init__(self, controller: Controller, clock: Callable[[], float]) -> None:
         self.controller = controller
         self.clock = clock
-        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()  # None: the end
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
 
@@ -48,14 +49,31 @@ class HeartbeatWriter:
                     self._thread.start()
         return await future
 
+    def close(self) -> None:
+        """Take what has queued up, then end the thread (the server stops): a thread cut off in the middle of a
+        write by the interpreter's exit would crash the process."""
+        with self._start:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(CLOSE_WAIT_S)
+
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            end = False
             while len(batch) < MAX_BATCH:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                if item is None:
+                    end = True
+                    break
+                batch.append(item)
             if len(batch) > 1:
                 try:
                     self.controller.register([body for body, _, _ in batch], self.clock())
@@ -68,6 +86,8 @@ class HeartbeatWriter:
                     loop.call_soon_threadsafe(_fail, future, exc)
                 else:
                     loop.call_soon_threadsafe(_answer, future, reply)
+            if end:
+                return
 
 
 def _answer(future: asyncio.Future[HeartbeatReply], reply: HeartbeatReply) -> None:
