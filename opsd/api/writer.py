@@ -83,11 +83,18 @@ class HeartbeatWriter:
                 try:
                     reply = self.controller.heartbeat(body, self.clock())
                 except Exception as exc:
-                    loop.call_soon_threadsafe(_fail, future, exc)
+                    _hand_back(loop, _fail, future, exc)
                 else:
-                    loop.call_soon_threadsafe(_answer, future, reply)
+                    _hand_back(loop, _answer, future, reply)
             if end:
                 return
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, how: Callable[..., None], *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(how, *args)
+    except RuntimeError:  # its loop is closed: no one waits for the answer any more
+        log.debug("a heartbeat's answer found its event loop closed")
 
 
 def _answer(future: asyncio.Future[HeartbeatReply], reply: HeartbeatReply) -> None:
