@@ -39,6 +39,7 @@ from agent.connection import Connection
 from agent.health import GpuHealth
 from agent.liveness import LivenessSender
 from agent.state import NodeState, RankSnapshot
+from opsd.policy.telemetry import phase_ratio, ranks_due
 from opsd.protocol.heartbeat import (
     VERSION,
     Heartbeat,
@@ -103,6 +104,7 @@ class Reporter:
         self.liveness: LivenessSender | None = None  # while the controller offers a datagram port
         self.over_http = True  # the liveness goes over HTTP (no port, datagrams off, or unacknowledged)
         self.delivered_s = -math.inf  # the last heartbeat with the ranks delivered
+        self.phase_ratio = phase_ratio(node)  # where in each interval it sends the ranks (opsd.policy.telemetry)
         self.events_sent_up_to = 0  # the newest GPU event delivered
         self.timeouts_sent: set[tuple[str, int, int]] = set()  # collective timeouts delivered (run, rank, step)
         self.retry_mono_s = 0.0  # after a failure: no heartbeat before then (monotonic)
@@ -199,9 +201,12 @@ class Reporter:
 
     def ranks_due(self, now_s: float) -> bool:
         """Whether the next heartbeat carries the ranks: every beat unless the controller asked for an interval
-        (and on each attempt after a failure); else when it is up, or a GPU event or a collective timeout is new."""
+        (and on each attempt after a failure); else once its slot of the interval has begun since the last delivered
+        (``opsd.policy.telemetry.ranks_due``), or a GPU event or a collective timeout is new."""
         interval_s = self.telemetry_interval_s
-        if interval_s is None or self.failures or now_s - self.delivered_s >= interval_s - self.config.interval_s / 2:
+        if interval_s is None or self.failures:
+            return True
+        if ranks_due(now_s=now_s, delivered_s=self.delivered_s, interval_s=interval_s, phase_ratio=self.phase_ratio):
             return True
         events = self.gpu.pending_events() if self.gpu is not None else []
         if any(e.seq > self.events_sent_up_to for e in events):

@@ -2,10 +2,11 @@
 processes, each node on a keep-alive connection of its own.
 
 Each node beats once a second at its phase. Like the agent (``agent.reporter``), it sends a heartbeat with its ranks
-(``opsd.protocol.heartbeat``) at the interval the controller's replies ask for, and a signed liveness datagram
-(``opsd.protocol.liveness``) every beat once a reply named the controller's datagram port; ``--mode http`` is an
-agent that knows neither (a heartbeat with the ranks every beat, as agents did before). The datagrams of a load
-process go from one UDP socket; their acknowledgements come back to it.
+(``opsd.protocol.heartbeat``) at the interval the controller's replies ask for, in its own slot of the interval
+(``opsd.policy.telemetry.ranks_due``), and a signed liveness datagram (``opsd.protocol.liveness``) every beat once a
+reply named the controller's datagram port; ``--mode http`` is an agent that knows neither (a heartbeat with the
+ranks every beat, as agents did before). The datagrams of a load process go from one UDP socket; their
+acknowledgements come back to it.
 
 A heartbeat: the node's ranks with their step advancing every ``STEP_S``, ``step_s``, ``compute_s``, the running
 sums ``steps_total`` and ``compute_total_s``, checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest),
@@ -19,6 +20,7 @@ import array
 import asyncio
 import json
 import logging
+import math
 import random
 import re
 import socket
@@ -30,6 +32,7 @@ from typing import Any
 
 import uvloop
 
+from opsd.policy.telemetry import phase_ratio, ranks_due
 from opsd.protocol.heartbeat import VERSION, CommRow, Heartbeat, HeartbeatRank, encode
 from opsd.protocol.liveness import LivenessError, Signer, decode_ack, encode_alive, liveness_key
 
@@ -111,6 +114,7 @@ class SimulatedAgent:
         self.interval_s: float | None = None  # the ranks' interval the controller asks for (None: every beat)
         self.port: int | None = None  # its liveness datagrams' port
         self.seq = 0
+        self.phase_ratio = phase_ratio(self.name)  # where in each interval it sends its ranks, as the agent does
 
     def heartbeat(self, now_s: float) -> Heartbeat:
         elapsed = now_s - self.run_start_s
@@ -226,7 +230,7 @@ class Node:
         self.due = asyncio.Event()  # a heartbeat is due (set by the pacer, at the beat)
         self.beat_s = 0.0  # when it was due
         self.busy = False  # a heartbeat under way
-        self.delivered_s = -1e18
+        self.delivered_s = -math.inf
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.up_s = plan.start_s + plan.ramp_s * index / plan.nodes  # its agent starts then
 
@@ -264,7 +268,10 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
             tally.pending[data[-16:]] = (time.perf_counter(), window)
             tally.datagrams += window
             udp.send(data, (plan.host, agent.port))
-        if agent.interval_s is None or now - node.delivered_s >= agent.interval_s - 0.5:
+        interval_s = agent.interval_s
+        if interval_s is None or ranks_due(
+            now_s=now, delivered_s=node.delivered_s, interval_s=interval_s, phase_ratio=agent.phase_ratio
+        ):
             if node.busy:
                 tally.late += window  # its last heartbeat is still under way
             else:

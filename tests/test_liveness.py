@@ -1,10 +1,11 @@
-"""Liveness datagrams end to end: the real API on uvicorn takes them on its event loop, acknowledges the good ones and
-counts what it refuses; the real agent reporter says it is alive by datagram between its heartbeats, falls back to
+"""Liveness datagrams end to end: the real API on uvicorn takes them in its liveness worker, acknowledges the good ones
+and counts what it refuses; the real agent reporter says it is alive by datagram between its heartbeats, falls back to
 heartbeats over HTTP while its datagrams go unacknowledged, and comes back to them."""
 
 from __future__ import annotations
 
 import http.client
+import math
 import json
 import select
 import socket
@@ -29,6 +30,7 @@ from opsd.protocol.liveness import Signer, decode_ack, decode_alive, encode_ack,
 from tests.serving import start_api
 from tests.test_agent import step
 from tests.test_reporter import Controller as StandIn
+from tests.waiting import wait_for
 
 CREDENTIALS = Credentials(operator="op-token", reader="reader-token", agent="agent-token")
 
@@ -103,7 +105,9 @@ def test_the_api_acknowledges_good_datagrams_and_counts_what_it_refuses(api: tup
         assert decode_ack(answer(sock)) == (seq + 1, by_operator[-16:])
     finally:
         sock.close()
-    assert refused(port) == {"malformed": 1, "version": 1, "mac": 1, "replay": 1, "skew": 1}
+    expected = {"malformed": 1, "version": 1, "mac": 1, "replay": 1, "skew": 1}
+    wait_for("the refusals counted (batches come from the liveness worker)", lambda: refused(port) == expected, 10)
+    assert refused(port) == expected
     assert controller.nodes["n-api"].liveness_seq == seq + 1
 
 
@@ -131,8 +135,8 @@ def test_the_agent_says_it_is_alive_by_datagram_between_its_heartbeats(
         reporter.beat(now + 7, mono_s=7.0)
         assert (reporter.liveness.sent, reporter.liveness.acknowledged, reporter.liveness.errors) == (7, 6, 0)
         assert not reporter.over_http
-        select.select([reporter.liveness.sock], [], [], 10.0)  # the last one taken
-        assert controller.nodes["n-agent"].liveness_seq == reporter.liveness.seq
+        sent = reporter.liveness.seq
+        wait_for("the last datagram taken", lambda: controller.nodes["n-agent"].liveness_seq == sent, 10)
     finally:
         reporter.stop()
 
@@ -164,8 +168,8 @@ def test_the_agent_falls_back_to_http_while_its_datagrams_go_unacknowledged(
     controller, udp = stand_in
     reporter = Reporter(ReporterConfig(url=controller.url, token="agent-token"), "n7", NodeState(), None)
     kinds: list[str] = []
-
-    now = time.time()
+    # the node's slot of the 10 s interval began half a second before its first beat: its next one at the tenth beat
+    now = math.floor(time.time() / 10.0) * 10.0 + reporter.phase_ratio * 10.0 + 0.5
 
     def beat(at_s: float) -> None:
         count = len(controller.requests)

@@ -1,10 +1,13 @@
-"""The interval at which agents send their ranks, as a table of named cases."""
+"""The interval at which agents send their ranks, and the slot of it in which each node sends, as tables of named
+cases."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from opsd.policy.telemetry import TelemetryConfig, TelemetryPlan, plan_telemetry
+from opsd.policy.telemetry import TelemetryConfig, TelemetryPlan, phase_ratio, plan_telemetry, ranks_due
 
 C = TelemetryConfig(heartbeats_per_s=1500, min_interval_s=1, max_interval_s=10, hysteresis_ratio=0.1)
 
@@ -75,3 +78,55 @@ def test_over_budget_says_so() -> None:
 def test_telemetry_config_validates_itself(config: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TelemetryConfig(**config)
+
+
+#: (now, last delivered, interval, phase) -> due; the node's slots begin at phase x interval past each multiple of
+#: the interval (phase 0.5 of 9 s: at ..., 103.5, 112.5, 121.5 s)
+DUE: dict[str, tuple[tuple[float, float, float, float], bool]] = {
+    "nothing delivered yet": ((100.0, -math.inf, 9.0, 0.5), True),
+    "within the slot it was delivered in": ((108.0, 104.6, 9.0, 0.5), False),
+    "its next slot has begun": ((113.6, 104.6, 9.0, 0.5), True),
+    "a slot begins right after a late delivery": ((112.6, 112.4, 9.0, 0.5), True),
+    "delivered just after its slot began: a whole interval": ((121.4, 112.6, 9.0, 0.5), False),
+    "several slots missed: due once": ((200.0, 104.6, 9.0, 0.5), True),
+    "phase 0: slots on multiples of the interval": ((18.0, 9.5, 9.0, 0.0), True),
+    "phase 0, same slot": ((17.9, 9.5, 9.0, 0.0), False),
+}
+
+
+@pytest.mark.parametrize(("given", "expected"), list(DUE.values()), ids=list(DUE))
+def test_ranks_due(given: tuple[float, float, float, float], expected: bool) -> None:
+    now_s, delivered_s, interval_s, phase = given
+    assert ranks_due(now_s=now_s, delivered_s=delivered_s, interval_s=interval_s, phase_ratio=phase) is expected
+
+
+def test_ranks_due_refuses_what_has_no_slot() -> None:
+    with pytest.raises(ValueError, match="interval_s must be > 0 and phase_ratio in"):
+        ranks_due(now_s=1.0, delivered_s=0.0, interval_s=0.0, phase_ratio=0.5)
+    with pytest.raises(ValueError, match="phase_ratio in"):
+        ranks_due(now_s=1.0, delivered_s=0.0, interval_s=9.0, phase_ratio=1.0)
+
+
+def test_a_nodes_phase_is_its_own_and_the_same_everywhere() -> None:
+    assert phase_ratio("node-00042") == phase_ratio("node-00042")  # no per-process hash seed
+    assert 0.0 <= phase_ratio("node-00042") < 1.0
+    assert phase_ratio("node-00042") != phase_ratio("node-00043")
+
+
+def test_nodes_answered_at_once_spread_over_the_interval() -> None:
+    """12,288 nodes whose replies all came back in the same second (a controller that stalled) and that check every
+    beat at their own phase of the second: over the next intervals each sends once per interval, and no second holds
+    much more than an even share (1,365 a second at 9 s). Counting from the last delivery instead, every node would
+    send in the same second, every interval."""
+    nodes, interval_s, start_s = 12288, 9.0, 1_800_000_000.0
+    phases = [phase_ratio(f"node-{i:05d}") for i in range(nodes)]
+    delivered = [start_s + i / nodes for i in range(nodes)]  # all within one second
+    per_second = [0] * 27
+    for second in range(1, 28):
+        for i in range(nodes):
+            now_s = start_s + second + i / nodes  # node i beats at its phase of each second
+            if ranks_due(now_s=now_s, delivered_s=delivered[i], interval_s=interval_s, phase_ratio=phases[i]):
+                delivered[i] = now_s
+                per_second[second - 1] += 1
+    assert sum(per_second[9:]) == 2 * nodes  # once an interval each, once settled
+    assert max(per_second) <= 1.2 * nodes / interval_s

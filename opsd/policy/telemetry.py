@@ -15,6 +15,12 @@ ranks, their steps and sums, every ``interval_s``; a node's liveness does not de
 - shortened only once the load is ``hysteresis_ratio`` under the budget at the shorter interval, so that a node
   count near a boundary does not make it go back and forth.
 
+Each node sends its ranks in a slot of the interval of its own (``phase_ratio``, from its name), not an interval
+after its last delivery: when a controller stalls (a takeover, a start of thousands of nodes), the replies held up
+come back together, and agents that counted from them would send together from then on, every interval, a second's
+worth of a whole interval's heartbeats (at 12,288 nodes, several thousand in one second, and then a backlog that
+makes the next cohort). ``ranks_due`` is the agents' rule.
+
 Compute samples are compared among peers within slots of time: a slot at least as long as the interval holds a
 sample of every rank (shorter ones would hold an ever smaller share of the peers), so ``sample_slot_s`` is the
 configured slot or the interval, the longer.
@@ -22,6 +28,7 @@ configured slot or the interval, the longer.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -77,3 +84,23 @@ def plan_telemetry(
     if interval == cap and _whole_s(need_s) > cap:
         why += f", capped at {cap:g} s (over budget)"
     return TelemetryPlan(interval, max(sample_slot_s, interval), f"{why}: every {interval:g} s")
+
+
+def phase_ratio(node: str) -> float:
+    """Where in each interval ``node`` sends its ranks, in [0, 1): from a hash of its name, so the same in every
+    process, every restart of its agent and every interval, and spread evenly over a job's nodes."""
+    digest = hashlib.blake2b(node.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def ranks_due(*, now_s: float, delivered_s: float, interval_s: float, phase_ratio: float) -> bool:
+    """Whether a heartbeat with the ranks is due at ``now_s``: the node's slots begin at ``phase_ratio *
+    interval_s`` past each multiple of the interval (wall-clock seconds), and one is due once a slot has begun since
+    the last delivered at ``delivered_s`` (``-inf``: none yet, due). A node checking every beat thus sends once an
+    interval, at the first beat of its slot, whenever its last heartbeat came back."""
+    if interval_s <= 0 or not 0.0 <= phase_ratio < 1.0:
+        raise ValueError("interval_s must be > 0 and phase_ratio in [0, 1)")
+    if not math.isfinite(delivered_s):
+        return True
+    offset_s = phase_ratio * interval_s
+    return math.floor((now_s - offset_s) / interval_s) > math.floor((delivered_s - offset_s) / interval_s)
