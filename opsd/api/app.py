@@ -85,11 +85,11 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        sock = await open_liveness(controller, credentials, stats, clock, *liveness) if liveness else None
+        ingest = await open_liveness(controller, credentials, stats, *liveness) if liveness else None
         try:
             yield
         finally:
-            close_liveness(controller, sock)
+            close_liveness(controller, ingest)
             writer.close()
 
     app = FastAPI(

@@ -11,6 +11,7 @@ samples' slots follow it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, Window
@@ -31,13 +32,35 @@ class Liveness(ControllerCore):
         if abs(seq / 1000.0 - now_s) > self.config.liveness_max_skew_s:
             return "skew"
         with self.lock:
-            live = self.nodes.get(node)
-            if live is None:
-                live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
-            elif seq <= live.liveness_seq:
-                return "replay"
-            live.alive(seq, now_s)
-            self.datagrams_total += 1
+            return self._alive(node, seq, now_s)
+
+    def contacted(self, node: str, now_s: float) -> None:
+        """A node's heartbeat arrived and waits to be taken (its first, at the writer's thread): the node counts as
+        heard from at once, for the interval planned (``telemetry_interval_s``). When 12,288 nodes start within
+        seconds, their first heartbeats wait for seconds; planned from the nodes taken alone, the interval lagged
+        the job's size, and the agents answered meanwhile sent their ranks too often, which made the wait longer."""
+        with self.lock:
+            if node not in self.nodes:
+                self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+
+    def alive_many(self, taken: Iterable[tuple[str, int, float]]) -> int:
+        """Datagrams checked and acknowledged by the API's liveness process (``opsd.api.liveness_worker``), each
+        ``(node, seq, when it was taken)``, under one hold of the lock; how many were replays (of a node whose
+        datagrams that process took before it was started again)."""
+        replays = 0
+        with self.lock:
+            for node, seq, taken_s in taken:
+                replays += self._alive(node, seq, taken_s) is not None
+        return replays
+
+    def _alive(self, node: str, seq: int, now_s: float) -> str | None:
+        live = self.nodes.get(node)
+        if live is None:
+            live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+        elif seq <= live.liveness_seq:
+            return "replay"
+        live.alive(seq, now_s)
+        self.datagrams_total += 1
         return None
 
     def telemetry_interval_s(self, now_s: float) -> float:

@@ -33,8 +33,8 @@ class ApiStats:
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    def refuse_datagram(self, reason: str) -> None:
-        self.datagrams_refused[reason] = self.datagrams_refused.get(reason, 0) + 1
+    def refuse_datagram(self, reason: str, count: int = 1) -> None:
+        self.datagrams_refused[reason] = self.datagrams_refused.get(reason, 0) + count
 
 
 class ControllerCollector(Collector):
