@@ -1,28 +1,30 @@
 """What a job of many nodes starting costs the controller: its nodes' first heartbeats written in one transaction
-(``StateStore.activate_nodes``, ``Controller.register``, the API's ``HeartbeatWriter``), and liveness datagrams
-taken by the thousand at each wake-up of the API's loop (uvloop's datagram transport takes 32)."""
+(``StateStore.activate_nodes``, ``Controller.register``, the API's ``HeartbeatWriter``), and the nodes whose first
+heartbeat waits for the writer counted at once in the interval the replies ask for."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
 import pytest
 from sqlalchemy import event
 
-from opsd.api.liveness import DRAIN_MAX
 from opsd.api.writer import HeartbeatWriter
 from opsd.backends.local.processes import free_port
+from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
-from opsd.protocol.heartbeat import Heartbeat
-from opsd.protocol.liveness import Signer, decode_ack, encode_alive, liveness_key
+from opsd.policy.telemetry import TelemetryConfig
+from opsd.protocol.heartbeat import Heartbeat, HeartbeatReply
 from opsd.protocol.states import NodeRole
 from tests.serving import start_api
-from tests.test_liveness import CREDENTIALS
+from tests.test_liveness import CREDENTIALS, request
+from tests.waiting import wait_for
 
 RUN = "big"
 
@@ -106,27 +108,46 @@ def test_the_writer_hands_an_error_to_its_heartbeat(tmp_path: Path, monkeypatch:
         asyncio.run(writer.take(first_beat("node-7", 7)))
 
 
-def test_a_burst_of_datagrams_is_taken_in_full(tmp_path: Path) -> None:
-    """2,000 datagrams at once, more than one wake-up takes (``DRAIN_MAX``): every one taken and acknowledged."""
-    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    server = start_api(controller, CREDENTIALS, "127.0.0.1", free_port())
+def test_nodes_whose_first_heartbeat_waits_count_for_the_interval_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against the real API, the writer held up: 20 nodes whose first heartbeats wait count as heard from, so a node
+    already taken is asked for its ranks every 3 s (21 nodes at 10 heartbeats a second), not every second."""
+    config = ControllerConfig(telemetry=TelemetryConfig(heartbeats_per_s=10))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), config)
+    controller.heartbeat(first_beat("node-known", 0), time.time())
+    held = threading.Event()
+    take = controller.heartbeat
+
+    def held_up(body: Heartbeat, now_s: float) -> HeartbeatReply:
+        if body.node != "node-known":  # the writer's thread waits: the known node is taken on the loop
+            held.wait(30)
+        return take(body, now_s)
+
+    monkeypatch.setattr(controller, "heartbeat", held_up)
+    port = free_port()
+    server = start_api(controller, CREDENTIALS, "127.0.0.1", port)
     try:
-        port = controller.liveness_port
-        assert port is not None
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        sock.connect(("127.0.0.1", port))
-        signer = Signer(liveness_key("agent-token"))
-        seq = int(time.time() * 1000)
-        sent = {encode_alive(f"node-{i}", seq, signer)[-16:] for i in range(2000)}
-        for i in range(2000):
-            sock.send(encode_alive(f"node-{i}", seq, signer))
-        acked: set[bytes] = set()
-        sock.settimeout(10)
-        while len(acked) < len(sent):
-            acked.add(decode_ack(sock.recv(64))[1])
-        assert acked == sent
-        assert len(sent) > DRAIN_MAX
-        assert controller.datagrams_total == 2000
+        with ThreadPoolExecutor(20) as pool:
+            waiting = [
+                pool.submit(
+                    request,
+                    port,
+                    "POST",
+                    "/v1/heartbeat",
+                    "agent-token",
+                    msgspec.json.encode(first_beat(f"node-{i}", i + 1)),
+                )
+                for i in range(20)
+            ]
+            wait_for("21 nodes heard from", lambda: len(controller.nodes) == 21, 30)
+            assert not any(f.done() for f in waiting)  # every one still waits for the writer
+            known = request(
+                port, "POST", "/v1/heartbeat", "agent-token", msgspec.json.encode(first_beat("node-known", 0))
+            )
+            assert known["telemetry_interval_s"] == 3.0
+            held.set()
+            assert [f.result(30)["telemetry_interval_s"] for f in waiting] == [3.0] * 20
     finally:
+        held.set()
         server.should_exit = True

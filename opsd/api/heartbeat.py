@@ -103,6 +103,7 @@ class HeartbeatEndpoint:
             return
         try:
             if self.controller.heartbeat_writes(body):
+                self.controller.contacted(body.node, self.clock())
                 reply = await self.writer.take(body)
             else:  # in memory alone: a few tens of microseconds, less than the hop to a thread
                 reply = self.controller.heartbeat(body, self.clock())
