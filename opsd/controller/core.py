@@ -20,7 +20,17 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from opsd.controller.config import ControllerConfig
-from opsd.controller.live import GroupDown, NodeLive, RankLive, Ratios, RunLive, RunMemory, SlotClock, Window
+from opsd.controller.live import (
+    GroupDown,
+    NodeLive,
+    RankLive,
+    Ratios,
+    RunLive,
+    RunMemory,
+    SlotClock,
+    Window,
+    comm_totals,
+)
 from opsd.controller.port import Backend
 from opsd.controller.rows import NodeRow, RunRow
 from opsd.controller.state import LaunchSample, StateStore
@@ -302,7 +312,8 @@ class ControllerCore:
             memory = self.memory.get(run)
             if memory is None or memory.comms is None:
                 return {}
-            totals, before = memory.comms.totals(), memory.comms_before
+            taken, before = memory.comms.snapshot(), memory.comms_before
+        totals = comm_totals(*taken)  # without the lock, which heartbeats wait for
         return {k: v - before.get(k, 0.0) for k, v in totals.items() if v - before.get(k, 0.0) > 0}
 
     def record_launch(self, run: str, generation: int, now_s: float) -> None:

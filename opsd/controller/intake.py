@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from opsd.controller.live import NodeLive, RankLive, RunComms, Window
+from opsd.controller.live import NodeLive, RankLive, RunComms, Window, comm_totals
 from opsd.controller.liveness import Liveness
 from opsd.controller.rows import RunSpec
 from opsd.policy.detection import GpuEvent
@@ -137,7 +137,10 @@ class Intake(Liveness):
         started (docs/flamegraph.md)."""
         with self.lock:
             memory = self.memory.get(run)
-            return memory.comms.totals() if memory is not None and memory.comms is not None else {}
+            if memory is None or memory.comms is None:
+                return {}
+            taken = memory.comms.snapshot()
+        return comm_totals(*taken)  # without the lock, which heartbeats wait for
 
     def _rank(self, r: HeartbeatRank, node: str, now_s: float) -> None:
         run, rank = r.run, r.rank
