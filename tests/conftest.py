@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import pytest
@@ -81,6 +82,14 @@ def default(renders: dict[Combo, list[Obj]]) -> list[Obj]:
     from tests.helm_chart import DEFAULT
 
     return renders[DEFAULT]
+
+
+@pytest.fixture
+def cleanup() -> Iterator[ExitStack]:
+    """What a test started that must be closed at its end, failed or not (``cleanup.callback(cluster.close)``): the
+    last started is closed first, and each is closed even when one before it failed to."""
+    with ExitStack() as stack:
+        yield stack
 
 
 @pytest.fixture

@@ -46,12 +46,17 @@ def step(**changes: Any) -> StepReport:
     return decoded
 
 
+def samples_of(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition, by its name and sorted labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def samples(agent: Agent) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(agent.metrics_text().decode()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return samples_of(agent.metrics_text().decode())
 
 
 def value(agent: Agent, name: str, **labels: str) -> float:

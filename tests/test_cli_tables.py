@@ -321,22 +321,15 @@ def test_key_cells_stay_whole_and_lines_fit(name: str, width: int) -> None:
         assert text not in out, (text, out)
 
 
+@pytest.mark.parametrize("width", [80, 200])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_wide_shows_the_extra_columns(name: str) -> None:
+def test_wide_shows_the_extra_columns_and_keeps_every_key_cell_whole(name: str, width: int) -> None:
     case = CASES[name]
-    out = render(case.build(True), 200)
+    out = render(case.build(True), width)
     for cells in case.wide:
         assert on_one_line(out, cells), (cells, out)
     for text in case.wide_only:
         assert text in out, (text, out)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_wide_in_80_columns_keeps_every_key_cell_whole(name: str) -> None:
-    case = CASES[name]
-    out = render(case.build(True), 80)
-    for cells in case.wide:
-        assert on_one_line(out, cells), (cells, out)
 
 
 def test_free_text_wraps_and_gives_way() -> None:

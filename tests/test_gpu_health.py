@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import FileGpuSource, NvmlSource, open_source
@@ -22,7 +21,7 @@ from opsd.policy.xid import WatchWindow
 from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.xid_table import load_xid_table
 from tests.fake_nvml import CONSTANTS, ERRORS, FUNCTIONS, EventData, FakeGpu, FakeNvml
-from tests.test_agent import samples
+from tests.test_agent import samples, samples_of
 from tests.waiting import wait_for
 
 SAMPLE = GpuSample(
@@ -219,11 +218,7 @@ def test_fields_nvml_does_not_support_are_not_exported_but_counted_and_logged_on
     health.poll_once(0.0)
     registry = CollectorRegistry()
     registry.register(GpuHealthCollector(health, "n1"))
-    m = {
-        (x.name, tuple(sorted(x.labels.items()))): x.value
-        for family in text_string_to_metric_families(generate_latest(registry).decode())
-        for x in family.samples
-    }
+    m = samples_of(generate_latest(registry).decode())
     assert ("opsd_gpu_nvlink_errors_total", (("gpu", "0"),)) not in m  # not "no errors": no sample at all
     assert ("opsd_gpu_retired_pages", (("cause", "single_bit"), ("gpu", "0"))) not in m
     assert m[("opsd_gpu_nvlink_errors_total", (("gpu", "1"),))] == 3

@@ -20,6 +20,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,21 +224,13 @@ def check_bitwise(stack: Stack, incidents: list[dict[str, Any]]) -> None:
     assert json.loads(straight.read_text())["state_hashes"] == interrupted["state_hashes"]
 
 
-@pytest.fixture
-def stacks() -> Iterator[list[Stack]]:
-    made: list[Stack] = []
-    yield made
-    for stack in made:
-        stack.close()
-
-
 def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
-    kube: KubeEmulator, tmp_path: Path, stacks: list[Stack]
+    kube: KubeEmulator, tmp_path: Path, cleanup: ExitStack
 ) -> None:
     port = free_port()
     controller = ControllerProcess(controller_settings(kube, tmp_path, port), tmp_path / "controller")
     stack = cluster_with_a_run(kube, tmp_path, controller.url, network=True)
-    stacks.append(stack)
+    cleanup.callback(stack.close)
     stack.controllers["opsd"] = controller
     controller.wait_healthy()
 
@@ -288,7 +281,7 @@ def controller_pod(name: str) -> dict[str, Any]:
 
 
 def test_the_standby_takes_the_lease_and_finishes_a_recovery_its_leader_died_in(
-    kube: KubeEmulator, tmp_path: Path, database: str, stacks: list[Stack]
+    kube: KubeEmulator, tmp_path: Path, database: str, cleanup: ExitStack
 ) -> None:
     ports = {"opsd-a": free_port(), "opsd-b": free_port()}
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CONTROLLER_NAMESPACE}})
@@ -304,7 +297,7 @@ def test_the_standby_takes_the_lease_and_finishes_a_recovery_its_leader_died_in(
     stack = cluster_with_a_run(kube, tmp_path, service.url)
     stack.service = service
     stack.controllers.update(replicas)
-    stacks.append(stack)
+    cleanup.callback(stack.close)
     first = wait_for("a leader", service.leader, 60, context=stack.logs, interval_s=0.2)
 
     def status() -> Any:

@@ -21,7 +21,7 @@ launch); an XID comes in a heartbeat as its agent sends it, and the controller's
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -161,20 +161,10 @@ class FtCluster:
         self.watched.close()
 
 
-@pytest.fixture
-def clusters() -> Iterator[list[FtCluster]]:
-    made: list[FtCluster] = []
-    yield made
-    for cluster in made:
-        cluster.close()
-
-
-def started(
-    kube: KubeEmulator, store: StateStore, clusters: list[FtCluster], min_replicas: int, **options: Any
-) -> FtCluster:
+def started(kube: KubeEmulator, store: StateStore, cleanup: ExitStack, min_replicas: int, **options: Any) -> FtCluster:
     """The run found and its groups placed (the reconciler), both groups training at step 40."""
     cluster = FtCluster(kube, store, min_replicas, **options)
-    clusters.append(cluster)
+    cleanup.callback(cluster.close)
 
     def placed() -> bool:
         cluster.sync()
@@ -191,9 +181,9 @@ def started(
 
 
 def test_an_xid_relaunches_its_replica_group_alone_and_the_other_never_stops(
-    kube: KubeEmulator, store: StateStore, clusters: list[FtCluster]
+    kube: KubeEmulator, store: StateStore, cleanup: ExitStack
 ) -> None:
-    cluster = started(kube, store, clusters, min_replicas=1)
+    cluster = started(kube, store, cleanup, min_replicas=1)
     before = cluster.group_pods()
     group0 = (before[0]["metadata"]["name"], before[0]["metadata"]["uid"])
 
@@ -256,9 +246,9 @@ def test_an_xid_relaunches_its_replica_group_alone_and_the_other_never_stops(
 
 
 def test_when_the_quorum_needs_every_group_every_group_is_relaunched(
-    kube: KubeEmulator, store: StateStore, clusters: list[FtCluster]
+    kube: KubeEmulator, store: StateStore, cleanup: ExitStack
 ) -> None:
-    cluster = started(kube, store, clusters, min_replicas=2)
+    cluster = started(kube, store, cleanup, min_replicas=2)
     before = {g: p["metadata"]["name"] for g, p in cluster.group_pods().items()}
 
     cluster.beat({0: 41, 1: 41}, xid_on="node-1")
@@ -295,7 +285,7 @@ def test_when_the_quorum_needs_every_group_every_group_is_relaunched(
 
 
 def test_without_jobsets_restart_job_gate_the_operator_is_told(
-    kube: KubeEmulator, store: StateStore, clusters: list[FtCluster], caplog: pytest.LogCaptureFixture
+    kube: KubeEmulator, store: StateStore, cleanup: ExitStack, caplog: pytest.LogCaptureFixture
 ) -> None:
     """JobSet's RestartJob feature gate off (its webhook bypassed, or the gate turned off after the JobSet was
     admitted): its pods carry no job-restart-attempt, which the reconciler tells once in a Warning Event on the
@@ -303,7 +293,7 @@ def test_without_jobsets_restart_job_gate_the_operator_is_told(
     config = ControllerConfig(
         step_timeout_s=2.0, step_retry_max_s=0.1, detection=DetectionConfig(heartbeat_floor_s=60, hang_floor_s=60)
     )
-    cluster = started(kube, store, clusters, min_replicas=1, restart_job_gate=False, config=config)
+    cluster = started(kube, store, cleanup, min_replicas=1, restart_job_gate=False, config=config)
     cluster.sync()
     warned = [e for e in kube.objects("events", NAMESPACE) if e["reason"] == "OpsdRestartJobOff"]
     assert [(e["type"], e["involvedObject"]["name"]) for e in warned] == [("Warning", RUN)]  # once, for two passes
@@ -318,11 +308,11 @@ def test_without_jobsets_restart_job_gate_the_operator_is_told(
 
 
 def test_a_whole_stop_told_again_never_evicts_the_groups_recreated_since(
-    kube: KubeEmulator, store: StateStore, clusters: list[FtCluster]
+    kube: KubeEmulator, store: StateStore, cleanup: ExitStack
 ) -> None:
     """A controller that restarted tells the stop again, after JobSet recreated the groups' Jobs: the restart count
     of each it wrote in the stop's Event keeps it off the new pods, and the relaunch finds every group recreated."""
-    cluster = started(kube, store, clusters, min_replicas=2)
+    cluster = started(kube, store, cleanup, min_replicas=2)
     backend = cluster.controller.backend
     assert isinstance(backend, KubernetesBackend)
     first = backend.stop_ranks(RUN, "incident-9-2-stop")

@@ -28,15 +28,14 @@ import pytest
 from typer.testing import CliRunner
 
 from opsd.backends.local.backend import LocalBackend
-from opsd.backends.local.processes import free_port
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.app import app
+from opsd.cli.demo_run import checkpoint_url, run_spec, serve_config
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
 from opsd.controller.rows import IncidentRow
 from opsd.errors import PermanentError
-from opsd.policy.detection import DetectionConfig
 from opsd.runtime.local import run_local
 from opsd.runtime.server import ServeConfig
 from tests.faults import inject
@@ -150,26 +149,12 @@ def two_nodes(
     tmp_path: Path, *trainer_options: str, flight_wait_s: float = 10.0, **detection: float
 ) -> tuple[ServeConfig, LocalRunSpec]:
     """2 nodes x 1 rank and a spare running the reference trainer until stopped (checkpoints every 20 steps)."""
-    ckpt, port = f"file://{tmp_path / 'ckpt'}", free_port()
     command = (
         *(sys.executable, "-m", "examples.train", "--mesh", "dp_shard=2", "--steps", "1000000", "--opsd-monitor"),
-        *(*trainer_options, "--ckpt-dir", ckpt, "--ckpt-every", "20", "--resume"),
+        *(*trainer_options, "--ckpt-dir", checkpoint_url(tmp_path), "--ckpt-every", "20", "--resume"),
     )
-    controller = ControllerConfig(detection=DetectionConfig(**detection), flight_wait_s=flight_wait_s)
-    serve = ServeConfig(
-        port=port, liveness_port=0, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller
-    )
-    spec = LocalRunSpec(
-        run=RUN,
-        command=command,
-        nodes=2,
-        gpus_per_node=1,
-        spares=1,
-        workdir=str(tmp_path / "runs"),
-        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
-        checkpoint_url=ckpt,
-    )
-    return serve, spec
+    serve = serve_config(tmp_path, flight_wait_s=flight_wait_s, **detection)
+    return serve, run_spec(RUN, serve, tmp_path, command, gpus_per_node=1)
 
 
 def test_stragglers_hangs_and_killed_ranks(tmp_path: Path) -> None:

@@ -80,12 +80,17 @@ def beat(
 XID = Failure(FailureKind.FATAL_XID, "node-1", None, "XID 79 on GPU 0")
 
 
+def fail(c: Controller, failure: Failure = XID) -> int:
+    """Both groups at step 40 of their first launch at ``T0``, then ``failure`` at ``T0 + 1``: its incident's id."""
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+    return c.open_failure(stored(c.store.run(RUN)), [failure], T0 + 1)
+
+
 def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Path) -> None:
     c, backend = ft_run(tmp_path)
     assert stored(c.store.run(RUN)).groups == {0: GroupLaunch(1, ("node-0",)), 1: GroupLaunch(1, ("node-1",))}
-    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
 
-    incident = c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+    incident = fail(c)
 
     row = stored(c.store.incident(incident))
     assert (row.replica_group, row.key) == (1, f"{RUN}/gen1/group1")
@@ -128,9 +133,8 @@ def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Pat
 
 def test_with_no_spare_the_run_trains_on_without_the_group_until_a_node_is_back(tmp_path: Path) -> None:
     c, backend = ft_run(tmp_path, spare=False)
-    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
 
-    incident = c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+    incident = fail(c)
 
     run = stored(c.store.run(RUN))
     assert (run.state, run.groups[1].out) == (RunState.RUNNING, True)  # elastic: not waiting with GPUs idle
@@ -163,9 +167,8 @@ def test_the_whole_job_restarts_when_the_groups_cannot_go_on(
     tmp_path: Path, min_replicas: int, failure: Failure
 ) -> None:
     c, backend = ft_run(tmp_path, min_replicas=min_replicas)
-    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
 
-    incident = c.open_failure(stored(c.store.run(RUN)), [failure], T0 + 1)
+    incident = fail(c, failure)
 
     assert stored(c.store.incident(incident)).replica_group is None
     stops = [e for e in backend.effects if e.step == "stop_ranks"]
@@ -183,8 +186,7 @@ def test_the_checkpoint_cadence_plans_for_the_failures_that_restore_one(
     tmp_path: Path, min_replicas: int, counted: str
 ) -> None:
     c, _ = ft_run(tmp_path, min_replicas=min_replicas)
-    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
-    c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+    fail(c)
     launch = 2 if min_replicas == 2 else 1
     for t in (10.0, 11.0):
         beat(c, T0 + t, {0: 50 + int(t)}, {0: launch}, checkpoints=1, checkpoint_blocking_s=2.0)
@@ -198,8 +200,7 @@ def test_the_quorum_and_the_missed_steps_are_exported(tmp_path: Path) -> None:
     """While group 1 is out, the quorum is 1 of 2 groups and one group is out; once it is back, both are in and the
     steps it missed are counted for it."""
     c, _ = ft_run(tmp_path)
-    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
-    c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+    fail(c)
     beat(c, T0 + 5, {0: 50}, {0: 1})
 
     during = scrape(c, T0 + 5)

@@ -21,17 +21,14 @@ import pytest
 
 from opsd.backends.local.backend import LocalBackend
 from opsd.backends.local.processes import free_port
-from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.cli.client import HttpClient
-from opsd.controller.config import ControllerConfig
+from opsd.cli.demo_run import checkpoint_url, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
 from opsd.controller.state import StateStore
-from opsd.policy.detection import DetectionConfig
 from opsd.runtime.local import run_local
-from opsd.runtime.server import ServeConfig
 from tests.faults import inject
 from tests.launch import ROOT
 from tests.waiting import wait_for
@@ -173,23 +170,14 @@ def test_a_controller_killed_mid_recovery_finishes_it_once_when_started_again(tm
 
 
 def local_run(tmp_path: Path, on_poll: Any, **spec: Any) -> dict[str, Any]:
-    ckpt, port = f"file://{tmp_path / 'ckpt'}", free_port()
-    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0))
-    config = ServeConfig(
-        port=port, liveness_port=0, state_dir=str(tmp_path / "state"), tick_interval_s=0.25, controller=controller
+    config = serve_config(tmp_path, heartbeat_floor_s=3.0)
+    command = trainer(checkpoint_url(tmp_path), spec.pop("mesh", "dp_shard=2"))
+    return run_local(
+        config,
+        run_spec("job", config, tmp_path, command, gpus_per_node=1, spares=0, **spec),
+        on_poll=on_poll,
+        timeout_s=240,
     )
-    run_spec = LocalRunSpec(
-        run="job",
-        command=tuple(trainer(ckpt, spec.pop("mesh", "dp_shard=2"))),
-        nodes=2,
-        gpus_per_node=1,
-        spares=0,
-        workdir=str(tmp_path / "runs"),
-        controller_url=f"http://127.0.0.1:{port}/v1/heartbeat",
-        checkpoint_url=ckpt,
-        **spec,
-    )
-    return run_local(config, run_spec, on_poll=on_poll, timeout_s=240)
 
 
 class XidOnce:

@@ -20,17 +20,16 @@ from opsd.protocol.wire import (
     pipeline_bubble_ratio,
 )
 
+#: what both kinds of report carry alike: the version, the run, the host, the step and when it was sent
+SENDER: dict[str, Any] = {"v": VERSION, "run": "r", "host": "node-0", "step": 7, "time_unix_s": 1.5e9}
+
 
 def report(**changes: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "v": VERSION,
+        **SENDER,
         "kind": "step",
-        "run": "r",
         "rank": 3,
         "world_size": 4,
-        "host": "node-0",
-        "step": 7,
-        "time_unix_s": 1.5e9,
         "step_s": 0.2,
         "compute_s": 0.15,
         "exposed_comm_s": 0.05,
@@ -51,13 +50,9 @@ def report(**changes: Any) -> dict[str, Any]:
 
 def timeout_report(**changes: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "v": VERSION,
+        **SENDER,
         "kind": "collective_timeout",
-        "run": "r",
         "rank": 1,
-        "host": "node-0",
-        "step": 7,
-        "time_unix_s": 1.5e9,
         "dim": "tp",
         "op": "all_reduce",
         "waited_s": 301.5,

@@ -68,23 +68,13 @@ class FakeBackend:
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
         def quarantine() -> Outcome:
-            if node not in self.nodes:
-                return Failed(ErrorKind.NOT_FOUND, f"no node {node!r}")
-            if self.nodes[node] != "quarantined":
-                self.nodes[node] = "quarantined"
-                self._effect("quarantine_node", request_id, node=node)
-            return Done({})
+            return self._put_node(node, "quarantined", "quarantine_node", request_id)
 
         return self._once("quarantine_node", request_id, {"run": run, "node": node, "reason": reason}, quarantine)
 
     def release_node(self, node: str, request_id: str) -> Outcome:
         def release() -> Outcome:
-            if node not in self.nodes:
-                return Failed(ErrorKind.NOT_FOUND, f"no node {node!r}")
-            if self.nodes[node] != "ready":
-                self.nodes[node] = "ready"
-                self._effect("release_node", request_id, node=node)
-            return Done({})
+            return self._put_node(node, "ready", "release_node", request_id)
 
         return self._once("release_node", request_id, {"node": node}, release)
 
@@ -160,3 +150,12 @@ class FakeBackend:
 
     def _effect(self, step: str, request_id: str, **args: Any) -> None:
         self.effects.append(Call(step, request_id, args))
+
+    def _put_node(self, node: str, state: str, step: str, request_id: str) -> Outcome:
+        """Put ``node`` in ``state`` (``ready`` or ``quarantined``): an effect of ``step`` only where it was not."""
+        if node not in self.nodes:
+            return Failed(ErrorKind.NOT_FOUND, f"no node {node!r}")
+        if self.nodes[node] != state:
+            self.nodes[node] = state
+            self._effect(step, request_id, node=node)
+        return Done({})

@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--steps must be >= 1 and --timeout-s > 0")
     workdir = fresh_workdir(args.workdir)
     ckpt_url = checkpoint_url(workdir)
-    config = serve_config(workdir, hang_floor_s=10.0)
+    config = serve_config(workdir, heartbeat_floor_s=3.0, hang_floor_s=10.0)
     port = config.port
     spec = run_spec(RUN, config, workdir, trainer_command(ckpt_url, args.steps, workdir / "losses.json"))
     injector = Injector(ckpt_url, after_checkpoint=20, node="node-1")

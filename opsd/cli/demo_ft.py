@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--inject-at and --after-heal must be >= 1, --timeout-s > 0")
     workdir = fresh_workdir(args.workdir)
     ckpt_url, losses, steps_file = checkpoint_url(workdir), workdir / "losses.json", workdir / "last-step"
-    config = serve_config(workdir, hang_floor_s=20.0)
+    config = serve_config(workdir, heartbeat_floor_s=3.0, hang_floor_s=20.0)
     port = config.port
     spec = run_spec(RUN, config, workdir, trainer_command(ckpt_url, losses, steps_file), replica_groups=2)
     scenario = Scenario(steps_file, args.inject_at, args.after_heal)

@@ -32,9 +32,12 @@ def fresh_workdir(path: str) -> Path:
     return workdir
 
 
-def serve_config(workdir: Path, *, hang_floor_s: float) -> ServeConfig:
-    """A controller on a free port (its liveness datagrams too), its state in the workdir, detecting in seconds."""
-    controller = ControllerConfig(detection=DetectionConfig(heartbeat_floor_s=3.0, hang_floor_s=hang_floor_s))
+def serve_config(
+    workdir: Path, *, flight_wait_s: float = ControllerConfig.flight_wait_s, **detection: float
+) -> ServeConfig:
+    """A controller on a free port (its liveness datagrams too), its state in the workdir, a detection pass every
+    0.25 s with the floors given in ``detection`` (``DetectionConfig``'s fields)."""
+    controller = ControllerConfig(detection=DetectionConfig(**detection), flight_wait_s=flight_wait_s)
     return ServeConfig(
         port=free_port(),
         liveness_port=0,
@@ -44,14 +47,24 @@ def serve_config(workdir: Path, *, hang_floor_s: float) -> ServeConfig:
     )
 
 
-def run_spec(run: str, config: ServeConfig, workdir: Path, command: Sequence[str], **extra: Any) -> LocalRunSpec:
-    """The demos' run: 2 nodes x 2 ranks and a spare, checkpoints in the workdir."""
+def run_spec(
+    run: str,
+    config: ServeConfig,
+    workdir: Path,
+    command: Sequence[str],
+    *,
+    gpus_per_node: int = 2,
+    spares: int = 1,
+    **extra: Any,
+) -> LocalRunSpec:
+    """A run of 2 nodes under the controller of ``config`` (the demos': 2 ranks each and a spare), checkpoints in
+    the workdir."""
     return LocalRunSpec(
         run=run,
         command=tuple(command),
         nodes=2,
-        gpus_per_node=2,
-        spares=1,
+        gpus_per_node=gpus_per_node,
+        spares=spares,
         workdir=str(workdir / "runs"),
         controller_url=f"http://127.0.0.1:{config.port}/v1/heartbeat",
         checkpoint_url=checkpoint_url(workdir),

@@ -48,8 +48,18 @@ class Done:
     ok = True
 
 
+class _AskedAgain:
+    """What ``Pending`` and ``Failed`` check alike: the seconds before the step is asked again are not negative."""
+
+    retry_after_s: float
+
+    def __post_init__(self) -> None:
+        if self.retry_after_s < 0:
+            raise ValueError(f"{type(self).__name__}.retry_after_s must be >= 0")
+
+
 @dataclass(frozen=True)
-class Pending:
+class Pending(_AskedAgain):
     """A step under way that the backend cannot finish at once (a cluster's scheduler placing pods): ask again after
     ``retry_after_s``. The controller waits up to ``step_timeout_s`` for it."""
 
@@ -58,13 +68,9 @@ class Pending:
 
     ok = False
 
-    def __post_init__(self) -> None:
-        if self.retry_after_s < 0:
-            raise ValueError("Pending.retry_after_s must be >= 0")
-
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(_AskedAgain):
     """A step that could not be carried out."""
 
     kind: ErrorKind
@@ -72,10 +78,6 @@ class Failed:
     retry_after_s: float = 1.0
 
     ok = False
-
-    def __post_init__(self) -> None:
-        if self.retry_after_s < 0:
-            raise ValueError("Failed.retry_after_s must be >= 0")
 
 
 Outcome = Done | Pending | Failed

@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Connection,
     Engine,
+    Table,
     insert,
     select,
     update,
@@ -253,11 +255,7 @@ class StateStore:
         return _incident_row(row) if row else None
 
     def incidents(self, run: str | None = None, state: str | None = None) -> list[IncidentRow]:
-        query = select(incidents).order_by(incidents.c.id)
-        if run is not None:
-            query = query.where(incidents.c.run == run)
-        if state is not None:
-            query = query.where(incidents.c.state == state)
+        query = select(incidents).where(*_matching(incidents, run=run, state=state)).order_by(incidents.c.id)
         with self._tx() as c:
             return [_incident_row(r) for r in c.execute(query).mappings().all()]
 
@@ -308,11 +306,8 @@ class StateStore:
         return _action_row(row) if row else None
 
     def actions(self, *, run: str | None = None, incident_id: int | None = None) -> list[Action]:
-        query = select(actions).order_by(actions.c.created_s, actions.c.seq)
-        if run is not None:
-            query = query.where(actions.c.run == run)
-        if incident_id is not None:
-            query = query.where(actions.c.incident_id == incident_id)
+        query = select(actions).where(*_matching(actions, run=run, incident_id=incident_id))
+        query = query.order_by(actions.c.created_s, actions.c.seq)
         with self._tx() as c:
             return [_action_row(r) for r in c.execute(query).mappings().all()]
 
@@ -380,9 +375,7 @@ class StateStore:
 
     def flight_dumps(self, run: str, trigger: str | None = None) -> list[FlightDumpRow]:
         """The dumps of ``run`` (of one trigger), by trigger and rank."""
-        query = select(flight_dumps).where(flight_dumps.c.run == run)
-        if trigger is not None:
-            query = query.where(flight_dumps.c.trigger == trigger)
+        query = select(flight_dumps).where(flight_dumps.c.run == run, *_matching(flight_dumps, trigger=trigger))
         with self._tx() as c:
             rows = c.execute(query.order_by(flight_dumps.c.trigger, flight_dumps.c.rank)).mappings().all()
         return [_dump_row(r) for r in rows]
@@ -418,6 +411,11 @@ class LaunchSample:
 def _run_row(row: Any) -> RunRow:
     spec, groups = decode_spec(row["spec"]), decode_groups(row["groups"])
     return RunRow(**{**row, "spec": spec, "state": RunState(row["state"]), "groups": groups})
+
+
+def _matching(table: Table, **given: Any) -> list[ColumnElement[bool]]:
+    """A query's conditions: each column of ``table`` equal to the value given for it (None: any value)."""
+    return [table.c[column] == value for column, value in given.items() if value is not None]
 
 
 def _active(name: str, run: str, now_s: float) -> NodeRow:

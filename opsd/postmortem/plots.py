@@ -10,7 +10,7 @@ import functools
 import io
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar
 
 from opsd.policy.goodput import BadputBucket
 
@@ -72,6 +72,19 @@ def _png(figure: Figure) -> bytes:
         figure.tight_layout()
     figure.savefig(buffer, format="png", metadata={"Software": None})
     return buffer.getvalue()
+
+
+def _over_run_time(
+    figure: Figure, axes: Axes, unit: str, ylabel: str, title: str, *, legend: Literal["best", "lower right"]
+) -> bytes:
+    """A chart drawn against the run's time (in ``unit``), finished alike: its labels, a grid, a legend at
+    ``legend``; as PNG."""
+    axes.set_xlabel(f"{unit} since the run started")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(loc=legend, fontsize=8)
+    return _png(figure)
 
 
 def _time_unit(span_s: float) -> tuple[float, str]:
@@ -176,12 +189,7 @@ def stragglers_png(
     axes.set_xlim(min(min(times), 0.0) / divisor, end / divisor * 1.02 if end > 0 else 1.0)
     axes.set_ylim(0.95, max(float(w.slowdown_ratio or 1.0) for w in points) * 1.08)
     axes.axhline(1.0, color="#7f8c8d", linewidth=1, linestyle="--", label="median rank")
-    axes.set_xlabel(f"{unit} since the run started")
-    axes.set_ylabel("slowdown (x median)")
-    axes.set_title("Straggler warnings")
-    axes.grid(True, alpha=0.3)
-    axes.legend(loc="best", fontsize=8)
-    return _png(figure)
+    return _over_run_time(figure, axes, unit, "slowdown (x median)", "Straggler warnings", legend="best")
 
 
 @_plain
@@ -234,9 +242,4 @@ def checkpoints_png(report: Report) -> bytes | None:
         x = (float(i.failed_unix_s or 0.0) - origin) / divisor
         axes.axvline(x, color="#e67e22", linestyle="--", linewidth=1.2, label="failure" if not n else None)
         axes.annotate(f"#{i.id}", (x, 0.98), xycoords=("data", "axes fraction"), ha="left", va="top", fontsize=8)
-    axes.set_xlabel(f"{unit} since the run started")
-    axes.set_ylabel("step")
-    axes.set_title("Checkpoints")
-    axes.grid(True, alpha=0.3)
-    axes.legend(loc="lower right", fontsize=8)
-    return _png(figure)
+    return _over_run_time(figure, axes, unit, "step", "Checkpoints", legend="lower right")

@@ -9,19 +9,20 @@ controller's death is a new backend and reconciler over the same cluster (the cl
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION
+from opsd.backends.kubernetes.leader import cluster_informers
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
 from opsd.controller.state import StateStore
 from opsd.protocol.cluster import (
-    JOBSET_NAME_LABEL,
     POOL_LABEL,
     RESTART_ATTEMPT_LABEL,
     RUN_ANNOTATION,
@@ -99,15 +100,9 @@ def run_preference(run: str) -> Json:
 
 
 def informers(backend: KubernetesBackend, timeout_s: int = 5) -> tuple[Informer, Informer, Informer]:
-    """The controller's informers of nodes, pods and JobSets, as ``opsd serve --backend kubernetes`` makes them."""
-    api, selector = backend.api, backend.config.node_selector
-    return (
-        Informer(api, "nodes", lambda: api.nodes(selector), timeout_s=timeout_s, label_selector=selector),
-        Informer(
-            api, "pods", lambda: api.all_pods(JOBSET_NAME_LABEL), timeout_s=timeout_s, label_selector=JOBSET_NAME_LABEL
-        ),
-        Informer(api, "jobsets", lambda: api.jobsets_listed(""), timeout_s=timeout_s),
-    )
+    """The controller's informers of nodes, pods and JobSets, as ``opsd serve --backend kubernetes`` makes them (a
+    watch opened again after ``timeout_s``)."""
+    return cluster_informers(backend.api, replace(backend.config, watch_timeout_s=timeout_s))
 
 
 def listed_reconciler(backend: KubernetesBackend, store: StateStore, now_s: float) -> Reconciler:

@@ -115,9 +115,7 @@ class KubernetesBackend:
         def release() -> Outcome:
             changed = nodes.release(self.api, node)
             if changed:
-                tell(
-                    self.api, [Target("Node", node)], "OpsdReleased", "back in the spare pool", request_id, self.clock()
-                )
+                self._tell([Target("Node", node)], "OpsdReleased", "back in the spare pool", request_id)
             return Done({"changed": changed})
 
         return self._step(f"release {node}", release)
@@ -126,14 +124,7 @@ class KubernetesBackend:
         def promote() -> Outcome:
             changed = nodes.promote(self.api, spare, run)
             message = f"spare {spare} promoted into run {run} in place of {replaces}"
-            tell(
-                self.api,
-                [Target("Node", spare), *self._jobset_target(run)],
-                "OpsdPromoteSpare",
-                message,
-                request_id,
-                self.clock(),
-            )
+            self._tell(self._node_targets(spare, run), "OpsdPromoteSpare", message, request_id)
             return Done({"changed": changed})
 
         return self._step(f"promote {spare}", promote)
@@ -164,6 +155,10 @@ class KubernetesBackend:
     def _jobset_target(self, run: str) -> list[Target]:
         ref = self.runs.get(run)
         return [Target("JobSet", ref.jobset, ref.namespace)] if ref is not None else []
+
+    def _node_targets(self, node: str, run: str) -> list[Target]:
+        """Where a step on ``node`` for ``run`` is told: the node, and the run's JobSet when it is known."""
+        return [Target("Node", node), *self._jobset_target(run)]
 
     def _pods(self, ref: RunRef) -> list[Json]:
         return self.api.pods(ref.namespace, f"{JOBSET_NAME_LABEL}={ref.jobset}")
@@ -289,28 +284,12 @@ class KubernetesBackend:
                 f"circuit breaker: {len(recent)} nodes quarantined in the last hour ({', '.join(recent)}),"
                 f" at most {self.config.quarantines_per_hour}; {node} left in service: {reason}"
             )
-            tell(
-                self.api,
-                [Target("Node", node), *self._jobset_target(run)],
-                "OpsdCircuitBreaker",
-                message,
-                request_id,
-                self.clock(),
-                warning=True,
-            )
+            self._tell(self._node_targets(node, run), "OpsdCircuitBreaker", message, request_id, warning=True)
             return Failed(ErrorKind.PERMANENT, message)
         cause = reason.split(":", 1)[0]
         changed = nodes.quarantine(self.api, node, cause=cause, reason=reason, incident=request_id, now_s=self.clock())
         message = f"quarantined by opsd: {reason}"
-        tell(
-            self.api,
-            [Target("Node", node), *self._jobset_target(run)],
-            "OpsdQuarantine",
-            message,
-            request_id,
-            self.clock(),
-            warning=True,
-        )
+        self._tell(self._node_targets(node, run), "OpsdQuarantine", message, request_id, warning=True)
         return Done({"changed": changed})
 
     def _verify_restart(self, run: str, request_id: str) -> Outcome:

@@ -40,11 +40,16 @@ def _labels(pod: Json) -> dict[str, str]:
     return dict(((pod.get("metadata") or {}).get("labels")) or {})
 
 
-def attempt_of(pod: Json) -> int:
+def _int_label(pod: Json, label: str) -> int | None:
+    """The pod's label ``label`` as a whole number; None where it is missing or not one."""
     try:
-        return int(_labels(pod).get(RESTART_ATTEMPT_LABEL, "0"))
-    except ValueError:
-        return 0
+        return int(_labels(pod)[label])
+    except (KeyError, ValueError):
+        return None
+
+
+def attempt_of(pod: Json) -> int:
+    return _int_label(pod, RESTART_ATTEMPT_LABEL) or 0
 
 
 def terminating(pod: Json) -> bool:
@@ -61,18 +66,12 @@ def succeeded(pod: Json) -> bool:
 
 def job_index_of(pod: Json) -> int | None:
     """A pod's child Job's index in its replicated job: a fault-tolerant run's replica group."""
-    try:
-        return int(_labels(pod)[JOB_INDEX_LABEL])
-    except (KeyError, ValueError):
-        return None
+    return _int_label(pod, JOB_INDEX_LABEL)
 
 
 def job_attempt_of(pod: Json) -> int:
     """How many times JobSet recreated the pod's child Job alone, when the pod was made."""
-    try:
-        return int(_labels(pod).get(JOB_RESTART_ATTEMPT_LABEL, "0"))
-    except ValueError:
-        return 0
+    return _int_label(pod, JOB_RESTART_ATTEMPT_LABEL) or 0
 
 
 def labels_job_restarts(pod: Json) -> bool:

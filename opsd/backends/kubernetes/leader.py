@@ -38,6 +38,25 @@ from opsd.protocol.states import ActionKind, RunState
 log = logging.getLogger(__name__)
 
 
+def cluster_informers(api: KubeApi, config: KubernetesConfig) -> tuple[Informer, Informer, Informer]:
+    """The leader's informers, not started yet: of the nodes opsd manages (``node_selector``), and of the JobSets'
+    pods and the JobSets in ``watch_namespace`` (every namespace when empty), each watch opened again after
+    ``watch_timeout_s``."""
+    namespace, timeout = config.watch_namespace, config.watch_timeout_s
+    selector = config.node_selector
+    nodes = Informer(api, "nodes", lambda: api.nodes(selector), timeout_s=timeout, label_selector=selector)
+    pods = Informer(
+        api,
+        "pods",
+        lambda: api.all_pods(JOBSET_NAME_LABEL, namespace),
+        timeout_s=timeout,
+        namespace=namespace,
+        label_selector=JOBSET_NAME_LABEL,
+    )
+    jobsets = Informer(api, "jobsets", lambda: api.jobsets_listed(namespace), timeout_s=timeout, namespace=namespace)
+    return nodes, pods, jobsets
+
+
 class KubernetesController:
     """The leader's work: informers, the reconciler, the detection pass; what a new leader takes up."""
 
@@ -49,29 +68,7 @@ class KubernetesController:
         backend = controller.backend
         assert isinstance(backend, KubernetesBackend)
         self.backend = backend
-        timeout = config.watch_timeout_s
-        self.nodes = Informer(
-            api,
-            "nodes",
-            lambda: api.nodes(config.node_selector),
-            timeout_s=timeout,
-            label_selector=config.node_selector,
-        )
-        self.pods = Informer(
-            api,
-            "pods",
-            lambda: api.all_pods(JOBSET_NAME_LABEL, config.watch_namespace),
-            timeout_s=timeout,
-            namespace=config.watch_namespace,
-            label_selector=JOBSET_NAME_LABEL,
-        )
-        self.jobsets = Informer(
-            api,
-            "jobsets",
-            lambda: api.jobsets_listed(config.watch_namespace),
-            timeout_s=timeout,
-            namespace=config.watch_namespace,
-        )
+        self.nodes, self.pods, self.jobsets = cluster_informers(api, config)
         self.reconciler = Reconciler(
             controller.store, backend, self.jobsets, self.pods, self.nodes, final_step=controller.final_step
         )
