@@ -5,8 +5,8 @@ heartbeats over HTTP while its datagrams go unacknowledged, and comes back to th
 from __future__ import annotations
 
 import http.client
-import math
 import json
+import math
 import select
 import socket
 import time
