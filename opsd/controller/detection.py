@@ -89,9 +89,10 @@ class Detection(Scoring):
         # beside it): only a node silent past the floor, or with GPU events, can have failed. A node's last sign of
         # life is a number replaced whole; one heard from since it was read is only less silent, and is looked at
         # again below, with the lock
-        floor_s = self.config.detection.heartbeat_floor_s
-        found = [n for n in map(self.nodes.get, names) if n is not None]
-        suspects = [n for n in found if n.events or now_s - n.last_heartbeat_s > floor_s]
+        heard_s = now_s - self.config.detection.heartbeat_floor_s  # a node last heard from before then is suspect
+        suspects = [
+            n for n in map(self.nodes.get, names) if n is not None and (n.events or n.last_heartbeat_s < heard_s)
+        ]
         with self.lock:
             nodes = [n for n in suspects if self.nodes.get(n.node) is n]  # still known
             events = [e for n in nodes for e in n.events.values()]
