@@ -63,8 +63,10 @@ def test_frames_cut_anywhere_come_out_whole() -> None:
         frames = Frames()
         out = [b for i in range(0, len(data), cut) for b in frames.feed(data[i : i + cut])]
         assert out == batches
+    frames, bad = Frames(), encode_frame(batches[0])[:4] + b"\xc1" * len(encode_frame(batches[0])[4:])
     with pytest.raises(msgspec.DecodeError):
-        Frames().feed(encode_frame(batches[0])[:4] + b"\xc1" * len(encode_frame(batches[0])[4:]))
+        frames.feed(bad)
+    assert frames.feed(encode_frame(batches[2])) == [batches[2]]  # the bad frame dropped, the next one whole
 
 
 def test_a_burst_of_datagrams_is_taken_in_full(tmp_path: Path) -> None:

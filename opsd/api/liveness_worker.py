@@ -71,8 +71,9 @@ class Frames:
             end = FRAME.size + size
             if len(self._buffer) < end:
                 break
-            batches.append(self._decoder.decode(bytes(self._buffer[FRAME.size : end])))
+            frame = bytes(self._buffer[FRAME.size : end])
             del self._buffer[:end]
+            batches.append(self._decoder.decode(frame))  # a frame that does not decode is dropped, and raises
         return batches
 
 
