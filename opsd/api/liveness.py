@@ -39,6 +39,10 @@ RECEIVE_BUFFER_BYTES = 4 << 20
 #: the pipe's room for batches: ~4 s of 12,288 datagrams a second while the API's loop is held up
 PIPE_BYTES = 1 << 20
 STOP_WAIT_S = 5.0
+#: the worker's ``main``, found where this process found opsd (after the interpreter's own path: nothing shadowed)
+_RUN_WORKER = (
+    "import sys; sys.path.append(sys.argv.pop(1)); from opsd.api.liveness_worker import main; sys.exit(main())"
+)
 
 
 class LivenessIngest:
@@ -109,17 +113,11 @@ def start_worker(sock: socket.socket, config: WorkerConfig) -> tuple[subprocess.
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     except OSError as exc:  # capped by /proc/sys/fs/pipe-max-size: the default 64 KiB then
         log.debug("the liveness pipe's size: %s", exc)
-    source = str(Path(opsd.__file__).resolve().parents[1])  # this opsd, installed or not
-    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "opsd.api.liveness_worker", "--socket-fd", str(sock.fileno())]
+    source = str(Path(opsd.__file__).resolve().parents[1])  # this opsd: last on the path, where nothing else has it
+    command = [sys.executable, "-c", _RUN_WORKER, source, "--socket-fd", str(sock.fileno())]
     command += ["--out-fd", str(write_fd), "--parent-pid", str(os.getpid())]
     try:
-        worker = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            pass_fds=(sock.fileno(), write_fd),
-            env={**os.environ, "PYTHONPATH": path},
-        )
+        worker = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(sock.fileno(), write_fd))
     except OSError:
         os.close(read_fd)
         raise
