@@ -20,9 +20,10 @@ interval settled), for ``--duration-s``:
   (polled every 0.25 s). The controller runs with ``--heartbeat-floor-s 3``: with a sign of life every second its
   limit is then 5 x the median interval observed, 5 s (the default floor, 10 s, would set the limit by itself).
 
-At 12,288 nodes the warm-up must be long enough for the start to settle (``--warmup-s 60``): 12,288 first connections
-within 10 s overflow this machine's listen queue (``net.core.somaxconn`` 4,096), and the agents' retries come over
-tens of seconds. ``docs/controller.md``, "Scale", has the figures. Smaller runs: ``--nodes 64 --duration-s 10``.
+The warm-up must be long enough for the start to settle, by default a second per 200 nodes (61 s at 12,288): 12,288
+first connections within 10 s overflow this machine's listen queue (``net.core.somaxconn`` 4,096), and the agents'
+retries come over tens of seconds. ``docs/controller.md``, "Scale", has the figures. Smaller runs: ``--nodes 64
+--duration-s 10``.
 
 Last lines: ``heartbeat_p99_ms=``, ``datagram_p99_ms=``, ..., ``ingest_p99_ms=`` and ``silent_node_detect_s=``.
 """
@@ -175,7 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=3072)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--duration-s", type=float, default=30.0, help="the measured window")
-    p.add_argument("--warmup-s", type=float, default=15.0, help="heartbeats before the window (first contact)")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="heartbeats before the window (first contact; default: a second per 200 nodes, at least 15 s)",
+    )
     p.add_argument("--clients", type=int, default=2, help="load generator processes")
     p.add_argument(
         "--ramp-s",
@@ -192,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "that send a heartbeat with their ranks every second (as before liveness datagrams)",
     )
     args = p.parse_args(argv)
+    if args.warmup_s is None:  # long enough for a start to settle (61 s at 12,288 nodes)
+        args.warmup_s = max(15.0, args.nodes / 200)
     if args.duration_s <= 0 or args.warmup_s < 0 or args.clients < 1:
         p.error("--duration-s must be > 0, --warmup-s >= 0, --clients >= 1")
 
