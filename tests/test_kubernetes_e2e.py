@@ -51,14 +51,15 @@ pytestmark = pytest.mark.slow
 
 RUN = "llm"
 STEPS = 60
+TAKEOVER_STEPS = 160  # the takeover's run: ~137 steps (~15 s) left after the XID, rather than 37 (~4 s)
 NODES = ["node-0", "node-1", "node-2"]  # node-2: the spare
 CONTROLLER_NAMESPACE = "opsd"
 TOKEN = "e2e-token"  # the controller's API token, which the agents send (the chart's Secret)
 
 
-def trainer_args(ckpt_url: str, losses: Path) -> list[str]:
+def trainer_args(ckpt_url: str, losses: Path, steps: int = STEPS) -> list[str]:
     return [
-        *("--mesh", "dp_shard=2", "--steps", str(STEPS), "--opsd-monitor"),
+        *("--mesh", "dp_shard=2", "--steps", str(steps), "--opsd-monitor"),
         *("--ckpt-dir", ckpt_url, "--ckpt-every", "10", "--resume", "--losses-out", str(losses)),
     ]
 
@@ -72,6 +73,7 @@ class Stack:
     spec: LocalRunSpec
     kubelet: ProcessKubelet
     player: JobSetPlayer
+    steps: int = STEPS  # the run's
     agents: NodeAgents | None = None
     controllers: dict[str, ControllerProcess] = field(default_factory=dict)
     service: LeaderService | None = None
@@ -93,9 +95,11 @@ class Stack:
             self.service.close()
 
 
-def cluster_with_a_run(kube: KubeEmulator, tmp: Path, controller_url: str, *, network: bool = False) -> Stack:
-    """Two GPU nodes nobody labelled, a spare, and the run's JobSet (its pods, one rank each, start at once);
-    ``network``: the ranks reach their agents at their node's address (no host directory)."""
+def cluster_with_a_run(
+    kube: KubeEmulator, tmp: Path, controller_url: str, *, network: bool = False, steps: int = STEPS
+) -> Stack:
+    """Two GPU nodes nobody labelled, a spare, and the run's JobSet of ``steps`` steps (its pods, one rank each,
+    start at once); ``network``: the ranks reach their agents at their node's address (no host directory)."""
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CONTROLLER_NAMESPACE}})
     kube.put(node("node-0"))
@@ -105,7 +109,7 @@ def cluster_with_a_run(kube: KubeEmulator, tmp: Path, controller_url: str, *, ne
     losses = tmp / "losses.json"
     spec = LocalRunSpec(
         run=RUN,
-        command=(sys.executable, "-m", "examples.train", *trainer_args(ckpt_url, losses)),
+        command=(sys.executable, "-m", "examples.train", *trainer_args(ckpt_url, losses, steps)),
         nodes=2,
         gpus_per_node=1,
         spares=1,
@@ -114,7 +118,7 @@ def cluster_with_a_run(kube: KubeEmulator, tmp: Path, controller_url: str, *, ne
         token=TOKEN,
     )
     kubelet = ProcessKubelet(spec, world=2)
-    stack = Stack(kube, tmp, ckpt_url, losses, spec, kubelet, JobSetPlayer(kube, kubelet))
+    stack = Stack(kube, tmp, ckpt_url, losses, spec, kubelet, JobSetPlayer(kube, kubelet), steps)
     stack.agents = NodeAgents(spec, NODES, network=network)
     kubelet.addresses = stack.agents.addresses
     stack.agents.wait_ready()
@@ -219,7 +223,9 @@ def check_bitwise(stack: Stack, incidents: list[dict[str, Any]]) -> None:
     assert interrupted["resumed_from_step"] >= 20
     assert incident["resumed_from_step"] == interrupted["resumed_from_step"]  # from the ranks' reports
     straight = stack.tmp / "straight.json"
-    proc = run_module("examples.train", trainer_args(f"file://{stack.tmp / 'straight'}", straight), nproc=2)
+    proc = run_module(
+        "examples.train", trainer_args(f"file://{stack.tmp / 'straight'}", straight, stack.steps), nproc=2
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(straight.read_text())["state_hashes"] == interrupted["state_hashes"]
 
@@ -294,7 +300,10 @@ def test_the_standby_takes_the_lease_and_finishes_a_recovery_its_leader_died_in(
         settings = controller_settings(kube, tmp_path / pod, port, pod_name=pod, **election)
         settings["state_url"] = database
         replicas[pod] = ControllerProcess(settings, tmp_path / pod)
-    stack = cluster_with_a_run(kube, tmp_path, service.url)
+    # long enough that the run cannot end before the dead leader's recovery relaunches it: with 60 steps, under a
+    # loaded machine the ranks ran to their end after the XID before their pods were evicted, and the recovery then
+    # waited for a relaunch that had nothing to relaunch
+    stack = cluster_with_a_run(kube, tmp_path, service.url, steps=TAKEOVER_STEPS)
     stack.service = service
     stack.controllers.update(replicas)
     cleanup.callback(stack.close)
