@@ -90,7 +90,7 @@ def phase_ratio(node: str) -> float:
     """Where in each interval ``node`` sends its ranks, in [0, 1): from a hash of its name, so the same in every
     process, every restart of its agent and every interval, and spread evenly over a job's nodes."""
     digest = hashlib.blake2b(node.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
+    return (int.from_bytes(digest, "big") >> 11) / 2.0**53  # 53 bits: exact in a float, so never 1.0
 
 
 def ranks_due(*, now_s: float, delivered_s: float, interval_s: float, phase_ratio: float) -> bool:
