@@ -47,7 +47,6 @@ from typing import Any, cast
 import msgspec
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -63,6 +62,7 @@ from opsd.protocol.wire import (
 )
 from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
 from trainer_hooks.comm_tables import DIMENSIONS, FORWARD, OTHER, StepComms
+from trainer_hooks.ddp import trace_buckets
 from trainer_hooks.deferred import EventFactory, PendingStep, PendingSteps, cuda_event, stage_loss
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
@@ -245,9 +245,10 @@ class Monitor(ReportParts):
     def watch_ddp(self, model: DistributedDataParallel, dimension: str = "dp_replicate") -> None:
         """Make a DDP model's gradient all-reduces visible. DDP's reducer calls the backend from C++, out of the
         tracer's sight; this registers torch's reference ``allreduce_hook`` (the same averaging as DDP's built-in
-        reduction) so the buckets are all-reduced through ``torch.distributed``. Call before the first step."""
+        reduction) so the buckets are all-reduced through ``torch.distributed``, one at a time on gloo
+        (``trainer_hooks.ddp``). Call before the first step."""
         self.label(model.process_group, dimension)
-        model.register_comm_hook(model.process_group, allreduce_hook)
+        trace_buckets(model)
 
     def phase(self, name: str) -> PhaseMark:
         """``with monitor.phase("optimizer"):`` the collectives issued inside count under that phase (``forward``,
