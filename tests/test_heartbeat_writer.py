@@ -119,10 +119,10 @@ def test_nodes_whose_first_heartbeat_waits_count_for_the_interval_at_once(
     held = threading.Event()
     take = controller.heartbeat
 
-    def held_up(body: Heartbeat, now_s: float) -> HeartbeatReply:
+    def held_up(body: Heartbeat, now_s: float, *, wait: bool = True) -> HeartbeatReply:
         if body.node != "node-known":  # the writer's thread waits: the known node is taken on the loop
             held.wait(30)
-        return take(body, now_s)
+        return take(body, now_s, wait=wait)
 
     monkeypatch.setattr(controller, "heartbeat", held_up)
     port = free_port()

@@ -9,11 +9,14 @@ store cannot be reached; ``HeartbeatIn`` is also the request's schema in the Ope
 
 The body is parsed and validated in one pass by msgspec. A heartbeat that changes nothing in the store (a known node
 of known runs, without GPU events: nearly all of them) is taken on the event loop, in memory; one that may write
-goes to the one thread that writes them, in batches (``opsd.api.writer``).
+goes to the one thread that writes them, in batches (``opsd.api.writer``). The event loop never waits for the
+controller's lock: a heartbeat that finds it held is answered at once and taken by the lock's next holder, or by
+the loop ``RETRY_S`` later (``opsd.controller.core``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +25,7 @@ import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from opsd.api.auth import Credentials, Role, check
+from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.errors import BodyError, TransientError
@@ -69,6 +73,12 @@ class HeartbeatEndpoint:
         self.reject = reject  # counts a refused request by reason
         self.clock = clock
         self.writer = writer  # the heartbeats that may write: on its thread
+        self.retry: asyncio.TimerHandle | None = None  # what the event loop left for later, taken then if not before
+
+    def _drain(self) -> None:
+        self.retry = None
+        if not self.controller.drain_now():
+            self.retry = asyncio.get_running_loop().call_later(RETRY_S, self._drain)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != PATH:
@@ -106,7 +116,9 @@ class HeartbeatEndpoint:
                 self.controller.contacted(body.node, self.clock())
                 reply = await self.writer.take(body)
             else:  # in memory alone: a few tens of microseconds, less than the hop to a thread
-                reply = self.controller.heartbeat(body, self.clock())
+                reply = self.controller.heartbeat(body, self.clock(), wait=False)
+            if self.controller.deferred and self.retry is None:  # left for the lock's next holder: or for us
+                self.retry = asyncio.get_running_loop().call_later(RETRY_S, self._drain)
         except TransientError as exc:
             await _answer(send, 503, {"detail": str(exc)}, [(b"retry-after", str(int(exc.retry_after_s)).encode())])
             return

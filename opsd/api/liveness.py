@@ -21,13 +21,14 @@ import os
 import socket
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import msgspec
 
 import opsd
 from opsd.api.auth import Credentials
-from opsd.api.liveness_worker import Frames, WorkerConfig
+from opsd.api.liveness_worker import Batch, Frames, WorkerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
 from opsd.protocol.liveness import liveness_key
@@ -39,6 +40,7 @@ RECEIVE_BUFFER_BYTES = 4 << 20
 #: the pipe's room for batches: ~4 s of 12,288 datagrams a second while the API's loop is held up
 PIPE_BYTES = 1 << 20
 STOP_WAIT_S = 5.0
+RETRY_S = 0.002  # batches left while the controller's lock was held elsewhere: tried again this much later
 #: the worker's ``main``, found where this process found opsd (after the interpreter's own path: nothing shadowed)
 _RUN_WORKER = (
     "import sys; sys.path.append(sys.argv.pop(1)); from opsd.api.liveness_worker import main; sys.exit(main())"
@@ -58,6 +60,8 @@ class LivenessIngest:
         self.fd = fd  # the pipe's reading end
         self.frames = Frames()
         self.closing = False
+        self.waiting: deque[Batch] = deque()  # read while the controller's lock was held elsewhere, in order
+        self.retry: asyncio.TimerHandle | None = None
 
     def readable(self) -> None:
         try:
@@ -76,9 +80,22 @@ class LivenessIngest:
             log.error("a liveness batch that does not decode: %s", exc)
             return
         for batch in batches:
-            replays = self.controller.alive_many(batch.taken)
             for reason, count in batch.refused.items():
                 self.stats.refuse_datagram(reason, count)
+        self.waiting.extend(batches)
+        if self.retry is None:
+            self.take()
+
+    def take(self, wait: bool = False) -> None:
+        """Take the batches read, in order, while the controller's lock is free at once (the event loop never waits
+        for it); the rest ``RETRY_S`` later. ``wait``: at the end, all of them."""
+        self.retry = None
+        while self.waiting:
+            replays = self.controller.alive_many(self.waiting[0].taken, wait=wait)
+            if replays is None:
+                self.retry = asyncio.get_running_loop().call_later(RETRY_S, self.take)
+                return
+            self.waiting.popleft()
             if replays:
                 self.stats.refuse_datagram("replay", replays)
 
@@ -94,6 +111,9 @@ class LivenessIngest:
 
     def close(self) -> None:
         self.closing = True
+        if self.retry is not None:
+            self.retry.cancel()
+        self.take(wait=True)
         self.controller.liveness_port = None
         asyncio.get_running_loop().remove_reader(self.fd)
         self.worker.terminate()

@@ -6,7 +6,10 @@ costs) is kept in memory and rebuilt within seconds after a restart: per node (`
 (``RunMemory``) dropped ``forget_finished_s`` after the run ended. Heartbeats come in on the API's threads,
 detection passes on a thread of their own, recoveries on theirs: ``lock`` guards what is in memory, and is held
 only while it is read or changed, never while the store or the backend is waited on, so that heartbeats are not
-held up by a pass.
+held up by a pass. The API's event loop never waits for it: what it finds the lock held for is left in ``deferred``
+and taken, in order, by the lock's next holder (``drain``). On a machine whose cores are all busy, a thread holding
+the lock is put off its core for a scheduler's time slice or more, and the loop, waiting for it, answered no one
+meanwhile (3 to 55 ms at 12,288 nodes, as a lock that timed itself showed).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
@@ -72,6 +76,8 @@ class ControllerCore:
         self.clock = clock
         self.lock = threading.RLock()
         self.ticking = threading.Lock()  # one detection pass at a time
+        self.deferred: deque[Callable[[], object]] = deque()  # left by the API's event loop while the lock was held
+        self.deferred_total = 0  # what was left so, in all
         self.nodes: dict[str, NodeLive] = {}
         self.memory: dict[str, RunMemory] = {}  # run -> what is kept of it in memory (dropped after it ended)
         self.forgotten: set[str] = set()  # finished runs whose memory was dropped: heartbeats naming them are ignored
@@ -83,6 +89,39 @@ class ControllerCore:
         self.telemetry_due_s = -math.inf  # when the interval is planned again
         self.telemetry_nodes = 1  # the nodes known when it was last planned
         self.slots = SlotClock(self.config.sample_slot_s)  # the compute samples' slots (``telemetry``'s length)
+
+    def drain(self) -> None:
+        """Take what the API's event loop left while the lock was held, in order (the caller holds ``lock``)."""
+        deferred = self.deferred
+        while deferred:
+            deferred.popleft()()
+
+    def defer(self, take: Callable[[], object]) -> bool:
+        """Call ``take`` under the lock if it is free at once (after what was left before it), else leave it to the
+        lock's next holder; whether it was taken now. For the API's event loop, which never waits for the lock."""
+        if not self.lock.acquire(blocking=False):
+            self.deferred.append(take)
+            self.deferred_total += 1
+            return False
+        try:
+            self.drain()
+            take()
+        finally:
+            self.lock.release()
+        return True
+
+    def drain_now(self) -> bool:
+        """``drain`` if the lock is free at once; whether nothing is left (the API's event loop, again and again
+        until then, so that nothing waits for the next heartbeat)."""
+        if not self.deferred:
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.drain()
+        finally:
+            self.lock.release()
+        return True
 
     def remember(self, run: str) -> RunMemory:
         """The record of ``run`` in memory, made when there is none (the caller holds ``lock``)."""

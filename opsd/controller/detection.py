@@ -83,6 +83,7 @@ class Detection(Scoring):
         active = self.store.node_names(run, NodeRole.ACTIVE)
         groups = self.rank_groups(run) if fault_tolerant else None
         with self.lock:
+            self.drain()  # the heartbeats the API's event loop left for later: a node in them was heard from
             live = self.live_of(run)
             names = active | live.rank_nodes.keys() if live is not None else active
         # the scan of every node goes without the lock, which the API's thread waits for (12,288 nodes: up to 60 ms

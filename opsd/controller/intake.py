@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window, comm_totals
@@ -29,8 +30,10 @@ ACTIONABLE_EVENTS = frozenset({XidAction.CORDON_AND_SWAP.value, XidAction.RESTAR
 
 
 class Intake(Liveness):
-    def heartbeat(self, body: Heartbeat, now_s: float) -> HeartbeatReply:
-        """Take one validated heartbeat; the reply: events acknowledged, and the policy."""
+    def heartbeat(self, body: Heartbeat, now_s: float, *, wait: bool = True) -> HeartbeatReply:
+        """Take one validated heartbeat; the reply: events acknowledged, and the policy. ``wait=False`` (the API's
+        event loop, for a heartbeat that writes nothing: ``heartbeat_writes``): when the lock is held elsewhere, the
+        heartbeat is left to its next holder (``drain``) and answered from what the run's last heartbeat was told."""
         node = body.node
         events = body.events
         runs = sorted({r.run for r in body.ranks})
@@ -46,33 +49,72 @@ class Intake(Liveness):
             known = self.store.node(node)
         acked = int(known.events_acked) if known else 0
         run_of_node = known.run if known else None
-        with self.lock:
-            self.heartbeats_total += 1
-            live = self.nodes.get(node)
-            if live is None:
-                live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
-            live.posted(now_s)
-            interval_s = self.telemetry_interval_s(now_s)
-            for e in events:
-                if e.seq > acked and e.action in ACTIONABLE_EVENTS:
-                    event = GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s, e.trace_id, e.span_id)
-                    live.events.setdefault(e.seq, event)
-            for r in body.ranks:
-                self._rank(r, node, now_s)
-            for t in body.timeouts:
-                self._timeout(t, node)
-            if body.comms:
-                self._comms(body.comms, node)
-            # events that need no action are acknowledged at once; the others once their incident is recorded
-            newest = max((e.seq for e in events), default=acked)
-            ack = min(live.events) - 1 if live.events else max(acked, newest)
-            policy = self._policy(run_of_node) if run_of_node is not None else {}
+        if not self.lock.acquire(blocking=wait or bool(events)):
+            reply = self._reply_later(node, acked, run_of_node)
+            if reply is not None:
+                self.deferred.append(partial(self._take, body, acked, run_of_node, now_s))
+                self.deferred_total += 1
+                return reply
+            self.lock.acquire()  # nothing told yet to answer it from (rare: a run's first heartbeats)
+        try:
+            self.drain()
+            ack, interval_s, policy = self._take(body, acked, run_of_node, now_s)
+        finally:
+            self.lock.release()
         if ack > acked:
             self.store.ack_events(node, ack, now_s)
         return HeartbeatReply(
             ack_events_up_to=ack,
             policy=policy or None,
             telemetry_interval_s=interval_s,
+            liveness_port=self.liveness_port,
+        )
+
+    def _take(
+        self, body: Heartbeat, acked: int, run_of_node: str | None, now_s: float
+    ) -> tuple[int, float, dict[str, Any]]:
+        """Take ``body`` into memory (the caller holds the lock); the events acknowledged, the interval and the
+        policy."""
+        node, events = body.node, body.events
+        self.heartbeats_total += 1
+        live = self.nodes.get(node)
+        if live is None:
+            live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+        live.posted(now_s)
+        interval_s = self.telemetry_interval_s(now_s)
+        for e in events:
+            if e.seq > acked and e.action in ACTIONABLE_EVENTS:
+                event = GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s, e.trace_id, e.span_id)
+                live.events.setdefault(e.seq, event)
+        for r in body.ranks:
+            self._rank(r, node, now_s)
+        for t in body.timeouts:
+            self._timeout(t, node)
+        if body.comms:
+            self._comms(body.comms, node)
+        # events that need no action are acknowledged at once; the others once their incident is recorded
+        newest = max((e.seq for e in events), default=acked)
+        ack = min(live.events) - 1 if live.events else max(acked, newest)
+        policy = self._policy(run_of_node) if run_of_node is not None else {}
+        return ack, interval_s, policy
+
+    def _reply_later(self, node: str, acked: int, run: str | None) -> HeartbeatReply | None:
+        """The reply to a heartbeat left for later, read without the lock (each value is replaced whole): its
+        node's acknowledgement in the store, the policy its run's last heartbeat was told, the interval planned
+        last. None when it cannot be answered so: its node waits on GPU events, or its run was told nothing yet."""
+        live = self.nodes.get(node)
+        if live is None or live.events:
+            return None
+        policy: dict[str, Any] | None = {}
+        if run is not None:
+            memory = self.memory.get(run)
+            policy = memory.policy if memory is not None else None
+        if policy is None:
+            return None
+        return HeartbeatReply(
+            ack_events_up_to=acked,
+            policy=policy or None,
+            telemetry_interval_s=self.telemetry.interval_s,
             liveness_port=self.liveness_port,
         )
 
@@ -117,6 +159,7 @@ class Intake(Liveness):
             policy["checkpoint_at_step"] = memory.checkpoint_at
         if memory.commands is not None:  # once a run had one, an empty list: agents then rewrite a file that held one
             policy["commands"] = list(memory.commands)
+        memory.policy = policy
         return policy
 
     def _comms(self, rows: list[CommRow], node: str) -> None:

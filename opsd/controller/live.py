@@ -381,6 +381,7 @@ class RunMemory:
     launch: int | None = None  # the launch its ranks report (OPSD_LAUNCH), when the backend named it
     checkpoint_at: int | None = None  # a one-off checkpoint step asked for (a graceful restart)
     commands: list[dict[str, Any]] | None = None  # commands for its ranks (docs/protocol.md); None: never had one
+    policy: dict[str, Any] | None = None  # the policy its last heartbeat was told (None: none told yet)
     progressed_s: float | None = None  # when its newest step last advanced
     ended_step: int = -1  # the newest step of its previous launch (-1: unknown)
     checkpointed_s: float | None = None  # when every rank had finished one more checkpoint

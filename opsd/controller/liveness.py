@@ -11,7 +11,8 @@ samples' slots follow it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
+from functools import partial
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, Window
@@ -38,20 +39,26 @@ class Liveness(ControllerCore):
         """A node's heartbeat arrived and waits to be taken (its first, at the writer's thread): the node counts as
         heard from at once, for the interval planned (``telemetry_interval_s``). When 12,288 nodes start within
         seconds, their first heartbeats wait for seconds; planned from the nodes taken alone, the interval lagged
-        the job's size, and the agents answered meanwhile sent their ranks too often, which made the wait longer."""
-        with self.lock:
-            if node not in self.nodes:
-                self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+        the job's size, and the agents answered meanwhile sent their ranks too often, which made the wait longer.
+        Called on the API's event loop: left to the lock's next holder when it is held."""
+        self.defer(partial(self._contacted, node, now_s))
 
-    def alive_many(self, taken: Iterable[tuple[str, int, float]]) -> int:
+    def _contacted(self, node: str, now_s: float) -> None:
+        if node not in self.nodes:
+            self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+
+    def alive_many(self, taken: Sequence[tuple[str, int, float]], *, wait: bool = True) -> int | None:
         """Datagrams checked and acknowledged by the API's liveness process (``opsd.api.liveness_worker``), each
         ``(node, seq, when it was taken)``, under one hold of the lock; how many were replays (of a node whose
-        datagrams that process took before it was started again)."""
-        replays = 0
-        with self.lock:
-            for node, seq, taken_s in taken:
-                replays += self._alive(node, seq, taken_s) is not None
-        return replays
+        datagrams that process took before it was started again). ``wait=False`` (the API's event loop): None,
+        and nothing taken, when the lock is held elsewhere."""
+        if not self.lock.acquire(blocking=wait):
+            return None
+        try:
+            self.drain()
+            return sum(self._alive(node, seq, taken_s) is not None for node, seq, taken_s in taken)
+        finally:
+            self.lock.release()
 
     def _alive(self, node: str, seq: int, now_s: float) -> str | None:
         live = self.nodes.get(node)

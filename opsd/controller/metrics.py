@@ -191,6 +191,11 @@ class ControllerCollector(Collector):
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
         yield from (bubble, theory, margin, incidents, recovery, replica_groups, quorum, out, missed)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
+        yield CounterMetricFamily(
+            "opsd_controller_deferred",
+            "Heartbeats (and first contacts) the API's event loop left to the controller lock's next holder.",
+            value=controller.deferred_total,
+        )
         yield from liveness_metrics(controller, self.stats, now)
         rejected = CounterMetricFamily(
             "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]
