@@ -55,7 +55,7 @@ class Intake(Liveness):
                 self.deferred.append(partial(self._take, body, acked, run_of_node, now_s))
                 self.deferred_total += 1
                 return reply
-            self.lock.acquire()  # nothing told yet to answer it from (rare: a run's first heartbeats)
+            self.lock.acquire()  # rare: its node's GPU events wait for their incident, or its run was told nothing
         try:
             self.drain()
             ack, interval_s, policy = self._take(body, acked, run_of_node, now_s)
@@ -103,7 +103,7 @@ class Intake(Liveness):
         node's acknowledgement in the store, the policy its run's last heartbeat was told, the interval planned
         last. None when it cannot be answered so: its node waits on GPU events, or its run was told nothing yet."""
         live = self.nodes.get(node)
-        if live is None or live.events:
+        if live is not None and live.events:
             return None
         policy: dict[str, Any] | None = {}
         if run is not None:
