@@ -4,6 +4,7 @@ dies), and alone (it ends when its parent does, and refuses bad settings)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -12,13 +13,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
 
+from opsd.api.liveness import LivenessIngest
 from opsd.api.liveness_worker import DRAIN_MAX, Batch, Checker, Frames, WorkerConfig, encode_frame
 from opsd.backends.local.processes import free_port
 from opsd.controller.controller import Controller
+from opsd.controller.metrics import ApiStats
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import VERSION, Heartbeat, HeartbeatReply
 from opsd.protocol.liveness import Signer, decode_ack, encode_alive, liveness_key
@@ -115,11 +119,53 @@ def test_the_api_goes_on_without_a_worker_that_died(tmp_path: Path, caplog: pyte
         with caplog.at_level(logging.ERROR, logger="opsd.api.liveness"):
             os.kill(int(started.group(1)), 9)
             wait_for("the API to see its worker gone", lambda: controller.liveness_port is None, 10)
-        reply = msgspec.convert(request(port, "POST", "/v1/heartbeat", "agent-token", beat), HeartbeatReply)
-        assert reply.liveness_port is None
-        assert "the liveness worker ended (exit status -9)" in caplog.text
+            reply = msgspec.convert(request(port, "POST", "/v1/heartbeat", "agent-token", beat), HeartbeatReply)
+            assert reply.liveness_port is None
+            wait_for("the error logged", lambda: "the liveness worker ended (exit status -9)" in caplog.text, 10)
     finally:
         server.should_exit = True
+
+
+class Lingering:
+    """A worker process that closed its end of the pipe but does not exit: its ``wait`` times out."""
+
+    def wait(self, timeout: float) -> int:
+        time.sleep(timeout)
+        raise subprocess.TimeoutExpired("opsd.api.liveness_worker", timeout)
+
+
+def test_a_worker_that_lingers_does_not_hold_the_event_loop_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("opsd.api.liveness.STOP_WAIT_S", 0.5)
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    controller.liveness_port = 8470
+    read_fd, write_fd = os.pipe()
+    os.close(write_fd)  # the worker's end, closed
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        lingering = cast("subprocess.Popen[bytes]", Lingering())
+        ingest = LivenessIngest(
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM), controller, ApiStats(), lingering, read_fd
+        )
+        loop.add_reader(read_fd, ingest.readable)
+        ticks = []
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # the loop ticks on meanwhile
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+        assert ingest.reaping is not None
+        await ingest.reaping
+        os.close(read_fd)
+        ingest.sock.close()
+        return [b - a for a, b in zip([started, *ticks], ticks, strict=False)]
+
+    with caplog.at_level(logging.ERROR, logger="opsd.api.liveness"):
+        gaps = asyncio.run(main())
+    assert controller.liveness_port is None
+    assert max(gaps) < 0.4, max(gaps)  # it waited 0.5 s for the worker, on a thread
+    assert "the liveness worker ended (exit status None)" in caplog.text
 
 
 def worker(parent_pid: int, settings: bytes) -> tuple[subprocess.Popen[bytes], socket.socket, int]:

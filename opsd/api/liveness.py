@@ -62,6 +62,7 @@ class LivenessIngest:
         self.closing = False
         self.waiting: deque[Batch] = deque()  # read while the controller's lock was held elsewhere, in order
         self.retry: asyncio.TimerHandle | None = None
+        self.reaping: asyncio.Task[None] | None = None  # the wait for a worker that ended on its own
 
     def readable(self) -> None:
         try:
@@ -103,11 +104,16 @@ class LivenessIngest:
         asyncio.get_running_loop().remove_reader(self.fd)
         if not self.closing:
             self.controller.liveness_port = None
-            try:
-                status: int | None = self.worker.wait(STOP_WAIT_S)  # it closed its end: it is exiting
-            except subprocess.TimeoutExpired:
-                status = None
-            log.error("the liveness worker ended (exit status %s): agents send their liveness over HTTP", status)
+            self.reaping = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """The worker closed its end: it is exiting. Its status, waited for on a thread (the event loop never
+        waits: a worker that lingers would have held every heartbeat up for ``STOP_WAIT_S``)."""
+        try:
+            status: int | None = await asyncio.to_thread(self.worker.wait, STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            status = None
+        log.error("the liveness worker ended (exit status %s): agents send their liveness over HTTP", status)
 
     def close(self) -> None:
         self.closing = True
