@@ -102,21 +102,29 @@ def kube() -> Iterator[KubeEmulator]:
 
 
 @pytest.fixture
-def tracer() -> Iterator[CollectiveTracer]:
-    """A collective tracer installed in a gloo world of one (this process)."""
+def gloo_world() -> Iterator[None]:
+    """A gloo world of one: this process."""
     import torch.distributed as dist
     from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
 
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def tracer(gloo_world: None) -> Iterator[CollectiveTracer]:
+    """A collective tracer installed in a gloo world of one (this process)."""
     from trainer_hooks.collectives import CollectiveTracer
 
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     t = CollectiveTracer()
     t.install()
     try:
         yield t
     finally:
         t.uninstall()
-        dist.destroy_process_group()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore  # type: ignore[attr-defined]
 
 from agent.reporter import write_policy
 from opsd.checkpoints.layout import inspect_checkpoints, sha256_file
@@ -36,15 +33,6 @@ class Counter:
         self.n = state["n"]
 
 
-@pytest.fixture
-def world() -> Iterator[None]:
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def make_state() -> tuple[TrainState, torch.nn.Linear, Counter]:
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -65,7 +53,7 @@ def s3_config(s3_endpoint: str, tmp_path: Path, **kwargs: Any) -> CheckpointConf
     ids=["file-async", "file-sync", "s3-async", "s3-sync"],
 )
 def test_save_commit_and_load(
-    world: None, tmp_path: Path, request: pytest.FixtureRequest, where: str, async_save: bool
+    gloo_world: None, tmp_path: Path, request: pytest.FixtureRequest, where: str, async_save: bool
 ) -> None:
     saved: list[dict[str, Any]] = []
     if where == "file":
@@ -96,13 +84,13 @@ def test_save_commit_and_load(
     assert torch.equal(model.weight, weights)
 
 
-def test_nothing_to_resume(world: None, tmp_path: Path) -> None:
+def test_nothing_to_resume(gloo_world: None, tmp_path: Path) -> None:
     ckpt = Checkpointer(CheckpointConfig(str(tmp_path)))
     assert ckpt.load(make_state()[0]) is None
     assert inspect_checkpoints(LocalStore(tmp_path / "absent")) == []
 
 
-def test_manifest_for_another_step_is_rejected(world: None, tmp_path: Path) -> None:
+def test_manifest_for_another_step_is_rejected(gloo_world: None, tmp_path: Path) -> None:
     ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
     state = make_state()[0]
     ckpt.save(3, state)
@@ -112,7 +100,7 @@ def test_manifest_for_another_step_is_rejected(world: None, tmp_path: Path) -> N
     assert candidate.problem == "manifest is for step 3, directory for step 9"
 
 
-def test_cadence_follows_the_controller_policy_when_there_is_one(world: None, tmp_path: Path) -> None:
+def test_cadence_follows_the_controller_policy_when_there_is_one(gloo_world: None, tmp_path: Path) -> None:
     policy_file = tmp_path / "policy.json"
     ckpt = Checkpointer(
         CheckpointConfig(str(tmp_path / "c"), every_steps=10), policy=PolicyReader(str(policy_file), check_every_s=0)
@@ -140,7 +128,7 @@ def test_config_validates_itself(config: dict[str, Any], message: str) -> None:
         CheckpointConfig(**config)
 
 
-def test_a_save_due_while_the_previous_one_writes_is_skipped_and_counted(world: None, tmp_path: Path) -> None:
+def test_a_save_due_while_the_previous_one_writes_is_skipped_and_counted(gloo_world: None, tmp_path: Path) -> None:
     """The first save's commit is held until the test lets it go: a save due meanwhile does not wait for it."""
     release, committing = threading.Event(), threading.Event()
 
@@ -171,7 +159,7 @@ def test_a_save_due_while_the_previous_one_writes_is_skipped_and_counted(world: 
     assert sorted(c.step for c in inspect_checkpoints(ckpt.store) if c.problem is None) == [10, 30]
 
 
-def test_a_save_that_must_happen_waits_for_the_previous_write(world: None, tmp_path: Path) -> None:
+def test_a_save_that_must_happen_waits_for_the_previous_write(gloo_world: None, tmp_path: Path) -> None:
     release = threading.Event()
 
     def hold(step: int) -> None:
@@ -188,7 +176,7 @@ def test_a_save_that_must_happen_waits_for_the_previous_write(world: None, tmp_p
 
 
 def test_shards_are_hashed_as_they_are_written_not_read_back(
-    world: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gloo_world: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     read_back: list[str] = []
 
@@ -208,7 +196,7 @@ def test_shards_are_hashed_as_they_are_written_not_read_back(
     assert not any(p.name.startswith(".sha256") for p in directory.iterdir())  # their note is not left behind
 
 
-def test_manifest_written_is_valid_json_with_checksums(world: None, tmp_path: Path) -> None:
+def test_manifest_written_is_valid_json_with_checksums(gloo_world: None, tmp_path: Path) -> None:
     ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
     ckpt.save(1, make_state()[0])
     doc = json.loads((tmp_path / "step_000000001" / "manifest.json").read_text())
@@ -224,7 +212,7 @@ def corrupt_one_byte(path: Path) -> None:
 
 
 def test_a_corrupt_shard_is_caught_while_loading_and_the_previous_checkpoint_is_used(
-    world: None, tmp_path: Path
+    gloo_world: None, tmp_path: Path
 ) -> None:
     ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
     state, _, counter = make_state()
@@ -239,7 +227,7 @@ def test_a_corrupt_shard_is_caught_while_loading_and_the_previous_checkpoint_is_
     assert ckpt.resume_problems == ["step_000000002: __0_0.distcp: checksum mismatch"]
 
 
-def test_on_s3_the_object_is_checked_not_a_local_copy(world: None, tmp_path: Path, s3_endpoint: str) -> None:
+def test_on_s3_the_object_is_checked_not_a_local_copy(gloo_world: None, tmp_path: Path, s3_endpoint: str) -> None:
     ckpt = Checkpointer(s3_config(s3_endpoint, tmp_path, async_save=False))
     state, _, counter = make_state()
     for step in (1, 2):
@@ -255,7 +243,7 @@ def test_on_s3_the_object_is_checked_not_a_local_copy(world: None, tmp_path: Pat
     assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").rglob("*.distcp"))  # cache dropped
 
 
-def test_process_based_async_save(world: None, tmp_path: Path) -> None:
+def test_process_based_async_save(gloo_world: None, tmp_path: Path) -> None:
     saved: list[dict[str, Any]] = []
     config = CheckpointConfig(str(tmp_path), async_mode="process")
     ckpt = Checkpointer(config, on_saved=lambda **kw: saved.append(kw))
@@ -272,7 +260,7 @@ def test_process_based_async_save(world: None, tmp_path: Path) -> None:
 
 
 def test_when_every_checkpoint_fails_to_load_training_does_not_start_from_a_half_loaded_state(
-    world: None, tmp_path: Path
+    gloo_world: None, tmp_path: Path
 ) -> None:
     ckpt = Checkpointer(CheckpointConfig(str(tmp_path), async_save=False))
     state = make_state()[0]
