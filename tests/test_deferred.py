@@ -70,9 +70,7 @@ def test_a_heartbeat_finding_the_lock_held_is_answered_at_once_and_taken_in_orde
 ) -> None:
     rank = controller.ranks[RUN][0]
     with held(controller):
-        started = time.monotonic()
         replies = [controller.heartbeat(beat("node-0", step), 100.0 + step, wait=False) for step in (3, 4)]
-        assert time.monotonic() - started < 1.0
         assert all(r.policy == {"checkpoint_at_step": 50} for r in replies)  # as its run's last heartbeat was told
         assert all(r.telemetry_interval_s == controller.telemetry.interval_s for r in replies)
         assert (controller.heartbeats_total, rank.step, len(controller.deferred)) == (2, 2, 2)  # not taken yet
@@ -124,11 +122,10 @@ def test_the_api_answers_heartbeats_and_datagrams_while_another_thread_holds_the
         seq = int(time.time() * 1000)
         alive = encode_alive("node-0", seq, Signer(liveness_key("agent-token")))
         with held(controller):
-            started = time.monotonic()
+            # answered while the lock is held: the block ends (and releases it) only after the answers
             reply = request(port, "POST", "/v1/heartbeat", "agent-token", msgspec.json.encode(beat("node-0", 3)))
             sock.send(alive)
             assert decode_ack(answer(sock, 10))[0] == seq
-            assert time.monotonic() - started < 1.5, "the event loop waited for the lock"
             assert reply["telemetry_interval_s"] == first["telemetry_interval_s"]
             time.sleep(0.2)  # the loop tries again meanwhile, and finds the lock still held
             assert controller.heartbeats_total == 2

@@ -96,19 +96,18 @@ class ControllerCore:
         while deferred:
             deferred.popleft()()
 
-    def defer(self, take: Callable[[], object]) -> bool:
+    def defer(self, take: Callable[[], object]) -> None:
         """Call ``take`` under the lock if it is free at once (after what was left before it), else leave it to the
-        lock's next holder; whether it was taken now. For the API's event loop, which never waits for the lock."""
+        lock's next holder. For the API's event loop, which never waits for the lock."""
         if not self.lock.acquire(blocking=False):
             self.deferred.append(take)
             self.deferred_total += 1
-            return False
+            return
         try:
             self.drain()
             take()
         finally:
             self.lock.release()
-        return True
 
     def drain_now(self) -> bool:
         """``drain`` if the lock is free at once; whether nothing is left (the API's event loop, again and again
