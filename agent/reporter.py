@@ -11,6 +11,10 @@ each run's collective totals on the node (cumulative, by phase, dimension and op
   once when a GPU event or a collective timeout is new), and for a signed liveness datagram every beat
   (``agent.liveness``); while the datagrams go unacknowledged, or without a port, the beats in between are
   heartbeats without ranks over HTTP (liveness only).
+- Where: to ``url``, the API, until a reply names a ``heartbeat_port``: from then on to that port of the same host
+  (the controller's heartbeat process: same scheme, path and token), but for a heartbeat with GPU events, one that
+  process sends back (421: only the API answers it) and, for ``APART_HOLD_S`` after that process could not be
+  reached, every heartbeat.
 - Failures (connection refused, timeout, non-2xx) are retried after an exponential backoff with jitter
   (``backoff_s``), capped at ``max_backoff_s``; the datagrams go on every beat meanwhile.
 - The buffer is bounded: summaries beyond ``max_summaries`` are dropped oldest first (and counted); health events
@@ -41,6 +45,7 @@ from agent.liveness import LivenessSender
 from agent.state import NodeState, RankSnapshot
 from opsd.policy.telemetry import phase_ratio, ranks_due
 from opsd.protocol.heartbeat import (
+    SEND_TO_API,
     VERSION,
     Heartbeat,
     HeartbeatFt,
@@ -52,6 +57,8 @@ from opsd.protocol.heartbeat import (
 from opsd.protocol.wire import StepReport, pipeline_bubble_ratio
 
 log = logging.getLogger(__name__)
+
+APART_HOLD_S = 60.0  # after the heartbeat process could not be reached: heartbeats to the API this long
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,8 @@ class Reporter:
         self.failures = 0  # consecutive
         self.last_policy: dict[str, Any] | None = None
         self.connection = Connection(config.url, config.timeout_s)
+        self.apart: Connection | None = None  # to the controller's heartbeat process, while its replies name one
+        self.apart_hold_mono_s = -math.inf  # it could not be reached: not tried again before then (monotonic)
         self.telemetry_interval_s: float | None = None  # as the controller asks (None: it does not: every beat)
         self.liveness: LivenessSender | None = None  # while the controller offers a datagram port
         self.over_http = True  # the liveness goes over HTTP (no port, datagrams off, or unacknowledged)
@@ -217,7 +226,7 @@ class Reporter:
         """Summarise, send one heartbeat with the ranks, apply the reply; whether it was delivered."""
         self.summarise(now_s)
         body = self.heartbeat(now_s)
-        reply = self._post(encode(body))
+        reply = self._post(encode(body), to_api=bool(body.events))
         if reply is None:
             return False
         for _ in range(min(len(body.summaries), len(self.summaries))):
@@ -236,13 +245,14 @@ class Reporter:
         self._apply(reply)
         return True
 
-    def _post(self, data: bytes) -> dict[str, Any] | None:
-        """POST a heartbeat; the reply (None: not delivered, counted)."""
+    def _post(self, data: bytes, *, to_api: bool = False) -> dict[str, Any] | None:
+        """POST a heartbeat (``to_api``: to the API, not its heartbeat process); the reply (None: not delivered,
+        counted)."""
         headers = {"Content-Type": "application/json"}
         if self.config.token:
             headers["Authorization"] = f"Bearer {self.config.token}"
         try:
-            status, answer = self.connection.post(data, headers)
+            status, answer = self._send(data, headers, to_api)
             if not 200 <= status < 300:
                 raise ValueError(f"HTTP {status}: {answer[:200]!r}")
             reply = json.loads(answer or b"{}")
@@ -254,6 +264,21 @@ class Reporter:
         self.failures = 0
         self.sent_ok += 1
         return reply if isinstance(reply, dict) else {}
+
+    def _send(self, data: bytes, headers: dict[str, str], to_api: bool) -> tuple[int, bytes]:
+        """To the heartbeat process when there is one; to the API when it sends the heartbeat back (421), or cannot
+        be reached (then not tried again for ``APART_HOLD_S``)."""
+        apart = self.apart
+        if apart is not None and not to_api and time.monotonic() >= self.apart_hold_mono_s:
+            try:
+                status, answer = apart.post(data, headers)
+            except (OSError, http.client.HTTPException) as exc:
+                self.apart_hold_mono_s = time.monotonic() + APART_HOLD_S
+                log.warning("the controller's heartbeat process at port %d: %s; to the API for now", apart.port, exc)
+            else:
+                if status != SEND_TO_API:
+                    return status, answer
+        return self.connection.post(data, headers)
 
     def _apply(self, reply: dict[str, Any]) -> None:
         ack = reply.get("ack_events_up_to")
@@ -273,8 +298,17 @@ class Reporter:
             self.telemetry_interval_s = interval_s
         else:
             self.telemetry_interval_s = None  # an older controller: everything every beat
-        port = reply.get("liveness_port")
-        self._liveness(port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None)
+        self._liveness(_port(reply.get("liveness_port")))
+        self._apart(_port(reply.get("heartbeat_port")))
+
+    def _apart(self, port: int | None) -> None:
+        """Heartbeats to ``port`` of the controller's host from now on (None: to the API)."""
+        if self.apart is not None and port != self.apart.port:
+            self.apart.close()
+            self.apart = None
+        if port is not None and self.apart is None:
+            self.apart = Connection(with_port(self.config.url, port), self.config.timeout_s)
+            log.info("heartbeats to the controller's heartbeat process at port %d", port)
 
     def _liveness(self, port: int | None) -> None:
         """Datagrams to ``port`` of the controller's host from now on (None: none)."""
@@ -309,8 +343,23 @@ class Reporter:
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s + 2)
         self.connection.close()
+        if self.apart is not None:
+            self.apart.close()
         if self.liveness is not None:
             self.liveness.close()
+
+
+def _port(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else None
+
+
+def with_port(url: str, port: int) -> str:
+    """``url`` at another port of its host (``https://opsd:8470/v1/heartbeat``, 8471 ->
+    ``https://opsd:8471/v1/heartbeat``)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return parts._replace(netloc=f"{host}:{port}").geturl()
 
 
 def _pipeline(report: StepReport) -> HeartbeatPipeline | None:

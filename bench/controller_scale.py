@@ -1,11 +1,12 @@
 """The controller at Llama 3 scale and beyond: ``python -m bench.controller_scale``.
 
-Starts ``opsd serve`` as its own process (the real API on uvicorn, its liveness worker, its detection pass every
-0.5 s), then simulated agents in ``--clients`` processes (``bench.simulated_agents``): one per node, 3,072 nodes x 8
-GPUs (24,576 ranks) by default, the nodes' phases spread evenly over the second. Each node, as ``opsd agent`` does,
-says it is alive by a signed datagram every second, and sends a heartbeat with its ranks (``opsd.protocol.heartbeat``)
-over a keep-alive connection at the interval the controller's replies ask for, in its own slot of it
-(``opsd.policy.telemetry``); ``--mode http``: a heartbeat with the ranks every second, as agents did before.
+Starts ``opsd serve`` as its own process (the real API on uvicorn, its liveness and heartbeat processes, its
+detection pass every 0.5 s), then simulated agents in ``--clients`` processes (``bench.simulated_agents``): one per
+node, 3,072 nodes x 8 GPUs (24,576 ranks) by default, the nodes' phases spread evenly over the second. Each node, as
+``opsd agent`` does, says it is alive by a signed datagram every second, and sends a heartbeat with its ranks
+(``opsd.protocol.heartbeat``) over a keep-alive connection at the interval the controller's replies ask for, in its
+own slot of it (``opsd.policy.telemetry``), to the controller's heartbeat process once a reply names its port;
+``--mode http``: a heartbeat with the ranks every second to the API, as agents did before.
 
 The agents come up over ``--ramp-s`` (10 s); after ``--warmup-s`` (first contact: every node and run recorded, the
 interval settled), for ``--duration-s``:
@@ -13,7 +14,7 @@ interval settled), for ``--duration-s``:
 - ingest latency, on the client side: a heartbeat's request written to its response read, and a datagram sent to its
   acknowledgement received (p50, p99, max);
 - heartbeats and datagrams a second, and the errors;
-- CPU: the controller's share of one core and its liveness worker's, the load generators' and the machine's; the
+- CPU: the controller's share of one core and its worker processes', the load generators' and the machine's; the
   controller's memory;
 - silent-node detection: 10 s before the end of the window (at its start if it is shorter) one node stops sending;
   the time from its last sign of life to the moment ``GET /v1/runs/{run}/incidents`` shows its ``heartbeat_loss``
@@ -59,7 +60,7 @@ def cpu_s(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The processes ``pid`` started (the controller's liveness worker)."""
+    """The processes ``pid`` started (the controller's liveness and heartbeat processes)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -285,7 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"heartbeats with ranks: {ok} answered ({ok / window:.0f}/s; at the interval the controller asks for: "
         f"{series.get('opsd_controller_telemetry_interval_seconds', float('nan')):g} s), {errors} errors, {late} beats "
-        "over 0.5 s late"
+        f"over 0.5 s late; answered by the heartbeat process "
+        f"{series.get('opsd_controller_heartbeats_apart_total', 0):.0f} in all, sent by it to the API "
+        f"{series.get('opsd_controller_heartbeats_sent_to_api_total', 0):.0f}"
     )
     print(
         f"  latency: p50 {percentile(ordered, 0.5):.1f} ms, p99 {http_p99:.1f} ms, "
@@ -302,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{datagram_p99:.1f} ms, max {ordered_datagrams[-1] if ordered_datagrams else float('nan'):.1f} ms"
     )
     print(
-        f"CPU: controller {shares[0] * 100:.0f}% of a core and its liveness worker {worker * 100:.0f}%, load "
+        f"CPU: controller {shares[0] * 100:.0f}% of a core and its worker processes {worker * 100:.0f}%, load "
         f"generators {sum(shares[-len(generators) :]) * 100:.0f}%, machine busy {busy * 100:.0f}% of "
         f"{os.cpu_count()} cores (stolen by the hypervisor {stolen * 100:.0f}%), load average "
         f"{os.getloadavg()[0]:.1f}; controller memory "

@@ -113,6 +113,7 @@ class SimulatedAgent:
         self.tokens_per_s = 4096 * plan.nodes * plan.gpus_per_node / STEP_S
         self.interval_s: float | None = None  # the ranks' interval the controller asks for (None: every beat)
         self.port: int | None = None  # its liveness datagrams' port
+        self.heartbeat_port: int | None = None  # the controller's heartbeat process (None: the API)
         self.seq = 0
         self.phase_ratio = phase_ratio(self.name)  # where in each interval it sends its ranks, as the agent does
 
@@ -177,6 +178,7 @@ class SimulatedAgent:
         reply = json.loads(body)
         self.interval_s = reply.get("telemetry_interval_s")
         self.port = reply.get("liveness_port")
+        self.heartbeat_port = reply.get("heartbeat_port")
 
 
 @dataclass
@@ -231,7 +233,7 @@ class Node:
         self.beat_s = 0.0  # when it was due
         self.busy = False  # a heartbeat under way
         self.delivered_s = -math.inf
-        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.streams: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}  # port -> its connection
         self.up_s = plan.start_s + plan.ramp_s * index / plan.nodes  # its agent starts then
 
 
@@ -279,8 +281,27 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
                 node.due.set()
 
 
+async def exchange(node: Node, host: str, port: int, data: bytes) -> tuple[bytes, bytes]:
+    """One request on the node's keep-alive connection to ``port`` (opened when it has none); (head, body)."""
+    streams = node.streams.get(port)
+    if streams is None:
+        streams = node.streams[port] = await asyncio.open_connection(host, port)
+    reader, writer = streams
+    try:
+        writer.write(data)
+        head = await reader.readuntil(b"\r\n\r\n")
+        found = _LENGTH.search(head)
+        return head, await reader.readexactly(int(found.group(1))) if found else b""
+    except (OSError, asyncio.IncompleteReadError):
+        del node.streams[port]
+        writer.close()
+        raise
+
+
 async def drive(node: Node, plan: Plan, tally: Tally) -> None:
-    """One agent's heartbeats, each when the pacer says, on a keep-alive connection (opened again after an error)."""
+    """One agent's heartbeats, each when the pacer says, on keep-alive connections (opened again after an error): to
+    the controller's heartbeat process once a reply names it (to the API for what it sends back: 421), else to the
+    API."""
     begin, end = plan.window_s
     try:
         while True:
@@ -288,23 +309,19 @@ async def drive(node: Node, plan: Plan, tally: Tally) -> None:
             node.due.clear()
             now = node.beat_s
             window = begin <= now < end
+            apart = node.agent.heartbeat_port if plan.datagrams else None
             try:
-                if node.streams is None:
-                    node.streams = await asyncio.open_connection(plan.host, plan.port)
-                reader, writer = node.streams
                 data = node.agent.request(now)
                 sent = time.perf_counter()
-                writer.write(data)
-                head = await reader.readuntil(b"\r\n\r\n")
-                found = _LENGTH.search(head)
-                body = await reader.readexactly(int(found.group(1))) if found else b""
+                head = b""
+                if apart is not None:
+                    head, body = await exchange(node, plan.host, apart, data)
+                if not head.startswith(b"HTTP/1.1 200"):
+                    head, body = await exchange(node, plan.host, plan.port, data)
                 took_ms = (time.perf_counter() - sent) * 1000.0
             except (OSError, asyncio.IncompleteReadError) as exc:
                 tally.errors += window
                 log.debug("%s: %s", node_name(node.index), exc)
-                if node.streams is not None:
-                    node.streams[1].close()
-                node.streams = None
                 continue
             finally:
                 node.busy = False
@@ -317,8 +334,8 @@ async def drive(node: Node, plan: Plan, tally: Tally) -> None:
             else:
                 tally.errors += window
     finally:
-        if node.streams is not None:
-            node.streams[1].close()
+        for _, writer in node.streams.values():
+            writer.close()
 
 
 async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tally:

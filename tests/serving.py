@@ -10,9 +10,13 @@ from opsd.controller.controller import Controller
 from opsd.runtime.server import ServeConfig, Serving
 
 
-def start_api(controller: Controller, token: str | Credentials, host: str, port: int) -> uvicorn.Server:
-    """The API of ``controller`` on ``host:port`` (``token``: the operators', or every role's); returns once it
+def start_api(
+    controller: Controller, token: str | Credentials, host: str, port: int, *, heartbeat_port: int | None = None
+) -> uvicorn.Server:
+    """The API of ``controller`` on ``host:port`` (``token``: the operators', or every role's), its liveness
+    datagrams on any free port, and its heartbeat process on ``heartbeat_port`` (None: none); returns once it
     listens. Set ``should_exit`` on the answer to stop it."""
-    serving = Serving(ServeConfig(host=host, port=port, liveness_port=0), controller, token)
+    config = ServeConfig(host=host, port=port, liveness_port=0, heartbeat_port=heartbeat_port)
+    serving = Serving(config, controller, token)
     serving.start()
     return serving.server

@@ -5,7 +5,9 @@ certificate's Secret), and refuse the server without it."""
 from __future__ import annotations
 
 import datetime
+import http.client
 import ipaddress
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +26,10 @@ from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from opsd.protocol.heartbeat import encode
 from opsd.runtime.server import ServeConfig, Serving
 from tests.test_agent import step
+from tests.waiting import wait_for
 
 OPERATOR, AGENT = "tls-operator", "tls-agent"
 
@@ -71,6 +75,7 @@ def https(tmp_path: Path) -> Iterator[tuple[str, Path, Controller]]:
         host="127.0.0.1",
         port=free_port(),
         liveness_port=0,
+        heartbeat_port=0,
         state_dir=str(tmp_path / "state"),
         tls_certfile=str(pem(tmp_path / "tls.crt", leaf.public_bytes(encoding))),
         tls_keyfile=str(pem(tmp_path / "tls.key", key_pem)),
@@ -96,6 +101,24 @@ def test_agents_and_the_cli_speak_https_to_a_controller_whose_ca_they_trust(
     monkeypatch.setenv("SSL_CERT_FILE", str(ca))
     assert reporter.send_once(time.time())
     assert controller.store.run("r") is not None
+    # the heartbeat process speaks HTTPS too, with the same certificate: it answers the node once it is told of it
+    assert reporter.apart is not None
+    assert reporter.apart.https
+    body = encode(reporter.heartbeat(time.time()))
+    context = ssl.create_default_context(cafile=str(ca))
+
+    def answered_apart() -> bool:
+        assert reporter.apart is not None
+        conn = http.client.HTTPSConnection("localhost", reporter.apart.port, timeout=10, context=context)
+        try:
+            conn.request("POST", "/v1/heartbeat", body=body, headers={"Authorization": f"Bearer {AGENT}"})
+            response = conn.getresponse()
+            response.read()
+            return response.status == 200  # else 421 until told
+        finally:
+            conn.close()
+
+    wait_for("a heartbeat answered over HTTPS by the heartbeat process", answered_apart, 10)
     cli = CliRunner().invoke(app, ["runs", "--json", "--url", url, "--token", OPERATOR], env={"SSL_CERT_FILE": str(ca)})
     assert cli.exit_code == 0, cli.output
     assert '"id": "r"' in cli.stdout  # the run of the step the agent's heartbeat carried

@@ -108,6 +108,7 @@ def test_controller_statefulset(default: list[Obj]) -> None:
     assert c["ports"] == [
         {"name": "http", "containerPort": 8470, "protocol": "TCP"},
         {"name": "liveness", "containerPort": 8470, "protocol": "UDP"},  # the agents' liveness datagrams
+        {"name": "heartbeats", "containerPort": 8471, "protocol": "TCP"},  # the heartbeat process
     ]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
@@ -141,6 +142,7 @@ def test_controller_service_and_disruption_budget(default: list[Obj]) -> None:
     assert service["spec"]["ports"] == [
         {"name": "http", "port": 8470, "targetPort": "http", "protocol": "TCP"},
         {"name": "liveness", "port": 8470, "targetPort": "liveness", "protocol": "UDP"},  # the port replies name
+        {"name": "heartbeats", "port": 8471, "targetPort": "heartbeats", "protocol": "TCP"},  # the one they name too
     ]
     pod_labels = one(default, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     selector = dict(service["spec"]["selector"])
@@ -164,6 +166,7 @@ def test_settings_file(default: list[Obj]) -> None:
             "host": "0.0.0.0",
             "port": 8470,
             "liveness_port": 8470,
+            "heartbeat_port": 8471,
             "tick_interval_s": 0.5,
             "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
             "kubernetes": {
@@ -349,7 +352,11 @@ def test_credentials_refusals(helm: Helm, args: list[str], message: str) -> None
 def test_network_policies_let_in_what_the_pods_serve(default: list[Obj], renders: dict[Combo, list[Obj]]) -> None:
     controller = one(default, "NetworkPolicy", "opsd-controller")["spec"]
     (api,) = controller["ingress"]
-    assert api["ports"] == [{"port": "http", "protocol": "TCP"}, {"port": "liveness", "protocol": "UDP"}]
+    assert api["ports"] == [
+        {"port": "http", "protocol": "TCP"},
+        {"port": "liveness", "protocol": "UDP"},
+        {"port": "heartbeats", "protocol": "TCP"},
+    ]
     assert api["from"] == [
         {"podSelector": {}},  # the release namespace: agents, helm test, the other replica
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},  # Prometheus

@@ -20,7 +20,8 @@ import msgspec
 import pytest
 
 from opsd.api.liveness import LivenessIngest
-from opsd.api.liveness_worker import DRAIN_MAX, Batch, Checker, Frames, WorkerConfig, encode_frame
+from opsd.api.liveness_worker import DRAIN_MAX, Batch, Checker, WorkerConfig
+from opsd.api.pipes import Frames, encode_frame
 from opsd.backends.local.processes import free_port
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
@@ -65,10 +66,10 @@ def test_frames_cut_anywhere_come_out_whole() -> None:
     batches = [Batch([(f"node-{i}", i, 1.5 * i) for i in range(n)], {"mac": n}) for n in (0, 1, 300)]
     data = b"".join(encode_frame(b) for b in batches)
     for cut in (1, 3, 7, 1000, len(data)):
-        frames = Frames()
+        frames = Frames(Batch)
         out = [b for i in range(0, len(data), cut) for b in frames.feed(data[i : i + cut])]
         assert out == batches
-    frames, bad = Frames(), encode_frame(batches[0])[:4] + b"\xc1" * len(encode_frame(batches[0])[4:])
+    frames, bad = Frames(Batch), encode_frame(batches[0])[:4] + b"\xc1" * len(encode_frame(batches[0])[4:])
     with pytest.raises(msgspec.DecodeError):
         frames.feed(bad)
     assert frames.feed(encode_frame(batches[2])) == [batches[2]]  # the bad frame dropped, the next one whole

@@ -6,8 +6,9 @@ everything, readers the reads and ``/metrics``, agents their heartbeats and uplo
 OpenAPI document is a read too. Bad bodies get a 4xx with a message naming the field, and are counted
 (``opsd_controller_rejected_requests_total``).
 
-Heartbeats, which come at the nodes' rate, are taken by ``opsd.api.heartbeat`` in front of FastAPI's routing; the
-liveness datagrams, a second each, by ``opsd.api.liveness`` on the same event loop.
+Heartbeats, which come at the nodes' rate, are answered by a process of their own on a port of their own
+(``opsd.api.heartbeat_ingest``) once the replies name it, else by ``opsd.api.heartbeat`` in front of FastAPI's
+routing; the liveness datagrams, a second each, by a process of their own too (``opsd.api.liveness``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from opsd.analysis.flamegraph import fold, to_folded
 from opsd.api.auth import Credentials, Role, requirement
 from opsd.api.flight import flight_router
 from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
+from opsd.api.heartbeat_ingest import HeartbeatPort, close_heartbeats, open_heartbeats
 from opsd.api.liveness import close_liveness, open_liveness
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
@@ -75,20 +77,25 @@ def create_app(
     token: str | Credentials,
     clock: Callable[[], float] = time.time,
     liveness: tuple[str, int] | None = None,
+    heartbeats: HeartbeatPort | None = None,
 ) -> FastAPI:
     """The API; ``token``: the operators' token alone (every role's work), or every role's ``Credentials``;
     ``liveness``: the UDP address (host, port; 0: any free port) where it takes the agents' liveness datagrams while
-    it serves (``opsd.api.liveness``), None: none."""
+    it serves (``opsd.api.liveness``), None: none; ``heartbeats``: where a process of its own answers heartbeats
+    (``opsd.api.heartbeat_ingest``), None: the API alone."""
     credentials = token if isinstance(token, Credentials) else Credentials(operator=token)
     stats = ApiStats()
     writer = HeartbeatWriter(controller, clock)
+    heard: set[str] = set()  # nodes whose heartbeat was taken since the heartbeat process was last told of them
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ingest = await open_liveness(controller, credentials, stats, *liveness) if liveness else None
+        apart = await open_heartbeats(controller, credentials, stats, writer, heard, heartbeats) if heartbeats else None
         try:
             yield
         finally:
+            close_heartbeats(controller, apart)
             close_liveness(controller, ingest)
             writer.close()
 
@@ -110,6 +117,7 @@ def create_app(
         reject=stats.reject,
         clock=clock,
         writer=writer,
+        touched=heard,
     )
 
     def allow(*roles: Role) -> Any:

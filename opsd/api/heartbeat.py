@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
 
-import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from opsd.api.auth import Credentials, Role, check
+from opsd.api.asgi import read_body, refused, respond
+from opsd.api.auth import Credentials
 from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
@@ -34,7 +33,6 @@ from opsd.protocol.heartbeat import PATH, decode_heartbeat, json_schemas
 log = logging.getLogger(__name__)
 
 _REQUEST_SCHEMA, _REPLY_SCHEMA, SCHEMAS = json_schemas("#/components/schemas/{name}")
-AGENTS = frozenset({Role.AGENT})
 
 #: the endpoint in the OpenAPI document (FastAPI does not route it, so does not describe it)
 OPENAPI_PATH = {
@@ -66,6 +64,7 @@ class HeartbeatEndpoint:
         reject: Callable[[str], None],
         clock: Callable[[], float],
         writer: HeartbeatWriter,
+        touched: set[str],
     ) -> None:
         self.app = app
         self.controller = controller
@@ -73,6 +72,7 @@ class HeartbeatEndpoint:
         self.reject = reject  # counts a refused request by reason
         self.clock = clock
         self.writer = writer  # the heartbeats that may write: on its thread
+        self.touched = touched  # the nodes heard from, whose record the heartbeat process is told (if there is one)
         self.retry: asyncio.TimerHandle | None = None  # what the event loop left for later, taken then if not before
 
     def _drain(self) -> None:
@@ -85,31 +85,20 @@ class HeartbeatEndpoint:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
-            await _answer(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+            await respond(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
             return
-        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-        refused = check(self.credentials, authorization, AGENTS)
-        if refused is not None:
-            self.reject(refused)
-            if refused == "auth":
-                detail = {"detail": "a valid bearer token is required"}
-                await _answer(send, 401, detail, [(b"www-authenticate", b"Bearer")])
-            else:
-                await _answer(send, 403, {"detail": "this token's role may not send heartbeats (it takes: agent)"})
+        reason = await refused(self.credentials, scope["headers"], send)
+        if reason is not None:
+            self.reject(reason)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the agent gave up: it sends the heartbeat again
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        data = await read_body(receive)
+        if data is None:
+            return  # the agent gave up: it sends the heartbeat again
         try:
-            body = decode_heartbeat(b"".join(chunks))
+            body = decode_heartbeat(data)
         except BodyError as exc:
             self.reject("validation")
-            await _answer(send, 422, {"detail": str(exc)[:2000]})
+            await respond(send, 422, {"detail": str(exc)[:2000]})
             return
         try:
             if self.controller.heartbeat_writes(body):
@@ -120,13 +109,7 @@ class HeartbeatEndpoint:
             if self.controller.deferred and self.retry is None:  # left for the lock's next holder: or for us
                 self.retry = asyncio.get_running_loop().call_later(RETRY_S, self._drain)
         except TransientError as exc:
-            await _answer(send, 503, {"detail": str(exc)}, [(b"retry-after", str(int(exc.retry_after_s)).encode())])
+            await respond(send, 503, {"detail": str(exc)}, [(b"retry-after", str(int(exc.retry_after_s)).encode())])
             return
-        await _answer(send, 200, reply)
-
-
-async def _answer(send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    data = msgspec.json.encode(payload)
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": data})
+        self.touched.add(body.node)
+        await respond(send, 200, reply)

@@ -15,20 +15,17 @@ agents send their liveness over HTTP.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import socket
 import subprocess
-import sys
 from collections import deque
-from pathlib import Path
 
 import msgspec
 
-import opsd
+from opsd.api import pipes
 from opsd.api.auth import Credentials
-from opsd.api.liveness_worker import Batch, Frames, WorkerConfig
+from opsd.api.liveness_worker import Batch, WorkerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
 from opsd.protocol.liveness import liveness_key
@@ -37,14 +34,8 @@ log = logging.getLogger(__name__)
 
 #: room for ~10,000 datagrams queued while the worker is busy (the kernel caps it at net.core.rmem_max)
 RECEIVE_BUFFER_BYTES = 4 << 20
-#: the pipe's room for batches: ~4 s of 12,288 datagrams a second while the API's loop is held up
-PIPE_BYTES = 1 << 20
 STOP_WAIT_S = 5.0
 RETRY_S = 0.002  # batches left while the controller's lock was held elsewhere: tried again this much later
-#: the worker's ``main``, found where this process found opsd (after the interpreter's own path: nothing shadowed)
-_RUN_WORKER = (
-    "import sys; sys.path.append(sys.argv.pop(1)); from opsd.api.liveness_worker import main; sys.exit(main())"
-)
 
 
 class LivenessIngest:
@@ -58,7 +49,7 @@ class LivenessIngest:
         self.stats = stats
         self.worker = worker
         self.fd = fd  # the pipe's reading end
-        self.frames = Frames()
+        self.frames = pipes.Frames(Batch)
         self.closing = False
         self.waiting: deque[Batch] = deque()  # read while the controller's lock was held elsewhere, in order
         self.retry: asyncio.TimerHandle | None = None
@@ -66,7 +57,7 @@ class LivenessIngest:
 
     def readable(self) -> None:
         try:
-            data = os.read(self.fd, PIPE_BYTES)
+            data = os.read(self.fd, pipes.PIPE_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -134,24 +125,14 @@ class LivenessIngest:
 
 def start_worker(sock: socket.socket, config: WorkerConfig) -> tuple[subprocess.Popen[bytes], int]:
     """``opsd.api.liveness_worker`` on ``sock``; (the process, the reading end of its batches' pipe)."""
-    read_fd, write_fd = os.pipe()
+    read_fd, write_fd = pipes.pipe()
     try:
-        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    except OSError as exc:  # capped by /proc/sys/fs/pipe-max-size: the default 64 KiB then
-        log.debug("the liveness pipe's size: %s", exc)
-    source = str(Path(opsd.__file__).resolve().parents[1])  # this opsd: last on the path, where nothing else has it
-    command = [sys.executable, "-c", _RUN_WORKER, source, "--socket-fd", str(sock.fileno())]
-    command += ["--out-fd", str(write_fd), "--parent-pid", str(os.getpid())]
-    try:
-        worker = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(sock.fileno(), write_fd))
+        worker = pipes.start("opsd.api.liveness_worker", {"socket": sock.fileno(), "out": write_fd}, config)
     except OSError:
         os.close(read_fd)
         raise
     finally:
         os.close(write_fd)
-    assert worker.stdin is not None
-    with worker.stdin:
-        worker.stdin.write(msgspec.msgpack.encode(config))
     os.set_blocking(read_fd, False)
     return worker, read_fd
 

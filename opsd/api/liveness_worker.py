@@ -11,8 +11,8 @@ thread and the collector: acknowledgements came back after up to 2 s (docs/contr
 runs, and the API's process takes 20 frames a second instead of 12,288 datagrams.
 
 It ends when its parent does (the pipe is closed, or its parent process changes) or on SIGTERM. Started with the
-socket and the pipe as inherited file descriptors, and its settings (``WorkerConfig``, msgpack) on standard input, so
-that no key is on a command line.
+socket and the pipe as inherited file descriptors, and its settings (``WorkerConfig``) on standard input
+(``opsd.api.pipes``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 from collections import Counter
@@ -32,11 +31,11 @@ from collections.abc import Sequence
 
 import msgspec
 
+from opsd.api.pipes import encode_frame
 from opsd.protocol.liveness import MAX_DATAGRAM_BYTES, LivenessError, Signer, decode_alive, encode_ack
 
 log = logging.getLogger(__name__)
 
-FRAME = struct.Struct("!I")  # each frame on the pipe: its length, then a ``Batch`` in msgpack
 DRAIN_MAX = 1024  # datagrams taken at most before the flush is looked at again
 
 
@@ -49,32 +48,6 @@ class WorkerConfig(msgspec.Struct, frozen=True):
 class Batch(msgspec.Struct, array_like=True):
     taken: list[tuple[str, int, float]]  # (node, seq, unix seconds when taken), in the order taken
     refused: dict[str, int]  # reason -> datagrams refused since the last batch
-
-
-def encode_frame(batch: Batch) -> bytes:
-    data = msgspec.msgpack.encode(batch)
-    return FRAME.pack(len(data)) + data
-
-
-class Frames:
-    """The API's side of the pipe: bytes in as they come, whole batches out."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._decoder = msgspec.msgpack.Decoder(Batch)
-
-    def feed(self, data: bytes) -> list[Batch]:
-        self._buffer += data
-        batches = []
-        while len(self._buffer) >= FRAME.size:
-            (size,) = FRAME.unpack_from(self._buffer)
-            end = FRAME.size + size
-            if len(self._buffer) < end:
-                break
-            frame = bytes(self._buffer[FRAME.size : end])
-            del self._buffer[:end]
-            batches.append(self._decoder.decode(frame))  # a frame that does not decode is dropped, and raises
-        return batches
 
 
 class Checker:

@@ -35,12 +35,13 @@ def fresh_workdir(path: str) -> Path:
 def serve_config(
     workdir: Path, *, flight_wait_s: float = ControllerConfig.flight_wait_s, **detection: float
 ) -> ServeConfig:
-    """A controller on a free port (its liveness datagrams too), its state in the workdir, a detection pass every
-    0.25 s with the floors given in ``detection`` (``DetectionConfig``'s fields)."""
+    """A controller on a free port (its liveness datagrams and its heartbeat process too), its state in the
+    workdir, a detection pass every 0.25 s with the floors given in ``detection`` (``DetectionConfig``'s fields)."""
     controller = ControllerConfig(detection=DetectionConfig(**detection), flight_wait_s=flight_wait_s)
     return ServeConfig(
         port=free_port(),
         liveness_port=0,
+        heartbeat_port=0,
         state_dir=str(workdir / "state"),
         tick_interval_s=0.25,
         controller=controller,

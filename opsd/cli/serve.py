@@ -155,8 +155,13 @@ def serve(
 
 
 #: ``opsd run``'s defaults where they differ from ``opsd serve``'s: local ranks step in seconds, and the liveness
-#: datagrams of its local agents go to any free port (runs side by side on one machine)
-RUN_DEFAULTS = {"detection.heartbeat_floor_s": 3.0, "detection.hang_floor_s": 6.0, "liveness_port": 0}
+#: datagrams and the heartbeat process of its local agents take any free port (runs side by side on one machine)
+RUN_DEFAULTS = {
+    "detection.heartbeat_floor_s": 3.0,
+    "detection.hang_floor_s": 6.0,
+    "liveness_port": 0,
+    "heartbeat_port": 0,
+}
 
 
 def run(

@@ -85,6 +85,7 @@ class ControllerCore:
         self.heartbeats_total = 0
         self.datagrams_total = 0  # liveness datagrams taken
         self.liveness_port: int | None = None  # where the API takes liveness datagrams (None: it does not)
+        self.heartbeat_port: int | None = None  # where the API's heartbeat process answers heartbeats (None: none)
         self.telemetry = TelemetryPlan(self.config.telemetry.min_interval_s, self.config.sample_slot_s, "at start")
         self.telemetry_due_s = -math.inf  # when the interval is planned again
         self.telemetry_nodes = 1  # the nodes known when it was last planned

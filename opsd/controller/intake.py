@@ -68,7 +68,24 @@ class Intake(Liveness):
             policy=policy or None,
             telemetry_interval_s=interval_s,
             liveness_port=self.liveness_port,
+            heartbeat_port=self.heartbeat_port,
         )
+
+    def take_many(self, bodies: Sequence[tuple[Heartbeat, float]], *, wait: bool = True) -> bool:
+        """Heartbeats answered by the API's heartbeat process (``opsd.api.heartbeat_worker``), each ``(body, when it
+        was taken)``, taken under one hold of the lock. None of them writes to the store (the caller sent those that
+        would to ``heartbeat``): that process answers a known node of known runs without GPU events only.
+        ``wait=False`` (the API's event loop): False, and nothing taken, when the lock is held elsewhere."""
+        rows = [(body, now_s, self.store.node(body.node)) for body, now_s in bodies]  # the store without the lock
+        if not self.lock.acquire(blocking=wait):
+            return False
+        try:
+            self.drain()
+            for body, now_s, known in rows:
+                self._take(body, int(known.events_acked) if known else 0, known.run if known else None, now_s)
+        finally:
+            self.lock.release()
+        return True
 
     def _take(
         self, body: Heartbeat, acked: int, run_of_node: str | None, now_s: float
@@ -116,6 +133,7 @@ class Intake(Liveness):
             policy=policy or None,
             telemetry_interval_s=self.telemetry.interval_s,
             liveness_port=self.liveness_port,
+            heartbeat_port=self.heartbeat_port,
         )
 
     def register(self, bodies: Sequence[Heartbeat], now_s: float) -> None:
@@ -141,6 +159,16 @@ class Intake(Liveness):
         if known is None or known.run is None or body.events:
             return True
         return any(r.run not in self.known_runs for r in body.ranks)
+
+    def policies(self) -> dict[str, dict[str, Any]]:
+        """The policy of each run in memory (for the API's heartbeat process): made now if the lock is free at once,
+        else as the run's last heartbeat was told (the API's event loop never waits for the lock)."""
+        if not self.lock.acquire(blocking=False):
+            return {run: m.policy for run, m in list(self.memory.items()) if m.policy is not None}
+        try:
+            return {run: self._policy(run) for run in list(self.memory)}
+        finally:
+            self.lock.release()
 
     def _policy(self, run: str) -> dict[str, Any]:
         """The policy for the ranks of ``run`` (docs/protocol.md); called with the lock held."""

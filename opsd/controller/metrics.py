@@ -23,15 +23,18 @@ DATAGRAM_REASONS = ("malformed", "version", "mac", "replay", "skew")
 
 
 class ApiStats:
-    """Requests the API refused, by reason, and liveness datagrams refused, by reason."""
+    """Requests the API refused, by reason, liveness datagrams refused, by reason, and what its heartbeat process
+    answered."""
 
     def __init__(self) -> None:
         self.rejected: dict[str, int] = {}
         self.requests = 0
         self.datagrams_refused: dict[str, int] = {}
+        self.heartbeats_apart = 0  # answered by the API's heartbeat process (opsd.api.heartbeat_worker)
+        self.heartbeats_sent_to_api = 0  # that process's 421s: heartbeats only the API answers
 
-    def reject(self, reason: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+    def reject(self, reason: str, count: int = 1) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + count
 
     def refuse_datagram(self, reason: str, count: int = 1) -> None:
         self.datagrams_refused[reason] = self.datagrams_refused.get(reason, 0) + count
@@ -195,6 +198,16 @@ class ControllerCollector(Collector):
             "opsd_controller_deferred",
             "Heartbeats (and first contacts) the API's event loop left to the controller lock's next holder.",
             value=controller.deferred_total,
+        )
+        yield CounterMetricFamily(
+            "opsd_controller_heartbeats_apart",
+            "Heartbeats answered by the API's heartbeat process (counted in opsd_controller_heartbeats_total too).",
+            value=self.stats.heartbeats_apart,
+        )
+        yield CounterMetricFamily(
+            "opsd_controller_heartbeats_sent_to_api",
+            "Heartbeats the API's heartbeat process sent to the API (421): a new node or run, GPU events.",
+            value=self.stats.heartbeats_sent_to_api,
         )
         yield from liveness_metrics(controller, self.stats, now)
         rejected = CounterMetricFamily(

@@ -18,6 +18,9 @@ from opsd.errors import BodyError
 
 VERSION: Literal[1] = 1
 PATH = "/v1/heartbeat"
+#: the heartbeat process's answer to a heartbeat only the API answers (its node or a run of it new, GPU events):
+#: send it to the API's URL (421 Misdirected Request)
+SEND_TO_API = 421
 
 # ``$`` alone would let a trailing newline through (Python's re.search)
 Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$(?!\n)")]
@@ -126,14 +129,16 @@ class Heartbeat(Struct, kw_only=True):
 
 class HeartbeatReply(Struct, kw_only=True):
     """The controller's answer: GPU events handled up to ``ack_events_up_to``, the policy for the node's ranks
-    (docs/protocol.md, "Policy") when it has one, how often to send the ranks, and where liveness datagrams go
-    (``opsd.protocol.liveness``; None: send liveness over HTTP). A controller older than the last two says neither:
-    its agents send everything every interval."""
+    (docs/protocol.md, "Policy") when it has one, how often to send the ranks, where liveness datagrams go
+    (``opsd.protocol.liveness``; None: send liveness over HTTP), and the port of the controller's host whose process
+    answers heartbeats (same scheme, path and token as the API; None: send them to the API). A controller older
+    than the last two says neither interval nor port: its agents send everything every interval."""
 
     ack_events_up_to: int
     policy: dict[str, Any] | None = None
     telemetry_interval_s: Annotated[float, Meta(gt=0)] | None = None
     liveness_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    heartbeat_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
 
 _DECODER = msgspec.json.Decoder(Heartbeat)

@@ -3,7 +3,6 @@ one way to serve them (``Serving``: the API on uvicorn beside the controller's w
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import secrets
@@ -18,6 +17,8 @@ import uvicorn
 
 from opsd.api.app import create_app
 from opsd.api.auth import Credentials
+from opsd.api.heartbeat_ingest import HeartbeatPort
+from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 #: kernel caps it at net.core.somaxconn (4096 on most)
 BACKLOG = 16384
 SWITCH_INTERVAL_S = 0.001
+#: the niceness of the controller's work (the detection pass, its scoring): what answers agents (the API's event loop,
+#: its liveness and heartbeat processes) gets a core first when the machine is short of them
+LEAD_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class ServeConfig:
     tls_keyfile: str = ""
     tick_interval_s: float = 0.5  # between two detection passes
     liveness_port: int | None = 8470  # UDP, the agents' liveness datagrams (0: any free port; None: none)
+    heartbeat_port: int | None = 8471  # TCP, the heartbeats' own process (0: any free port; None: the API alone)
     keep_alive_s: float = 30.0  # an idle keep-alive connection (an agent's, between heartbeats) is closed after this
     controller: ControllerConfig = field(default_factory=ControllerConfig, metadata={"inline": True})
 
@@ -59,6 +64,10 @@ class ServeConfig:
             raise ValueError("controller.port must be in 0..65535")
         if self.liveness_port is not None and not 0 <= self.liveness_port <= 65535:
             raise ValueError("controller.liveness_port must be in 0..65535")
+        if self.heartbeat_port is not None and not 0 <= self.heartbeat_port <= 65535:
+            raise ValueError("controller.heartbeat_port must be in 0..65535")
+        if self.heartbeat_port and self.heartbeat_port == self.port:
+            raise ValueError("controller.heartbeat_port must differ from controller.port")
         if self.keep_alive_s <= self.controller.telemetry.max_interval_s:
             raise ValueError("controller.keep_alive_s must be > controller.telemetry.max_interval_s")
         if self.tick_interval_s <= 0:
@@ -102,31 +111,18 @@ def build(config: ServeConfig) -> tuple[Controller, Credentials]:
 
 
 def tune_interpreter() -> None:
-    """For a process whose event loop takes thousands of heartbeats a second beside a detection thread, and holds
-    hundreds of thousands of long-lived objects (the live records of 24,576 ranks):
-
-    - the young generations are collected on a schedule (``collect_young``): each request leaves objects that live
-      until the next request on its keep-alive connection, and as each of those is freed the collector counts one
-      allocation less, so left to itself it puts its young collections off until they hold ~45,000 objects
-      (25-35 ms pauses);
-    - a full collection waits for 10,000 collections of the middle generation rather than 10: every several
-      minutes at 3,000 requests a second, not every 2 to 3 seconds (each takes ~150 ms over the long-lived objects
-      at that scale; the controller's records hold no reference cycles, they are freed as they go);
-    - what is built at start (modules, the app) is moved out of the collector's way (``gc.freeze``);
-    - a thread waiting for the interpreter lock gets it within 1 ms rather than 5 ms (``sys.setswitchinterval``):
-      the event loop gives the lock up at every socket call, and while the detection thread computes, each time it
-      wants it back it waited up to 5 ms (a heartbeat or a datagram held up that long, many times over)."""
+    """For a process whose event loop takes thousands of heartbeats a second beside a detection thread: the collector
+    tuned (``opsd.api.interpreter``), and a thread waiting for the interpreter lock gets it within 1 ms rather than
+    5 ms (``sys.setswitchinterval``): the event loop gives the lock up at every socket call, and while the detection
+    thread computes, each time it wants it back it waited up to 5 ms (a heartbeat or a datagram held up that long,
+    many times over)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, 10_000)
-    gc.collect()
-    gc.freeze()
+    tune_collector()
 
 
-def collect_young(interval_s: float, stop: threading.Event) -> None:
-    """Collect the two young generations every ``interval_s``: pauses of a few milliseconds."""
+def collect_young_every(interval_s: float, stop: threading.Event) -> None:
     while not stop.wait(interval_s):
-        gc.collect(1)
+        collect_young()
 
 
 Lead = Callable[[threading.Event], None]
@@ -155,9 +151,14 @@ class Serving:
         self.lead = lead or (lambda stop: controller.tick_every(config.tick_interval_s, stop))
         self.describe = describe
         liveness = (config.host, config.liveness_port) if config.liveness_port is not None else None
+        heartbeats = None
+        if config.heartbeat_port is not None:
+            heartbeats = HeartbeatPort(
+                config.host, config.heartbeat_port, config.keep_alive_s, config.tls_certfile, config.tls_keyfile
+            )
         self.server = uvicorn.Server(
             uvicorn.Config(
-                create_app(controller, credentials, liveness=liveness),
+                create_app(controller, credentials, liveness=liveness, heartbeats=heartbeats),
                 host=config.host,
                 port=config.port,
                 log_level="warning",
@@ -176,10 +177,19 @@ class Serving:
 
     def begin(self) -> None:
         """Start the controller's work (``lead``) and the collector's schedule."""
-        threading.Thread(target=self.lead, args=(self.stop,), name="opsd-controller", daemon=True).start()
+        threading.Thread(target=self._lead, name="opsd-controller", daemon=True).start()
         tune_interpreter()
-        threading.Thread(target=collect_young, args=(0.1, self.stop), name="gc", daemon=True).start()
+        threading.Thread(target=collect_young_every, args=(YOUNG_EVERY_S, self.stop), name="gc", daemon=True).start()
         log.info("opsd controller on %s%s (OpenAPI at /openapi.json)", self.url, self.describe)
+
+    def _lead(self) -> None:
+        """The controller's work, behind the threads and processes that answer agents on a busy machine
+        (``LEAD_NICE``)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LEAD_NICE)  # Linux: this thread alone
+        except OSError as exc:
+            log.debug("the controller's thread keeps its priority: %s", exc)
+        self.lead(self.stop)
 
     def run(self) -> None:
         """Serve until the server stops (a signal); then close."""

@@ -339,6 +339,7 @@ render runs them once.
   "host" "0.0.0.0"
   "port" 8470
   "liveness_port" 8470
+  "heartbeat_port" 8471
   "kubernetes" (dict
     "namespace" .Release.Namespace
     "node_selector" (include "opsd.gpuNodeSelector" .)

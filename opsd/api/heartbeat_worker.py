@@ -1,0 +1,280 @@
+"""The heartbeats' process: ``opsd.api.heartbeat_worker``, started by the API (``opsd.api.heartbeat_ingest``).
+
+It serves ``POST /v1/heartbeat`` on a TCP port of its own (the replies name it: ``heartbeat_port``), with the API's
+scheme (HTTPS when the API has a certificate), tokens and answers: 401 or 403 for a token that may not send
+heartbeats, 422 naming the field for a body that does not fit, both counted. A heartbeat it can answer as the API
+would (``Mirror.answer``: a known node of its run, no GPU events) is answered at once, from what the API's process last
+told it (``View``: each node's run and acknowledged events, each run's policy, the interval, the ports), and handed to
+that process in batches, every ``flush_s`` (50 ms), on a pipe. Any other heartbeat (a new node or run, GPU events, a
+run not yet told a policy) is answered ``421``: the agent sends it to the API's URL, whose reply is the one that
+writes.
+
+Why a process: at 12,288 nodes the API's process also runs the detection pass, the scoring of ~100,000 ranks and the
+collector, on the same interpreter lock as its event loop; the heartbeats' p99 was set by the few stretches in which
+the loop waited for it (docs/controller.md, "Scale"). Here nothing else runs.
+
+It ends when its parent does (its pipe closes, or its parent process changes) or on SIGTERM. Started with the
+listening socket and the pipes as inherited file descriptors, and its settings (``WorkerConfig``) on standard input
+(``opsd.api.pipes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import uvicorn
+import uvloop
+from starlette.types import Receive, Scope, Send
+
+from opsd.api.asgi import read_body, refused, respond
+from opsd.api.auth import Credentials
+from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
+from opsd.api.pipes import PIPE_BYTES, Frames, encode_frame
+from opsd.errors import BodyError
+from opsd.protocol.heartbeat import PATH, SEND_TO_API, Heartbeat, HeartbeatReply, decode_heartbeat
+
+log = logging.getLogger(__name__)
+
+NodeView = tuple[str, int]  # (its run, the newest of its GPU events acknowledged)
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    operator: str  # the roles' tokens (``opsd.api.auth.Credentials``)
+    reader: str = ""
+    agent: str = ""
+    metrics: str = ""
+    keep_alive_s: float = 30.0
+    tls_certfile: str = ""
+    tls_keyfile: str = ""
+    flush_s: float = 0.05  # a batch at least this often while heartbeats come
+
+
+class View(msgspec.Struct, array_like=True):
+    """What the API's process tells its heartbeat process, as it changes (the ``View``s applied in order are the
+    whole)."""
+
+    interval_s: float | None  # the interval to send the ranks at
+    liveness_port: int | None
+    heartbeat_port: int | None
+    policies: dict[str, dict[str, Any]]  # run -> the policy for its ranks, for the runs whose policy changed
+    runs_gone: list[str]  # runs no longer told a policy
+    nodes: dict[str, NodeView]  # the nodes whose record changed
+    nodes_gone: list[str]  # nodes that only the API answers from now on
+
+
+class Taken(msgspec.Struct, array_like=True):
+    """What the heartbeat process hands the API's, every ``flush_s``."""
+
+    bodies: list[tuple[bytes, float]]  # (a heartbeat answered, unix seconds when), in the order answered
+    refused: dict[str, int]  # reason (auth, forbidden, validation) -> requests refused since the last
+    sent_to_api: int  # heartbeats answered 421 since the last
+
+
+class Mirror:
+    """The heartbeat process's copy of what the API's told it, and the answer to a heartbeat from it."""
+
+    def __init__(self) -> None:
+        self.interval_s: float | None = None
+        self.liveness_port: int | None = None
+        self.heartbeat_port: int | None = None
+        self.policies: dict[str, dict[str, Any]] = {}
+        self.nodes: dict[str, NodeView] = {}
+
+    def apply(self, view: View) -> None:
+        self.interval_s, self.liveness_port, self.heartbeat_port = (
+            view.interval_s,
+            view.liveness_port,
+            view.heartbeat_port,
+        )
+        for run in view.runs_gone:
+            self.policies.pop(run, None)
+        self.policies.update(view.policies)
+        for node in view.nodes_gone:
+            self.nodes.pop(node, None)
+        self.nodes.update(view.nodes)
+
+    def answer(self, body: Heartbeat) -> HeartbeatReply | None:
+        """The API's reply to ``body``, or None when only the API can answer it: its node unknown here or not a member
+        of a run, a rank of another run (a new one, or the node moved), GPU events, its run not told a policy yet."""
+        if body.events or self.heartbeat_port is None:
+            return None
+        known = self.nodes.get(body.node)
+        if known is None:
+            return None
+        run, acked = known
+        if any(r.run != run for r in body.ranks):
+            return None
+        policy = self.policies.get(run)
+        if policy is None:
+            return None
+        return HeartbeatReply(
+            ack_events_up_to=acked,
+            policy=policy or None,
+            telemetry_interval_s=self.interval_s,
+            liveness_port=self.liveness_port,
+            heartbeat_port=self.heartbeat_port,
+        )
+
+
+class Answerer:
+    """The ASGI application: ``POST /v1/heartbeat``, answered from the ``Mirror``; what it took, for the next batch."""
+
+    def __init__(self, credentials: Credentials, mirror: Mirror, clock: Callable[[], float] = time.time) -> None:
+        self.credentials = credentials
+        self.mirror = mirror
+        self.clock = clock
+        self.taken: list[tuple[bytes, float]] = []
+        self.refused: Counter[str] = Counter()
+        self.sent_to_api = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != PATH:
+            await respond(send, 404, {"detail": "Not Found"})
+            return
+        if scope["method"] != "POST":
+            await respond(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+            return
+        reason = await refused(self.credentials, scope["headers"], send)
+        if reason is not None:
+            self.refused[reason] += 1
+            return
+        data = await read_body(receive)
+        if data is None:
+            return  # the agent gave up: it sends the heartbeat again
+        try:
+            body = decode_heartbeat(data)
+        except BodyError as exc:
+            self.refused["validation"] += 1
+            await respond(send, 422, {"detail": str(exc)[:2000]})
+            return
+        reply = self.mirror.answer(body)
+        if reply is None:
+            self.sent_to_api += 1
+            await respond(send, SEND_TO_API, {"detail": "send this heartbeat to the API"})
+            return
+        self.taken.append((data, self.clock()))
+        await respond(send, 200, reply)
+
+    def batch(self) -> Taken | None:
+        """What was taken and refused since the last batch (None: nothing)."""
+        if not (self.taken or self.refused or self.sent_to_api):
+            return None
+        batch = Taken(self.taken, dict(self.refused), self.sent_to_api)
+        self.taken, self.refused, self.sent_to_api = [], Counter(), 0
+        return batch
+
+
+class Link:
+    """The pipes to the API's process, on this process's event loop: the ``View``s read as they come, the batches
+    written every ``flush_s`` (buffered here while the API's process is not reading: this loop never waits for it)."""
+
+    def __init__(self, answerer: Answerer, server: uvicorn.Server, in_fd: int, parent_pid: int) -> None:
+        self.answerer = answerer
+        self.server = server
+        self.in_fd = in_fd
+        self.parent_pid = parent_pid
+        self.frames = Frames(View)
+        self.out: asyncio.WriteTransport | None = None
+
+    def readable(self) -> None:
+        try:
+            data = os.read(self.in_fd, PIPE_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self.end("the API's process closed its pipe")
+            return
+        for view in self.frames.feed(data):
+            self.answerer.mirror.apply(view)
+
+    def end(self, why: str) -> None:
+        log.info("heartbeat worker: %s; ending", why)
+        asyncio.get_running_loop().remove_reader(self.in_fd)
+        self.server.should_exit = True
+
+    async def flush(self, out_fd: int, flush_s: float) -> None:
+        """Every ``flush_s``: the batch written, and the collector's young generations collected every
+        ``YOUNG_EVERY_S`` (``opsd.api.interpreter``)."""
+        loop = asyncio.get_running_loop()
+        self.out, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(out_fd, "wb", buffering=0))
+        collected = loop.time()
+        while not self.server.should_exit:
+            await asyncio.sleep(flush_s)
+            if loop.time() - collected >= YOUNG_EVERY_S:
+                collect_young()
+                collected = loop.time()
+            if os.getppid() != self.parent_pid:
+                self.end("its parent is gone")
+            elif self.out.is_closing():
+                self.end("the API's process closed its pipe")
+            else:
+                batch = self.answerer.batch()
+                if batch is not None:
+                    self.out.write(encode_frame(batch))
+
+
+async def serve(sock: socket.socket, in_fd: int, out_fd: int, config: WorkerConfig, parent_pid: int) -> None:
+    credentials = Credentials(config.operator, config.reader, config.agent, config.metrics)
+    answerer = Answerer(credentials, Mirror())
+    server = uvicorn.Server(
+        uvicorn.Config(
+            answerer,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            http="httptools",
+            proxy_headers=False,  # nothing here reads the client's address
+            timeout_keep_alive=int(config.keep_alive_s),
+            ssl_certfile=config.tls_certfile or None,
+            ssl_keyfile=config.tls_keyfile or None,
+        )
+    )
+    link = Link(answerer, server, in_fd, parent_pid)
+    os.set_blocking(in_fd, False)
+    asyncio.get_running_loop().add_reader(in_fd, link.readable)
+    flushing = asyncio.create_task(link.flush(out_fd, config.flush_s))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        flushing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flushing
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="opsd.api.heartbeat_worker", description=__doc__.splitlines()[0])
+    p.add_argument("--socket-fd", type=int, required=True, help="the listening TCP socket, inherited")
+    p.add_argument("--in-fd", type=int, required=True, help="the reading end of the views' pipe, inherited")
+    p.add_argument("--out-fd", type=int, required=True, help="the writing end of the batches' pipe, inherited")
+    p.add_argument("--parent-pid", type=int, required=True, help="ends when its parent is no longer this one")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until uvicorn takes it over: it ends the same way
+    try:
+        config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=WorkerConfig)
+        Credentials(config.operator, config.reader, config.agent, config.metrics)
+    except (msgspec.DecodeError, ValueError) as exc:
+        log.error("heartbeat worker: its settings on standard input: %s", exc)
+        return 2
+    sock = socket.socket(fileno=args.socket_fd)
+    tune_collector()
+    uvloop.run(serve(sock, args.in_fd, args.out_fd, config, args.parent_pid))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
