@@ -9,6 +9,7 @@ import http.client
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -329,3 +330,22 @@ def test_the_controllers_work_runs_behind_what_answers_agents(tmp_path: Path) ->
     thread.join()
     assert niceness == [max(os.nice(0), LEAD_NICE)]  # the thread alone (a process already nicer keeps its own)
     assert os.nice(0) < LEAD_NICE  # this process, and the API's event loop in it, as they were
+
+
+def test_a_port_taken_leaves_the_heartbeats_to_the_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    port = free_port()
+    with caplog.at_level(logging.ERROR, logger="opsd.api.heartbeat_ingest"):
+        server = start_api(controller, CREDENTIALS, "127.0.0.1", port, heartbeat_port=taken.getsockname()[1])
+    try:
+        assert "no heartbeat process on tcp" in caplog.text
+        assert controller.heartbeat_port is None
+        answer = request(port, "POST", "/v1/heartbeat", "agent-token", encode(beat("n1")))
+        assert answer["heartbeat_port"] is None
+        assert answer["liveness_port"] == controller.liveness_port  # the rest as ever
+    finally:
+        server.should_exit = True
+        taken.close()
