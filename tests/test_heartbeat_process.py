@@ -222,7 +222,7 @@ def test_the_agent_moves_to_the_process_and_the_controller_takes_what_it_answere
         assert "n-new" not in controller.nodes  # sent back, not taken
 
         # the process killed: the replies stop naming its port, and the agent goes on with the API
-        with caplog.at_level(logging.ERROR, logger="opsd.api.heartbeat_ingest"):
+        with caplog.at_level(logging.ERROR, logger="opsd.api.pipes"):
             os.kill(pid, 9)
             wait_for("the API to see its process gone", lambda: controller.heartbeat_port is None, 10)
             assert reporter.send_once(time.time())

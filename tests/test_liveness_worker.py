@@ -118,7 +118,7 @@ def test_the_api_goes_on_without_a_worker_that_died(tmp_path: Path, caplog: pyte
         assert msgspec.convert(
             request(port, "POST", "/v1/heartbeat", "agent-token", beat), HeartbeatReply
         ).liveness_port
-        with caplog.at_level(logging.ERROR, logger="opsd.api.liveness"):
+        with caplog.at_level(logging.ERROR, logger="opsd.api.pipes"):
             os.kill(int(started.group(1)), 9)
             wait_for("the API to see its worker gone", lambda: controller.liveness_port is None, 10)
             reply = msgspec.convert(request(port, "POST", "/v1/heartbeat", "agent-token", beat), HeartbeatReply)
@@ -157,17 +157,17 @@ def test_a_worker_that_lingers_does_not_hold_the_event_loop_up(
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM), controller, ApiStats(), worker, read_fd
         )
         loop.add_reader(read_fd, ingest.readable)
-        while ingest.reaping is None:
+        while ingest.worker.reaping is None:
             await asyncio.sleep(0.01)
         for _ in range(20):  # the loop ticks on while the worker lingers
             await asyncio.sleep(0.01)
-        assert not ingest.reaping.done()
+        assert not ingest.worker.reaping.done()
         lingering.gone.set()
-        await ingest.reaping
+        await ingest.worker.reaping
         os.close(read_fd)
         ingest.sock.close()
 
-    with caplog.at_level(logging.ERROR, logger="opsd.api.liveness"):
+    with caplog.at_level(logging.ERROR, logger="opsd.api.pipes"):
         asyncio.run(asyncio.wait_for(main(), 30))
     assert controller.liveness_port is None
     assert "the liveness worker ended (exit status None)" in caplog.text

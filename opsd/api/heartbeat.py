@@ -22,13 +22,13 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from opsd.api.asgi import read_body, refused, respond
+from opsd.api.asgi import heartbeat_request, respond
 from opsd.api.auth import Credentials
 from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
-from opsd.errors import BodyError, TransientError
-from opsd.protocol.heartbeat import PATH, decode_heartbeat, json_schemas
+from opsd.errors import TransientError
+from opsd.protocol.heartbeat import PATH, json_schemas
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +84,10 @@ class HeartbeatEndpoint:
         if scope["type"] != "http" or scope["path"] != PATH:
             await self.app(scope, receive, send)
             return
-        if scope["method"] != "POST":
-            await respond(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+        taken = await heartbeat_request(scope, receive, send, self.credentials, self.reject)
+        if taken is None:
             return
-        reason = await refused(self.credentials, scope["headers"], send)
-        if reason is not None:
-            self.reject(reason)
-            return
-        data = await read_body(receive)
-        if data is None:
-            return  # the agent gave up: it sends the heartbeat again
-        try:
-            body = decode_heartbeat(data)
-        except BodyError as exc:
-            self.reject("validation")
-            await respond(send, 422, {"detail": str(exc)[:2000]})
-            return
+        body = taken[1]
         try:
             if self.controller.heartbeat_writes(body):
                 self.controller.contacted(body.node, self.clock())

@@ -24,12 +24,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from opsd.api import pipes
 from opsd.api.auth import Credentials
 from opsd.api.heartbeat_worker import NodeView, Taken, View, WorkerConfig
-from opsd.api.liveness import RETRY_S, STOP_WAIT_S
+from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
@@ -118,33 +116,20 @@ class HeartbeatIngest:
         self.stats = stats
         self.writer = writer
         self.heard = heard  # nodes heard from (here, or by the API's endpoint) since the last view
-        self.worker = worker
-        self.read_fd = read_fd
-        self.frames = pipes.Frames(Taken)
+        self.worker = pipes.WorkerProcess(
+            worker, read_fd, Taken, "the heartbeat process", "agents send their heartbeats to the API"
+        )
         self.told = Told()
         self.out: asyncio.WriteTransport | None = None
         self.waiting: list[tuple[Heartbeat, float]] = []  # read while the controller's lock was held, in order
         self.retry: asyncio.TimerHandle | None = None
         self.pushing: asyncio.TimerHandle | None = None
         self.writing: set[asyncio.Task[Any]] = set()
-        self.closing = False
-        self.reaping: asyncio.Task[None] | None = None
 
     def readable(self) -> None:
-        try:
-            data = os.read(self.read_fd, pipes.PIPE_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            log.error("reading the heartbeat process's batches: %s", exc)
-            data = b""
-        if not data:
-            self._ended()
-            return
-        try:
-            batches = self.frames.feed(data)
-        except msgspec.DecodeError as exc:  # never from the process of this version: a bug, said loudly
-            log.error("a heartbeat batch that does not decode: %s", exc)
+        batches = self.worker.read()
+        if batches is None:  # it ended: the replies stop naming the port
+            self.controller.heartbeat_port = None
             return
         for batch in batches:
             for reason, count in batch.refused.items():
@@ -193,36 +178,15 @@ class HeartbeatIngest:
             self.out.write(pipes.encode_frame(view))
         self.pushing = asyncio.get_running_loop().call_later(FLUSH_S, self.push)
 
-    def _ended(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.read_fd)
-        if not self.closing:
-            self.controller.heartbeat_port = None
-            self.reaping = asyncio.get_running_loop().create_task(self._reap())
-
-    async def _reap(self) -> None:
-        try:
-            status: int | None = await asyncio.to_thread(self.worker.wait, STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            status = None
-        log.error("the heartbeat process ended (exit status %s): agents send their heartbeats to the API", status)
-
     def close(self) -> None:
-        self.closing = True
         self.controller.heartbeat_port = None
         for handle in (self.retry, self.pushing):
             if handle is not None:
                 handle.cancel()
         self.take(wait=True)
-        asyncio.get_running_loop().remove_reader(self.read_fd)
         if self.out is not None:
             self.out.close()
-        self.worker.terminate()
-        try:
-            self.worker.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.worker.kill()
-            self.worker.wait()
-        os.close(self.read_fd)
+        self.worker.stop()
         self.sock.close()
 
 

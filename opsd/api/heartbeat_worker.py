@@ -38,12 +38,11 @@ import uvicorn
 import uvloop
 from starlette.types import Receive, Scope, Send
 
-from opsd.api.asgi import read_body, refused, respond
+from opsd.api.asgi import heartbeat_request, respond
 from opsd.api.auth import Credentials
 from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
 from opsd.api.pipes import PIPE_BYTES, Frames, encode_frame
-from opsd.errors import BodyError
-from opsd.protocol.heartbeat import PATH, SEND_TO_API, Heartbeat, HeartbeatReply, decode_heartbeat
+from opsd.protocol.heartbeat import PATH, SEND_TO_API, Heartbeat, HeartbeatReply
 
 log = logging.getLogger(__name__)
 
@@ -145,22 +144,10 @@ class Answerer:
         if scope["path"] != PATH:
             await respond(send, 404, {"detail": "Not Found"})
             return
-        if scope["method"] != "POST":
-            await respond(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+        taken = await heartbeat_request(scope, receive, send, self.credentials, self.refuse)
+        if taken is None:
             return
-        reason = await refused(self.credentials, scope["headers"], send)
-        if reason is not None:
-            self.refused[reason] += 1
-            return
-        data = await read_body(receive)
-        if data is None:
-            return  # the agent gave up: it sends the heartbeat again
-        try:
-            body = decode_heartbeat(data)
-        except BodyError as exc:
-            self.refused["validation"] += 1
-            await respond(send, 422, {"detail": str(exc)[:2000]})
-            return
+        data, body = taken
         reply = self.mirror.answer(body)
         if reply is None:
             self.sent_to_api += 1
@@ -168,6 +155,9 @@ class Answerer:
             return
         self.taken.append((data, self.clock()))
         await respond(send, 200, reply)
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
 
     def batch(self) -> Taken | None:
         """What was taken and refused since the last batch (None: nothing)."""

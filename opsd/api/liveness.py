@@ -21,8 +21,6 @@ import socket
 import subprocess
 from collections import deque
 
-import msgspec
-
 from opsd.api import pipes
 from opsd.api.auth import Credentials
 from opsd.api.liveness_worker import Batch, WorkerConfig
@@ -34,7 +32,6 @@ log = logging.getLogger(__name__)
 
 #: room for ~10,000 datagrams queued while the worker is busy (the kernel caps it at net.core.rmem_max)
 RECEIVE_BUFFER_BYTES = 4 << 20
-STOP_WAIT_S = 5.0
 RETRY_S = 0.002  # batches left while the controller's lock was held elsewhere: tried again this much later
 
 
@@ -47,29 +44,16 @@ class LivenessIngest:
         self.sock = sock
         self.controller = controller
         self.stats = stats
-        self.worker = worker
-        self.fd = fd  # the pipe's reading end
-        self.frames = pipes.Frames(Batch)
-        self.closing = False
+        self.worker = pipes.WorkerProcess(
+            worker, fd, Batch, "the liveness worker", "agents send their liveness over HTTP"
+        )
         self.waiting: deque[Batch] = deque()  # read while the controller's lock was held elsewhere, in order
         self.retry: asyncio.TimerHandle | None = None
-        self.reaping: asyncio.Task[None] | None = None  # the wait for a worker that ended on its own
 
     def readable(self) -> None:
-        try:
-            data = os.read(self.fd, pipes.PIPE_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            log.error("reading the liveness worker's batches: %s", exc)
-            data = b""
-        if not data:
-            self._ended()
-            return
-        try:
-            batches = self.frames.feed(data)
-        except msgspec.DecodeError as exc:  # never from the worker of this version: a bug, said loudly
-            log.error("a liveness batch that does not decode: %s", exc)
+        batches = self.worker.read()
+        if batches is None:  # it ended: the replies stop naming the port
+            self.controller.liveness_port = None
             return
         for batch in batches:
             for reason, count in batch.refused.items():
@@ -91,35 +75,12 @@ class LivenessIngest:
             if replays:
                 self.stats.refuse_datagram("replay", replays)
 
-    def _ended(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.fd)
-        if not self.closing:
-            self.controller.liveness_port = None
-            self.reaping = asyncio.get_running_loop().create_task(self._reap())
-
-    async def _reap(self) -> None:
-        """The worker closed its end: it is exiting. Its status, waited for on a thread (the event loop never
-        waits: a worker that lingers would have held every heartbeat up for ``STOP_WAIT_S``)."""
-        try:
-            status: int | None = await asyncio.to_thread(self.worker.wait, STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            status = None
-        log.error("the liveness worker ended (exit status %s): agents send their liveness over HTTP", status)
-
     def close(self) -> None:
-        self.closing = True
         if self.retry is not None:
             self.retry.cancel()
         self.take(wait=True)
         self.controller.liveness_port = None
-        asyncio.get_running_loop().remove_reader(self.fd)
-        self.worker.terminate()
-        try:
-            self.worker.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.worker.kill()
-            self.worker.wait()
-        os.close(self.fd)
+        self.worker.stop()
         self.sock.close()
 
 

@@ -1,5 +1,6 @@
 """What the API's process shares with the worker processes it starts (``opsd.api.liveness_worker``,
-``opsd.api.heartbeat_worker``): messages framed on a pipe, and the start of a worker.
+``opsd.api.heartbeat_worker``): messages framed on a pipe, the start of a worker, and a worker seen from the API's
+event loop (``WorkerProcess``).
 
 A frame is the message's length (4 bytes, big-endian), then the message in msgpack. A worker is started with its
 sockets and pipes as inherited file descriptors and its settings (msgpack) on standard input, so that no key is on
@@ -8,6 +9,7 @@ a command line, with this opsd found last on its path (after the interpreter's o
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct("!I")
 #: a pipe's room: ~4 s of 12,288 liveness datagrams a second, or ~1 s of the heartbeats of 12,288 nodes
 PIPE_BYTES = 1 << 20
+STOP_WAIT_S = 5.0
 _RUN_WORKER = (
     "import importlib, sys; sys.path.append(sys.argv.pop(1)); sys.exit(importlib.import_module(sys.argv.pop(1)).main())"
 )
@@ -83,3 +86,58 @@ def start(module: str, fds: dict[str, int], settings: msgspec.Struct) -> subproc
     with worker.stdin:
         worker.stdin.write(msgspec.msgpack.encode(settings))
     return worker
+
+
+class WorkerProcess(Generic[M]):
+    """A worker process seen from the API's event loop: its messages read off its pipe as they come, its end noticed
+    and its exit status waited for on a thread (the event loop never waits: a worker that lingered would hold every
+    request up for ``STOP_WAIT_S``), and its stop."""
+
+    def __init__(self, process: subprocess.Popen[bytes], fd: int, kind: type[M], what: str, without: str) -> None:
+        self.process = process
+        self.fd = fd  # the reading end of its pipe
+        self.frames = Frames(kind)
+        self.what = what  # "the liveness worker", for the logs
+        self.without = without  # what agents do without it, for the log of its end
+        self.closing = False
+        self.reaping: asyncio.Task[None] | None = None
+
+    def read(self) -> list[M] | None:
+        """The messages the pipe completes now; None when the worker has ended on its own (its end of the pipe
+        closed): its status is then waited for and logged."""
+        try:
+            data = os.read(self.fd, PIPE_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as exc:
+            log.error("reading what %s sends: %s", self.what, exc)
+            data = b""
+        if not data:
+            asyncio.get_running_loop().remove_reader(self.fd)
+            if not self.closing:
+                self.reaping = asyncio.get_running_loop().create_task(self._reap())
+            return None
+        try:
+            return self.frames.feed(data)
+        except msgspec.DecodeError as exc:  # never from the worker of this version: a bug, said loudly
+            log.error("%s sent a frame that does not decode: %s", self.what, exc)
+            return []
+
+    async def _reap(self) -> None:
+        try:
+            status: int | None = await asyncio.to_thread(self.process.wait, STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            status = None
+        log.error("%s ended (exit status %s): %s", self.what, status, self.without)
+
+    def stop(self) -> None:
+        """Stop reading, and the worker (SIGTERM; SIGKILL after ``STOP_WAIT_S``)."""
+        self.closing = True
+        asyncio.get_running_loop().remove_reader(self.fd)
+        self.process.terminate()
+        try:
+            self.process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self.fd)
