@@ -10,6 +10,8 @@ import logging
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ from agent import reporter as reporter_module
 from agent.reporter import Reporter, ReporterConfig, with_port
 from agent.state import NodeState
 from opsd.api.heartbeat_ingest import Told
-from opsd.api.heartbeat_worker import Mirror, View
+from opsd.api.heartbeat_worker import Mirror, View, WorkerConfig
 from opsd.backends.local.processes import free_port
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
@@ -349,3 +351,42 @@ def test_a_port_taken_leaves_the_heartbeats_to_the_api(tmp_path: Path, caplog: p
     finally:
         server.should_exit = True
         taken.close()
+
+
+def process(parent_pid: int, settings: bytes) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """The heartbeat process started by hand on a listening socket: (it, the fds to close)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    views_read, views_write = os.pipe()
+    batches_read, batches_write = os.pipe()
+    command = [sys.executable, "-m", "opsd.api.heartbeat_worker", "--socket-fd", str(sock.fileno())]
+    command += ["--in-fd", str(views_read), "--out-fd", str(batches_write), "--parent-pid", str(parent_pid)]
+    passed = (sock.fileno(), views_read, batches_write)
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=passed)
+    for fd in (views_read, batches_write):
+        os.close(fd)
+    assert proc.stdin is not None
+    with proc.stdin:
+        proc.stdin.write(settings)
+    sock.close()
+    return proc, [views_write, batches_read]
+
+
+def test_the_process_ends_with_its_parent_and_refuses_bad_settings() -> None:
+    settings = msgspec.msgpack.encode(WorkerConfig("op-token", agent="agent-token"))
+    for parent_pid, data, status in ((1, settings, 0), (os.getpid(), b"\x93not settings", 2)):
+        proc, fds = process(parent_pid, data)  # parent 1: not its parent, as if its parent had died
+        try:
+            assert proc.wait(20) == status
+        finally:
+            for fd in fds:
+                os.close(fd)
+    proc, fds = process(os.getpid(), msgspec.msgpack.encode(WorkerConfig("same", agent="same")))
+    try:
+        assert proc.wait(20) == 2  # two roles with one token: refused as the API refuses it
+        assert proc.stderr is not None
+        assert b"each role needs a token of its own" in proc.stderr.read()
+    finally:
+        for fd in fds:
+            os.close(fd)
