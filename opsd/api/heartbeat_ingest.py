@@ -31,8 +31,7 @@ from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
-from opsd.errors import OpsError
-from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
+from opsd.protocol.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +135,12 @@ class HeartbeatIngest:
                 self.stats.reject(reason, count)
             self.stats.heartbeats_sent_to_api += batch.sent_to_api
             self.stats.heartbeats_apart += len(batch.bodies)
-            for data, taken_s in batch.bodies:
-                self._read(data, taken_s)
+            for body, taken_s in batch.bodies:
+                self._read(body, taken_s)
         if self.retry is None:
             self.take()
 
-    def _read(self, data: bytes, taken_s: float) -> None:
-        try:
-            body = decode_heartbeat(data)  # that process decoded it: it does here too
-        except OpsError as exc:
-            log.error("a heartbeat from the heartbeat process that does not decode: %s", exc)
-            return
+    def _read(self, body: Heartbeat, taken_s: float) -> None:
         self.heard.add(body.node)
         if self.controller.heartbeat_writes(body):  # its node or run is new to the store since that process was told
             task = asyncio.get_running_loop().create_task(self.writer.take(body))
