@@ -31,7 +31,8 @@ from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
-from opsd.protocol.heartbeat import Heartbeat
+from opsd.errors import OpsError
+from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +136,17 @@ class HeartbeatIngest:
                 self.stats.reject(reason, count)
             self.stats.heartbeats_sent_to_api += batch.sent_to_api
             self.stats.heartbeats_apart += len(batch.bodies)
-            for body, taken_s in batch.bodies:
-                self._read(body, taken_s)
+            for data, taken_s in batch.bodies:
+                self._read(data, taken_s)
         if self.retry is None:
             self.take()
 
-    def _read(self, body: Heartbeat, taken_s: float) -> None:
+    def _read(self, data: bytes, taken_s: float) -> None:
+        try:
+            body = decode_heartbeat(data)  # that process decoded it: it does here too
+        except OpsError as exc:
+            log.error("a heartbeat from the heartbeat process that does not decode: %s", exc)
+            return
         self.heard.add(body.node)
         if self.controller.heartbeat_writes(body):  # its node or run is new to the store since that process was told
             task = asyncio.get_running_loop().create_task(self.writer.take(body))

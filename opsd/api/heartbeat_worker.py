@@ -5,9 +5,9 @@ scheme (HTTPS when the API has a certificate), tokens and answers: 401 or 403 fo
 heartbeats, 422 naming the field for a body that does not fit, both counted. A heartbeat it can answer as the API
 would (``Mirror.answer``: a known node of its run, no GPU events) is answered at once, from what the API's process last
 told it (``View``: each node's run and acknowledged events, each run's policy, the interval, the ports), and handed to
-that process in batches, every ``flush_s`` (50 ms), on a pipe (in msgpack: that process does not parse the JSON
-again). Any other heartbeat (a new node or run, GPU events, a run not yet told a policy) is answered ``421``: the
-agent sends it to the API's URL, whose reply is the one that writes.
+that process in batches, every ``flush_s`` (50 ms), on a pipe. Any other heartbeat (a new node or run, GPU events, a
+run not yet told a policy) is answered ``421``: the agent sends it to the API's URL, whose reply is the one that
+writes.
 
 Why a process: at 12,288 nodes the API's process also runs the detection pass, the scoring of ~100,000 ranks and the
 collector, on the same interpreter lock as its event loop; the heartbeats' p99 was set by the few stretches in which
@@ -76,7 +76,7 @@ class View(msgspec.Struct, array_like=True):
 class Taken(msgspec.Struct, array_like=True):
     """What the heartbeat process hands the API's, every ``flush_s``."""
 
-    bodies: list[tuple[Heartbeat, float]]  # (a heartbeat answered, unix seconds when), in the order answered
+    bodies: list[tuple[bytes, float]]  # (a heartbeat answered, unix seconds when), in the order answered
     refused: dict[str, int]  # reason (auth, forbidden, validation) -> requests refused since the last
     sent_to_api: int  # heartbeats answered 421 since the last
 
@@ -134,7 +134,7 @@ class Answerer:
         self.credentials = credentials
         self.mirror = mirror
         self.clock = clock
-        self.taken: list[tuple[Heartbeat, float]] = []
+        self.taken: list[tuple[bytes, float]] = []
         self.refused: Counter[str] = Counter()
         self.sent_to_api = 0
 
@@ -147,13 +147,13 @@ class Answerer:
         taken = await heartbeat_request(scope, receive, send, self.credentials, self.refuse)
         if taken is None:
             return
-        body = taken[1]
+        data, body = taken
         reply = self.mirror.answer(body)
         if reply is None:
             self.sent_to_api += 1
             await respond(send, SEND_TO_API, {"detail": "send this heartbeat to the API"})
             return
-        self.taken.append((body, self.clock()))  # decoded and checked once: the API's process decodes msgpack
+        self.taken.append((data, self.clock()))
         await respond(send, 200, reply)
 
     def refuse(self, reason: str) -> None:
