@@ -308,6 +308,7 @@ class Reporter:
             self.apart = None
         if port is not None and self.apart is None:
             self.apart = Connection(with_port(self.config.url, port), self.config.timeout_s)
+            self.apart_hold_mono_s = -math.inf  # another process (a new leader's): tried at once
             log.info("heartbeats to the controller's heartbeat process at port %d", port)
 
     def _liveness(self, port: int | None) -> None:

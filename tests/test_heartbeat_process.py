@@ -283,6 +283,19 @@ def test_the_agent_holds_off_a_process_it_cannot_reach(
         assert reporter.send_once(NOW_S + 3)
         assert (len(api.requests), len(apart.requests)) == (3, 1)
         assert 10 * reporter.config.interval_s <= reporter_module.APART_HOLD_S
+        apart.stop()
+        assert reporter.send_once(NOW_S + 4)  # refused again: held off again, to the API
+        assert len(api.requests) == 4
+        successor = StandIn(token="agent-token")  # a new leader, whose replies name its own process
+        successor.reply = {"heartbeat_port": successor.port}
+        api.reply = successor.reply
+        successor.start()
+        try:
+            assert reporter.send_once(NOW_S + 5)  # the API's reply names the new port
+            assert reporter.send_once(NOW_S + 6)  # which is tried at once, hold or not
+            assert (len(api.requests), len(successor.requests)) == (5, 1)
+        finally:
+            successor.stop()
     finally:
         reporter.stop()
 

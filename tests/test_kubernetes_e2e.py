@@ -131,6 +131,10 @@ def controller_settings(kube: KubeEmulator, tmp: Path, port: int, **kubernetes: 
     tmp.mkdir(parents=True, exist_ok=True)
     return {
         "port": port,
+        # any free ports: two replicas on one host (a cluster gives each pod its own address, and its Service sends
+        # every port to the leader); each reply names the ports of the replica that answered it
+        "liveness_port": 0,
+        "heartbeat_port": 0,
         "state_dir": str(tmp / "state"),
         "token": TOKEN,
         "tick_interval_s": 0.25,
