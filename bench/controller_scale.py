@@ -11,8 +11,10 @@ own slot of it (``opsd.policy.telemetry``), to the controller's heartbeat proces
 The agents come up over ``--ramp-s`` (10 s); after ``--warmup-s`` (first contact: every node and run recorded, the
 interval settled), for ``--duration-s``:
 
-- ingest latency, on the client side: a heartbeat's request written to its response read, and a datagram sent to its
-  acknowledgement received (p50, p99, max);
+- ingest latency, on the client side: a heartbeat's request written to the last bytes of its response read, and a
+  datagram sent to its acknowledgement read, both timed as the load process reads them (p50, p99, max);
+- the load processes' own delay, which both latencies include: how late their event loops wake (the pacer's sleeps);
+  they share the controller's cores, where agents would run on nodes of their own;
 - heartbeats and datagrams a second, and the errors;
 - CPU: the controller's share of one core and its worker processes', the load generators' and the machine's; the
   controller's memory;
@@ -261,15 +263,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     latencies: array.array[float] = array.array("d")
     datagram_ms: array.array[float] = array.array("d")
+    lag_ms: array.array[float] = array.array("d")
     ok = errors = late = datagrams = lost = 0
     silent_last_s = 0.0
-    for _, data, acked, n_ok, n_errors, n_late, last_s, n_datagrams, n_lost in tallies:
+    for _, data, acked, lagged, n_ok, n_errors, n_late, last_s, n_datagrams, n_lost in tallies:
         latencies.frombytes(data)
         datagram_ms.frombytes(acked)
+        lag_ms.frombytes(lagged)
         ok, errors, late = ok + n_ok, errors + n_errors, late + n_late
         datagrams, lost = datagrams + n_datagrams, lost + n_lost
         silent_last_s = max(silent_last_s, last_s)
-    ordered, ordered_datagrams = sorted(latencies), sorted(datagram_ms)
+    ordered, ordered_datagrams, ordered_lag = sorted(latencies), sorted(datagram_ms), sorted(lag_ms)
     window = plan.window_s[1] - plan.window_s[0]
     shares = [(a - b) / wall for a, b in zip(cpu_after, cpu_before, strict=True)]
     worker = sum(shares[1 : len(shares) - len(generators)])
@@ -305,6 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{datagram_p99:.1f} ms, max {ordered_datagrams[-1] if ordered_datagrams else float('nan'):.1f} ms"
     )
     print(
+        f"the load processes' own delay (in both latencies): their pacer woke late by p50 "
+        f"{percentile(ordered_lag, 0.5):.1f} ms, p99 {percentile(ordered_lag, 0.99):.1f} ms"
+    )
+    print(
         f"CPU: controller {shares[0] * 100:.0f}% of a core and its worker processes {worker * 100:.0f}%, load "
         f"generators {sum(shares[-len(generators) :]) * 100:.0f}%, machine busy {busy * 100:.0f}% of "
         f"{os.cpu_count()} cores (stolen by the hypervisor {stolen * 100:.0f}%), load average "
@@ -328,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"controller_cpu_ratio={shares[0] + worker:.2f}")
     print(f"heartbeats_per_s={ok / window:.0f}")
     print(f"datagrams_per_s={datagrams / window:.0f}")
+    print(f"load_lag_p99_ms={percentile(ordered_lag, 0.99):.1f}")
     print(f"ingest_p99_ms={max(http_p99, datagram_p99 if ordered_datagrams else 0.0):.1f}")
     print(f"silent_node_detect_s={detect_s:.1f}")
     return 0

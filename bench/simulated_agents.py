@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, cast
 
 import uvloop
 
@@ -185,6 +185,7 @@ class SimulatedAgent:
 class Tally:
     latencies_ms: array.array[float]  # heartbeats: request written to reply read
     datagram_ms: array.array[float]  # liveness datagrams: sent to acknowledgement received
+    lag_ms: array.array[float]  # the load process's event loop: how late its pacer woke (within the window)
     ok: int = 0  # heartbeats answered 200 within the window
     errors: int = 0
     late: int = 0  # beats more than 0.5 s after their time (the previous one took that long)
@@ -233,7 +234,7 @@ class Node:
         self.beat_s = 0.0  # when it was due
         self.busy = False  # a heartbeat under way
         self.delivered_s = -math.inf
-        self.streams: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}  # port -> its connection
+        self.connections: dict[int, Exchange] = {}  # port -> its connection
         self.up_s = plan.start_s + plan.ramp_s * index / plan.nodes  # its agent starts then
 
 
@@ -249,7 +250,10 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
         due = phases[k] + cycle
         now = time.time()
         if due > now:
+            slept = time.perf_counter()
             await asyncio.sleep(PACE_S)
+            if begin <= now < end:
+                tally.lag_ms.append(max(0.0, time.perf_counter() - slept - PACE_S) * 1000.0)
             continue
         node = nodes[k]
         k += 1
@@ -281,20 +285,62 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
                 node.due.set()
 
 
-async def exchange(node: Node, host: str, port: int, data: bytes) -> tuple[bytes, bytes]:
-    """One request on the node's keep-alive connection to ``port`` (opened when it has none); (head, body)."""
-    streams = node.streams.get(port)
-    if streams is None:
-        streams = node.streams[port] = await asyncio.open_connection(host, port)
-    reader, writer = streams
-    try:
-        writer.write(data)
-        head = await reader.readuntil(b"\r\n\r\n")
+class Exchange(asyncio.Protocol):
+    """A node's keep-alive connection to one port: one request at a time, its reply timed when its last bytes are
+    read, as the datagrams' acknowledgements are (``Acknowledgements``). Timed when the coroutine that awaits it ran
+    next, a reply would wait behind the load process's other work of that turn (the heartbeats it builds, the
+    datagrams it sends): the load's own delay, not the controller's."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.reply: asyncio.Future[tuple[bytes, bytes, float]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's TCP transport, not a subclass of it
+
+    def data_received(self, data: bytes) -> None:
+        read_s = time.perf_counter()
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0 or self.reply is None:
+            return
+        head = bytes(self.buffer[: end + 4])
         found = _LENGTH.search(head)
-        return head, await reader.readexactly(int(found.group(1))) if found else b""
-    except (OSError, asyncio.IncompleteReadError):
-        del node.streams[port]
-        writer.close()
+        size = int(found.group(1)) if found else 0
+        if len(self.buffer) < end + 4 + size:
+            return
+        body = bytes(self.buffer[end + 4 : end + 4 + size])
+        del self.buffer[: end + 4 + size]
+        if not self.reply.done():
+            self.reply.set_result((head, body, read_s))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.reply is not None and not self.reply.done():
+            self.reply.set_exception(ConnectionResetError("the controller closed the connection"))
+
+    async def send(self, data: bytes) -> tuple[bytes, bytes, float]:
+        """(head, body, when its last bytes were read: ``time.perf_counter()``)."""
+        assert self.transport is not None
+        self.reply = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        return await self.reply
+
+
+async def exchange(node: Node, host: str, port: int, data: bytes) -> tuple[bytes, bytes, float]:
+    """One request on the node's keep-alive connection to ``port`` (opened when it has none): (head, body, when it was
+    read)."""
+    connection = node.connections.get(port)
+    if connection is None or connection.transport is None:
+        _, connection = await asyncio.get_running_loop().create_connection(Exchange, host, port)
+        node.connections[port] = connection
+    try:
+        return await connection.send(data)
+    except OSError:
+        del node.connections[port]
+        if connection.transport is not None:
+            connection.transport.close()
         raise
 
 
@@ -315,11 +361,11 @@ async def drive(node: Node, plan: Plan, tally: Tally) -> None:
                 sent = time.perf_counter()
                 head = b""
                 if apart is not None:
-                    head, body = await exchange(node, plan.host, apart, data)
+                    head, body, read_s = await exchange(node, plan.host, apart, data)
                 if not head.startswith(b"HTTP/1.1 200"):
-                    head, body = await exchange(node, plan.host, plan.port, data)
-                took_ms = (time.perf_counter() - sent) * 1000.0
-            except (OSError, asyncio.IncompleteReadError) as exc:
+                    head, body, read_s = await exchange(node, plan.host, plan.port, data)
+                took_ms = (read_s - sent) * 1000.0
+            except OSError as exc:
                 tally.errors += window
                 log.debug("%s: %s", node_name(node.index), exc)
                 continue
@@ -334,12 +380,13 @@ async def drive(node: Node, plan: Plan, tally: Tally) -> None:
             else:
                 tally.errors += window
     finally:
-        for _, writer in node.streams.values():
-            writer.close()
+        for connection in node.connections.values():
+            if connection.transport is not None:
+                connection.transport.close()
 
 
 async def generate_async(plan: Plan, indices: Sequence[int], stop: Event) -> Tally:
-    tally = Tally(array.array("d"), array.array("d"))
+    tally = Tally(array.array("d"), array.array("d"), array.array("d"))
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # a burst of acknowledgements is not dropped
@@ -374,6 +421,7 @@ def generate(plan: Plan, part: int, parts: int, stop: Event, results: Any) -> No
             part,
             t.latencies_ms.tobytes(),
             t.datagram_ms.tobytes(),
+            t.lag_ms.tobytes(),
             t.ok,
             t.errors,
             t.late,

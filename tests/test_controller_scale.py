@@ -4,16 +4,18 @@ liveness datagrams, finds the node that went silent, and the benchmark's figures
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
+import time
 
 import pytest
 
 from bench.controller_scale import main
+from bench.simulated_agents import Node, Plan, exchange
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_a_small_load_finds_the_silent_node(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--nodes", "32", "--gpus-per-node", "8", "--warmup-s", "2", "--duration-s", "7"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -27,3 +29,40 @@ def test_a_small_load_finds_the_silent_node(capsys: pytest.CaptureFixture[str]) 
     assert 25 <= figures["datagrams_per_s"] <= 32  # and say they are alive by datagram, once a second each
     assert 0 < figures["datagram_p99_ms"] <= figures["ingest_p99_ms"]
     assert math.isfinite(figures["controller_cpu_ratio"])
+    assert 0 <= figures["load_lag_p99_ms"] < 1000.0
+
+
+def test_a_reply_is_timed_when_its_last_bytes_are_read() -> None:
+    async def scenario() -> None:
+        pieces: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            while (piece := await pieces.get()) != b"":
+                writer.write(piece)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        node = Node(0, Plan("127.0.0.1", port, 2, 1, time.time(), (0.0, 1.0), 1, 0.0))
+        request = b"POST /v1/heartbeat HTTP/1.1\r\ncontent-length: 0\r\n\r\n"
+        sent = asyncio.create_task(exchange(node, "127.0.0.1", port, request))
+        await pieces.put(b"HTTP/1.1 200 OK\r\ncontent-le")
+        await pieces.put(b'ngth: 7\r\n\r\n{"a":')
+        await asyncio.sleep(0.2)
+        assert not sent.done()  # the body is not all there yet
+        before_s = time.perf_counter()
+        await pieces.put(b"1}")
+        head, body, read_s = await sent
+        assert head.startswith(b"HTTP/1.1 200")
+        assert body == b'{"a":1}'
+        assert read_s >= before_s  # timed at the last piece, not at the first
+        again = asyncio.create_task(exchange(node, "127.0.0.1", port, request))
+        await pieces.put(b"")  # the controller closes the connection instead of answering
+        with pytest.raises(ConnectionResetError):
+            await again
+        assert port not in node.connections  # the next request opens a new one
+        server.close()
+
+    asyncio.run(scenario())
