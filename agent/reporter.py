@@ -161,6 +161,7 @@ class Reporter:
                 pipeline=_pipeline(r.last),
                 launch=r.last.launch,
                 ft=_ft(r),
+                world_size=r.last.world_size,
             )
             for r in self.state.snapshot()
         ]

@@ -110,7 +110,8 @@ class SimulatedAgent:
             f"POST /v1/heartbeat HTTP/1.1\r\nhost: {plan.host}:{plan.port}\r\ncontent-type: application/json\r\n"
             f"authorization: Bearer {TOKEN}\r\ncontent-length: %d\r\n\r\n"
         )
-        self.tokens_per_s = 4096 * plan.nodes * plan.gpus_per_node / STEP_S
+        self.world_size = plan.nodes * plan.gpus_per_node
+        self.tokens_per_s = 4096 * self.world_size / STEP_S
         self.interval_s: float | None = None  # the ranks' interval the controller asks for (None: every beat)
         self.port: int | None = None  # its liveness datagrams' port
         self.heartbeat_port: int | None = None  # the controller's heartbeat process (None: the API)
@@ -147,6 +148,7 @@ class SimulatedAgent:
                     checkpoint_blocking_s=checkpoints * CHECKPOINT_BLOCKING_S,
                     last_report_unix_s=last_report_s,
                     coords=self.coords[i],
+                    world_size=self.world_size,
                 )
             )
         summary = {"time_unix_s": now_s, "ranks": len(ranks), "step_s_max": step_s_max, "step_s_mean": STEP_S}

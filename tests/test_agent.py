@@ -270,6 +270,15 @@ def test_a_pipeline_stage_exports_its_bubble_and_tells_the_controller_its_schedu
     assert ranks[3] is None
 
 
+def test_the_heartbeat_tells_the_controller_each_ranks_world_size(agent: Agent) -> None:
+    """The controller plans how often to ask for the ranks from the job's size (``opsd.policy.telemetry``)."""
+    agent.handle(encode(report(rank=1, world_size=98_304)))
+    agent.handle(encode(report(rank=2)))
+    reporter = Reporter(ReporterConfig(url="http://127.0.0.1:9/v1/heartbeat"), "n1", agent.state, None)
+    ranks = decode_heartbeat(encode_heartbeat(reporter.heartbeat(1.0))).ranks
+    assert {r.rank: r.world_size for r in ranks} == {1: 98_304, 2: 4}
+
+
 def test_a_replica_group_rank_exports_its_quorum_and_tells_the_controller_its_sums(agent: Agent) -> None:
     healed = {**FT, "quorum_replicas": 2, "participants": 1, "healing_s": 0.25, "quorum_wait_s": 1.0}
     agent.handle(encode(report(rank=5, step=40, ft=healed)))

@@ -103,6 +103,20 @@ def test_the_replies_name_the_port_and_the_interval_which_sets_the_slots(tmp_pat
     assert c.liveness_channels(101.0) == {"datagram": 12287, "http": 1}
 
 
+def test_a_large_jobs_first_heartbeat_asks_for_the_interval_of_its_size(tmp_path: Path) -> None:
+    """A node of a 12,288-node job (98,304 ranks, 8 a node) is the first heard from: its reply asks for the ranks
+    every 9 s at once, as it would once every node was heard; a job that does not say its size, every second."""
+    config = ControllerConfig(telemetry=TelemetryConfig(heartbeats_per_s=1500), sample_slot_s=2.0)
+    c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), config)
+    assert c.heartbeat(beat("n0", [rank(r, 1, world_size=98_304) for r in range(8)]), 100.0).telemetry_interval_s == 9
+    assert "12288 nodes by the jobs' world size (1 heard)" in c.telemetry.reason
+    assert (
+        c.heartbeat(beat("n1", [rank(r, 1, world_size=98_304) for r in range(8, 16)]), 101.0).telemetry_interval_s == 9
+    )
+    small = Controller(StateStore.open(f"sqlite:///{tmp_path / 'small.db'}"), config)
+    assert small.heartbeat(beat("n0", [rank(r, 1) for r in range(8)]), 100.0).telemetry_interval_s == 1
+
+
 def test_a_graceful_restart_leads_by_at_least_three_intervals(tmp_path: Path) -> None:
     config = ControllerConfig(telemetry=TelemetryConfig(heartbeats_per_s=1))  # a node: every second; 4: every 4 s
     c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), config)

@@ -4,6 +4,7 @@ cases."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -31,21 +32,37 @@ CASES: dict[str, tuple[tuple[int, float, float, float], tuple[float, float]]] = 
     "from above the cap down to it": ((30000, 20, 60, 30), (10, 10)),
 }
 
+#: (nodes heard, nodes by the jobs' world size, interval asked for now) -> interval
+EXPECTED: dict[str, tuple[tuple[int, int, float], float]] = {
+    "a 12,288-node job's first node: every 9 s at once": ((1, 12288, 1), 9),
+    "half of its nodes heard: still 9 s": ((6144, 12288, 9), 9),
+    "no world size said: the nodes heard": ((3000, 0, 1), 2),
+    "more nodes heard than the jobs span (agents of other jobs): those": ((12288, 64, 1), 9),
+    "a job that shrank: shorter within the margin only": ((9000, 10000, 9), 8),
+    "a small job: every second": ((2, 2, 1), 1),
+}
+
+
+def plan(**given: Any) -> TelemetryPlan:
+    """``plan_telemetry`` with a 2 s sample slot, a 60 s hang floor and a 30 s cadence lead unless given."""
+    return plan_telemetry(**{"sample_slot_s": 2.0, "hang_floor_s": 60, "cadence_lead_s": 30, **given}, config=C)
+
 
 @pytest.mark.parametrize(("given", "expected"), list(CASES.values()), ids=list(CASES))
 def test_plan_telemetry(given: tuple[int, float, float, float], expected: tuple[float, float]) -> None:
     nodes, current_s, hang_floor_s, lead_s = given
-    plan = plan_telemetry(
-        nodes=nodes,
-        current_interval_s=current_s,
-        sample_slot_s=2.0,
-        hang_floor_s=hang_floor_s,
-        cadence_lead_s=lead_s,
-        config=C,
-    )
-    assert isinstance(plan, TelemetryPlan)
-    assert (plan.interval_s, plan.sample_slot_s) == expected
-    assert f"every {plan.interval_s:g} s" in plan.reason
+    planned = plan(nodes=nodes, current_interval_s=current_s, hang_floor_s=hang_floor_s, cadence_lead_s=lead_s)
+    assert isinstance(planned, TelemetryPlan)
+    assert (planned.interval_s, planned.sample_slot_s) == expected
+    assert f"every {planned.interval_s:g} s" in planned.reason
+
+
+@pytest.mark.parametrize(("given", "expected"), list(EXPECTED.values()), ids=list(EXPECTED))
+def test_plan_telemetry_for_the_jobs_world_size(given: tuple[int, int, float], expected: float) -> None:
+    nodes, expected_nodes, current_s = given
+    planned = plan(nodes=nodes, expected_nodes=expected_nodes, current_interval_s=current_s)
+    assert planned.interval_s == expected
+    assert ("world size" in planned.reason) == (expected_nodes > nodes)
 
 
 def test_the_budget_holds_on_average_up_to_the_cap() -> None:

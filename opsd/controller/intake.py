@@ -10,6 +10,7 @@ commands: docs/protocol.md), the interval at which to send the ranks, and the po
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -98,7 +99,6 @@ class Intake(Liveness):
         if live is None:
             live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
         live.posted(now_s)
-        interval_s = self.telemetry_interval_s(now_s)
         for e in events:
             if e.seq > acked and e.action in ACTIONABLE_EVENTS:
                 event = GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s, e.trace_id, e.span_id)
@@ -109,6 +109,7 @@ class Intake(Liveness):
             self._timeout(t, node)
         if body.comms:
             self._comms(body.comms, node)
+        interval_s = self.telemetry_interval_s(now_s)  # after the ranks: a job's world size said first counts
         # events that need no action are acknowledged at once; the others once their incident is recorded
         newest = max((e.seq for e in events), default=acked)
         ack = min(live.events) - 1 if live.events else max(acked, newest)
@@ -234,6 +235,9 @@ class Intake(Liveness):
         if live is None or live.node != node:
             live = RankLive(rank, node, -1, now_s, Window(self.config.history))
             run_live.place(live)
+        if r.world_size and r.world_size != run_live.world_size:
+            run_live.world_size = r.world_size
+            self.telemetry_due_s = -math.inf  # the interval planned again at once, for the job's size
         live.stage = r.coords.get("pp", 0)
         step = r.step
         slot = self.slots.index(now_s)

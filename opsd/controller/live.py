@@ -234,6 +234,8 @@ class RunLive:
     ratios: Ratios  # each rank's last ratios to its peers
     ranks: dict[int, RankLive] = field(default_factory=dict)
     rank_nodes: dict[str, int] = field(default_factory=dict)  # node -> ranks of the run on it
+    most_on_a_node: int = 0  # the most ranks heard from on one node
+    world_size: int = 0  # the job's ranks, as its ranks say (0: not said)
     newest_step: int = -1
     latest_progress_s: float = -math.inf  # the newest progress (or start) of a rank
     exited: set[int] = field(default_factory=set)  # ranks whose process ended
@@ -254,10 +256,18 @@ class RunLive:
             if not self.rank_nodes[old.node]:
                 del self.rank_nodes[old.node]
         self.ranks[live.rank] = live
-        self.rank_nodes[live.node] = self.rank_nodes.get(live.node, 0) + 1
+        on_node = self.rank_nodes[live.node] = self.rank_nodes.get(live.node, 0) + 1
+        self.most_on_a_node = max(self.most_on_a_node, on_node)
         self.latest_progress_s = max(self.latest_progress_s, live.progress_s)
         self.exited.discard(live.rank)
         self.waiting.discard(live.rank)
+
+    @property
+    def expected_nodes(self) -> int:
+        """The nodes the job spans by its world size, at the most ranks heard from on one node (0: not said)."""
+        if not self.world_size or not self.most_on_a_node:
+            return 0
+        return -(-self.world_size // self.most_on_a_node)
 
     def remove(self, rank: int) -> None:
         """``rank`` leaves the launch (its replica group was stopped): its sums and places go with it."""

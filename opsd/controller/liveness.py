@@ -77,8 +77,10 @@ class Liveness(ControllerCore):
             self.telemetry_due_s = now_s + PLAN_EVERY_S
             heard = sum(1 for n in self.nodes.values() if now_s - n.last_heartbeat_s <= HEARD_WITHIN_S)
             self.telemetry_nodes = max(1, len(self.nodes))
+            spans = (m.live.expected_nodes for m in self.memory.values() if m.live is not None and m.settled_s is None)
             plan = plan_telemetry(
                 nodes=heard,
+                expected_nodes=sum(spans),
                 current_interval_s=self.telemetry.interval_s,
                 sample_slot_s=self.config.sample_slot_s,
                 hang_floor_s=self.config.detection.hang_floor_s,

@@ -7,7 +7,12 @@ An agent says it is alive every second by a datagram (``opsd.protocol.liveness``
 ranks, their steps and sums, every ``interval_s``; a node's liveness does not depend on it. The interval:
 
 - ``nodes / heartbeats_per_s`` rounded up to whole seconds, at least ``min_interval_s``: at most the budget of
-  heartbeats a second on average (12,288 nodes at 1,500 a second: every 9 s);
+  heartbeats a second on average (12,288 nodes at 1,500 a second: every 9 s). The nodes are those heard from, or
+  those the running jobs span by their ranks' world size (``expected_nodes``), the more: when 12,288 nodes start,
+  the first reply asks for 9 s. Planned from the nodes heard alone, the interval climbed a step at a time over a
+  minute or more while the first contacts came in, the nodes answered first sent their ranks every 2, 3, 4 s
+  meanwhile, and each step made every node send once more within an interval (a new grid of slots): at the start
+  the controller took twice its budget and more, which put its first contacts off further;
 - at most a third of the hang floor (a rank's progress is seen up to an interval late; a hang is never found in
   less than the floor, and never more than a third of it later) and a third of the cadence's lead (a new cadence
   is planned from a newest step up to an interval old, and reaches the nodes up to an interval later: both within
@@ -64,19 +69,24 @@ def _whole_s(seconds: float) -> float:
 def plan_telemetry(
     *,
     nodes: int,
+    expected_nodes: int = 0,
     current_interval_s: float,
     sample_slot_s: float,
     hang_floor_s: float,
     cadence_lead_s: float,
     config: TelemetryConfig,
 ) -> TelemetryPlan:
-    """The interval for ``nodes`` nodes heard from, given the interval asked for now."""
-    if nodes < 0 or current_interval_s <= 0 or sample_slot_s <= 0:
-        raise ValueError("nodes must be >= 0, current_interval_s and sample_slot_s > 0")
+    """The interval for ``nodes`` nodes heard from, or the ``expected_nodes`` of the running jobs' world sizes when
+    more, given the interval asked for now."""
+    if nodes < 0 or expected_nodes < 0 or current_interval_s <= 0 or sample_slot_s <= 0:
+        raise ValueError("nodes and expected_nodes must be >= 0, current_interval_s and sample_slot_s > 0")
     cap = max(config.min_interval_s, min(config.max_interval_s, hang_floor_s / 3, cadence_lead_s / 3))
-    need_s = nodes / config.heartbeats_per_s
+    count = max(nodes, expected_nodes)
+    need_s = count / config.heartbeats_per_s
     interval = min(cap, max(config.min_interval_s, _whole_s(need_s)))
-    why = f"{nodes} nodes at {config.heartbeats_per_s:g} heartbeats/s"
+    why = f"{count} nodes at {config.heartbeats_per_s:g} heartbeats/s"
+    if expected_nodes > nodes:
+        why = f"{count} nodes by the jobs' world size ({nodes} heard) at {config.heartbeats_per_s:g} heartbeats/s"
     if interval < current_interval_s:
         # shorter only as far as the budget holds with the margin
         margin = min(cap, max(config.min_interval_s, _whole_s(need_s / (1 - config.hysteresis_ratio))))

@@ -81,6 +81,7 @@ class HeartbeatRank(Struct, kw_only=True):
     pipeline: HeartbeatPipeline | None = None  # a pipeline stage's bubble and schedule (its step reports say)
     launch: Count | None = None  # the launch of the run the rank belongs to, when its step reports say
     ft: HeartbeatFt | None = None  # a rank of a fault-tolerant replica group: its quorum (its step reports say)
+    world_size: Count = 0  # the job's ranks, as the rank's step reports say (0: not said)
 
 
 class HeartbeatEvent(Struct, kw_only=True, frozen=True):
