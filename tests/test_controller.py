@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +13,11 @@ import pytest
 
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
+from opsd.controller.detection import SCORING_NICE
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.policy.cadence import CadenceConfig
-from opsd.policy.detection import DetectionConfig
+from opsd.policy.detection import DetectionConfig, Failure
 from opsd.policy.stragglers import StragglerConfig
 from opsd.protocol.heartbeat import Heartbeat
 
@@ -252,3 +256,65 @@ def test_a_relaunch_recovers_its_incident_from_the_step_the_ranks_resumed_from(
     found = store.incident(incident)
     assert found is not None
     assert (found.state, found.resumed_from_step, found.lost_steps) == ("recovered", resumed_from, lost)
+
+
+def test_scoring_apart_from_the_detection_passes_flags_the_same_rank(controller: Controller) -> None:
+    """``tick_every``'s two threads: the detection passes without the scoring, and the scoring passes."""
+    for t in range(20):
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            controller.heartbeat(beat(n, [rank(r, t + 1, 0.5 * (1.3 if r == 2 else 1.0)) for r in ranks]), t)
+        assert controller.tick(t, score=False) == []
+        controller.score(t)
+    status = controller.status("job", 20)
+    assert status is not None
+    assert [(s["rank"], s["slowdown_ratio"]) for s in status["stragglers"]] == [(2, pytest.approx(1.3))]
+
+
+def test_a_long_scoring_pass_holds_no_detection_pass_up(tmp_path: Path) -> None:
+    """A slot's scoring of 98,304 ranks takes a second or more (several at its niceness on a busy machine): the
+    detection passes go on meanwhile, every interval."""
+    c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG, clock=lambda: 3.0)
+    healthy(c, 3)
+    scoring, release = threading.Event(), threading.Event()
+    passes: list[float] = []
+    tick = c.tick
+
+    def long_score(run: str, now_s: float) -> None:
+        scoring.set()
+        release.wait(10)
+
+    def counted_tick(now_s: float, *, score: bool = True) -> list[Failure]:
+        passes.append(now_s)
+        return tick(now_s, score=score)
+
+    c._score = long_score  # type: ignore[method-assign]
+    c.tick = counted_tick  # type: ignore[method-assign]
+    stop = threading.Event()
+    thread = threading.Thread(target=c.tick_every, args=(0.02, stop))
+    thread.start()
+    try:
+        assert scoring.wait(5)
+        before = len(passes)
+        time.sleep(0.5)
+        assert len(passes) - before >= 5  # 25 passes due meanwhile; on a loaded machine, fewer
+    finally:
+        release.set()
+        stop.set()
+        thread.join(5)
+
+
+def test_the_scoring_runs_behind_what_answers_agents(controller: Controller) -> None:
+    niceness: list[int] = []
+    stop = threading.Event()
+
+    def score(now_s: float) -> None:
+        stat = Path(f"/proc/self/task/{threading.get_native_id()}/stat").read_text()
+        niceness.append(int(stat.rsplit(")", 1)[1].split()[16]))
+        stop.set()
+
+    controller.score = score  # type: ignore[method-assign]
+    thread = threading.Thread(target=controller.score_every, args=(0.01, stop))
+    thread.start()
+    thread.join(5)
+    assert niceness == [max(os.nice(0), SCORING_NICE)]  # the thread alone (a process already nicer keeps its own)
+    assert os.nice(0) < SCORING_NICE  # this process, its API's event loop and detection passes, as they were

@@ -12,7 +12,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +39,6 @@ from opsd.protocol.heartbeat import (
     HeartbeatReply,
     encode,
 )
-from opsd.runtime.server import LEAD_NICE, ServeConfig, Serving
 from tests.serving import start_api
 from tests.test_agent import step
 from tests.test_liveness import CREDENTIALS, request
@@ -329,22 +327,6 @@ def test_the_process_is_told_what_changed_and_forgets_a_node_with_events(tmp_pat
     gone = told.view(controller, {"n1"})
     assert gone is not None
     assert (gone.nodes, gone.nodes_gone) == ({}, ["n1"])
-
-
-def test_the_controllers_work_runs_behind_what_answers_agents(tmp_path: Path) -> None:
-    niceness: list[int] = []
-
-    def lead(stop: object) -> None:
-        stat = Path(f"/proc/self/task/{threading.get_native_id()}/stat").read_text()
-        niceness.append(int(stat.rsplit(")", 1)[1].split()[16]))
-
-    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    serving = Serving(ServeConfig(state_dir=str(tmp_path)), controller, "op-token", lead=lead)
-    thread = threading.Thread(target=serving._lead)
-    thread.start()
-    thread.join()
-    assert niceness == [max(os.nice(0), LEAD_NICE)]  # the thread alone (a process already nicer keeps its own)
-    assert os.nice(0) < LEAD_NICE  # this process, and the API's event loop in it, as they were
 
 
 def test_a_port_taken_leaves_the_heartbeats_to_the_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -76,6 +76,7 @@ class ControllerCore:
         self.clock = clock
         self.lock = threading.RLock()
         self.ticking = threading.Lock()  # one detection pass at a time
+        self.scoring = threading.Lock()  # one run's scoring and cadence planning at a time
         self.deferred: deque[Callable[[], object]] = deque()  # left by the API's event loop while the lock was held
         self.deferred_total = 0  # what was left so, in all
         self.nodes: dict[str, NodeLive] = {}

@@ -7,8 +7,10 @@ waiting for a spare taken up again once one is there. Straggler scoring and cade
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 
 from opsd.controller.incidents import (
     failure_key,
@@ -32,20 +34,56 @@ log = logging.getLogger(__name__)
 XID_CLOCK_SLACK_S = 60.0  # an XID's failure time is its event time, but no earlier than this before detection
 
 
+#: the niceness of the scoring's thread: what answers agents (the API's event loop, its liveness and heartbeat
+#: processes) and the detection passes get a core first when the machine is short of them
+SCORING_NICE = 10
+
+
+def lower_priority(nice: int) -> None:
+    """This thread at niceness ``nice`` (Linux: the thread alone), unless it is already nicer."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as exc:
+        log.debug("the scoring's thread keeps its priority: %s", exc)
+
+
 class Detection(Scoring):
     def tick_every(self, interval_s: float, stop: threading.Event) -> None:
-        """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set; a pass that
-        fails is logged and the next one runs."""
+        """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set, and the scoring
+        and cadence planning on a thread of their own, at ``SCORING_NICE`` (``score_every``). A slot's scoring of
+        98,304 ranks takes a second or more, several on a busy machine at that niceness: in the same pass, it put
+        off the next detection, and a silent node was found seconds late."""
+        threading.Thread(target=self.score_every, args=(interval_s, stop), name="opsd-scoring", daemon=True).start()
+        self._every(interval_s, stop, partial(self.tick, score=False), "detection pass")
+
+    def score_every(self, interval_s: float, stop: threading.Event) -> None:
+        """``score`` every ``interval_s`` until ``stop`` is set, at ``SCORING_NICE``."""
+        lower_priority(SCORING_NICE)
+        self._every(interval_s, stop, self.score, "scoring pass")
+
+    def _every(self, interval_s: float, stop: threading.Event, do: Callable[[float], object], what: str) -> None:
+        """``do`` at the controller's clock every ``interval_s`` until ``stop`` is set; one that fails is logged and
+        the next one runs."""
         while not stop.wait(interval_s):
             try:
-                self.tick(self.clock())
+                do(self.clock())
             except OpsError as exc:
-                log.warning("detection pass skipped: %s", exc)
+                log.warning("%s skipped: %s", what, exc)
             except Exception:
-                log.exception("detection pass failed")
+                log.exception("%s failed", what)
 
-    def tick(self, now_s: float) -> list[Failure]:
-        """Detect failures of running runs and start their recovery; score stragglers; plan cadences."""
+    def score(self, now_s: float) -> None:
+        """Score the stragglers and plan the cadence of every running run."""
+        for run in self.store.runs():
+            if run.state == RunState.RUNNING:
+                with self.scoring:
+                    self._score(run.id, now_s)
+                    self._plan(run, now_s)
+
+    def tick(self, now_s: float, *, score: bool = True) -> list[Failure]:
+        """Detect failures of running runs and start their recovery; score stragglers and plan cadences (unless
+        ``score`` is false: ``score`` does, on a thread of its own)."""
         found: list[Failure] = []
         with self.ticking:
             for run in self.store.runs():
@@ -66,8 +104,10 @@ class Detection(Scoring):
                     found.extend(failures)
                     self.open_failure(run, failures, now_s)
                     continue
-                self._score(run.id, now_s)
-                self._plan(run, now_s)
+                if score:
+                    with self.scoring:
+                        self._score(run.id, now_s)
+                        self._plan(run, now_s)
             self.forget_settled(now_s)
         return found
 

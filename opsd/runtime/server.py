@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 #: kernel caps it at net.core.somaxconn (4096 on most)
 BACKLOG = 16384
 SWITCH_INTERVAL_S = 0.001
-#: the niceness of the controller's work (the detection pass, its scoring): what answers agents (the API's event loop,
-#: its liveness and heartbeat processes) gets a core first when the machine is short of them
-LEAD_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -177,19 +174,10 @@ class Serving:
 
     def begin(self) -> None:
         """Start the controller's work (``lead``) and the collector's schedule."""
-        threading.Thread(target=self._lead, name="opsd-controller", daemon=True).start()
+        threading.Thread(target=self.lead, args=(self.stop,), name="opsd-controller", daemon=True).start()
         tune_interpreter()
         threading.Thread(target=collect_young_every, args=(YOUNG_EVERY_S, self.stop), name="gc", daemon=True).start()
         log.info("opsd controller on %s%s (OpenAPI at /openapi.json)", self.url, self.describe)
-
-    def _lead(self) -> None:
-        """The controller's work, behind the threads and processes that answer agents on a busy machine
-        (``LEAD_NICE``)."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LEAD_NICE)  # Linux: this thread alone
-        except OSError as exc:
-            log.debug("the controller's thread keeps its priority: %s", exc)
-        self.lead(self.stop)
 
     def run(self) -> None:
         """Serve until the server stops (a signal); then close."""
