@@ -1,7 +1,8 @@
 """The controller's detection pass and its incidents: failures of running runs (``opsd.policy.detection``) opened as
 incidents and handed to the recovery executor, recovered incidents closed once the relaunch progresses, runs
-waiting for a spare taken up again once one is there. Straggler scoring and cadence planning run in the same pass
-(``opsd.controller.scoring``).
+waiting for a spare taken up again once one is there. Straggler scoring and cadence planning
+(``opsd.controller.scoring``) run in the same pass when it is called alone (``tick``), on a thread of their own
+beside the passes when they run on their schedule (``tick_every``).
 """
 
 from __future__ import annotations
