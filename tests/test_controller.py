@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -275,16 +274,19 @@ def test_a_long_scoring_pass_holds_no_detection_pass_up(tmp_path: Path) -> None:
     detection passes go on meanwhile, every interval."""
     c = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG, clock=lambda: 3.0)
     healthy(c, 3)
-    scoring, release = threading.Event(), threading.Event()
+    scoring, release, five_passes = threading.Event(), threading.Event(), threading.Event()
     passes: list[float] = []
     tick = c.tick
 
     def long_score(run: str, now_s: float) -> None:
         scoring.set()
-        release.wait(10)
+        release.wait(60)  # until the passes below are counted (or never: a minute)
 
     def counted_tick(now_s: float, *, score: bool = True) -> list[Failure]:
-        passes.append(now_s)
+        if scoring.is_set() and not release.is_set():
+            passes.append(now_s)
+            if len(passes) >= 5:
+                five_passes.set()
         return tick(now_s, score=score)
 
     c._score = long_score  # type: ignore[method-assign]
@@ -293,10 +295,9 @@ def test_a_long_scoring_pass_holds_no_detection_pass_up(tmp_path: Path) -> None:
     thread = threading.Thread(target=c.tick_every, args=(0.02, stop))
     thread.start()
     try:
-        assert scoring.wait(5)
-        before = len(passes)
-        time.sleep(0.5)
-        assert len(passes) - before >= 5  # 25 passes due meanwhile; on a loaded machine, fewer
+        assert scoring.wait(30)
+        assert five_passes.wait(30)  # five detection passes while the scoring pass has not ended
+        assert not release.is_set()
     finally:
         release.set()
         stop.set()
