@@ -4,9 +4,11 @@ Made for one GPU (it runs on several, and on the CPU with ``--tiny``, which is h
 in well under 5 minutes. Each part runs in a process of its own and prints ``name=value`` lines; the command prints
 the device and the versions first, then every part's figures (docs/gpu.md says what each one means):
 
-- ``collectives``: a world of one on NCCL (gloo on CPU) with the monitor: all-reduces of 64 MiB (1 MiB tiny) timed
-  by the process group's completion hook, against CUDA events around them (the host on CPU); the timing source
-  and its fallbacks; then a Flight Recorder dump: its entries per backend, and the collectives the analysis reads;
+- ``collectives``: a world of one on NCCL (gloo on CPU) with the monitor: all-gathers of 1 GiB (1 MiB tiny; out of
+  place, so that even a world of one copies the data on the device) timed by the process group's completion hook,
+  against CUDA events around them (the host on CPU), after one that is not timed (NCCL creates its communicator at
+  the first collective); the timing source and its fallbacks; then a Flight Recorder dump: its entries per backend,
+  and the collectives the analysis reads;
 - ``overhead``: ``bench.hook_overhead`` (per-step pairs, blocks of steps, the host cost of a traced collective);
 - ``mfu``: the reference model in bf16 on the device: FLOPs per token by the formula and by ``FlopCounterMode``,
   the step time and MFU with each;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -36,7 +39,7 @@ PARTS = ("collectives", "overhead", "mfu", "checkpoint", "nvml")
 #: the figures each part prints (the test checks that each one is there)
 FIGURES: dict[str, tuple[str, ...]] = {
     "collectives": (
-        "collective_all_reduce_s",
+        "collective_all_gather_s",
         "collective_reported_over_measured_ratio",
         "collective_timing_source",
         "collective_timing_fallbacks",
@@ -103,7 +106,10 @@ def part_collectives(tiny: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = MonitorConfig(run_id="gpu-check", jsonl_path=f"{tmp}/steps.jsonl", flight_dir=f"{tmp}/flight")
         monitor = Monitor.from_mesh(mesh, None, config)
-        x = torch.ones((1 << 18) if tiny else (16 << 20), device=device)  # 1 MiB / 64 MiB of float32
+        x = torch.ones((1 << 18) if tiny else (1 << 28), device=device)  # 1 MiB / 1 GiB of float32
+        out = torch.empty_like(x)
+        dist.all_gather_into_tensor(out, x, group=group)  # not timed: NCCL sets its communicator up in the first one
+        synchronize(device)
         calls = 4
         measured = 0.0
         for _ in range(6):
@@ -115,7 +121,7 @@ def part_collectives(tiny: bool) -> None:
                 if start_event is not None:
                     start_event.record()
                 for _ in range(calls):
-                    dist.all_reduce(x, group=group)
+                    dist.all_gather_into_tensor(out, x, group=group)
                 if end_event is not None:
                     end_event.record()
                 synchronize(device)
@@ -126,8 +132,8 @@ def part_collectives(tiny: bool) -> None:
                 measured += ended - started
         monitor.close()
         reports = [json.loads(line) for line in Path(f"{tmp}/steps.jsonl").read_text().splitlines()]
-        reported = sum(entry[4] for r in reports for entry in r["comms"] if entry[1] == "all_reduce")
-        say("collective_all_reduce_s", f"{reported / (6 * calls):.6g}")
+        reported = sum(entry[4] for r in reports for entry in r["comms"] if entry[1] == "all_gather")
+        say("collective_all_gather_s", f"{reported / (6 * calls):.6g}")
         say("collective_reported_over_measured_ratio", f"{reported / measured:.4f}" if measured > 0 else "nan")
         say("collective_timing_source", "host" if TRACER.host_timed(group) else "gpu")
         say("collective_timing_fallbacks", TRACER.timing_fallbacks)
@@ -194,6 +200,9 @@ def part_nvml(tiny: bool) -> None:
     from agent.gpu import NvmlSource
     from opsd.errors import OpsError
 
+    # the source's warnings (a call NVML fails, and why) on stdout as notes, printed with the figures
+    logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="# %(message)s")
+
     try:
         source = NvmlSource()
     except (OpsError, ImportError) as exc:
@@ -209,7 +218,7 @@ def part_nvml(tiny: bool) -> None:
     say("nvml_fields_unsupported", sum(1 for v in values if v is None))
     say("nvml_field_errors", sum(source.field_errors.values()))
     for (gpu, field), n in sorted(source.field_errors.items()):
-        print(f"gpu {gpu}: {field} not read ({n} failed reads)", flush=True)
+        print(f"# gpu {gpu}: {field} not read ({n} failed reads)", flush=True)
     source.close()
 
 
@@ -242,6 +251,8 @@ def run_part(part: str, tiny: bool, timeout_s: float) -> list[str]:
     wanted = FIGURES[part]
     lines = [line for line in output.splitlines() if "=" in line and line.split("=", 1)[0] in wanted]
     print(f"# {part}: {time.perf_counter() - started:.1f} s", flush=True)
+    for note in (line for line in output.splitlines() if line.startswith("# ")):  # what a part says of its figures
+        print(note, flush=True)
     if failed or len(lines) < len(wanted):
         tail = proc.stderr[-2000:] if proc is not None else "timed out"
         print(f"# {part} failed:\n{tail}", file=sys.stderr, flush=True)

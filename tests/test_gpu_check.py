@@ -21,5 +21,5 @@ def test_gpu_check_prints_every_figure_on_the_cpu() -> None:
     assert missing == []
     assert not [name for name in printed if name.endswith("_failed")]
     assert printed["collective_timing_source"] == "host"  # gloo: no completion hook
-    assert int(printed["flight_recorder_entries_gloo"]) > 0  # the check's own all-reduces, recorded
+    assert int(printed["flight_recorder_entries_gloo"]) > 0  # the check's own all-gathers, recorded
     assert printed["flops_per_token_measured"] == printed["flops_per_token_formula"]  # docs/mfu.md: they agree
