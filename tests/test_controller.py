@@ -196,14 +196,19 @@ def test_stragglers_are_scored_on_the_mean_compute_between_heartbeats(controller
     assert status["stragglers"][0]["slowdown_ratio"] == pytest.approx(1.4)
 
 
+def saves_measured(c: Controller, **sums: float) -> None:
+    """Heartbeats at 4 s and 5 s in which every rank reports one save (``sums``: its seconds), each followed by a
+    pass."""
+    for t in (4.0, 5.0):
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            c.heartbeat(beat(n, [rank(r, int(t) + 1, checkpoints=1, **sums) for r in ranks]), t)
+        c.tick(t)
+
+
 def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Controller) -> None:
     healthy(controller, 3)
     assert controller.heartbeat(beat("n0", [rank(0, 4), rank(1, 4)]), 3.0).policy is None
-    for t in (4.0, 5.0):
-        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
-            ckpt = {"checkpoints": 1, "checkpoint_blocking_s": 2.0}
-            controller.heartbeat(beat(n, [rank(r, int(t) + 1, **ckpt) for r in ranks]), t)
-        controller.tick(t)
+    saves_measured(controller, checkpoint_blocking_s=2.0)
     policy = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0).policy
     assert policy is not None
     every, start = policy["checkpoint"]["every_steps"], policy["checkpoint"]["from_step"]
@@ -214,15 +219,40 @@ def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Cont
     assert "Daly interval" in status["cadence"]["reason"]
 
 
+def test_a_cadence_is_replaced_only_once_every_rank_is_past_its_first_step(controller: Controller) -> None:
+    """A published cadence holds from its step E on; before E, the ranks' own. Replaced while a rank has not passed
+    E, it would take the rule in force with it for the steps that rank decides now (docs/protocol.md, ``checkpoint``):
+    the controller waits until every rank has reported a step past E, then publishes the new one with it as
+    ``previous``."""
+    healthy(controller, 3)
+    saves_measured(controller, checkpoint_blocking_s=2.0)
+    first = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0).policy
+    assert first is not None
+    start = first["checkpoint"]["from_step"]
+
+    def policy_at(t: float, last_rank_step: int) -> dict[str, Any]:
+        """Saves that now cost 100 times as much (K moves far), rank 3 at ``last_rank_step``, the others past it."""
+        ckpt = {"checkpoints": 2, "checkpoint_blocking_s": 400.0}
+        controller.heartbeat(beat("n0", [rank(r, start + 50, **ckpt) for r in (0, 1)]), t)
+        controller.heartbeat(beat("n1", [rank(2, start + 50, **ckpt), rank(3, last_rank_step, **ckpt)]), t)
+        controller.tick(t)
+        policy = controller.heartbeat(beat("n0", [rank(0, start + 50), rank(1, start + 50)]), t).policy
+        assert policy is not None
+        return policy
+
+    assert policy_at(7.0, start) == first  # rank 3 has not decided step E yet: the cadence stays
+    replaced = policy_at(8.0, start + 1)
+    assert replaced["checkpoint"]["every_steps"] != first["checkpoint"]["every_steps"]
+    assert replaced["checkpoint"]["from_step"] > start + 50  # ahead of the newest step by the lead
+    previous = {"every_steps": first["checkpoint"]["every_steps"], "from_step": start}
+    assert replaced["checkpoint"]["previous"] == previous
+
+
 def test_the_cadence_is_never_shorter_than_the_measured_write(controller: Controller) -> None:
     """Asynchronous saves blocked 0.1 s but took 3000 s to be written and committed, more than the Daly interval
     (1342 s): a save that often would find the previous one still writing, so the cadence waits for the write."""
     healthy(controller, 3)
-    for t in (4.0, 5.0):
-        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
-            ckpt = {"checkpoints": 1, "checkpoint_blocking_s": 0.1, "checkpoint_total_s": 3000.0}
-            controller.heartbeat(beat(n, [rank(r, int(t) + 1, **ckpt) for r in ranks]), t)
-        controller.tick(t)
+    saves_measured(controller, checkpoint_blocking_s=0.1, checkpoint_total_s=3000.0)
     status = controller.status("job", 6.0)
     assert status is not None
     assert status["cadence"]["every_steps"] == 5000  # steps of 0.6 s

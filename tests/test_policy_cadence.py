@@ -15,6 +15,7 @@ from opsd.policy.cadence import (
     run_mtbf_s,
     young_interval_s,
 )
+from opsd.protocol.policy_file import Policy
 
 C = CadenceConfig(prior_mtbf_node_h=1000, prior_node_hours=1000)  # the prior is worth one prior failure
 
@@ -75,24 +76,29 @@ def test_interval_is_bounded() -> None:
 
 
 # 4 nodes under the prior C: MTBF 250 h = 900,000 s; a 2 s checkpoint -> Daly interval 1896.1 s
-CASES: dict[str, tuple[float, int, Cadence | None, tuple[int, int]]] = {
-    # name: (step_time_s, current_step, previous, (every_steps, from_step))
-    "fresh: lead of 30 s ahead": (1.0, 100, None, (1896, 130)),
-    "slow steps: lead at least 5 steps": (60.0, 7, None, (32, 12)),
-    "previous kept when K barely moves": (1.0, 500, Cadence(1800, 130, 0.0, 0.0, "kept"), (1800, 130)),
-    "previous replaced when K moves > 20%": (1.0, 500, Cadence(1000, 130, 0.0, 0.0, "old"), (1896, 530)),
+CASES: dict[str, tuple[float, int, int, Cadence | None, tuple[int, int]]] = {
+    # name: (step_time_s, current_step, slowest_step, previous, (every_steps, from_step))
+    "fresh: lead of 30 s ahead": (1.0, 100, 99, None, (1896, 130)),
+    "slow steps: lead at least 5 steps": (60.0, 7, 7, None, (32, 12)),
+    "previous kept when K barely moves": (1.0, 500, 499, Cadence(1800, 130, 0.0, 0.0, "kept"), (1800, 130)),
+    "previous replaced when K moves > 20%": (1.0, 500, 499, Cadence(1000, 130, 0.0, 0.0, "old"), (1896, 530)),
+    "previous kept until every rank is past its E": (1.0, 500, 130, Cadence(1000, 130, 0.0, 0.0, "old"), (1000, 130)),
+    "previous not yet in force anywhere: kept": (1.0, 100, 99, Cadence(1000, 130, 0.0, 0.0, "old"), (1000, 130)),
 }
 
 
-@pytest.mark.parametrize(("step_time_s", "current_step", "previous", "expected"), CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize(
+    ("step_time_s", "current_step", "slowest_step", "previous", "expected"), CASES.values(), ids=CASES.keys()
+)
 def test_plan_cadence(
-    step_time_s: float, current_step: int, previous: Cadence | None, expected: tuple[int, int]
+    step_time_s: float, current_step: int, slowest_step: int, previous: Cadence | None, expected: tuple[int, int]
 ) -> None:
     config = CadenceConfig(prior_mtbf_node_h=1000, prior_node_hours=1000, min_interval_s=1, lead_s=30)
     cadence = plan_cadence(
         checkpoint_cost_s=2.0,
         step_time_s=step_time_s,
         current_step=current_step,
+        slowest_step=slowest_step,
         failures=0,
         node_hours=0,
         nodes=4,
@@ -124,6 +130,7 @@ def test_the_interval_is_never_shorter_than_the_write(
         checkpoint_cost_s=2.0,
         step_time_s=1.0,
         current_step=500,
+        slowest_step=500,
         failures=0,
         node_hours=0,
         nodes=4,
@@ -138,10 +145,55 @@ def test_the_interval_is_never_shorter_than_the_write(
 def test_a_new_cadence_is_published_when_k_moves_enough() -> None:
     config = CadenceConfig(prior_mtbf_node_h=1000, prior_node_hours=1000, min_interval_s=1, lead_s=10)
     args = {"checkpoint_cost_s": 2.0, "step_time_s": 1.0, "node_hours": 0.0, "nodes": 4, "config": config}
-    first = plan_cadence(current_step=0, failures=0, **args)  # type: ignore[arg-type]
-    after_failures = plan_cadence(current_step=50, failures=30, previous=first, **args)  # type: ignore[arg-type]
+    first = plan_cadence(current_step=0, slowest_step=0, failures=0, **args)  # type: ignore[arg-type]
+    after_failures = plan_cadence(current_step=50, slowest_step=49, failures=30, previous=first, **args)  # type: ignore[arg-type]
     assert after_failures.every_steps < first.every_steps  # more failures: save more often
     assert after_failures.from_step == 60  # from a step safely ahead
+
+
+def policy_of(cadence: Cadence, previous: Cadence | None) -> Policy:
+    """The ranks' policy as the controller publishes it: the cadence and the one it replaced."""
+    before = (previous.every_steps, previous.from_step) if previous is not None else (None, 0)
+    return Policy(cadence.every_steps, cadence.from_step, previous_every_steps=before[0], previous_from_step=before[1])
+
+
+def test_a_newer_policy_decides_every_step_a_rank_may_reach_before_it_as_the_one_before() -> None:
+    """The controller plans as the checkpoint's cost is measured, K moving by more than 20% each time, a step of
+    0.083 s, ranks saving every 20 steps of their own. Each node's file changes at its next heartbeat: until the
+    slower one reads it, ranks decide with two versions. They must agree on every step from the slowest rank's to
+    the newest's lead: one that saves while its peer does not waits in the save's collective for good."""
+    config = CadenceConfig()
+    local_every = 20
+    previous: Cadence | None = None
+    cadence: Cadence | None = None
+    published: list[Policy] = []
+    for newest, cost_s in ((267, 0.05), (700, 0.2), (750, 0.8), (1200, 3.0), (1250, 12.0)):
+        planned = plan_cadence(
+            checkpoint_cost_s=cost_s,
+            step_time_s=0.083,
+            current_step=newest,
+            slowest_step=newest - 1,  # ranks in step: the other one a step behind
+            failures=0,
+            node_hours=0.0,
+            nodes=2,
+            config=config,
+            previous=cadence,
+        )
+        if planned is cadence:
+            continue
+        previous, cadence = cadence, planned
+        published.append(policy_of(cadence, previous))
+        if len(published) < 2:
+            continue
+        older, newer = published[-2:]
+        horizon = newest + math.ceil(config.lead_s / 0.083)
+        disagree = [
+            s
+            for s in range(newest - 1, horizon)
+            if older.checkpoint_due(s, s % local_every == 0) != newer.checkpoint_due(s, s % local_every == 0)
+        ]
+        assert disagree == [], (newest, older, newer)
+    assert len(published) >= 2  # the case is one of a cadence replaced
 
 
 @pytest.mark.parametrize(

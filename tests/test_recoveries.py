@@ -20,7 +20,7 @@ import json
 import statistics
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
 from opsd.controller.rows import IncidentRow
 from opsd.errors import PermanentError
+from opsd.policy.cadence import CadenceConfig
 from opsd.runtime.local import run_local
 from opsd.runtime.server import ServeConfig
 from tests.faults import inject
@@ -48,6 +49,7 @@ CLEAN_S = 120.0
 FLAG_WITHIN_S = 60.0
 HANG_FLOOR_S = 10.0  # the check: detected within max(3 x median step, 10 s)
 PHASE_LIMIT_S = 90.0  # a phase that takes longer ends the scenario (and fails the test)
+REPUBLISHED_S = 45.0  # how long the ranks train under a cadence republished every few seconds
 
 
 @dataclass
@@ -274,3 +276,32 @@ def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) 
     )
     assert "rank 1 waited" in incident["detail"]
     assert incident["detected_s"] - stopped_at["hang"] <= 6.0  # 2 s of waiting, then a watchdog round and a heartbeat
+
+
+def test_a_cadence_republished_often_never_makes_ranks_disagree(tmp_path: Path) -> None:
+    """The controller republishes the cadence whenever K moves at all (``change_ratio`` 0), 2 s ahead (``lead_s``):
+    on 2 nodes x 1 rank (saving every 20 steps of their own) that is a new cadence every few seconds, each node's
+    file changing at its own heartbeat. Each new cadence keeps the one in force as ``previous``, so that the ranks
+    decide every step alike whichever file they read: a rank that saved while its peer did not would wait for it in
+    the save's collective, and the controller would see a hang."""
+    config, spec = two_nodes(tmp_path, hang_floor_s=8.0)
+    cadence = CadenceConfig(lead_s=2.0, change_ratio=0.0, min_interval_s=1.0)
+    config = replace(config, controller=replace(config.controller, cadence=cadence))
+    stop = threading.Event()
+    seen: dict[tuple[int, int], float] = {}  # each cadence published: when it was first seen
+    steps: list[int] = []
+
+    def on_poll(controller: Controller, backend: LocalBackend, now_s: float) -> None:
+        status = controller.status(RUN, now_s)
+        assert status is not None
+        if status["cadence"] is not None:
+            seen.setdefault((status["cadence"]["every_steps"], status["cadence"]["from_step"]), now_s)
+            steps.append(status["step"])
+        if controller.store.incidents(RUN) or (seen and now_s - min(seen.values()) >= REPUBLISHED_S):
+            stop.set()
+
+    status = run_local(config, spec, on_poll=on_poll, stop=stop, timeout_s=300)
+    assert status["incidents"] == [], status["incidents"]
+    assert len(seen) >= 4, seen  # republished again and again
+    passed = [start for _, start in seen if start < steps[-1]]
+    assert len(passed) >= 3, (seen, steps[-1])  # and the ranks went past each one's first step

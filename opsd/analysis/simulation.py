@@ -302,6 +302,7 @@ class _Run:
             checkpoint_cost_s=self.c.checkpoint_blocking_s,
             step_time_s=self.c.step_time_s,
             current_step=int(work / self.c.step_time_s),
+            slowest_step=int(work / self.c.step_time_s),  # one job in step
             failures=self._restoring(),
             node_hours=self.s.workload.nodes * t / 3600.0,
             nodes=self.s.workload.nodes,

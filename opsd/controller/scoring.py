@@ -100,8 +100,11 @@ class Scoring(ControllerCore):
             cost_s = live.checkpoint_blocking_s / live.checkpoints
             write_s = live.checkpoint_total_s / live.checkpoints
             nodes = max(1, len(live.rank_nodes))
+            steps = [r.step for r in live.ranks.values() if r.exit_code is None]
+            if not steps:
+                return  # no rank runs: nothing to plan for
             step_time_s = statistics.median(live.step_times_s)
-            current_step = live.newest_step
+            current_step, slowest_step = live.newest_step, min(steps)
             previous = self.remember(run.id).cadence
         # the failures a checkpoint is for: a replica group recovered alone restored none (docs/ft.md)
         failures = [i for i in self.store.incidents(run.id) if i.kind not in NOT_FAILURES and i.replica_group is None]
@@ -110,6 +113,7 @@ class Scoring(ControllerCore):
             checkpoint_cost_s=cost_s,
             step_time_s=step_time_s,
             current_step=current_step,
+            slowest_step=slowest_step,
             failures=len(failures),
             node_hours=node_hours,
             nodes=nodes,

@@ -12,6 +12,11 @@ Pure: counts, hours and seconds in; numbers and a ``Cadence`` out. No clocks.
   sqrt(2 d M) (J. W. Young, CACM 1974) is its leading term. Bounded by ``min_interval_s`` / ``max_interval_s``.
 - Steps: the interval over the observed step time, at least 1, published as "every K steps from step E" with E
   far enough ahead (``lead_s``, at least ``min_lead_steps``) that every node has the new policy before it.
+- Never replaced before it is in force: the policy carries the new cadence and the one before it (``previous``),
+  nothing older. A cadence replaced while its own E is ahead of some rank would take the one in force with it:
+  the steps up to E would fall back to the ranks' local cadence, now, on each rank as its node's file changes,
+  and a rank that saves while its peer does not waits in the save's collective for good (a hang). So a published
+  cadence stays until every rank has reported a step past its E (``slowest_step``).
 - Never shorter than the write: an asynchronous save keeps writing after training resumed, and a save due while
   the previous one is still writing is skipped (``trainer_hooks.checkpoint``). The interval is at least the
   measured write time (a save's start to its commit, ``write_s``), so that a cadence never asks for saves that
@@ -94,6 +99,7 @@ def plan_cadence(
     checkpoint_cost_s: float,
     step_time_s: float,
     current_step: int,
+    slowest_step: int,
     failures: int,
     node_hours: float,
     nodes: int,
@@ -102,12 +108,16 @@ def plan_cadence(
     write_s: float = 0.0,
 ) -> Cadence:
     """The cadence to publish now, never more often than a save takes to be written (``write_s``: the measured
-    time from a save's start to its commit). Keeps ``previous`` (same K, same E) unless K changes by more than
-    ``change_ratio``, so that agents and ranks are not sent a new schedule every heartbeat."""
+    time from a save's start to its commit). ``current_step``: the newest step a rank reported; ``slowest_step``:
+    the newest step every rank reported. Keeps ``previous`` (same K, same E) until every rank is past its E, then
+    unless K changes by more than ``change_ratio``, so that agents and ranks are not sent a new schedule every
+    heartbeat."""
     if step_time_s <= 0:
         raise ValueError("step_time_s must be > 0")
     if write_s < 0:
         raise ValueError("write_s must be >= 0")
+    if previous is not None and slowest_step <= previous.from_step:
+        return previous  # not in force on every rank yet: replacing it would change the steps they decide now
     mtbf = run_mtbf_s(failures, node_hours, nodes, config)
     tau = interval_s(checkpoint_cost_s, mtbf, config)
     every = max(1, round(tau / step_time_s))
