@@ -248,6 +248,35 @@ def test_a_cadence_is_replaced_only_once_every_rank_is_past_its_first_step(contr
     assert replaced["checkpoint"]["previous"] == previous
 
 
+def test_a_controller_started_again_replaces_the_cadence_its_predecessor_published(tmp_path: Path) -> None:
+    """The cadence published is kept in the store: a controller started again on it (or one that takes over) tells
+    the ranks the same policy from its first reply, and replaces it as the one before would have, with it as
+    ``previous``. Without it, its first cadence would come without ``previous``, and the steps up to it would fall
+    back to the ranks' local cadence while the nodes' files change."""
+    url = f"sqlite:///{tmp_path / 'opsd.db'}"
+    before = Controller(StateStore.open(url), CONFIG)
+    healthy(before, 3)
+    saves_measured(before, checkpoint_blocking_s=2.0)
+    published = before.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0).policy
+    assert published is not None
+
+    again = Controller(StateStore.open(url), CONFIG)
+    again.tick(7.0)
+    assert again.heartbeat(beat("n0", [rank(0, 8), rank(1, 8)]), 7.0).policy == published
+    start = published["checkpoint"]["from_step"]
+    ckpt = {"checkpoints": 2, "checkpoint_blocking_s": 400.0}  # saves now cost 100 times as much: K moves far
+    for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+        again.heartbeat(beat(n, [rank(r, start + 50, **ckpt) for r in ranks]), 8.0)
+    again.tick(8.0)
+    replaced = again.heartbeat(beat("n0", [rank(0, start + 50), rank(1, start + 50)]), 8.0).policy
+    assert replaced is not None
+    assert replaced["checkpoint"]["previous"] == {
+        "every_steps": published["checkpoint"]["every_steps"],
+        "from_step": start,
+    }
+    assert replaced["checkpoint"]["from_step"] > start + 50
+
+
 def test_the_cadence_is_never_shorter_than_the_measured_write(controller: Controller) -> None:
     """Asynchronous saves blocked 0.1 s but took 3000 s to be written and committed, more than the Daly interval
     (1342 s): a save that often would find the previous one still writing, so the cadence waits for the write."""

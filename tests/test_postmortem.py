@@ -388,7 +388,8 @@ def pixel_counts(rgb: Image.Image) -> dict[tuple[int, ...], int]:
 def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
     """The bundle as ``GET /v1/runs/{run}/postmortem`` makes it from a real state store, through JSON."""
     from opsd.controller.controller import Controller
-    from opsd.controller.state import LaunchSample, StateStore
+    from opsd.controller.rows import LaunchSample
+    from opsd.controller.state import StateStore
     from opsd.controller.views import postmortem_bundle
 
     t0 = 1_800_000_000.0
@@ -503,7 +504,8 @@ def test_a_finished_pipelined_run_keeps_its_last_bubble_for_status_and_post_mort
     post-mortem show, labelled with its launch, with the run's average beside it."""
     from opsd.cli.tables import status_table
     from opsd.controller.controller import Controller
-    from opsd.controller.state import LaunchSample, StateStore
+    from opsd.controller.rows import LaunchSample
+    from opsd.controller.state import StateStore
     from opsd.controller.views import postmortem_bundle
     from tests.test_cli_tables import render as render_table
 

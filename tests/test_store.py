@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from opsd.controller.rows import RunSpec
+from opsd.controller.rows import PublishedCadence, RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import ConfigError
+from opsd.policy.cadence import Cadence
 from tests.rows import stored
 
 
@@ -49,6 +50,20 @@ def test_runs(store: StateStore) -> None:
     assert stored(store.run("r1")).spec == RunSpec(nodes=3)
     with pytest.raises(ValueError, match="unknown fields"):
         store.update_run("r1", 13.0, created_s=1.0)
+
+
+def test_a_runs_published_cadence_is_kept_without_touching_its_state(store: StateStore) -> None:
+    store.create_run("r1", RunSpec(nodes=2), now_s=10.0)
+    assert stored(store.run("r1")).cadence is None
+    first = Cadence(500, 1200, 600.0, 3600.0, "Daly interval 600 s")
+    second = Cadence(250, 1800, 300.0, 1800.0, "more failures")
+    store.publish_cadence("r1", PublishedCadence(first))
+    store.publish_cadence("r1", PublishedCadence(second, first))
+    run = stored(store.run("r1"))
+    assert (run.cadence, run.updated_s) == (PublishedCadence(second, first), 10.0)
+    with store.engine.begin() as c:
+        c.execute(sa.text("""UPDATE runs SET cadence = '{"current": 3}'"""))
+    assert stored(store.run("r1")).cadence is None  # one that does not fit is read as none (and logged)
 
 
 def test_nodes(store: StateStore) -> None:

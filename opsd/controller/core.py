@@ -36,8 +36,8 @@ from opsd.controller.live import (
     comm_totals,
 )
 from opsd.controller.port import Backend
-from opsd.controller.rows import NodeRow, RunRow
-from opsd.controller.state import LaunchSample, StateStore
+from opsd.controller.rows import LaunchSample, NodeRow, RunRow
+from opsd.controller.state import StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.policy.detection import Failure
 from opsd.policy.pipeline import RunBubble, run_bubble

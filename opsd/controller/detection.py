@@ -99,6 +99,7 @@ class Detection(Scoring):
                     self._settle(run, now_s)
                 if run.state != RunState.RUNNING:
                     continue
+                self.adopt_cadence(run)  # this controller's first pass: the cadence its predecessor published
                 self._progress(run, now_s)
                 failures = self._detect(run.id, now_s, run.spec.replicas.fault_tolerant)
                 if failures:

@@ -381,7 +381,8 @@ def comm_totals(stacks: dict[tuple[str, str, str], int], held: list[NodeComms]) 
 class RunMemory:
     """All the controller keeps of one run in memory, in one record, dropped a while after the run ended (a
     finished run is answered from the state store): its current launch's ranks, what it publishes to them, and
-    what it measured. Nothing here is durable; after a restart it is rebuilt from the heartbeats."""
+    what it measured. Rebuilt after a restart from the heartbeats, but for the cadence published, which the store
+    keeps too (``RunRow.cadence``: taken up again by ``adopt_cadence``)."""
 
     live: RunLive | None = None  # the ranks of the current launch (None: none heard from since it began)
     cadence: Cadence | None = None  # the checkpoint cadence published to its ranks

@@ -1,7 +1,7 @@
 """The rows of the controller's state store, typed: a run and its spec, a node, an incident, a recovery action, a
-launch's record, a Flight Recorder dump. The store (``opsd.controller.state``) reads and writes them; the
-controller, the backends' runners and the API take them as they are (the API answers them as JSON: every field is a
-JSON value, enums as their strings).
+launch's record and what it measured, a run's published cadence, a Flight Recorder dump. The store
+(``opsd.controller.state``) reads and writes them; the controller, the backends' runners and the API take them as
+they are (the API answers them as JSON: every field is a JSON value, enums as their strings).
 
 Frozen: a row is what the store held when it was read. To change one, the store is told (``update_run``,
 ``upsert_node``, ...) and read again.
@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from opsd.policy.cadence import Cadence
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
@@ -97,6 +98,48 @@ def encode_groups(groups: dict[int, GroupLaunch]) -> str:
     return msgspec.json.encode(groups).decode()
 
 
+@dataclass(frozen=True)
+class LaunchSample:
+    """What a launch measured, as of now (``StateStore.record_launch``)."""
+
+    first_step: int | None = None
+    last_step: int | None = None
+    ranks: int = 0
+    progressed: bool = False  # it stepped since the last sample: ``mfu_ratio`` and ``tokens_per_s`` count
+    mfu_ratio: float = 0.0
+    tokens_per_s: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds of this launch
+    pipeline: dict[str, Any] | None = None  # its pipeline bubble now (``pipeline_view``), when its ranks report one
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedCadence:
+    """The checkpoint cadence last published to a run's ranks and the one it replaced (their policy's ``checkpoint``
+    and its ``previous``), as the store keeps it: a controller started again, or one that takes over, replaces it
+    as the one before would have, keeping the rule in force (docs/protocol.md)."""
+
+    current: Cadence
+    previous: Cadence | None = None
+
+
+_CADENCE_DECODER = msgspec.json.Decoder(PublishedCadence)
+
+
+def decode_cadence(data: str | bytes | None) -> PublishedCadence | None:
+    """A run's published cadence as the store keeps it (None: none published, or a store before them)."""
+    if not data:
+        return None
+    try:
+        return _CADENCE_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        log.warning("a run's cadence in the state store does not fit (%r): read as none", data[:200])
+        return None
+
+
+def encode_cadence(cadence: PublishedCadence) -> str:
+    return msgspec.json.encode(cadence).decode()
+
+
 def as_json(value: Any) -> Any:
     """Rows (and what holds them) as JSON values: dataclasses as objects, enums as their strings."""
     return msgspec.to_builtins(value)
@@ -114,6 +157,7 @@ class RunRow:
     final_step: int | None  # where a finished run ended
     first_productive_s: float | None  # its first productive step (the end of its launch and initialisation)
     groups: dict[int, GroupLaunch] = field(default_factory=dict)  # a fault-tolerant run's replica groups
+    cadence: PublishedCadence | None = None  # the checkpoint cadence last published to its ranks
 
     def active_groups(self) -> list[int]:
         """The replica groups in service (not out waiting for a node)."""

@@ -46,6 +46,7 @@ runs = Table(
     Column("final_step", Integer),
     Column("first_productive_s", Float),  # its first productive step (the end of its launch and initialisation)
     Column("groups", Text),  # JSON: a fault-tolerant run's replica groups, their launch and nodes (rows.GroupLaunch)
+    Column("cadence", Text),  # JSON: the checkpoint cadence last published to its ranks (rows.PublishedCadence)
 )
 
 nodes = Table(

@@ -17,7 +17,7 @@ from functools import partial
 from opsd.controller.core import ControllerCore
 from opsd.controller.incidents import NOT_FAILURES, straggler_key
 from opsd.controller.live import Samples
-from opsd.controller.rows import RunRow
+from opsd.controller.rows import PublishedCadence, RunRow
 from opsd.policy.cadence import plan_cadence
 from opsd.policy.stragglers import is_straggler, peer_ratios, score_rank
 from opsd.protocol.states import IncidentKind, IncidentState
@@ -100,7 +100,21 @@ class Scoring(ControllerCore):
             ranks = live.ranks.values() if live is not None else ()
             return min((r.step for r in ranks if r.exit_code is None), default=-1)
 
+    def adopt_cadence(self, run: RunRow, *, store_first: bool = False) -> None:
+        """Take up the cadence the store says was published to the ranks of ``run`` (a controller started again, or
+        one that took over, then replaces it as its predecessor would have, keeping the rule in force): when this
+        controller has none, or (``store_first``: the planning, the only thread that publishes, on a row read
+        after its own last write) when the store's is another's, published since."""
+        stored = run.cadence
+        if stored is None:
+            return
+        with self.lock:
+            memory = self.remember(run.id)
+            if memory.cadence is None or (store_first and memory.cadence != stored.current):
+                memory.cadence, memory.previous_cadence = stored.current, stored.previous
+
     def _plan(self, run: RunRow, now_s: float) -> None:
+        self.adopt_cadence(run, store_first=True)
         with self.lock:
             live = self.live_of(run.id)
             if live is None or not live.step_times_s or not live.checkpoints:
@@ -132,6 +146,7 @@ class Scoring(ControllerCore):
             # them in ~5 ms under the lock the API's thread waits for: only when a cadence would change)
             cadence = plan(slowest_step=self._slowest_step(run.id))
         if cadence is not previous:
+            self.store.publish_cadence(run.id, PublishedCadence(cadence, previous))  # first: what a successor reads
             log.info(
                 "run %s: checkpoint every %d steps from step %d: %s",
                 run.id,

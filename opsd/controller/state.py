@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -41,11 +41,15 @@ from opsd.controller.rows import (
     FlightDumpRow,
     IncidentRow,
     LaunchRow,
+    LaunchSample,
     NodeRow,
+    PublishedCadence,
     RunRow,
     RunSpec,
+    decode_cadence,
     decode_groups,
     decode_spec,
+    encode_cadence,
     encode_groups,
     encode_spec,
 )
@@ -108,6 +112,11 @@ class StateStore:
             fields["groups"] = encode_groups(fields["groups"])
         with self._tx() as c:
             c.execute(update(runs).where(runs.c.id == run).values(updated_s=now_s, **fields))
+
+    def publish_cadence(self, run: str, cadence: PublishedCadence) -> None:
+        """Keep the cadence published to ``run``'s ranks (the run's ``updated_s`` stays: its state did not change)."""
+        with self._tx() as c:
+            c.execute(update(runs).where(runs.c.id == run).values(cadence=encode_cadence(cadence)))
 
     # -- nodes -------------------------------------------------------------------------------------------------
     def upsert_node(self, name: str, now_s: float, **fields: Any) -> None:
@@ -394,23 +403,9 @@ class StateStore:
             return {int(r) for r in c.execute(query).scalars().all()}
 
 
-@dataclass(frozen=True)
-class LaunchSample:
-    """What a launch measured, as of now (``StateStore.record_launch``)."""
-
-    first_step: int | None = None
-    last_step: int | None = None
-    ranks: int = 0
-    progressed: bool = False  # it stepped since the last sample: ``mfu_ratio`` and ``tokens_per_s`` count
-    mfu_ratio: float = 0.0
-    tokens_per_s: float = 0.0
-    comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds of this launch
-    pipeline: dict[str, Any] | None = None  # its pipeline bubble now (``pipeline_view``), when its ranks report one
-
-
 def _run_row(row: Any) -> RunRow:
-    spec, groups = decode_spec(row["spec"]), decode_groups(row["groups"])
-    return RunRow(**{**row, "spec": spec, "state": RunState(row["state"]), "groups": groups})
+    spec, groups, cadence = decode_spec(row["spec"]), decode_groups(row["groups"]), decode_cadence(row["cadence"])
+    return RunRow(**{**row, "spec": spec, "state": RunState(row["state"]), "groups": groups, "cadence": cadence})
 
 
 def _matching(table: Table, **given: Any) -> list[ColumnElement[bool]]:
