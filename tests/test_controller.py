@@ -205,6 +205,19 @@ def saves_measured(c: Controller, **sums: float) -> None:
         c.tick(t)
 
 
+def costlier_saves(c: Controller, t: float, step: int, last_rank_step: int | None = None) -> dict[str, Any]:
+    """Heartbeats at ``t`` in which saves cost 100 times as much as in ``saves_measured`` (K moves far), every rank
+    at ``step`` but rank 3 at ``last_rank_step`` (default: ``step``), a pass; the policy then told."""
+    ckpt = {"checkpoints": 2, "checkpoint_blocking_s": 400.0}
+    last = step if last_rank_step is None else last_rank_step
+    c.heartbeat(beat("n0", [rank(r, step, **ckpt) for r in (0, 1)]), t)
+    c.heartbeat(beat("n1", [rank(2, step, **ckpt), rank(3, last, **ckpt)]), t)
+    c.tick(t)
+    policy = c.heartbeat(beat("n0", [rank(0, step), rank(1, step)]), t).policy
+    assert policy is not None
+    return policy
+
+
 def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Controller) -> None:
     healthy(controller, 3)
     assert controller.heartbeat(beat("n0", [rank(0, 4), rank(1, 4)]), 3.0).policy is None
@@ -230,18 +243,8 @@ def test_a_cadence_is_replaced_only_once_every_rank_is_past_its_first_step(contr
     assert first is not None
     start = first["checkpoint"]["from_step"]
 
-    def policy_at(t: float, last_rank_step: int) -> dict[str, Any]:
-        """Saves that now cost 100 times as much (K moves far), rank 3 at ``last_rank_step``, the others past it."""
-        ckpt = {"checkpoints": 2, "checkpoint_blocking_s": 400.0}
-        controller.heartbeat(beat("n0", [rank(r, start + 50, **ckpt) for r in (0, 1)]), t)
-        controller.heartbeat(beat("n1", [rank(2, start + 50, **ckpt), rank(3, last_rank_step, **ckpt)]), t)
-        controller.tick(t)
-        policy = controller.heartbeat(beat("n0", [rank(0, start + 50), rank(1, start + 50)]), t).policy
-        assert policy is not None
-        return policy
-
-    assert policy_at(7.0, start) == first  # rank 3 has not decided step E yet: the cadence stays
-    replaced = policy_at(8.0, start + 1)
+    assert costlier_saves(controller, 7.0, start + 50, last_rank_step=start) == first  # rank 3 has not decided E
+    replaced = costlier_saves(controller, 8.0, start + 50, last_rank_step=start + 1)
     assert replaced["checkpoint"]["every_steps"] != first["checkpoint"]["every_steps"]
     assert replaced["checkpoint"]["from_step"] > start + 50  # ahead of the newest step by the lead
     previous = {"every_steps": first["checkpoint"]["every_steps"], "from_step": start}
@@ -264,12 +267,7 @@ def test_a_controller_started_again_replaces_the_cadence_its_predecessor_publish
     again.tick(7.0)
     assert again.heartbeat(beat("n0", [rank(0, 8), rank(1, 8)]), 7.0).policy == published
     start = published["checkpoint"]["from_step"]
-    ckpt = {"checkpoints": 2, "checkpoint_blocking_s": 400.0}  # saves now cost 100 times as much: K moves far
-    for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
-        again.heartbeat(beat(n, [rank(r, start + 50, **ckpt) for r in ranks]), 8.0)
-    again.tick(8.0)
-    replaced = again.heartbeat(beat("n0", [rank(0, start + 50), rank(1, start + 50)]), 8.0).policy
-    assert replaced is not None
+    replaced = costlier_saves(again, 8.0, start + 50)
     assert replaced["checkpoint"]["previous"] == {
         "every_steps": published["checkpoint"]["every_steps"],
         "from_step": start,

@@ -49,7 +49,7 @@ CLEAN_S = 120.0
 FLAG_WITHIN_S = 60.0
 HANG_FLOOR_S = 10.0  # the check: detected within max(3 x median step, 10 s)
 PHASE_LIMIT_S = 90.0  # a phase that takes longer ends the scenario (and fails the test)
-REPUBLISHED_S = 45.0  # how long the ranks train under a cadence republished every few seconds
+REPUBLISHED_STEPS = 500  # how long the ranks train under a cadence republished every few seconds (~40 s here)
 
 
 @dataclass
@@ -279,28 +279,37 @@ def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) 
 
 
 def test_a_cadence_republished_often_never_makes_ranks_disagree(tmp_path: Path) -> None:
-    """The controller republishes the cadence whenever K moves at all (``change_ratio`` 0), 2 s ahead (``lead_s``):
-    on 2 nodes x 1 rank (saving every 20 steps of their own) that is a new cadence every few seconds, each node's
-    file changing at its own heartbeat. Each new cadence keeps the one in force as ``previous``, so that the ranks
-    decide every step alike whichever file they read: a rank that saved while its peer did not would wait for it in
-    the save's collective, and the controller would see a hang."""
+    """The controller republishes the cadence whenever K moves at all (``change_ratio`` 0), 5 s ahead (``lead_s``:
+    more than a telemetry interval for the newest step to be heard, another for the policy to reach each node, and
+    the rank's second between looks at its file; with 2 s, a rank could reach the new cadence's first step before
+    it had read it): on 2 nodes x 1 rank (saving every 20 steps of their own) that is a new cadence every few
+    seconds, each node's file changing at its own heartbeat. Each new cadence keeps the one in force as
+    ``previous``, so that the ranks decide every step alike whichever file they read: a rank that saved while its
+    peer did not would wait for it in the save's collective, and the controller would see a hang."""
     config, spec = two_nodes(tmp_path, hang_floor_s=8.0)
-    cadence = CadenceConfig(lead_s=2.0, change_ratio=0.0, min_interval_s=1.0)
+    cadence = CadenceConfig(lead_s=5.0, change_ratio=0.0, min_interval_s=1.0)
     config = replace(config, controller=replace(config.controller, cadence=cadence))
     stop = threading.Event()
-    seen: dict[tuple[int, int], float] = {}  # each cadence published: when it was first seen
+    seen: dict[tuple[int, int], int] = {}  # each cadence published: the step when it was first seen
     steps: list[int] = []
+    problem: list[str] = []
+    first_poll_s: list[float] = []
 
     def on_poll(controller: Controller, backend: LocalBackend, now_s: float) -> None:
+        first_poll_s[:] = first_poll_s or [now_s]
         status = controller.status(RUN, now_s)
         assert status is not None
         if status["cadence"] is not None:
-            seen.setdefault((status["cadence"]["every_steps"], status["cadence"]["from_step"]), now_s)
+            seen.setdefault((status["cadence"]["every_steps"], status["cadence"]["from_step"]), status["step"])
             steps.append(status["step"])
-        if controller.store.incidents(RUN) or (seen and now_s - min(seen.values()) >= REPUBLISHED_S):
+        if controller.store.incidents(RUN) or (seen and steps[-1] - min(seen.values()) >= REPUBLISHED_STEPS):
+            stop.set()
+        elif now_s - first_poll_s[0] > 2 * PHASE_LIMIT_S:  # a deadline, not a duration: the steps end it
+            problem.append(f"{REPUBLISHED_STEPS} steps under republished cadences not trained within 180 s")
             stop.set()
 
     status = run_local(config, spec, on_poll=on_poll, stop=stop, timeout_s=300)
+    assert not problem, (problem, seen, steps[-1:])
     assert status["incidents"] == [], status["incidents"]
     assert len(seen) >= 4, seen  # republished again and again
     passed = [start for _, start in seen if start < steps[-1]]
