@@ -24,7 +24,7 @@ from agent import reporter as reporter_module
 from agent.reporter import Reporter, ReporterConfig, with_port
 from agent.state import NodeState
 from opsd.api.heartbeat_ingest import Told
-from opsd.api.heartbeat_worker import Mirror, View, WorkerConfig
+from opsd.api.heartbeat_worker import MAX_BODY_BYTES, Mirror, View, WorkerConfig
 from opsd.backends.local.processes import free_port
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
@@ -136,6 +136,16 @@ def post(port: int, body: bytes, token: str) -> tuple[int, bytes]:
         conn.close()
 
 
+def raw(port: int, data: bytes) -> bytes:
+    """What the server answers ``data`` with, up to its closing the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(data)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
 @pytest.fixture
 def served(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[tuple[Controller, int, int]]:
     """The real API with its heartbeat process on a free port: (controller, the API's port, the process's pid)."""
@@ -211,11 +221,14 @@ def test_the_agent_moves_to_the_process_and_the_controller_takes_what_it_answere
         status, detail = post(heartbeat_port, b'{"v": 1, "node": "n-a", "time_unix_s": "now"}', "agent-token")
         assert (status, b"time_unix_s" in detail) == (422, True)
         assert post(heartbeat_port, encode(beat("n-new", runs=(run,))), "agent-token")[0] == SEND_TO_API
+        too_large = b"POST /v1/heartbeat HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)
+        assert raw(heartbeat_port, too_large).startswith(b"HTTP/1.1 413 ")  # at once, the body not read
+        assert raw(heartbeat_port, b"\x16\x03\x01 not HTTP\r\n\r\n").startswith(b"HTTP/1.1 400 ")
         wait_for(
             "the refusals counted",
             lambda: all(
                 counters(port)[f"opsd_controller_rejected_requests_total{{{r}}}"] == 1
-                for r in ("auth", "forbidden", "validation")
+                for r in ("auth", "forbidden", "validation", "too_large", "malformed")
             ),
             10,
         )

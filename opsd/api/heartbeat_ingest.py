@@ -26,7 +26,7 @@ from typing import Any
 
 from opsd.api import pipes
 from opsd.api.auth import Credentials
-from opsd.api.heartbeat_worker import NodeView, Taken, View, WorkerConfig
+from opsd.api.heartbeat_worker import BACKLOG, NodeView, Taken, View, WorkerConfig
 from opsd.api.liveness import RETRY_S
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
@@ -37,8 +37,6 @@ from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.05
-#: connections waiting to be accepted: a 12,288-node job's agents move to the port within a few seconds
-BACKLOG = 16384
 
 
 @dataclass(frozen=True)

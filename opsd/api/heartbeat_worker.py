@@ -2,12 +2,13 @@
 
 It serves ``POST /v1/heartbeat`` on a TCP port of its own (the replies name it: ``heartbeat_port``), with the API's
 scheme (HTTPS when the API has a certificate), tokens and answers: 401 or 403 for a token that may not send
-heartbeats, 422 naming the field for a body that does not fit, both counted. A heartbeat it can answer as the API
-would (``Mirror.answer``: a known node of its run, no GPU events) is answered at once, from what the API's process last
-told it (``View``: each node's run and acknowledged events, each run's policy, the interval, the ports), and handed to
-that process in batches, every ``flush_s`` (50 ms), on a pipe. Any other heartbeat (a new node or run, GPU events, a
-run not yet told a policy) is answered ``421``: the agent sends it to the API's URL, whose reply is the one that
-writes.
+heartbeats, 422 naming the field for a body that does not fit (``opsd.api.asgi.judge``), 413 for a body over
+``MAX_BODY_BYTES`` and 400 for bytes that are not HTTP (``opsd.api.http1``, its server), each counted. A heartbeat it
+can answer as the API would (``Mirror.answer``: a known node of its run, no GPU events) is answered at once, from
+what the API's process last told it (``View``: each node's run and acknowledged events, each run's policy, the
+interval, the ports), and handed to that process in batches, every ``flush_s`` (50 ms), on a pipe. Any other
+heartbeat (a new node or run, GPU events, a run not yet told a policy) is answered ``421``: the agent sends it to the
+API's URL, whose reply is the one that writes.
 
 Why a process: at 12,288 nodes the API's process also runs the detection pass, the scoring of ~100,000 ranks and the
 collector, on the same interpreter lock as its event loop; the heartbeats' p99 was set by the few stretches in which
@@ -34,17 +35,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
-import uvicorn
 import uvloop
-from starlette.types import Receive, Scope, Send
 
-from opsd.api.asgi import heartbeat_request, respond
+from opsd.api import http1
+from opsd.api.asgi import judge
 from opsd.api.auth import Credentials
+from opsd.api.http1 import Reply, Request
 from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
 from opsd.api.pipes import PIPE_BYTES, Frames, encode_frame
 from opsd.protocol.heartbeat import PATH, SEND_TO_API, Heartbeat, HeartbeatReply
 
 log = logging.getLogger(__name__)
+
+#: connections waiting to be accepted: a 12,288-node job's agents move to the port within a few seconds
+BACKLOG = 16384
+#: a heartbeat's body is at most this (a node of 8 ranks sends ~5 KB): a larger one is answered 413
+MAX_BODY_BYTES = 4 << 20
 
 NodeView = tuple[str, int]  # (its run, the newest of its GPU events acknowledged)
 
@@ -77,7 +83,7 @@ class Taken(msgspec.Struct, array_like=True):
     """What the heartbeat process hands the API's, every ``flush_s``."""
 
     bodies: list[tuple[bytes, float]]  # (a heartbeat answered, unix seconds when), in the order answered
-    refused: dict[str, int]  # reason (auth, forbidden, validation) -> requests refused since the last
+    refused: dict[str, int]  # reason (``opsd.controller.metrics.REJECTED_REASONS``) -> requests refused since the last
     sent_to_api: int  # heartbeats answered 421 since the last
 
 
@@ -128,7 +134,8 @@ class Mirror:
 
 
 class Answerer:
-    """The ASGI application: ``POST /v1/heartbeat``, answered from the ``Mirror``; what it took, for the next batch."""
+    """The request handler (``opsd.api.http1``): ``POST /v1/heartbeat``, answered from the ``Mirror``; what it took,
+    for the next batch."""
 
     def __init__(self, credentials: Credentials, mirror: Mirror, clock: Callable[[], float] = time.time) -> None:
         self.credentials = credentials
@@ -138,23 +145,20 @@ class Answerer:
         self.refused: Counter[str] = Counter()
         self.sent_to_api = 0
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] != PATH:
-            await respond(send, 404, {"detail": "Not Found"})
-            return
-        taken = await heartbeat_request(scope, receive, send, self.credentials, self.refuse)
-        if taken is None:
-            return
-        data, body = taken
-        reply = self.mirror.answer(body)
+    def __call__(self, request: Request) -> Reply:
+        if request.path != PATH:
+            return _reply(404, {"detail": "Not Found"})
+        judged = judge(self.credentials, request.method, request.authorization, request.body)
+        if not isinstance(judged, Heartbeat):
+            if judged.reason is not None:
+                self.refuse(judged.reason)
+            return _reply(judged.status, {"detail": judged.detail}, judged.headers)
+        reply = self.mirror.answer(judged)
         if reply is None:
             self.sent_to_api += 1
-            await respond(send, SEND_TO_API, {"detail": "send this heartbeat to the API"})
-            return
-        self.taken.append((data, self.clock()))
-        await respond(send, 200, reply)
+            return _reply(SEND_TO_API, {"detail": "send this heartbeat to the API"})
+        self.taken.append((request.body, self.clock()))
+        return _reply(200, reply)
 
     def refuse(self, reason: str) -> None:
         self.refused[reason] += 1
@@ -168,13 +172,17 @@ class Answerer:
         return batch
 
 
+def _reply(status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> Reply:
+    return Reply(status, msgspec.json.encode(payload), headers or [])
+
+
 class Link:
     """The pipes to the API's process, on this process's event loop: the ``View``s read as they come, the batches
     written every ``flush_s`` (buffered here while the API's process is not reading: this loop never waits for it)."""
 
-    def __init__(self, answerer: Answerer, server: uvicorn.Server, in_fd: int, parent_pid: int) -> None:
+    def __init__(self, answerer: Answerer, stop: asyncio.Event, in_fd: int, parent_pid: int) -> None:
         self.answerer = answerer
-        self.server = server
+        self.stop = stop
         self.in_fd = in_fd
         self.parent_pid = parent_pid
         self.frames = Frames(View)
@@ -199,7 +207,7 @@ class Link:
     def end(self, why: str) -> None:
         log.info("heartbeat worker: %s; ending", why)
         asyncio.get_running_loop().remove_reader(self.in_fd)
-        self.server.should_exit = True
+        self.stop.set()
 
     async def flush(self, out_fd: int, flush_s: float) -> None:
         """Every ``flush_s``: the batch written, and the collector's young generations collected every
@@ -207,7 +215,7 @@ class Link:
         loop = asyncio.get_running_loop()
         self.out, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(out_fd, "wb", buffering=0))
         collected = loop.time()
-        while not self.server.should_exit:
+        while not self.stop.is_set():
             await asyncio.sleep(flush_s)
             if loop.time() - collected >= YOUNG_EVERY_S:
                 collect_young()
@@ -225,25 +233,25 @@ class Link:
 async def serve(sock: socket.socket, in_fd: int, out_fd: int, config: WorkerConfig, parent_pid: int) -> None:
     credentials = Credentials(config.operator, config.reader, config.agent, config.metrics)
     answerer = Answerer(credentials, Mirror())
-    server = uvicorn.Server(
-        uvicorn.Config(
-            answerer,
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-            http="httptools",
-            proxy_headers=False,  # nothing here reads the client's address
-            timeout_keep_alive=int(config.keep_alive_s),
-            ssl_certfile=config.tls_certfile or None,
-            ssl_keyfile=config.tls_keyfile or None,
-        )
-    )
-    link = Link(answerer, server, in_fd, parent_pid)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    link = Link(answerer, stop, in_fd, parent_pid)
     os.set_blocking(in_fd, False)
-    asyncio.get_running_loop().add_reader(in_fd, link.readable)
+    loop.add_reader(in_fd, link.readable)
     flushing = asyncio.create_task(link.flush(out_fd, config.flush_s))
     try:
-        await server.serve(sockets=[sock])
+        await http1.serve(
+            sock,
+            answerer,
+            refuse=answerer.refuse,
+            stop=stop,
+            keep_alive_s=config.keep_alive_s,
+            max_body_bytes=MAX_BODY_BYTES,
+            backlog=BACKLOG,
+            tls=http1.tls_context(config.tls_certfile, config.tls_keyfile),
+        )
     finally:
         flushing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -258,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, required=True, help="ends when its parent is no longer this one")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until uvicorn takes it over: it ends the same way
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until its event loop takes it over: it ends the same way
     try:
         config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=WorkerConfig)
         Credentials(config.operator, config.reader, config.agent, config.metrics)

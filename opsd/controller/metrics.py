@@ -40,6 +40,10 @@ class ApiStats:
         self.datagrams_refused[reason] = self.datagrams_refused.get(reason, 0) + count
 
 
+#: why a request is refused: 401, 403, 422; and by the heartbeat process's server, 413 and 400 (``opsd.api.http1``)
+REJECTED_REASONS = ("auth", "forbidden", "validation", "too_large", "malformed")
+
+
 class ControllerCollector(Collector):
     def __init__(self, controller: Controller, stats: ApiStats, clock: Callable[[], float] = time.time) -> None:
         self.controller = controller
@@ -213,7 +217,7 @@ class ControllerCollector(Collector):
         rejected = CounterMetricFamily(
             "opsd_controller_rejected_requests", "Requests refused, by reason.", labels=["reason"]
         )
-        for reason in ("auth", "forbidden", "validation"):
+        for reason in REJECTED_REASONS:
             rejected.add_metric([reason], self.stats.rejected.get(reason, 0))
         yield rejected
         errors = CounterMetricFamily(
