@@ -248,10 +248,12 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
     n = len(nodes)
     phases = [plan.start_s + node.index / plan.nodes for node in nodes]  # ascending
     k, cycle = 0, 0
-    while not stop.is_set():
+    while True:
         due = phases[k] + cycle
         now = time.time()
         if due > now:
+            if stop.is_set():  # looked at between beats only: it takes a lock shared with the other processes
+                return
             slept = time.perf_counter()
             await asyncio.sleep(PACE_S)
             if begin <= now < end:
@@ -261,6 +263,8 @@ async def pace(plan: Plan, nodes: list[Node], stop: Event, tally: Tally, udp: Ac
         k += 1
         if k == n:  # the next second; a second or more behind: no burst to catch up, on from the current one
             k, cycle = 0, max(cycle + 1, int(now - phases[0]))
+            if stop.is_set():  # and once a second when it never waits
+                return
         if now < node.up_s:
             continue
         window = begin <= now < end

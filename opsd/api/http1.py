@@ -25,6 +25,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
 import httptools
@@ -69,17 +70,23 @@ def _error(status: int, detail: str) -> bytes:
     return reply_bytes(Reply(status, msgspec.json.encode({"detail": detail}), []), close=True)
 
 
+@dataclass(frozen=True)
+class Site:
+    """What every connection of a server shares."""
+
+    handler: Handler
+    refuse: Refuse
+    keep_alive_s: float
+    max_body_bytes: int
+    connections: set[Connection] = field(default_factory=set)  # those open
+
+
 class Connection(asyncio.Protocol):
     """One client's connection: its requests parsed as bytes come, each answered by the handler when complete."""
 
-    def __init__(
-        self, handler: Handler, refuse: Refuse, keep_alive_s: float, max_body_bytes: int, open_: set[Connection]
-    ) -> None:
-        self.handler = handler
-        self.refuse = refuse
-        self.keep_alive_s = keep_alive_s
-        self.max_body_bytes = max_body_bytes
-        self.open = open_
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.max_body_bytes = site.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.idle: asyncio.TimerHandle | None = None
@@ -94,11 +101,11 @@ class Connection(asyncio.Protocol):
     # the transport's side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's TCP transport, not a subclass of it
-        self.open.add(self)
+        self.site.connections.add(self)
         self._wait_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.open.discard(self)
+        self.site.connections.discard(self)
         self._cancel_idle()
         self.transport = None
 
@@ -108,7 +115,7 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:  # answered as a plain request; nothing else is served on it
             self.close()
         except httptools.HttpParserError as exc:
-            self.refuse("malformed")
+            self.site.refuse("malformed")
             self._close_with(_error(400, f"not an HTTP/1.1 request: {exc}"))
 
     def pause_writing(self) -> None:
@@ -166,7 +173,7 @@ class Connection(asyncio.Protocol):
         )
         self.body = []
         try:
-            reply = self.handler(request)
+            reply = self.site.handler(request)
         except Exception:  # a bug of the handler's: the client is answered, the server goes on
             log.exception("the heartbeat process's handler failed on %s %s", request.method, request.path)
             self._close_with(_error(500, "Internal Server Error"))
@@ -180,7 +187,7 @@ class Connection(asyncio.Protocol):
     # helpers
     def _wait_idle(self) -> None:
         self._cancel_idle()
-        self.idle = asyncio.get_running_loop().call_later(self.keep_alive_s, self._idled)
+        self.idle = asyncio.get_running_loop().call_later(self.site.keep_alive_s, self._idled)
 
     def _cancel_idle(self) -> None:
         if self.idle is not None:
@@ -195,7 +202,7 @@ class Connection(asyncio.Protocol):
         """Answered at once, without reading the rest (what the parser still calls back with is dropped)."""
         if not self.too_large:
             self.too_large, self.body = True, []
-            self.refuse("too_large")
+            self.site.refuse("too_large")
             self._close_with(_error(413, f"a body is at most {self.max_body_bytes} bytes"))
 
     def _close_with(self, data: bytes) -> None:
@@ -225,10 +232,10 @@ async def serve(
     tls: ssl.SSLContext | None = None,
 ) -> None:
     """Serve ``handler`` on the listening ``sock`` until ``stop`` is set; then the connections are closed."""
-    connections: set[Connection] = set()
+    site = Site(handler, refuse, keep_alive_s, max_body_bytes)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: Connection(handler, refuse, keep_alive_s, max_body_bytes, connections),
+        lambda: Connection(site),
         sock=sock,
         ssl=tls,
         backlog=backlog,
@@ -237,7 +244,7 @@ async def serve(
         await stop.wait()
     finally:
         server.close()
-        for connection in list(connections):
+        for connection in list(site.connections):
             connection.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(server.wait_closed(), CLOSE_WAIT_S)
