@@ -2,8 +2,9 @@
 written in one piece, on keep-alive connections, over TCP or TLS.
 
 Why not uvicorn, which the API runs: at 12,288 nodes its ASGI cycle (a task a request, the scope, the messages, the
-head and the body written by a send each, which wakes the agent twice) was half of the heartbeat process's time, for
-an endpoint that reads a small body and answers from memory (docs/controller.md, "Scale"). The HTTP parsing is
+head and the body written by a send each, which wakes the agent twice) and its parser's callbacks were a third of the
+heartbeat process's samples besides the heartbeat's own work, for an endpoint that reads a small body and answers
+from memory (docs/controller.md, "Scale"). The HTTP parsing is
 ``httptools`` (llhttp), the same parser as uvicorn's; the rest is asyncio's protocol and transport:
 
 - requests on a connection are answered in order (pipelined ones too); a body over ``max_body_bytes`` is answered 413
