@@ -122,8 +122,7 @@ CHUNKED = b"POST /v1/heartbeat HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked
 
 
 def connect(served: Served) -> socket.socket:
-    conn = socket.create_connection(("127.0.0.1", served.port), timeout=10)
-    return conn
+    return socket.create_connection(("127.0.0.1", served.port), timeout=10)
 
 
 def test_pipelined_requests_are_answered_in_order_on_one_kept_connection(served: Served) -> None:

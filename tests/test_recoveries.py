@@ -305,7 +305,7 @@ def test_a_cadence_republished_often_never_makes_ranks_disagree(tmp_path: Path) 
         if controller.store.incidents(RUN) or (seen and steps[-1] - min(seen.values()) >= REPUBLISHED_STEPS):
             stop.set()
         elif now_s - first_poll_s[0] > 2 * PHASE_LIMIT_S:  # a deadline, not a duration: the steps end it
-            problem.append(f"{REPUBLISHED_STEPS} steps under republished cadences not trained within 180 s")
+            problem.append(f"{REPUBLISHED_STEPS} steps under new cadences not trained in {2 * PHASE_LIMIT_S:g} s")
             stop.set()
 
     status = run_local(config, spec, on_poll=on_poll, stop=stop, timeout_s=300)

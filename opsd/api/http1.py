@@ -87,7 +87,6 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, site: Site) -> None:
         self.site = site
-        self.max_body_bytes = site.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.idle: asyncio.TimerHandle | None = None
@@ -150,7 +149,7 @@ class Connection(asyncio.Protocol):
             self.authorization = value.decode("latin-1")
         elif lower == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        elif lower == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+        elif lower == b"content-length" and value.isdigit() and int(value) > self.site.max_body_bytes:
             self._too_large()
 
     def on_headers_complete(self) -> None:
@@ -158,7 +157,7 @@ class Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
-        if self.size > self.max_body_bytes:
+        if self.size > self.site.max_body_bytes:
             self._too_large()
         elif not self.too_large:
             self.body.append(body)
@@ -204,7 +203,7 @@ class Connection(asyncio.Protocol):
         if not self.too_large:
             self.too_large, self.body = True, []
             self.site.refuse("too_large")
-            self._close_with(_error(413, f"a body is at most {self.max_body_bytes} bytes"))
+            self._close_with(_error(413, f"a body is at most {self.site.max_body_bytes} bytes"))
 
     def _close_with(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
