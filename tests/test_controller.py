@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.detection import SCORING_NICE
@@ -118,17 +119,63 @@ def test_events_needing_no_action_are_acknowledged_at_once(controller: Controlle
 
 
 def test_a_silent_node_is_lost_after_5_intervals_or_the_floor(controller: Controller) -> None:
+    """n1 dies at 9 s: n0's ranks, its peers, stop at their step of then (the next collective needs n1's ranks)."""
     healthy(controller, 10)
     for t in (10.0, 11.0, 12.0, 13.0, 14.0, 15.0):
-        controller.heartbeat(beat("n0", [rank(0, int(t)), rank(1, int(t))]), t)
+        controller.heartbeat(beat("n0", [rank(0, 10), rank(1, 10)]), t)
         failures = controller.tick(t)
         if failures:
             break
-    # n1's last heartbeat was at 9 s; 5 x 1 s later it is lost
-    assert [(f.kind.value, f.node) for f in failures] == [("heartbeat_loss", "n1")]
+    # n1's last heartbeat was at 9 s; 5 x 1 s later it is lost (the swap first; the stalled job's hang comes after)
+    assert [(f.kind.value, f.node) for f in failures] == [("heartbeat_loss", "n1"), ("hang", "n0")]
     assert t == 15.0
     (incident,) = controller.store.incidents("job")
     assert incident.failed_s == 9.0  # the last sign of life
+
+
+def test_a_silent_agent_whose_ranks_peers_step_on_is_a_warning_not_a_failure(controller: Controller) -> None:
+    """n1's agent goes quiet at 9 s (a roll, a restart) while the job trains on: n0's ranks keep stepping, which
+    they cannot do without n1's ranks. No failure, no recovery: one ``agent_down`` warning, in the status until
+    n1 is heard from again."""
+    healthy(controller, 10)
+    for t in range(10, 25):
+        controller.heartbeat(beat("n0", [rank(0, t + 1), rank(1, t + 1)]), float(t))
+        assert controller.tick(float(t)) == []
+    (incident,) = controller.store.incidents("job")
+    assert (incident.kind, incident.node, incident.state) == ("agent_down", "n1", "warned")
+    assert "peers stepped" in incident.detail
+    status = controller.status("job", 24.0)
+    assert status is not None
+    assert status["state"] == "running"
+    (down,) = status["agents_down"]
+    assert down["node"] == "n1"
+    assert down["detail"].startswith("no heartbeat for 15.0 s")
+    assert "peers stepped" in down["detail"]
+    controller.heartbeat(beat("n1", [rank(2, 26), rank(3, 26)]), 25.0)  # back
+    controller.heartbeat(beat("n0", [rank(0, 26), rank(1, 26)]), 25.0)
+    assert controller.tick(25.0) == []
+    status = controller.status("job", 25.0)
+    assert status is not None
+    assert status["agents_down"] == []
+    assert [i.kind for i in controller.store.incidents("job")] == ["agent_down"]  # one per silence
+
+
+@pytest.mark.parametrize(("down", "expected"), [(False, []), (True, ["heartbeat_loss"])], ids=["up", "down"])
+def test_a_silent_node_with_no_peer_is_judged_by_the_backend(tmp_path: Path, down: bool, expected: list[str]) -> None:
+    """A one-node run: no peer can witness, so the backend's view of the node decides (the fake's ``node_ready``)."""
+    backend = FakeBackend(["n0"])
+    if down:
+        backend.down.add("n0")
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG, backend)
+    for t in range(10):
+        controller.heartbeat(beat("n0", [rank(0, t + 1), rank(1, t + 1)]), float(t))
+        controller.tick(float(t))
+    failures: list[Failure] = []
+    for t in range(10, 16):
+        failures = failures or controller.tick(float(t))
+    assert [f.kind.value for f in failures] == expected
+    kinds = [i.kind for i in controller.store.incidents("job")]
+    assert kinds == (["heartbeat_loss"] if down else ["agent_down"])
 
 
 def test_a_hang_is_detected_after_the_floor(controller: Controller) -> None:

@@ -30,15 +30,18 @@ def controller(tmp_path: Path) -> Controller:
     return Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), CONFIG)
 
 
-def post(c: Controller, node: str, t: float, ranks: bool = True) -> HeartbeatReply:
-    """A heartbeat over HTTP: the node's two ranks at step ``t`` (or none: liveness only)."""
+def post(c: Controller, node: str, t: float, ranks: bool = True, step: int | None = None) -> HeartbeatReply:
+    """A heartbeat over HTTP: the node's two ranks at step ``step`` (default ``t`` + 1; or none: liveness only)."""
     first = 0 if node == "n0" else 2
-    return c.heartbeat(beat(node, [rank(r, int(t) + 1) for r in (first, first + 1)] if ranks else []), t)
+    at = int(t) + 1 if step is None else step
+    return c.heartbeat(beat(node, [rank(r, at) for r in (first, first + 1)] if ranks else []), t)
 
 
 def test_datagrams_keep_nodes_alive_between_heartbeats_and_a_silent_one_is_found(controller: Controller) -> None:
-    """Ranks every 4 s (as the replies ask), a datagram a second: no node is lost; n1 goes silent at 20 s and is
-    found lost 5 x its 1 s interval after its last datagram, not after 5 x 4 s."""
+    """Ranks every 4 s (as the replies ask), a datagram a second: no node is lost; n1 dies at 20 s (n0's ranks, its
+    peers, stop at their step of then) and is found lost after its last datagram, not after 5 x 4 s: once a step of
+    n0's ranks proving n1's alive would have been seen, 1 (a beat) + 0.6 (a step) + 4 (a report) + 1 (the margin)
+    + 4 (the next report) = 10.6 s after it."""
     replies = [post(controller, n, 0.0) for n in ("n0", "n1")]
     assert [r.telemetry_interval_s for r in replies] == [2.0, 4.0]  # planned again as the second node came
     t, found = 0.0, list[Failure]()
@@ -50,12 +53,12 @@ def test_datagrams_keep_nodes_alive_between_heartbeats_and_a_silent_one_is_found
             if t == int(t):
                 assert controller.alive(node, int(t * MS), t) is None
             if t % 4 == 0:
-                post(controller, node, t)
+                post(controller, node, t, step=17 if t >= 20 else None)  # n0's ranks stopped at 17 with n1
         found = controller.tick(t)
-    assert [(f.kind.value, f.node) for f in found] == [("heartbeat_loss", "n1")]
-    assert t == 24.5  # its last datagram at 19 s: the first pass more than 5 x 1 s later
+    assert (found[0].kind.value, found[0].node) == ("heartbeat_loss", "n1")
+    assert t == 30.0  # its last datagram at 19 s: the first pass more than 10.6 s later
     (incident,) = controller.store.incidents("job")
-    assert (incident.failed_s, incident.detected_s) == (19.0, 24.5)
+    assert (incident.failed_s, incident.detected_s) == (19.0, 30.0)
 
 
 def test_replays_and_clocks_too_far_off_are_refused(controller: Controller) -> None:

@@ -31,6 +31,7 @@ FILES = ["training", "communication", "stragglers", "reliability", "gpu-health"]
 ALERTS = {
     "OpsdMfuDrop",
     "OpsdStragglerFlagged",
+    "OpsdAgentDown",
     "OpsdPipelineBubbleAboveTheory",
     "OpsdNoStepProgress",
     "OpsdSparePoolEmpty",
@@ -149,7 +150,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_checks_the_rules_and_their_unit_tests_pass() -> None:
     checked = promtool("check", "rules", "opsd.rules.yaml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 8 rules found" in checked.stdout
+    assert "SUCCESS: 9 rules found" in checked.stdout
     tested = promtool("test", "rules", "opsd.rules.test.yaml")
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert "SUCCESS" in tested.stdout

@@ -11,9 +11,11 @@ from opsd.policy.detection import (
     GpuEvent,
     NodeView,
     RankView,
+    detect,
     detect_failures,
     hang_timeout_s,
     heartbeat_timeout_s,
+    witness_grace_s,
 )
 
 C = DetectionConfig(heartbeat_factor=5, heartbeat_floor_s=3, hang_factor=3, hang_floor_s=10)
@@ -47,10 +49,15 @@ def rank(r: int, n: str, step: int, progress: float, exit_code: int | None = Non
 
 HEALTHY_NODES = [node("n0", 99.5), node("n1", 99.8)]
 HEALTHY_RANKS = [rank(0, "n0", 50, 99.0), rank(1, "n0", 50, 99.0), rank(2, "n1", 50, 99.1), rank(3, "n1", 50, 99.1)]
+# n1 went silent at 94 s: its ranks' last steps were seen by then, and n0's ranks stopped within a step of it
+STALLED_RANKS = [rank(0, "n0", 40, 94.6), rank(1, "n0", 40, 94.6), rank(2, "n1", 39, 93.9), rank(3, "n1", 39, 93.9)]
 
 CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | None]]]] = {
     "healthy": ({}, []),
-    "silent node": ({"nodes": [node("n0", 99.5), node("n1", 94.0)]}, [(FailureKind.HEARTBEAT_LOSS, "n1", None)]),
+    "silent node, its ranks' peers stopped with it": (
+        {"nodes": [node("n0", 99.5), node("n1", 94.0)], "ranks": STALLED_RANKS},
+        [(FailureKind.HEARTBEAT_LOSS, "n1", None)],
+    ),
     "late but within 5x interval": ({"nodes": [node("n0", 99.5), node("n1", 95.5)]}, []),
     "fatal XID": (
         {"events": [GpuEvent("n1", 1, 79, "cordon_and_swap", "fallen off the bus")]},
@@ -93,8 +100,8 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
     ),
     "swaps come first": (
         {
-            "nodes": [node("n0", 99.5), node("n1", 90.0)],
-            "ranks": [*HEALTHY_RANKS[:3], rank(3, "n1", 50, 99.1, exit_code=1)],
+            "nodes": [node("n0", 99.5), node("n1", 94.0)],
+            "ranks": [*STALLED_RANKS[:3], rank(3, "n1", 50, 93.9, exit_code=1)],
         },
         [(FailureKind.HEARTBEAT_LOSS, "n1", None), (FailureKind.PROCESS_EXIT, "n1", 3)],
     ),
@@ -111,10 +118,115 @@ def test_detect_failures(changes: dict[str, object], expected: list[tuple[Failur
     assert [f.swap for f in found] == [k in (FailureKind.HEARTBEAT_LOSS, FailureKind.FATAL_XID) for k, _, _ in expected]
 
 
+LIVE_PEERS = [rank(0, "n0", 60, 99.0), rank(1, "n0", 60, 99.0), rank(2, "n1", 48, 93.9), rank(3, "n1", 48, 93.9)]
+
+
+def silence(**changes: object) -> dict[str, object]:
+    """n1 silent since 94 s (its beats every 1 s), steps of 0.5 s, ranks reported every 1 s: a peer's step seen
+    after 94 + 1 + 0.5 + 1 + 1 (margin) = 97.5 s proves n1's ranks alive; with none seen by 98.5 s, n1 is lost."""
+    inputs: dict[str, object] = {
+        "nodes": [node("n0", 99.5), node("n1", 94.0)],
+        "ranks": LIVE_PEERS,
+        "step_times_s": [0.5] * 10,
+        "report_interval_s": 1.0,
+    }
+    inputs.update(changes)
+    return inputs
+
+
+SILENCES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str]], list[str]]] = {
+    "peers step on: the agent is down, not the node": (silence(), [], ["n1"]),
+    "peers stopped within a step of the silence: lost": (
+        silence(ranks=STALLED_RANKS),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "a peer's last step seen just before the proof time proves nothing": (
+        silence(ranks=[rank(0, "n0", 41, 97.4), *STALLED_RANKS[1:]]),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "no proof yet, but one may still be on its way: no verdict": (
+        silence(ranks=STALLED_RANKS, now_s=98.4, nodes=[node("n0", 98.0), node("n1", 93.0)], report_interval_s=2.0),
+        [],
+        [],
+    ),
+    "ranks reported every 9 s: a peer's proof comes later, and the verdict waits for it": (
+        silence(ranks=STALLED_RANKS, report_interval_s=9.0),
+        [],
+        [],
+    ),
+    "the peers' node is silent too: no peer witness, lost as before": (
+        silence(nodes=[node("n0", 94.0), node("n1", 94.0)]),
+        [(FailureKind.HEARTBEAT_LOSS, "n0"), (FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "a single-node run: the backend says its ranks run": (
+        silence(ranks=[rank(2, "n1", 48, 93.9), rank(3, "n1", 48, 93.9)], node_ready={"n1": True}),
+        [],
+        ["n1"],
+    ),
+    "a single-node run: the backend says the node is down": (
+        silence(ranks=[rank(2, "n1", 48, 93.9), rank(3, "n1", 48, 93.9)], node_ready={"n1": False}),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "a single-node run silent past the hang floor: its ranks are not judged hung by their agent's silence": (
+        silence(
+            nodes=[node("n1", 84.0)], ranks=[rank(2, "n1", 48, 83.9), rank(3, "n1", 48, 83.9)], node_ready={"n1": True}
+        ),
+        [],
+        ["n1"],
+    ),
+    "a single-node run and no backend witness: lost as before": (
+        silence(ranks=[rank(2, "n1", 48, 93.9), rank(3, "n1", 48, 93.9)]),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "a node with no rank of the run: lost as before": (
+        silence(ranks=HEALTHY_RANKS[:2]),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "replica groups: the other group stepping proves nothing about n1's group": (
+        silence(rank_groups={0: 0, 1: 0, 2: 1, 3: 1}),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "replica groups: n1's group's peers on n2 step on": (
+        silence(
+            nodes=[node("n0", 99.5), node("n1", 94.0), node("n2", 99.5)],
+            ranks=[*LIVE_PEERS, rank(4, "n2", 60, 99.2), rank(5, "n2", 60, 99.2)],
+            rank_groups={0: 0, 1: 0, 2: 1, 3: 1, 4: 1, 5: 1},
+        ),
+        [],
+        ["n1"],
+    ),
+}
+
+
+@pytest.mark.parametrize(("inputs", "failures", "down"), SILENCES.values(), ids=SILENCES.keys())
+def test_a_silent_agent_is_a_lost_node_only_when_a_second_witness_agrees(
+    inputs: dict[str, object], failures: list[tuple[FailureKind, str]], down: list[str]
+) -> None:
+    now_s = float(inputs.pop("now_s", 100.0))  # type: ignore[arg-type]
+    found = detect(now_s=now_s, config=C, **inputs)  # type: ignore[arg-type]
+    assert [(f.kind, f.node) for f in found.failures] == failures
+    assert [d.node for d in found.agents_down] == down
+    assert all(d.detail for d in found.agents_down)
+    for f in found.failures:
+        assert "witness" in f.detail or "stopped" in f.detail or "down" in f.detail or "no rank" in f.detail
+
+
+def test_the_grace_counts_a_beat_a_step_a_report_and_the_margin() -> None:
+    assert witness_grace_s((1.0, 1.0, 3.0), (0.5, 0.7, 0.5), 4.0, C) == pytest.approx(1.0 + 0.5 + 4.0 + 1.0)
+    assert witness_grace_s((), (), 1.0, C) == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"heartbeat_factor": 0.5}, "factor"), ({"hang_floor_s": 0}, "floor")],
-    ids=["factor", "floor"],
+    [({"heartbeat_factor": 0.5}, "factor"), ({"hang_floor_s": 0}, "floor"), ({"witness_margin_s": -1}, "margin")],
+    ids=["factor", "floor", "margin"],
 )
 def test_config_validates_itself(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):

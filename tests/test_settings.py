@@ -41,6 +41,7 @@ FROZEN_KEYS = [
     "controller.detection.heartbeat_floor_s",
     "controller.detection.hang_factor",
     "controller.detection.hang_floor_s",
+    "controller.detection.witness_margin_s",
     "controller.stragglers.threshold_ratio",
     "controller.stragglers.window",
     "controller.stragglers.min_samples",

@@ -48,6 +48,7 @@ class FakeBackend:
         self.effects: list[Call] = []
         self.faults: list[tuple[str, Fault]] = []
         self.fail_next: dict[str, list[Failed]] = {}  # step -> the errors its next calls answer
+        self.down: set[str] = set()  # nodes the cluster sees down (``node_ready``)
         self._once_per_request = Once()
         self._lock = threading.Lock()
 
@@ -132,6 +133,12 @@ class FakeBackend:
             return Done({"injected": f"{fault.kind.value} (fake)"})
 
         return self._once("inject", request_id, {"run": run, "fault": fault.kind.value}, inject)
+
+    def node_ready(self, node: str) -> bool | None:
+        """A known node is up unless it is in ``down``; None for a node this cluster does not have."""
+        if node not in self.nodes:
+            return None
+        return node not in self.down
 
     def resumed_from(self, run: str) -> int | None:
         state = self.runs.get(run)

@@ -27,7 +27,7 @@ from opsd.checkpoints.store import open_store
 from opsd.cli.demo_run import checkpoint_url, finish, fresh_workdir, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
-from opsd.protocol.states import IncidentKind, NodeRole, RunState
+from opsd.protocol.states import FAILURE_KINDS, IncidentKind, NodeRole, RunState
 from opsd.runtime.local import run_local
 
 RUN = "demo"
@@ -78,7 +78,7 @@ class Injector:
 
 
 def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:
-    failures = [i for i in status["incidents"] if i["kind"] != IncidentKind.STRAGGLER]
+    failures = [i for i in status["incidents"] if i["kind"] in FAILURE_KINDS]
     xids = [i for i in failures if i["kind"] == IncidentKind.FATAL_XID]
     first = (xids or failures or [None])[0]  # the injected XID's incident, else the first failure
     injected = injector.injected_s

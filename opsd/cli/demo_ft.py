@@ -29,7 +29,7 @@ from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.demo_run import checkpoint_url, finish, fresh_workdir, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
-from opsd.protocol.states import IncidentKind, RunState
+from opsd.protocol.states import FAILURE_KINDS, IncidentKind, RunState
 from opsd.runtime.local import run_local
 
 RUN = "demo-ft"
@@ -83,7 +83,7 @@ def printed_steps(log: Path) -> list[int]:
 
 
 def summary(status: dict[str, Any], spec: LocalRunSpec, scenario: Scenario, losses: Path) -> dict[str, Any]:
-    incidents = [i for i in status["incidents"] if i["kind"] != IncidentKind.STRAGGLER]
+    incidents = [i for i in status["incidents"] if i["kind"] in FAILURE_KINDS]
     first = incidents[0] if incidents else None
     launch = next(
         (a for a in status["actions"] if first and a["incident_id"] == first["id"] and a["kind"] == "launch"), None

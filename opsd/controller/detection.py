@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 from opsd.controller.incidents import (
+    agent_down_key,
     failure_key,
     failure_of,
     generation_of,
@@ -22,12 +23,13 @@ from opsd.controller.incidents import (
     unfinished_incident,
 )
 from opsd.controller.live import RankLive
+from opsd.controller.port import NodeWitness
 from opsd.controller.rows import IncidentRow, RunRow
 from opsd.controller.scoring import Scoring
 from opsd.errors import OpsError
-from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, detect_failures
+from opsd.policy.detection import AgentDown, CollectiveTimeout, Failure, FailureKind, Findings, detect
 from opsd.policy.replicas import Scope, failed_group, recovery_scope
-from opsd.protocol.states import ActionKind, IncidentState, NodeRole, RunState
+from opsd.protocol.states import ActionKind, IncidentKind, IncidentState, NodeRole, RunState
 from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,9 @@ class Detection(Scoring):
                     continue
                 self.adopt_cadence(run)  # this controller's first pass: the cadence its predecessor published
                 self._progress(run, now_s)
-                failures = self._detect(run.id, now_s, run.spec.replicas.fault_tolerant)
+                findings = self._detect(run.id, now_s, run.spec.replicas.fault_tolerant)
+                self._agents_down(run, findings.agents_down, now_s)
+                failures = findings.failures
                 if failures:
                     found.extend(failures)
                     self.open_failure(run, failures, now_s)
@@ -121,7 +125,49 @@ class Detection(Scoring):
         if due or ended:
             self.record_launch(run_id, int(run.generation), now_s)
 
-    def _detect(self, run: str, now_s: float, fault_tolerant: bool = False) -> list[Failure]:
+    def backend_node_ready(self, nodes: list[str]) -> dict[str, bool]:
+        """The backend's view of each silent node, where it has one (``NodeWitness``): asked outside the lock."""
+        witness = self.backend if isinstance(self.backend, NodeWitness) else None
+        if witness is None or not nodes:
+            return {}
+        out = {}
+        for node in nodes:
+            try:
+                up = witness.node_ready(node)
+            except OpsError as exc:
+                log.warning("the backend could not say whether %s is up: %s", node, exc)
+                continue
+            if up is not None:
+                out[node] = up
+        return out
+
+    def _agents_down(self, run: RunRow, down: list[AgentDown], now_s: float) -> None:
+        """Keep the nodes whose agent is silent while their ranks train (the status, ``opsd_run_agents_down``), and
+        record each silence once, as a warning: an operations event, nothing to recover."""
+        with self.lock:
+            memory = self.remember(run.id)
+            before = {d.node for d in memory.agents_down}
+            memory.agents_down = down
+            heard = {d.node: self.nodes[d.node].last_heartbeat_s for d in down if d.node in self.nodes}
+        for d in down:
+            if d.node in before:
+                continue
+            log.warning("run %s: the agent of %s is down while its ranks train: %s", run.id, d.node, d.detail)
+            incident, _ = self.store.open_incident(
+                key=agent_down_key(run.id, run.generation, d.node, heard.get(d.node, now_s)),
+                run=run.id,
+                kind=IncidentKind.AGENT_DOWN,
+                node=d.node,
+                rank=None,
+                detail=d.detail,
+                failed_s=now_s,
+                detected_s=now_s,
+            )
+            self.store.update_incident(incident, state=IncidentState.WARNED)  # a warning: nothing to recover
+        for node in before - {d.node for d in down}:
+            log.info("run %s: the agent of %s is heard from again (or its node was judged)", run.id, node)
+
+    def _detect(self, run: str, now_s: float, fault_tolerant: bool = False) -> Findings:
         active = self.store.node_names(run, NodeRole.ACTIVE)
         groups = self.rank_groups(run) if fault_tolerant else None
         with self.lock:
@@ -136,23 +182,26 @@ class Detection(Scoring):
         suspects = [
             n for n in map(self.nodes.get, names) if n is not None and (n.events or n.last_heartbeat_s < heard_s)
         ]
+        ready = self.backend_node_ready([n.node for n in suspects if n.last_heartbeat_s < heard_s])
         with self.lock:
             nodes = [n for n in suspects if self.nodes.get(n.node) is n]  # still known
             events = [e for n in nodes for e in n.events.values()]
             if (live is None or not live.ranks) and not events:
-                return []
+                return Findings([], [])
             ranks: Iterable[RankLive] = ()
             timeouts = []
             if live is not None:
                 # every rank only when one may have failed: it exited, waits on a collective, or no rank stepped
-                # within the hang floor (a hang is never detected sooner); else none of them can be a failure
+                # within the hang floor (a hang is never detected sooner), or a node is silent (its ranks' peers
+                # witness whether they are alive); else none of them can be a failure
                 quiet = now_s - live.latest_progress_s <= self.config.detection.hang_floor_s
-                if live.exited or live.waiting or not quiet:
+                silent = any(n.last_heartbeat_s < heard_s for n in nodes)
+                if live.exited or live.waiting or not quiet or silent:
                     ranks = live.ranks.values()
                 for rank in sorted(live.waiting):
                     r = live.ranks[rank]
                     timeouts.append(CollectiveTimeout(rank, r.node, r.timeout))
-            return detect_failures(
+            return detect(
                 now_s=now_s,
                 nodes=nodes,
                 ranks=ranks,
@@ -161,6 +210,8 @@ class Detection(Scoring):
                 step_times_s=live.step_times_s if live is not None else (),
                 config=self.config.detection,
                 rank_groups=groups,
+                report_interval_s=self.telemetry.interval_s,
+                node_ready=ready,
             )
 
     def open_failure(self, run: RunRow, failures: list[Failure], now_s: float) -> int:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from opsd.controller.rows import IncidentRow
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure
-from opsd.protocol.states import FAILURE_KINDS, ActionKind, ActionState, IncidentKind, IncidentState
+from opsd.protocol.states import FAILURE_KINDS, WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState
 
 #: incident kinds that are no failure of the machines (the MTBF estimate leaves them out)
-NOT_FAILURES = frozenset({IncidentKind.STRAGGLER, IncidentKind.MANUAL_RESTART})
+NOT_FAILURES = frozenset({*WARNING_KINDS, IncidentKind.MANUAL_RESTART})
 
 
 def failure_key(run: str, generation: int, group: int | None = None) -> str:
@@ -25,6 +25,11 @@ def failure_key(run: str, generation: int, group: int | None = None) -> str:
 
 def straggler_key(run: str, generation: int, rank: int) -> str:
     return f"{run}/gen{generation}/straggler/{rank}"
+
+
+def agent_down_key(run: str, generation: int, node: str, last_heard_s: float) -> str:
+    """One warning per silence of a node's agent (its last sign of life names it) and launch."""
+    return f"{run}/gen{generation}/agent_down/{node}/{last_heard_s:.3f}"
 
 
 def generation_of(key: str) -> int:
@@ -41,7 +46,7 @@ def failure_of(incident: IncidentRow) -> Failure:
 
 
 def is_failure(incident: IncidentRow) -> bool:
-    """Whether an incident records a failure (a straggler is a warning)."""
+    """Whether an incident records a failure (a straggler, an agent down are warnings)."""
     return incident.kind in FAILURE_KINDS
 
 

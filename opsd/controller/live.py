@@ -18,7 +18,7 @@ from itertools import zip_longest
 from typing import Any, overload
 
 from opsd.policy.cadence import Cadence
-from opsd.policy.detection import GpuEvent
+from opsd.policy.detection import AgentDown, GpuEvent
 from opsd.policy.pipeline import RankBubble
 from opsd.policy.stragglers import StragglerScore
 
@@ -388,6 +388,7 @@ class RunMemory:
     cadence: Cadence | None = None  # the checkpoint cadence published to its ranks
     previous_cadence: Cadence | None = None  # in force before the current one's from_step
     stragglers: list[StragglerScore] = field(default_factory=list)  # the ranks flagged now
+    agents_down: list[AgentDown] = field(default_factory=list)  # nodes whose agent is silent while their ranks train
     launched_s: float = 0.0  # when its current launch started
     launch: int | None = None  # the launch its ranks report (OPSD_LAUNCH), when the backend named it
     checkpoint_at: int | None = None  # a one-off checkpoint step asked for (a graceful restart)

@@ -92,6 +92,11 @@ class ControllerCollector(Collector):
             "opsd_run_spares_recommended", "Recommended spare pool size.", labels=run_labels
         )
         stragglers = GaugeMetricFamily("opsd_run_stragglers", "Ranks flagged as stragglers now.", labels=run_labels)
+        agents_down = GaugeMetricFamily(
+            "opsd_run_agents_down",
+            "Nodes of the run whose agent is silent while their ranks train (an operations event, no recovery).",
+            labels=run_labels,
+        )
         slowdown = GaugeMetricFamily(
             "opsd_run_straggler_slowdown_ratio",
             "Compute time of a flagged rank over its peers' median.",
@@ -166,6 +171,7 @@ class ControllerCollector(Collector):
             run_incidents = controller.store.incidents(run_id)
             recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
             stragglers.add_metric([run_id], float(len(status["stragglers"])))
+            agents_down.add_metric([run_id], float(len(status["agents_down"])))
             pipeline = status["pipeline"]
             if pipeline is not None:
                 bubble.add_metric([run_id], pipeline["bubble_ratio"])
@@ -196,6 +202,7 @@ class ControllerCollector(Collector):
         yield from pool_metrics(shared_pool(controller, now))
         yield from gauges.values()
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
+        yield agents_down
         yield from (bubble, theory, margin, incidents, recovery, replica_groups, quorum, out, missed)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
         yield CounterMetricFamily(

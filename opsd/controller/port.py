@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class ErrorKind(StrEnum):
@@ -98,6 +98,17 @@ class Fault:
     xid: int = 79
     rank: int = -1
     factor: float = 1.3
+
+
+@runtime_checkable
+class NodeWitness(Protocol):
+    """A backend that can tell whether a node is up, beside its agent: the second witness of a node whose agent is
+    silent and whose ranks have no peer on other nodes (``opsd.policy.detection``)."""
+
+    def node_ready(self, node: str) -> bool | None:
+        """True: the node is up and the run's processes on it run; False: it is down, or they are gone or stopped;
+        None: the backend cannot tell. Cheap enough for a detection pass, called for silent nodes only."""
+        ...
 
 
 class Backend(Protocol):

@@ -13,7 +13,7 @@ from opsd.controller.live import RankLive
 from opsd.controller.rows import IncidentRow, LaunchRow, RunRow
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
-from opsd.protocol.states import IncidentKind, IncidentState, RunState
+from opsd.protocol.states import WARNING_KINDS, IncidentState, RunState
 
 
 class Reads(ControllerCore):
@@ -39,15 +39,15 @@ class Reads(ControllerCore):
                 stall_s=i.stall_s or 0.0,
             )
             for i in incidents
-            if i.kind != IncidentKind.STRAGGLER and i.resumed_s is not None
+            if i.kind not in WARNING_KINDS and i.resumed_s is not None
         ]
         end = float(run.updated_s) if run.state in (RunState.COMPLETED, RunState.FAILED) else now_s
         startup = Startup(float(run.created_s), run.first_productive_s)
         return account(max(0.0, end - startup.started_s), blocking, interruptions, startup)
 
     def status(self, run_id: str, now_s: float) -> dict[str, Any] | None:
-        """The run's state, step, MFU, tokens/s, ETTR and badput, cadence, nodes, spares and stragglers; None when
-        there is no such run."""
+        """The run's state, step, MFU, tokens/s, ETTR and badput, cadence, nodes, spares, stragglers and the nodes
+        whose agent is down while their ranks train; None when there is no such run."""
         run = self.store.run(run_id)
         if run is None:
             return None
@@ -60,6 +60,7 @@ class Reads(ControllerCore):
             memory = self.memory.get(run_id)
             cadence = memory.cadence if memory is not None else None
             stragglers = list(memory.stragglers) if memory is not None else []
+            agents_down = list(memory.agents_down) if memory is not None else []
             step = max((r.step for r in ranks if r.step >= 0), default=run.last_step)
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
@@ -89,6 +90,7 @@ class Reads(ControllerCore):
             "stragglers": [
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],
+            "agents_down": [{"node": d.node, "detail": d.detail} for d in agents_down],
             "open_incidents": sum(1 for i in incidents if i.state == IncidentState.OPEN),
             "pipeline": pipeline_view(bubble),
             "replicas": self._replicas_view(run, incidents, ranks),

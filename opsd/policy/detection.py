@@ -6,6 +6,20 @@ a node is lost when its heartbeat is late by ``heartbeat_factor`` x its median i
 (at least ``hang_floor_s``). So a 40-minute step does not look like a hang, and a 1 s step is not left hanging for
 half an hour.
 
+A silent agent is not a lost node by itself: the agent is opsd's own component, and it goes quiet whenever it is
+rolled (a new image or setting), restarted, killed for its memory, or refused while its token or certificate
+rotates, while the node's ranks train on. Its silence is a failure (``HEARTBEAT_LOSS``) only when a second witness
+agrees: in synchronous training the peers of its ranks (the ranks of the same replica group on nodes that are heard
+from) cannot complete a step without them, so peers still stepping after the silence began prove its ranks alive
+(``AGENT_DOWN``: an operations event, no recovery); peers that stopped confirm it. A node with no such peer is judged
+by the backend's view of it when the controller has one (``node_ready``: Kubernetes' Node condition and the pods',
+the local backend's rank processes), and is declared lost as before when there is neither. A peer's step proves
+life when it is seen later than ``witness_grace_s`` after the node's last sign of life (its next beat, the one step
+its peers may finish without it, the interval at which their steps are reported, a margin); the verdict is given
+once such a step would have been seen (one report interval later), so a dead node with live-looking peers is
+declared after max(heartbeat timeout, grace + report interval): with ranks reported every second and steps under
+6 s, within the 10 s floor as before; at 12,288 nodes, whose ranks are reported every 9 s, about 20 s plus a step.
+
 What each failure asks for (``Failure.swap``): a node that stopped sending heartbeats or reported a fatal XID is
 swapped for a spare; a rank that exited, a hang, an application XID or a collective timeout restarts the ranks on
 the same nodes. Ranks that report a collective timeout are waiting for a peer: the failure names a rank that does
@@ -20,6 +34,7 @@ floor (a timeout is never shorter than its floor).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,9 +43,9 @@ from typing import Protocol
 from opsd.protocol.ft import EXIT_NO_QUORUM
 from opsd.protocol.states import FAILURE_KINDS, IncidentKind
 
-#: a failure's kind is an incident's (one definition: ``opsd.protocol.states.IncidentKind``), any but ``STRAGGLER``;
-#: ``CONTROLLER_RESTART`` and ``MANUAL_RESTART`` are not detected here (a controller that takes up a run, ``opsd
-#: restart``)
+#: a failure's kind is an incident's (one definition: ``opsd.protocol.states.IncidentKind``), any but the warnings
+#: (``WARNING_KINDS``); ``CONTROLLER_RESTART`` and ``MANUAL_RESTART`` are not detected here (a controller that takes
+#: up a run, ``opsd restart``)
 FailureKind = IncidentKind
 
 
@@ -43,12 +58,15 @@ class DetectionConfig:
     heartbeat_floor_s: float = 10.0
     hang_factor: float = 3.0
     hang_floor_s: float = 60.0
+    witness_margin_s: float = 1.0  # added to the time a peer's step may take to be seen (a pass, jitter)
 
     def __post_init__(self) -> None:
         if self.heartbeat_factor < 1 or self.hang_factor < 1:
             raise ValueError("detection.heartbeat_factor and detection.hang_factor must be >= 1")
         if self.heartbeat_floor_s <= 0 or self.hang_floor_s <= 0:
             raise ValueError("detection.heartbeat_floor_s and detection.hang_floor_s must be > 0")
+        if self.witness_margin_s < 0:
+            raise ValueError("detection.witness_margin_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,21 @@ class Failure:
         return self.kind in SWAP_KINDS
 
 
+@dataclass(frozen=True)
+class AgentDown:
+    """A node whose agent is silent past its heartbeat timeout while its ranks are proven alive: an operations event
+    (the agent rolled, restarted or was refused), recorded and alerted on, never recovered from."""
+
+    node: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Findings:
+    failures: list[Failure]  # the ones that need a swap first
+    agents_down: list[AgentDown]
+
+
 def heartbeat_timeout_s(intervals_s: Sequence[float], config: DetectionConfig) -> float:
     if not intervals_s:
         return config.heartbeat_floor_s
@@ -140,7 +173,24 @@ def hang_timeout_s(step_times_s: Sequence[float], config: DetectionConfig) -> fl
     return max(config.hang_floor_s, config.hang_factor * statistics.median(step_times_s))
 
 
-def detect_failures(
+def witness_grace_s(
+    intervals_s: Sequence[float], step_times_s: Sequence[float], report_interval_s: float, config: DetectionConfig
+) -> float:
+    """How long after a node's last sign of life its peers may still report a step if the node died then: its
+    agent's next beat (the median interval), the one step they may finish without it (the median step time), the
+    interval at which their agents send their steps, and a margin. A peer's step reported later proves the node's
+    ranks alive."""
+    beat_s = statistics.median(intervals_s) if intervals_s else 0.0
+    step_s = statistics.median(step_times_s) if step_times_s else 0.0
+    return beat_s + step_s + report_interval_s + config.witness_margin_s
+
+
+def detect_failures(**kwargs: object) -> list[Failure]:
+    """``detect(...)``'s failures."""
+    return detect(**kwargs).failures  # type: ignore[arg-type]
+
+
+def detect(
     *,
     now_s: float,
     nodes: Iterable[NodeLike],
@@ -150,23 +200,44 @@ def detect_failures(
     step_times_s: Sequence[float] = (),
     config: DetectionConfig,
     rank_groups: Mapping[int, int] | None = None,
-) -> list[Failure]:
-    """Every failure visible now, the ones that need a swap first. ``rank_groups``: a fault-tolerant run's ranks'
-    replica groups (rank -> group): a group that made no progress while others did hangs on its own, and a rank
-    that exited with ``EXIT_NO_QUORUM`` found no quorum (``NO_QUORUM``)."""
+    report_interval_s: float = 1.0,
+    node_ready: Mapping[str, bool] | None = None,
+) -> Findings:
+    """Every failure visible now, the ones that need a swap first, and the nodes whose agent is down while their
+    ranks train. ``rank_groups``: a fault-tolerant run's ranks' replica groups (rank -> group): a group that made no
+    progress while others did hangs on its own, and a rank that exited with ``EXIT_NO_QUORUM`` found no quorum
+    (``NO_QUORUM``); a silent node's peers are the ranks of its ranks' groups. ``report_interval_s``: how often the
+    agents send their ranks' steps. ``node_ready``: the backend's view of a node (True: up, its ranks' processes
+    running; False: down), where it has one."""
     out: list[Failure] = []
-    for n in nodes:
+    down: list[AgentDown] = []
+    rank_list = list(ranks)
+    late = []
+    node_list = list(nodes)
+    for n in node_list:
         silent = now_s - n.last_heartbeat_s
         if silent <= config.heartbeat_floor_s:
             continue  # never late within the floor, whatever its intervals
         limit = heartbeat_timeout_s(n.intervals_s, config)
         if silent > limit:
-            detail = f"no heartbeat for {silent:.1f} s > {limit:.1f} s"
-            out.append(Failure(FailureKind.HEARTBEAT_LOSS, n.node, None, detail))
+            late.append((n, f"no heartbeat for {silent:.1f} s > {limit:.1f} s"))
+    if late:
+        silent_nodes = {n.node for n, _ in late}
+        for n, detail in late:
+            grace_s = witness_grace_s(n.intervals_s, step_times_s, report_interval_s, config)
+            verdict = _judge_silence(
+                n, now_s, rank_list, silent_nodes, rank_groups, grace_s, report_interval_s, node_ready
+            )
+            if verdict is None:
+                continue  # a peer's step may still be on its way
+            lost, why = verdict
+            if lost:
+                out.append(Failure(FailureKind.HEARTBEAT_LOSS, n.node, None, f"{detail}; {why}"))
+            else:
+                down.append(AgentDown(n.node, f"{detail}; {why}"))
     for e in events:
         kind = FailureKind.FATAL_XID if e.action == "cordon_and_swap" else FailureKind.APPLICATION_XID
         out.append(Failure(kind, e.node, None, f"XID {e.xid} on GPU {e.gpu}: {e.reason or e.action}"))
-    rank_list = list(ranks)
     for r in rank_list:
         if r.exit_code is not None and r.exit_code != 0:
             no_quorum = rank_groups is not None and r.exit_code == EXIT_NO_QUORUM
@@ -186,14 +257,57 @@ def detect_failures(
             node, rank, named = waiting[0].node, waiting[0].rank, "every rank waits"
         detail = "; ".join(t.detail for t in waiting[:3]) + (f" (+{len(waiting) - 3} more)" if len(waiting) > 3 else "")
         out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, node, rank, f"{detail}; {named}"))
+    # a rank's progress is seen through its node's agent: the ranks of a node silent past the floor say nothing of
+    # it, and a group with no other rank is not judged hung (its agents are silent, not necessarily its ranks)
+    unheard = {n.node for n in node_list if now_s - n.last_heartbeat_s > config.heartbeat_floor_s}
     groups: dict[int | None, list[RankLike]] = {}
     for r in running:  # a fault-tolerant run's groups step on their own: each may hang alone
-        groups.setdefault(rank_groups.get(r.rank) if rank_groups is not None else None, []).append(r)
+        if r.node not in unheard:
+            groups.setdefault(rank_groups.get(r.rank) if rank_groups is not None else None, []).append(r)
     for group, members in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         hang = _hang(now_s, members, step_times_s, config, "" if group is None else f" in replica group {group}")
         if hang is not None:
             out.append(hang)
-    return sorted(out, key=lambda f: (not f.swap, f.node, -1 if f.rank is None else f.rank))
+    failures = sorted(out, key=lambda f: (not f.swap, f.node, -1 if f.rank is None else f.rank))
+    return Findings(failures, down)
+
+
+def _judge_silence(
+    n: NodeLike,
+    now_s: float,
+    ranks: Sequence[RankLike],
+    silent_nodes: set[str],
+    rank_groups: Mapping[int, int] | None,
+    grace_s: float,
+    report_interval_s: float,
+    node_ready: Mapping[str, bool] | None,
+) -> tuple[bool, str] | None:
+    """Whether a node silent past its timeout is lost (True) or only its agent is down (False), and what says so;
+    None while a peer's step proving it alive may still be on its way. Peers are the running ranks of the groups of
+    its ranks (every rank of the run when not fault tolerant) on nodes that are heard from."""
+
+    def group(r: RankLike) -> int | None:
+        return rank_groups.get(r.rank) if rank_groups is not None else None
+
+    own = [r for r in ranks if r.node == n.node and r.exit_code is None]
+    groups = {group(r) for r in own}
+    latest: dict[int | None, float] = {}
+    for r in ranks:
+        if r.node != n.node and r.node not in silent_nodes and r.exit_code is None and group(r) in groups:
+            g = group(r)
+            latest[g] = max(latest.get(g, -math.inf), r.progress_s)
+    ready = node_ready.get(n.node) if node_ready is not None else None
+    proof_s = n.last_heartbeat_s + grace_s  # a peer's step seen after this proves the node's ranks alive
+    if own and latest and len(latest) == len(groups):
+        seen = min(latest.values())  # every group's peers must have stepped
+        if seen > proof_s:
+            return False, f"its ranks' peers stepped {seen - n.last_heartbeat_s:.1f} s after its last beat"
+        if now_s <= proof_s + report_interval_s:
+            return None
+        return True, f"its ranks' peers stopped too (no step seen {grace_s:.1f} s after its last beat)"
+    if ready is not None:
+        return (not ready), f"the backend says the node is {'up, its ranks running' if ready else 'down'}"
+    return True, "no peer or backend to witness its ranks" if own else "it runs no rank of the run"
 
 
 def _hang(

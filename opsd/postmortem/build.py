@@ -61,7 +61,7 @@ from opsd.postmortem.model import (
     Totals,
     XidFacts,
 )
-from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
+from opsd.protocol.states import WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
 
 _XID = re.compile(r"^XID (\d+) on GPU (\d+):\s*(.*)$", re.S)
 _EXIT = re.compile(r"exited with (-?\d+)")
@@ -225,7 +225,7 @@ def build(raw: Any, incident_id: int | None = None) -> Report:
     goodput = _goodput(status, bundle.checkpoint_blocking_s or BlockingIn(), mtbf)
     collectives = _collectives(bundle.launches or ())
     recompute_total = dict(goodput.badput_s).get(BadputBucket.RECOMPUTE)
-    lost_total = sum(r.lost_steps or 0 for r in rows if r.kind != IncidentKind.STRAGGLER)
+    lost_total = sum(r.lost_steps or 0 for r in rows if r.kind not in WARNING_KINDS)
 
     def analysis_of(ident: int) -> FlightRecorder | None:
         for a in analyses:
@@ -241,7 +241,7 @@ def build(raw: Any, incident_id: int | None = None) -> Report:
         failed, detected, resumed = r.failed_s, r.detected_s, r.resumed_s
         end = resumed if resumed is not None else now_s if r.state == IncidentState.OPEN else None
         recompute = None
-        if recompute_total is not None and r.lost_steps is not None and r.kind != IncidentKind.STRAGGLER:
+        if recompute_total is not None and r.lost_steps is not None and r.kind not in WARNING_KINDS:
             recompute = recompute_total * r.lost_steps / lost_total if lost_total else 0.0
         reports.append(
             IncidentReport(
@@ -261,7 +261,7 @@ def build(raw: Any, incident_id: int | None = None) -> Report:
                 recompute_s=recompute,
                 spare=r.spare,
                 root_cause=_root_cause(r, bundle.xid_table or {}, analysis_of(r.id)),
-                timeline=_timeline(r, mine) if r.kind != IncidentKind.STRAGGLER else (),
+                timeline=_timeline(r, mine) if r.kind not in WARNING_KINDS else (),
                 resume=_resume(r, mine, checkpoints),
                 launch=(launch := _launch_of(r.key)),
                 collectives=collectives.get(launch, ()) if launch is not None else (),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from opsd.policy.goodput import BADPUT
-from opsd.protocol.states import ActionKind, IncidentKind
+from opsd.protocol.states import WARNING_KINDS, ActionKind
 
 KIND_WORDS = {
     "heartbeat_loss": "node lost (no heartbeats)",
@@ -172,7 +172,7 @@ class IncidentReport:
 
     @property
     def is_failure(self) -> bool:
-        return self.kind != IncidentKind.STRAGGLER
+        return self.kind not in WARNING_KINDS
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ class IncidentState(StrEnum):
 
 
 class IncidentKind(StrEnum):
-    """What an incident records: a failure (every kind but ``STRAGGLER``: ``FAILURE_KINDS``; the kinds
-    ``opsd.policy.detection`` names a ``Failure`` with), or a straggler warning."""
+    """What an incident records: a failure (``FAILURE_KINDS``: the kinds ``opsd.policy.detection`` names a
+    ``Failure`` with), or a warning (``WARNING_KINDS``: a straggler, an agent down while its ranks train)."""
 
     HEARTBEAT_LOSS = "heartbeat_loss"  # a node stopped sending heartbeats
     FATAL_XID = "fatal_xid"  # a GPU error that calls for the node to be swapped
@@ -50,10 +50,14 @@ class IncidentKind(StrEnum):
     MANUAL_RESTART = "manual_restart"  # an operator asked for a restart
     NO_QUORUM = "no_quorum"  # a fault-tolerant replica group found no quorum: too few groups alive for too long
     STRAGGLER = "straggler"  # a warning: a rank persistently slower than its peers
+    AGENT_DOWN = "agent_down"  # a warning: a node's agent is silent while its ranks train (an operations event)
 
 
-#: the incident kinds that record a failure (the others are warnings)
-FAILURE_KINDS = frozenset(k for k in IncidentKind if k is not IncidentKind.STRAGGLER)
+#: the incident kinds that are warnings: recorded, never recovered from
+WARNING_KINDS = frozenset({IncidentKind.STRAGGLER, IncidentKind.AGENT_DOWN})
+
+#: the incident kinds that record a failure
+FAILURE_KINDS = frozenset(k for k in IncidentKind if k not in WARNING_KINDS)
 
 
 class ActionState(StrEnum):

@@ -57,7 +57,7 @@ from opsd.backends.kubernetes.jobsets import (
 )
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.controller.steps import Step, as_outcome
-from opsd.errors import NotFoundError
+from opsd.errors import NotFoundError, OpsError
 from opsd.protocol.cluster import JOBSET_NAME_LABEL, JOBSET_RESTART_JOB_RELEASE, QUARANTINE_TAINT
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,15 @@ class KubernetesBackend:
 
     def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
         return Failed(ErrorKind.UNSUPPORTED, "fault injection needs the local backend (opsd run)")
+
+    def node_ready(self, node: str) -> bool | None:
+        """The Node's ``Ready`` condition (a node deleted is down); None when the API cannot be read."""
+        try:
+            return nodes.ready(self.api.node(node))
+        except NotFoundError:
+            return False
+        except OpsError:
+            return None
 
     def resumed_from(self, run: str) -> int | None:
         return None  # the ranks say it in their reports

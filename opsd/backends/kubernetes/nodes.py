@@ -170,3 +170,10 @@ def quarantined_since(nodes: list[Json], since_s: float) -> list[str]:
 def unusable(node: Json) -> bool:
     """Whether no pod of a run may be placed there: unschedulable, quarantined, or a spare not promoted."""
     return bool((node.get("spec") or {}).get("unschedulable")) or has_taint(node, QUARANTINE_TAINT)
+
+
+def ready(node: Json) -> bool:
+    """Whether the kubelet says the node is up: its ``Ready`` condition is ``True`` (``False`` or ``Unknown``: the
+    kubelet reports it down, or has stopped reporting)."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

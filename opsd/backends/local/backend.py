@@ -205,6 +205,15 @@ class LocalBackend:
 
         return self._once(run, request_id, inject)
 
+    def node_ready(self, node: str) -> bool | None:
+        """Whether the current launch's rank processes on ``node`` all run (none exited or stopped: a local node
+        is its processes); None when it runs none."""
+        with self.lock:
+            here = [r for r in self.ranks if r.node == node]
+        if not here:
+            return None
+        return all(processes.running(r.proc) for r in here)
+
     def resumed_from(self, run: str) -> int | None:
         return self.resumed_from_step if run == self.spec.run else None
 

@@ -62,6 +62,18 @@ class RankProcess:
     reported_exit: bool = False
 
 
+def running(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether ``proc`` has not exited and is not stopped (SIGSTOP: state ``T`` in ``/proc/<pid>/stat``)."""
+    if proc.poll() is not None:
+        return False
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return proc.poll() is None
+    state = stat.rsplit(")", 1)[-1].split()[0]  # after the command's name, which may hold spaces and ')'
+    return state not in ("T", "t", "Z", "X")
+
+
 def lock_run(spec: LocalRunSpec) -> int:
     """One controller per run: an exclusive ``flock`` on ``<run>/controller.lock``, held until its descriptor is
     closed (or the process exits); the descriptor."""
