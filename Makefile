@@ -14,7 +14,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS := tests/test_collectives.py tests/test_monitor.py tests/test_monitor_deferred.py tests/test_flight_nccl.py \
 	tests/test_checkpoint.py tests/test_dtype.py tests/test_docs.py::test_readme_monitor_example_runs_under_torchrun
 
-.PHONY: demo demo-ft test lint typecheck pytest pytest-floor system-deps clean dashboard-pictures chart-files gpu-check gpu-wheels
+.PHONY: demo demo-ft test soak lint typecheck pytest pytest-floor system-deps clean dashboard-pictures chart-files gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt tools/install_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ chart-files:
 	rm -f helm/opsd/files/dashboards/*.json
 	cp dashboards/*.json helm/opsd/files/dashboards/
 	cp dashboards/rules/opsd.rules.yaml helm/opsd/files/dashboards/rules/
+
+# every multi-process test K times from fresh directories, every other run beside a CPU burner; no retries
+# (tools/soak.py; e.g. SOAK_ARGS="--runs 5 --keep /tmp/soak")
+soak: $(STAMP) system-deps
+	$(PY) -m tools.soak $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -40,6 +40,7 @@ from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layou
 from trainer_hooks.flops import measure_flops_per_token
 from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy_reader import PolicyReader, policy_source
+from trainer_hooks.process_exit import run_and_exit
 
 if TYPE_CHECKING:
     from examples.ft import FaultTolerance
@@ -496,4 +497,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads are doing (docs/crash.md)

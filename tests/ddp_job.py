@@ -5,7 +5,6 @@ Prints, on rank 0, one JSON line: the last report, the model's parameter bytes, 
 from __future__ import annotations
 
 import json
-import sys
 
 import msgspec
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_hooks import ModelShape, Monitor, MonitorConfig
+from trainer_hooks.process_exit import run_and_exit
 
 
 def main() -> int:
@@ -47,4 +47,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads are doing (docs/crash.md)

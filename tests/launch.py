@@ -52,6 +52,9 @@ class KnownCrash(Enum):
         return signal_line and cause.signal_name in ("SIGSEGV", "SIGABRT")
 
 
+#: set (to anything) to launch every command once: a soak (``tools/soak.py``) retries nothing
+NO_RELAUNCH_ENV = "OPSD_NO_RELAUNCH"
+
 # More relaunches than this in one test session fail the session, even when every test passed (tests/conftest.py):
 # a known crash is rare by definition (docs/crash.md measures it); more than this means something changed.
 RETRY_BUDGET = 2
@@ -123,6 +126,8 @@ def run_module_retrying(
     relaunch is recorded in ``RETRIES`` and warned about."""
     if nproc < 2:
         raise ValueError("run_module_retrying judges torchrun's root cause: nproc must be >= 2")
+    if os.environ.get(NO_RELAUNCH_ENV):
+        attempts = 1  # a soak (tools/soak.py) retries nothing
     for attempt in range(1, attempts + 1):
         directory = workdir / f"attempt-{attempt}"
         directory.mkdir(parents=True)

@@ -23,6 +23,7 @@ from examples.model import Transformer
 from examples.parallelize import build_mesh, parallelize
 from opsd.protocol.mesh import MeshSpec
 from trainer_hooks import Monitor, MonitorConfig
+from trainer_hooks.process_exit import run_and_exit
 
 FORWARD_S, BACKWARD_S = 0.040, 0.080  # per micro-batch and stage (long beside the host's jitter in waking a rank)
 STEPS, WARMUP = 6, 1
@@ -100,4 +101,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads are doing (docs/crash.md)

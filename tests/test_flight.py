@@ -37,6 +37,7 @@ from opsd.protocol.heartbeat import Heartbeat
 from tests.launch import run_module
 from tests.serving import start_api
 from tests.waiting import wait_for
+from trainer_hooks.process_exit import run_and_exit
 
 RUN = "fr"
 TOKEN = "s3cret"
@@ -419,4 +420,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads are doing (docs/crash.md)

@@ -1,0 +1,1 @@
+"""Scripts of the repository (install steps, reproducers, the soak, pictures): not part of the installed package."""
