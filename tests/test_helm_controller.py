@@ -277,6 +277,33 @@ def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> Non
     assert settings["controller"]["kubernetes"]["lease_name"] == "opsd-lock"
 
 
+def pod_template(docs: list[Obj], kind: str) -> Obj:
+    return dict(one(docs, kind)["spec"]["template"])
+
+
+@pytest.mark.parametrize(
+    ("change", "rolls", "stays"),
+    [
+        ("--set=controller.config.detection.hang_floor_s=120", "StatefulSet", "DaemonSet"),
+        ("--set=agent.config.heartbeat_interval_s=2", "DaemonSet", "StatefulSet"),
+    ],
+    ids=["controller only", "agent only"],
+)
+def test_a_change_of_one_components_settings_rolls_that_component_only(
+    helm: Helm, default: list[Obj], change: str, rolls: str, stays: str
+) -> None:
+    """Each workload's pods carry the checksum of their own section of the settings: a controller-only change does
+    not roll the agents (an agent roll silences every node's agent in turn), and an agent-only one does not restart
+    the controller. The settings file itself holds both sections, as before."""
+    changed = helm.render(change)
+    assert pod_template(changed, stays) == pod_template(default, stays)
+    assert pod_template(changed, rolls) != pod_template(default, rolls)
+    before = yaml.safe_load(one(default, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    after = yaml.safe_load(one(changed, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert set(before) == set(after) == {"controller", "agent"}
+    assert before != after
+
+
 def rolling(docs: list[Obj]) -> dict[str, str]:
     """The credentials' checksum on each workload's pods (a change rolls them)."""
     return {

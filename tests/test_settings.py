@@ -75,6 +75,7 @@ FROZEN_KEYS = [
     "controller.step_retry_max_s",
     "controller.step_timeout_s",
     "controller.forget_finished_s",
+    "controller.dry_run",
     "controller.backend",
     "controller.kubernetes.namespace",
     "controller.kubernetes.watch_namespace",
@@ -138,6 +139,7 @@ FROZEN_FLAGS = {
     "serve": [
         "--backend",
         "--config",
+        "--dry-run",
         "--hang-floor-s",
         "--heartbeat-floor-s",
         "--host",

@@ -125,6 +125,14 @@ def serve(
         str | None,
         setting(f"what recovers runs: {settings.BACKEND_CHOICES} [default: none]"),
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="detect, decide and record every recovery step it would take, and take none (incidents say 'dry"
+            " run'; controller.dry_run)",
+        ),
+    ] = False,
     config: Settings = None,
     log_level: LogLevel = "INFO",
 ) -> None:
@@ -144,6 +152,7 @@ def serve(
         "detection.heartbeat_floor_s": heartbeat_floor_s,
         "detection.hang_floor_s": hang_floor_s,
         "backend": backend,
+        "dry_run": True if dry_run else None,  # not given: the settings decide
     }
     loaded = _load("controller", config, flags)
     chosen = registry.backend(loaded.backend)

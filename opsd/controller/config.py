@@ -34,6 +34,7 @@ class ControllerConfig:
     step_retry_max_s: float = 30.0  # the longest wait between two attempts of a step
     step_timeout_s: float = 600.0  # how long a step under way (a cluster restarting a job) is waited for
     forget_finished_s: float = 3600.0  # a finished run's memory (its ranks, cadence) is kept this long for reads
+    dry_run: bool = False  # detect, decide and record every recovery step it would take, and take none
 
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:

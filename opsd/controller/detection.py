@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable, Iterable
 from functools import partial
 
+from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import (
-    agent_down_key,
     failure_key,
     failure_of,
     generation_of,
@@ -23,13 +23,12 @@ from opsd.controller.incidents import (
     unfinished_incident,
 )
 from opsd.controller.live import RankLive
-from opsd.controller.port import NodeWitness
 from opsd.controller.rows import IncidentRow, RunRow
-from opsd.controller.scoring import Scoring
+from opsd.controller.silence import Silence
 from opsd.errors import OpsError
-from opsd.policy.detection import AgentDown, CollectiveTimeout, Failure, FailureKind, Findings, detect
+from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, Findings, detect
 from opsd.policy.replicas import Scope, failed_group, recovery_scope
-from opsd.protocol.states import ActionKind, IncidentKind, IncidentState, NodeRole, RunState
+from opsd.protocol.states import ActionKind, IncidentState, NodeRole, RunState
 from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ def lower_priority(nice: int) -> None:
         log.debug("the scoring's thread keeps its priority: %s", exc)
 
 
-class Detection(Scoring):
+class Detection(Silence):
     def tick_every(self, interval_s: float, stop: threading.Event) -> None:
         """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set, and the scoring
         and cadence planning on a thread of their own, at ``SCORING_NICE`` (``score_every``). A slot's scoring of
@@ -125,48 +124,6 @@ class Detection(Scoring):
         if due or ended:
             self.record_launch(run_id, int(run.generation), now_s)
 
-    def backend_node_ready(self, nodes: list[str]) -> dict[str, bool]:
-        """The backend's view of each silent node, where it has one (``NodeWitness``): asked outside the lock."""
-        witness = self.backend if isinstance(self.backend, NodeWitness) else None
-        if witness is None or not nodes:
-            return {}
-        out = {}
-        for node in nodes:
-            try:
-                up = witness.node_ready(node)
-            except OpsError as exc:
-                log.warning("the backend could not say whether %s is up: %s", node, exc)
-                continue
-            if up is not None:
-                out[node] = up
-        return out
-
-    def _agents_down(self, run: RunRow, down: list[AgentDown], now_s: float) -> None:
-        """Keep the nodes whose agent is silent while their ranks train (the status, ``opsd_run_agents_down``), and
-        record each silence once, as a warning: an operations event, nothing to recover."""
-        with self.lock:
-            memory = self.remember(run.id)
-            before = {d.node for d in memory.agents_down}
-            memory.agents_down = down
-            heard = {d.node: self.nodes[d.node].last_heartbeat_s for d in down if d.node in self.nodes}
-        for d in down:
-            if d.node in before:
-                continue
-            log.warning("run %s: the agent of %s is down while its ranks train: %s", run.id, d.node, d.detail)
-            incident, _ = self.store.open_incident(
-                key=agent_down_key(run.id, run.generation, d.node, heard.get(d.node, now_s)),
-                run=run.id,
-                kind=IncidentKind.AGENT_DOWN,
-                node=d.node,
-                rank=None,
-                detail=d.detail,
-                failed_s=now_s,
-                detected_s=now_s,
-            )
-            self.store.update_incident(incident, state=IncidentState.WARNED)  # a warning: nothing to recover
-        for node in before - {d.node for d in down}:
-            log.info("run %s: the agent of %s is heard from again (or its node was judged)", run.id, node)
-
     def _detect(self, run: str, now_s: float, fault_tolerant: bool = False) -> Findings:
         active = self.store.node_names(run, NodeRole.ACTIVE)
         groups = self.rank_groups(run) if fault_tolerant else None
@@ -218,7 +175,8 @@ class Detection(Scoring):
         """One incident per launch: the first failure (a swap first) is the cause; the rest are its consequences.
         In a fault-tolerant run, a failure confined to a replica group is that group's incident, one per launch of
         the group, and the other groups train on (``opsd.policy.replicas``). The incident is recorded (once: the
-        same failure seen again finds it) and, with a backend, recovered from; returns its id."""
+        same failure seen again finds it) and, with a backend, recovered from; in dry run, its plan is recorded and
+        nothing is done; returns its id."""
         cause = failures[0]
         failed_s = self._failed_at(run.id, cause, now_s)
         scope = self._scope(run, cause)
@@ -252,6 +210,10 @@ class Detection(Scoring):
             if run.spec.replicas.fault_tolerant:
                 log.warning("run %s: incident %d: %s", run.id, incident, scope.why)
         self._handled_events(cause, now_s)
+        if self.config.dry_run:
+            if new:
+                record_dry_run(self.store, run, incident, cause, now_s)
+            return incident
         if self.backend is not None:
             if scope.group is None:
                 self.store.update_run(run.id, now_s, state=RunState.RECOVERING)

@@ -279,8 +279,10 @@ class StateStore:
         kind: str,
         args: dict[str, Any],
         now_s: float,
+        state: ActionState = ActionState.PENDING,
     ) -> Action:
-        """Record an action before it is carried out; recording the same request id again returns the first."""
+        """Record an action before it is carried out (``NOT_TAKEN``: one never to be); the same request id again
+        returns the first."""
         row = {
             "request_id": request_id,
             "incident_id": incident_id,
@@ -288,7 +290,7 @@ class StateStore:
             "seq": seq,
             "kind": kind,
             "args": json.dumps(args, sort_keys=True),
-            "state": ActionState.PENDING,
+            "state": state,
             "created_s": now_s,
         }
         try:

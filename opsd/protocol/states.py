@@ -34,6 +34,7 @@ class IncidentState(StrEnum):
     RECOVERED = "recovered"  # the relaunch made its first productive step
     ABANDONED = "abandoned"
     WARNED = "warned"  # a warning (a straggler): nothing to recover
+    DRY_RUN = "dry_run"  # seen by a controller in dry run: its plan recorded, no step of it taken
 
 
 class IncidentKind(StrEnum):
@@ -63,6 +64,7 @@ FAILURE_KINDS = frozenset(k for k in IncidentKind if k not in WARNING_KINDS)
 class ActionState(StrEnum):
     PENDING = "pending"  # recorded, not known to be done (carried out again after a controller restart)
     DONE = "done"
+    NOT_TAKEN = "not_taken"  # planned by a controller in dry run, never carried out
 
 
 class ActionKind(StrEnum):

@@ -329,8 +329,12 @@ render runs them once.
 {{- end }}
 {{- end }}
 
-{{/* The settings file /etc/opsd/opsd.yaml: the values' config maps with what the chart decides laid over. */}}
-{{- define "opsd.settings" -}}
+{{/*
+The settings file /etc/opsd/opsd.yaml: the values' config maps with what the chart decides laid over. The
+controller's section (what `opsd serve --config` reads): its checksum is the controller's, so that a change of the
+agents' settings alone does not restart the controller.
+*/}}
+{{- define "opsd.settings.controller" -}}
 {{- $tls := dict }}
 {{- if .Values.controller.tls.enabled }}
 {{- $tls = dict "tls_certfile" "/etc/opsd/tls/tls.crt" "tls_keyfile" "/etc/opsd/tls/tls.key" }}
@@ -345,6 +349,14 @@ render runs them once.
     "node_selector" (include "opsd.gpuNodeSelector" .)
     "lease_name" (include "opsd.leaseName" .)
     "leader_election" .Values.controller.leaderElection.enabled)) }}
+{{- toYaml $controller }}
+{{- end }}
+
+{{/*
+The agent's section of the settings (what `opsd agent --config` reads): its checksum is the agent DaemonSet's, so
+that a change of the controller's settings alone does not roll the agents.
+*/}}
+{{- define "opsd.settings.agent" -}}
 {{- $agent := dict }}
 {{- if eq .Values.agent.transport "hostPath" }}
 {{- $agent = dict
@@ -363,5 +375,12 @@ render runs them once.
   "flight_dir" "/var/spool/opsd/flight" }}
 {{- end }}
 {{- $agent = mustMergeOverwrite (deepCopy .Values.agent.config) $agent }}
-{{- toYaml (dict "controller" $controller "agent" $agent) }}
+{{- toYaml $agent }}
+{{- end }}
+
+{{/*
+The settings file both read: the controller's section and the agent's.
+*/}}
+{{- define "opsd.settings" -}}
+{{- toYaml (dict "controller" (include "opsd.settings.controller" . | fromYaml) "agent" (include "opsd.settings.agent" . | fromYaml)) }}
 {{- end }}
