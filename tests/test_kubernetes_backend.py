@@ -17,7 +17,8 @@ from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
 from opsd.backends.kubernetes.leader import label_self
-from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome, Pending
+from opsd.backends.kubernetes.watch import Informer
+from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, NodeWitness, Outcome, Pending
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import ConfigError
@@ -127,6 +128,30 @@ def backend_on(kube: KubeEmulator, clock: Clock, **config: Any) -> KubernetesBac
 @pytest.fixture
 def backend(cluster: KubeEmulator, clock: Clock) -> KubernetesBackend:
     return backend_on(cluster, clock)
+
+
+# -- the second witness of a silent node ------------------------------------------------------------------------
+def ready_node(name: str, status: str | None) -> Json:
+    """A GPU node whose kubelet reports ``Ready`` = ``status`` (None: no condition yet)."""
+    obj = node(name)
+    obj["status"] = {"conditions": [{"type": "Ready", "status": status}] if status is not None else []}
+    return obj
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["read from the API", "from the leader's informer"])
+def test_a_node_is_up_only_while_its_kubelet_says_ready(kube: KubeEmulator, clock: Clock, cached: bool) -> None:
+    """``node_ready`` (the ``NodeWitness`` of opsd.controller.port): True for Ready, False for NotReady, Unknown (the
+    kubelet stopped reporting), no condition or no such node."""
+    for name, status in (("up", "True"), ("down", "False"), ("unknown", "Unknown"), ("new", None)):
+        kube.put(ready_node(name, status))
+    backend = backend_on(kube, clock)
+    if cached:
+        api = KubeApi(kube.api_client)
+        backend.node_cache = Informer(api, "nodes", lambda: api.nodes(""), timeout_s=1)
+        backend.node_cache.relist()
+    answers = {name: backend.node_ready(name) for name in ("up", "down", "unknown", "new", "gone")}
+    assert answers == {"up": True, "down": False, "unknown": False, "new": False, "gone": False}
+    assert isinstance(backend, NodeWitness)
 
 
 # -- quarantine, release, promote ---------------------------------------------------------------------------------

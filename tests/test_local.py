@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from opsd.backends.local.backend import LocalBackend
-from opsd.backends.local.processes import kill_orphans, start_time
+from opsd.backends.local.processes import kill_orphans, running, start_time
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.backends.local.supervise import start_run
 from opsd.controller.controller import Controller
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import PermanentError
+from tests.waiting import wait_for
 
 
 def test_a_run_name_is_not_taken_twice(tmp_path: Path) -> None:
@@ -78,3 +81,19 @@ def test_what_a_dead_controller_left_is_killed_by_pid_andstart_time(tmp_path: Pa
         for p in (left, other):
             p.kill()
             p.wait()
+
+
+def test_a_node_is_up_while_its_rank_processes_run_and_are_not_stopped() -> None:
+    """The local backend's second witness of a silent node (``processes.running``): a stopped (SIGSTOP) or exited
+    process is not running."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert running(proc)
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_for("the process stopped", lambda: not running(proc), 10)
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_for("the process running again", lambda: running(proc), 10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not running(proc)

@@ -222,12 +222,27 @@ def detect(
         if silent > limit:
             late.append((n, f"no heartbeat for {silent:.1f} s > {limit:.1f} s"))
     if late:
+        # one pass over the ranks, whatever the number of silent nodes (an agent roll silences many at scale):
+        # each silent node's own running ranks, and each group's newest step seen on a node heard from
         silent_nodes = {n.node for n, _ in late}
+        own: dict[str, list[RankLike]] = {}
+        latest: dict[int | None, float] = {}
+        for r in rank_list:
+            if r.exit_code is not None:
+                continue
+            group = rank_groups.get(r.rank) if rank_groups is not None else None
+            if r.node in silent_nodes:
+                own.setdefault(r.node, []).append(r)
+            elif r.progress_s > latest.get(group, -math.inf):
+                latest[group] = r.progress_s
         for n, detail in late:
             grace_s = witness_grace_s(n.intervals_s, step_times_s, report_interval_s, config)
-            verdict = _judge_silence(
-                n, now_s, rank_list, silent_nodes, rank_groups, grace_s, report_interval_s, node_ready
-            )
+            mine = own.get(n.node, [])
+            of_mine = {rank_groups.get(r.rank) if rank_groups is not None else None for r in mine}
+            seen = [latest[g] for g in of_mine if g in latest]
+            peers_s = min(seen) if mine and len(seen) == len(of_mine) else None  # every group's peers must step
+            ready = node_ready.get(n.node) if node_ready is not None else None
+            verdict = _judge_silence(n, now_s, bool(mine), peers_s, ready, grace_s, report_interval_s)
             if verdict is None:
                 continue  # a peer's step may still be on its way
             lost, why = verdict
@@ -275,39 +290,26 @@ def detect(
 def _judge_silence(
     n: NodeLike,
     now_s: float,
-    ranks: Sequence[RankLike],
-    silent_nodes: set[str],
-    rank_groups: Mapping[int, int] | None,
+    has_ranks: bool,
+    peers_s: float | None,
+    ready: bool | None,
     grace_s: float,
     report_interval_s: float,
-    node_ready: Mapping[str, bool] | None,
 ) -> tuple[bool, str] | None:
     """Whether a node silent past its timeout is lost (True) or only its agent is down (False), and what says so;
-    None while a peer's step proving it alive may still be on its way. Peers are the running ranks of the groups of
-    its ranks (every rank of the run when not fault tolerant) on nodes that are heard from."""
-
-    def group(r: RankLike) -> int | None:
-        return rank_groups.get(r.rank) if rank_groups is not None else None
-
-    own = [r for r in ranks if r.node == n.node and r.exit_code is None]
-    groups = {group(r) for r in own}
-    latest: dict[int | None, float] = {}
-    for r in ranks:
-        if r.node != n.node and r.node not in silent_nodes and r.exit_code is None and group(r) in groups:
-            g = group(r)
-            latest[g] = max(latest.get(g, -math.inf), r.progress_s)
-    ready = node_ready.get(n.node) if node_ready is not None else None
+    None while a peer's step proving it alive may still be on its way. ``peers_s``: when the peers of its ranks (the
+    running ranks of their groups on nodes heard from) last stepped, the least recent group's (None: a group of its
+    ranks has no such peer); ``ready``: the backend's view of it (None: none)."""
     proof_s = n.last_heartbeat_s + grace_s  # a peer's step seen after this proves the node's ranks alive
-    if own and latest and len(latest) == len(groups):
-        seen = min(latest.values())  # every group's peers must have stepped
-        if seen > proof_s:
-            return False, f"its ranks' peers stepped {seen - n.last_heartbeat_s:.1f} s after its last beat"
+    if peers_s is not None:
+        if peers_s > proof_s:
+            return False, f"its ranks' peers stepped {peers_s - n.last_heartbeat_s:.1f} s after its last beat"
         if now_s <= proof_s + report_interval_s:
             return None
         return True, f"its ranks' peers stopped too (no step seen {grace_s:.1f} s after its last beat)"
     if ready is not None:
         return (not ready), f"the backend says the node is {'up, its ranks running' if ready else 'down'}"
-    return True, "no peer or backend to witness its ranks" if own else "it runs no rank of the run"
+    return True, "no peer or backend to witness its ranks" if has_ranks else "it runs no rank of the run"
 
 
 def _hang(

@@ -55,6 +55,7 @@ from opsd.backends.kubernetes.jobsets import (
     succeeded,
     terminating,
 )
+from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.controller.steps import Step, as_outcome
 from opsd.errors import NotFoundError, OpsError
@@ -100,6 +101,7 @@ class KubernetesBackend:
         self.config = config
         self.clock = clock
         self.runs: dict[str, RunRef] = {}  # filled by the reconciler (opsd.backends.kubernetes.runs)
+        self.node_cache: Informer | None = None  # the leader's informer of the nodes: node_ready reads it, no call
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
@@ -143,7 +145,13 @@ class KubernetesBackend:
         return Failed(ErrorKind.UNSUPPORTED, "fault injection needs the local backend (opsd run)")
 
     def node_ready(self, node: str) -> bool | None:
-        """The Node's ``Ready`` condition (a node deleted is down); None when the API cannot be read."""
+        """The Node's ``Ready`` condition (a node deleted is down), from the leader's informer once it has listed
+        (a roll of the agents silences many nodes at once: no API call for each of them at every detection pass);
+        else read from the API; None when the API cannot be read."""
+        cache = self.node_cache
+        if cache is not None and cache.synced.is_set():
+            found = cache.get(f"/{node}")
+            return nodes.ready(found) if found is not None else False
         try:
             return nodes.ready(self.api.node(node))
         except NotFoundError:

@@ -69,6 +69,7 @@ class KubernetesController:
         assert isinstance(backend, KubernetesBackend)
         self.backend = backend
         self.nodes, self.pods, self.jobsets = cluster_informers(api, config)
+        backend.node_cache = self.nodes  # the second witness of a silent node, read without an API call
         self.reconciler = Reconciler(
             controller.store, backend, self.jobsets, self.pods, self.nodes, final_step=controller.final_step
         )

@@ -56,6 +56,11 @@ class Informer:
         with self._lock:
             return list(self.items.values())
 
+    def get(self, key: str) -> Json | None:
+        """The object of ``key`` (``namespace/name``; ``/name`` for a cluster-scoped one) in the cache, if any."""
+        with self._lock:
+            return self.items.get(key)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"opsd-watch-{self.kind}", daemon=True)
         self._thread.start()
