@@ -186,6 +186,9 @@ FROZEN_FLAGS = {
     "inject kill": ["--rank", "--run", *CONNECTION],
     "inject hang": ["--rank", "--run", *CONNECTION],
     "inject slow": ["--factor", "--rank", "--run", *CONNECTION],
+    "maintenance start": ["--reason", "--run", *CONNECTION],
+    "maintenance stop": ["--run", *CONNECTION],
+    "maintenance list": ["--json", *CONNECTION],
     "simulate": [
         "--checkpoint-background-s",
         "--checkpoint-blocking-s",

@@ -32,6 +32,7 @@ from opsd.api.flight import flight_router
 from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
 from opsd.api.heartbeat_ingest import HeartbeatPort, close_heartbeats, open_heartbeats
 from opsd.api.liveness import close_liveness, open_liveness
+from opsd.api.maintenance import maintenance_router
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
@@ -142,6 +143,7 @@ def create_app(
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(int(exc.retry_after_s))})
 
     app.include_router(flight_router(controller, allow(Role.AGENT), allow(Role.READER), stats.reject, clock))
+    app.include_router(maintenance_router(controller, operators, reads, clock))
 
     @app.get("/v1/runs", dependencies=reads)
     def runs() -> list[RunRow]:

@@ -265,6 +265,47 @@ def flamegraph(
         typer.echo(f"{target}: {len(stacks)} stacks")
 
 
+maintenance_app = typer.Typer(
+    help="Maintenance windows: while one holds a run (or every run), incidents are recorded and nothing is recovered.",
+    no_args_is_help=True,
+)
+RunOrEvery = Annotated[str | None, typer.Option("--run", help="the run (default: every run)", show_default=False)]
+
+
+@maintenance_app.command("start")
+@connected
+def maintenance_start(
+    run: RunOrEvery = None,
+    reason: Annotated[str, typer.Option("--reason", help="why (shown in status)")] = "maintenance",
+    *,
+    api: ApiClient,
+) -> None:
+    """Hold the recoveries of a run, or of every run: detection and records go on."""
+    body = call(api, "POST", "/v1/maintenance/start", {"run": run, "reason": reason})
+    typer.echo(f"maintenance: {body['run'] or 'every run'} held since {body['since_s']:.0f} ({body['reason']})")
+
+
+@maintenance_app.command("stop")
+@connected
+def maintenance_stop(run: RunOrEvery = None, *, api: ApiClient) -> None:
+    """End a window: the recoveries it held start at the next detection pass."""
+    body = call(api, "POST", "/v1/maintenance/stop", {"run": run})
+    what = body["run"] or "every run"
+    typer.echo(f"maintenance: {what} {'released' if body['ended'] else 'was not held'}")
+
+
+@maintenance_app.command("list")
+@connected
+def maintenance_list(as_json: AsJson = False, *, api: ApiClient) -> None:
+    """The windows in force."""
+    windows = call(api, "GET", "/v1/maintenance")
+    if as_json:
+        typer.echo(json.dumps(windows))
+        return
+    for w in windows:
+        typer.echo(f"{w['run'] or 'every run'}: held since {w['since_s']:.0f} ({w['reason']})")
+
+
 inject_app = typer.Typer(help="Inject a fault into a run of `opsd run` (local mode).", no_args_is_help=True)
 Rank = Annotated[int, typer.Option(help="the rank")]
 
@@ -322,3 +363,4 @@ def register(app: typer.Typer) -> None:
         app.command(command.__name__)(command)
     app.add_typer(runs_app, name="runs")
     app.add_typer(inject_app, name="inject")
+    app.add_typer(maintenance_app, name="maintenance")

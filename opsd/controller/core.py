@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from opsd.controller.config import ControllerConfig
+from opsd.controller.holds import Holds
 from opsd.controller.live import (
     GroupDown,
     NodeLive,
@@ -70,6 +71,7 @@ class ControllerCore:
         """``clock``: the controller's wall clock, for what it does on its own threads (a recovery's steps); the
         passes and the heartbeats are given their time (``now_s``)."""
         self.store = store
+        self.holds = Holds(store.engine)  # maintenance windows: recovery actions held (opsd maintenance)
         self.config = config or ControllerConfig()
         self.backend = backend
         self.tracing = tracing or IncidentTracing()  # the incidents' traces (none exported by default)

@@ -23,8 +23,8 @@ from opsd.controller.incidents import (
     unfinished_incident,
 )
 from opsd.controller.live import RankLive
+from opsd.controller.maintenance import Maintenance
 from opsd.controller.rows import IncidentRow, RunRow
-from opsd.controller.silence import Silence
 from opsd.errors import OpsError
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, Findings, detect
 from opsd.policy.replicas import Scope, failed_group, recovery_scope
@@ -50,7 +50,7 @@ def lower_priority(nice: int) -> None:
         log.debug("the scoring's thread keeps its priority: %s", exc)
 
 
-class Detection(Silence):
+class Detection(Maintenance):
     def tick_every(self, interval_s: float, stop: threading.Event) -> None:
         """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set, and the scoring
         and cadence planning on a thread of their own, at ``SCORING_NICE`` (``score_every``). A slot's scoring of
@@ -101,6 +101,8 @@ class Detection(Silence):
                 if run.state != RunState.RUNNING:
                     continue
                 self.adopt_cadence(run)  # this controller's first pass: the cadence its predecessor published
+                if self.backend is not None:
+                    self._resume_held(run, now_s)
                 self._progress(run, now_s)
                 findings = self._detect(run.id, now_s, run.spec.replicas.fault_tolerant)
                 self._agents_down(run, findings.agents_down, now_s)
@@ -215,6 +217,8 @@ class Detection(Silence):
                 record_dry_run(self.store, run, incident, cause, now_s)
             return incident
         if self.backend is not None:
+            if self.held(run.id, incident, new):  # recovered from once the window ends
+                return incident
             if scope.group is None:
                 self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
             self.recovery.start(run.id, incident, cause, now_s)

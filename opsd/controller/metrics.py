@@ -92,6 +92,11 @@ class ControllerCollector(Collector):
             "opsd_run_spares_recommended", "Recommended spare pool size.", labels=run_labels
         )
         stragglers = GaugeMetricFamily("opsd_run_stragglers", "Ranks flagged as stragglers now.", labels=run_labels)
+        maintenance = GaugeMetricFamily(
+            "opsd_run_maintenance",
+            "1 while a maintenance window holds the run's recoveries (incidents are still recorded).",
+            labels=run_labels,
+        )
         agents_down = GaugeMetricFamily(
             "opsd_run_agents_down",
             "Nodes of the run whose agent is silent while their ranks train (an operations event, no recovery).",
@@ -172,6 +177,7 @@ class ControllerCollector(Collector):
             recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
             stragglers.add_metric([run_id], float(len(status["stragglers"])))
             agents_down.add_metric([run_id], float(len(status["agents_down"])))
+            maintenance.add_metric([run_id], 0.0 if status["maintenance"] is None else 1.0)
             pipeline = status["pipeline"]
             if pipeline is not None:
                 bubble.add_metric([run_id], pipeline["bubble_ratio"])
@@ -202,7 +208,7 @@ class ControllerCollector(Collector):
         yield from pool_metrics(shared_pool(controller, now))
         yield from gauges.values()
         yield from (state, mtbf, every, every_s, cost, last_commit, progress, recommended, stragglers, slowdown)
-        yield agents_down
+        yield from (agents_down, maintenance)
         yield from (bubble, theory, margin, incidents, recovery, replica_groups, quorum, out, missed)
         yield CounterMetricFamily("opsd_controller_heartbeats", "Heartbeats taken.", value=controller.heartbeats_total)
         yield CounterMetricFamily(

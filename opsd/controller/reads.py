@@ -53,6 +53,7 @@ class Reads(ControllerCore):
             return None
         nodes = self.store.nodes(run_id)
         incidents = self.store.incidents(run_id)
+        hold = self.holds.of(run_id)
         goodput = self.goodput(run, now_s, incidents)
         with self.lock:
             live = self.live_of(run_id)
@@ -91,6 +92,9 @@ class Reads(ControllerCore):
                 {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
             ],
             "agents_down": [{"node": d.node, "detail": d.detail} for d in agents_down],
+            "maintenance": None
+            if hold is None
+            else {"every_run": hold.run is None, "reason": hold.reason, "since_s": hold.since_s},
             "open_incidents": sum(1 for i in incidents if i.state == IncidentState.OPEN),
             "pipeline": pipeline_view(bubble),
             "replicas": self._replicas_view(run, incidents, ranks),

@@ -119,6 +119,15 @@ flight_dumps = Table(
 )
 
 
+holds = Table(
+    "holds",
+    metadata,
+    # a maintenance window: recovery actions held for one run, or for every run ("")
+    Column("scope", String(200), primary_key=True),
+    Column("reason", Text, nullable=False, default=""),
+    Column("since_s", Float, nullable=False),
+)
+
 launches = Table(
     "launches",
     metadata,
