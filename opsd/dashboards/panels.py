@@ -196,6 +196,8 @@ def reliability() -> dict[str, Any]:
         stat("ETTR so far", "percentunit", (f"opsd_run_ettr_ratio{{{RUN}}}", "ETTR")),
         stat("MTBF estimate now", "s", (f"opsd_run_mtbf_seconds{{{RUN}}}", "MTBF")),
         stat("Recoveries", "none", (f"opsd_run_recovery_seconds_count{{{RUN}}}", "recovered incidents")),
+        stat("Recoveries held (maintenance)", "none", (f"opsd_run_maintenance{{{RUN}}}", "held")),
+        stat("Agents down, ranks training", "none", (f"opsd_run_agents_down{{{RUN}}}", "nodes")),
         ts(
             "Incidents by cause",
             "none",
