@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from bench.crash_rates import stop
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.protocol.states import FAILURE_KINDS
@@ -81,9 +82,8 @@ def test_an_agent_paused_for_15_s_while_its_ranks_train_opens_no_incident(tmp_pa
         last_step.write_text(str(final["step"] + 5))
         out, err = proc.communicate(timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        if proc.poll() is None:  # SIGTERM: opsd run stops its ranks and agents (a SIGKILL would leave them running)
+            stop(proc, 60.0)
     assert proc.returncode == 0, err[-3000:]
     ended = json.loads(out.strip().splitlines()[-1])
     assert ended["state"] == "completed"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from bench.crash_rates import stop
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.cli.client import UnreachableError
@@ -63,9 +64,8 @@ def test_a_finished_runs_incidents_postmortem_and_flame_graph_need_no_controller
         )
         out, err = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        if proc.poll() is None:  # SIGTERM: opsd run stops its ranks and agents (a SIGKILL would leave them running)
+            stop(proc, 60.0)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["state"] == "completed"
     assert f"opsd postmortem {RUN} --state-dir {state} --format html" in err  # what to type, once it is over
