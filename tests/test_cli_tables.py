@@ -388,6 +388,21 @@ PIPELINE = {
 }
 
 
+def test_the_status_says_what_is_held_and_which_agents_are_down() -> None:
+    quiet = render(tables.status_table(status(RUN, "running", 5)), 200)
+    assert "maintenance" not in quiet
+    assert "agents down" not in quiet
+    body = {
+        **status(RUN, "running", 5),
+        "maintenance": {"every_run": True, "reason": "switch firmware", "since_s": 1700000000.0},
+        "agents_down": [{"node": NODE, "detail": "no heartbeat for 12.0 s > 10.0 s; its ranks' peers stepped"}],
+    }
+    out = render(tables.status_table(body), 200)
+    assert "recoveries held (every run)" in out
+    assert "switch firmware" in out
+    assert f"{NODE} (their ranks train: nothing recovered)" in out
+
+
 @pytest.mark.parametrize(
     ("pipeline", "wide", "expected"),
     [

@@ -188,6 +188,13 @@ def status_table(body: dict[str, Any], wide: bool = False) -> Grid:
         ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
         ("open incidents", str(body["open_incidents"])),
     ]
+    hold = body.get("maintenance")  # absent from an older controller's answer
+    if hold:
+        held = "every run" if hold["every_run"] else "this run"
+        rows.append(("maintenance", f"recoveries held ({held}) since {seconds(hold['since_s'], 0)}: {hold['reason']}"))
+    down = body.get("agents_down") or []
+    if down:
+        rows.append(("agents down", ", ".join(d["node"] for d in down) + " (their ranks train: nothing recovered)"))
     last = body.get("last_measured") or {}
     if body.get("pipeline"):
         rows.append(("pipeline bubble", bubble_text(body["pipeline"], wide)))
