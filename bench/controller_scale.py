@@ -18,10 +18,14 @@ interval settled), for ``--duration-s``:
 - heartbeats and datagrams a second, and the errors;
 - CPU: the controller's share of one core and its worker processes', the load generators' and the machine's; the
   controller's memory;
-- silent-node detection: 10 s before the end of the window (at its start if it is shorter) one node stops sending;
-  the time from its last sign of life to the moment ``GET /v1/runs/{run}/incidents`` shows its ``heartbeat_loss``
-  (polled every 0.25 s). The controller runs with ``--heartbeat-floor-s 3``: with a sign of life every second its
-  limit is then 5 x the median interval observed, 5 s (the default floor, 10 s, would set the limit by itself).
+- silent-node detection: 10 s before the end of the window (at its start if it is shorter) one node dies: it stops
+  sending, and the other nodes' ranks step no more (a synchronous job waits for the dead node's ranks: the second
+  witness the controller needs, ``opsd.policy.detection``); the time from its last sign of life to the moment
+  ``GET /v1/runs/{run}/incidents`` shows its ``heartbeat_loss`` (polled every 0.25 s). The controller waits for a
+  step of the peers' that would prove the node alive for its beat, one step, the ranks' report interval and a margin,
+  and one report interval more, so at the 9 s interval of 12,288 nodes the verdict comes ~20 s after the last beat.
+  The controller runs with ``--heartbeat-floor-s 3``: with a sign of life every second its limit is then 5 x the
+  median interval observed, 5 s (the default floor, 10 s, would set the limit by itself).
 
 The warm-up must be long enough for the start to settle, by default a second per 200 nodes (61 s at 12,288): 12,288
 first connections within 10 s overflow this machine's listen queue (``net.core.somaxconn`` 4,096), and the agents'

@@ -8,10 +8,11 @@ reply named the controller's datagram port; ``--mode http`` is an agent that kno
 ranks every beat, as agents did before). The datagrams of a load process go from one UDP socket; their
 acknowledgements come back to it.
 
-A heartbeat: the node's ranks with their step advancing every ``STEP_S``, ``step_s``, ``compute_s``, the running
-sums ``steps_total`` and ``compute_total_s``, checkpoints so far, mesh coordinates (tp=8, pp=16, dp for the rest),
-one node summary, and the node's collective time by phase, dimension and op (18 rows, for the flame graph); one
-rank computes 1.3x slower than its peers.
+A heartbeat: the node's ranks with their step advancing every ``STEP_S`` until the silent node dies (from then on no
+rank of the synchronous job steps: the controller's second witness of a lost node, ``opsd.policy.detection``),
+``step_s``, ``compute_s``, the running sums ``steps_total`` and ``compute_total_s``, checkpoints so far, mesh
+coordinates (tp=8, pp=16, dp for the rest), one node summary, and the node's collective time by phase, dimension and
+op (18 rows, for the flame graph); one rank computes 1.3x slower than its peers.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Plan:
     start_s: float  # heartbeats begin
     window_s: tuple[float, float]  # latencies are kept for heartbeats sent in [begin, end)
     silent_node: int
-    silent_s: float  # the silent node sends nothing from then on
+    silent_s: float  # the silent node sends nothing from then on, and the other nodes' ranks step no more
     datagrams: bool = True  # False: agents that know no liveness datagrams nor intervals (a heartbeat every beat)
     ramp_s: float = 0.0  # the agents come up over this long from start_s, in the order of their index
 
@@ -96,6 +97,7 @@ class SimulatedAgent:
     def __init__(self, index: int, plan: Plan, run_start_s: float) -> None:
         self.name = node_name(index)
         self.run_start_s = run_start_s
+        self.stalled_s = plan.silent_s  # the silent node dies then: a synchronous job's ranks step no more
         self.rng = random.Random(index)
         gpus = plan.gpus_per_node
         self.ranks = list(range(index * gpus, (index + 1) * gpus))
@@ -119,7 +121,7 @@ class SimulatedAgent:
         self.phase_ratio = phase_ratio(self.name)  # where in each interval it sends its ranks, as the agent does
 
     def heartbeat(self, now_s: float) -> Heartbeat:
-        elapsed = now_s - self.run_start_s
+        elapsed = min(now_s, self.stalled_s) - self.run_start_s
         step = FIRST_STEP + int(elapsed / STEP_S)
         last_report_s = self.run_start_s + (step - FIRST_STEP) * STEP_S
         checkpoints = step // CHECKPOINT_EVERY

@@ -71,6 +71,16 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
         {"ranks": [*HEALTHY_RANKS[:3], rank(3, "n1", 50, 99.1, exit_code=-9)]},
         [(FailureKind.PROCESS_EXIT, "n1", 3)],
     ),
+    "a rank killed by a signal is the cause, before its peer that exited with an error": (
+        {
+            "ranks": [
+                rank(0, "n0", 50, 99.0, exit_code=1),
+                rank(1, "n0", 50, 99.0),
+                rank(2, "n1", 50, 99.1, exit_code=-9),
+            ]
+        },
+        [(FailureKind.PROCESS_EXIT, "n1", 2), (FailureKind.PROCESS_EXIT, "n0", 0)],
+    ),
     "clean exit is no failure": ({"ranks": [rank(0, "n0", 60, 99.0, exit_code=0)]}, []),
     "hang: nobody advanced for 3 x 0.5 s... but the floor is 10 s": (
         {"ranks": [rank(r, "n0", 50, 91.0) for r in range(2)]},

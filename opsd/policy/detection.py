@@ -20,6 +20,9 @@ once such a step would have been seen (one report interval later), so a dead nod
 declared after max(heartbeat timeout, grace + report interval): with ranks reported every second and steps under
 6 s, within the 10 s floor as before; at 12,288 nodes, whose ranks are reported every 9 s, about 20 s plus a step.
 
+The first failure is the cause, the others its consequences: a swap first, then a rank killed by a signal (a rank
+whose peer died exits with an error of its own, often seen in the same pass), then by node and rank.
+
 What each failure asks for (``Failure.swap``): a node that stopped sending heartbeats or reported a fatal XID is
 swapped for a spare; a rank that exited, a hang, an application XID or a collective timeout restarts the ranks on
 the same nodes. Ranks that report a collective timeout are waiting for a peer: the failure names a rank that does
@@ -136,6 +139,7 @@ class Failure:
     node: str
     rank: int | None
     detail: str
+    signal: bool = False  # a rank killed by a signal (its exit code negative)
 
     def __post_init__(self) -> None:
         if self.kind not in FAILURE_KINDS:
@@ -257,7 +261,8 @@ def detect(
         if r.exit_code is not None and r.exit_code != 0:
             no_quorum = rank_groups is not None and r.exit_code == EXIT_NO_QUORUM
             kind = FailureKind.NO_QUORUM if no_quorum else FailureKind.PROCESS_EXIT
-            out.append(Failure(kind, r.node, r.rank, f"rank {r.rank} exited with {r.exit_code}"))
+            signal = r.exit_code < 0
+            out.append(Failure(kind, r.node, r.rank, f"rank {r.rank} exited with {r.exit_code}", signal=signal))
     running = [r for r in rank_list if r.exit_code is None]
     waiting = list(timeouts)
     if waiting:
@@ -283,7 +288,9 @@ def detect(
         hang = _hang(now_s, members, step_times_s, config, "" if group is None else f" in replica group {group}")
         if hang is not None:
             out.append(hang)
-    failures = sorted(out, key=lambda f: (not f.swap, f.node, -1 if f.rank is None else f.rank))
+    # a rank killed by a signal (the OOM killer, a crash, SIGKILL) before one that exited with an error: the peers of a
+    # rank that died fail their next collective and exit with an error, often within the same pass
+    failures = sorted(out, key=lambda f: (not f.swap, not f.signal, f.node, -1 if f.rank is None else f.rank))
     return Findings(failures, down)
 
 
