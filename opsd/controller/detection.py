@@ -55,9 +55,12 @@ class Detection(Maintenance):
         """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set, and the scoring
         and cadence planning on a thread of their own, at ``SCORING_NICE`` (``score_every``). A slot's scoring of
         98,304 ranks takes a second or more, several on a busy machine at that niceness: in the same pass, it put
-        off the next detection, and a silent node was found seconds late."""
-        threading.Thread(target=self.score_every, args=(interval_s, stop), name="opsd-scoring", daemon=True).start()
+        off the next detection, and a silent node was found seconds late. Returns once both have stopped (a pass
+        left running while the process exits may be inside the state store's driver when the interpreter goes)."""
+        scoring = threading.Thread(target=self.score_every, args=(interval_s, stop), name="opsd-scoring", daemon=True)
+        scoring.start()
         self._every(interval_s, stop, partial(self.tick, score=False), "detection pass")
+        scoring.join()
 
     def score_every(self, interval_s: float, stop: threading.Event) -> None:
         """``score`` every ``interval_s`` until ``stop`` is set, at ``SCORING_NICE``."""

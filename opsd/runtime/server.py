@@ -145,6 +145,7 @@ class Serving:
         self.config = config
         self.controller = controller
         self.stop = threading.Event()
+        self._threads: list[threading.Thread] = []  # the controller's work and the API's, joined by close
         self.lead = lead or (lambda stop: controller.tick_every(config.tick_interval_s, stop))
         self.describe = describe
         liveness = (config.host, config.liveness_port) if config.liveness_port is not None else None
@@ -174,7 +175,8 @@ class Serving:
 
     def begin(self) -> None:
         """Start the controller's work (``lead``) and the collector's schedule."""
-        threading.Thread(target=self.lead, args=(self.stop,), name="opsd-controller", daemon=True).start()
+        self._threads.append(threading.Thread(target=self.lead, args=(self.stop,), name="opsd-controller", daemon=True))
+        self._threads[-1].start()
         tune_interpreter()
         threading.Thread(target=collect_young_every, args=(YOUNG_EVERY_S, self.stop), name="gc", daemon=True).start()
         log.info("opsd controller on %s%s (OpenAPI at /openapi.json)", self.url, self.describe)
@@ -190,16 +192,24 @@ class Serving:
     def start(self, timeout_s: float = 30.0) -> None:
         """Serve the API in a thread of its own; returns once it listens (``begin`` starts the controller's
         work)."""
-        threading.Thread(target=self.server.run, name="opsd-api", daemon=True).start()
+        self._threads.append(threading.Thread(target=self.server.run, name="opsd-api", daemon=True))
+        self._threads[-1].start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if time.monotonic() > deadline:
                 raise OpsError(f"the API did not start on {self.config.host}:{self.config.port}")
             time.sleep(0.05)
 
-    def close(self) -> None:
+    def close(self, join_s: float = 10.0) -> None:
+        """Stop the controller's work and the API, and wait (up to ``join_s``) for their threads: a pass or a request
+        left running while the process exits may be inside the state store's driver when the interpreter finalizes
+        (``opsd run`` died of SIGSEGV after its run had completed)."""
         self.stop.set()
         self.server.should_exit = True
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join(join_s)
         self.controller.tracing.shutdown()  # the traces still queued exported
 
 
