@@ -6,8 +6,9 @@ over the network (``opsd.protocol.node_agent``):
 - ``POST /v1/flight-recorder``: one rank's Flight Recorder dump (a JSON object naming its ``run``, ``trigger`` and
   ``rank``), written atomically to ``<flight_dir>/<run>/<trigger>/rank-<rank>.json``, where the uploader finds it as
   if the rank had written it (``agent.flight``). Answers 201; 400 for a body that is not a dump, 413 above
-  ``MAX_DUMP_BYTES``, 503 when the agent keeps no dumps (no ``flight_dir``); counted by result in
-  ``opsd_agent_flight_dumps_received_total``.
+  ``MAX_DUMP_BYTES``, 503 when the agent keeps no dumps (no ``flight_dir``) or is busy taking in ``UPLOAD_SLOTS``
+  others (with ``Retry-After``); counted by result in ``opsd_agent_flight_dumps_received_total``. A dump is streamed
+  to disk, never held whole in memory (``DumpIntake``).
 
 ``/metrics`` needs ``Authorization: Bearer <metrics_token>`` when the agent has one (what Prometheus sends, from the
 chart's Secret); the rest is open, as the ranks hold no credential: the agent's NetworkPolicy says who reaches it.
@@ -16,32 +17,54 @@ chart's Secret); the rest is open, as the ranks hold no credential: the agent's 
 from __future__ import annotations
 
 import hmac
+import io
 import json
 import logging
+import mmap
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from opsd.protocol.node_agent import FLIGHT_PATH, MAX_DUMP_BYTES, POLICY_PATH, dump_path
+from opsd.protocol.node_agent import (
+    FLIGHT_PATH,
+    MAX_DUMP_BYTES,
+    POLICY_PATH,
+    UPLOAD_SLOTS,
+    UPLOAD_WAIT_S,
+    DumpHeader,
+    dump_path,
+)
 
 log = logging.getLogger(__name__)
 
-DUMP_RESULTS = ("ok", "rejected", "too_large")
+DUMP_RESULTS = ("ok", "rejected", "too_large", "busy")
+CHUNK_BYTES = 1 << 20
 
 
 class DumpIntake:
-    """Dumps sent by ranks, kept in ``directory`` for the uploader; counted by result."""
+    """Dumps sent by ranks, kept in ``directory`` for the uploader; counted by result.
 
-    def __init__(self, directory: str | None) -> None:
+    A dump is streamed to a file beside where it lands, a chunk at a time, then read through a memory map for its
+    header (``DumpHeader``: the rest is checked to be JSON, never built as objects), then renamed into place: an
+    upload costs the agent a chunk of memory, not the dump's size five times over. At most ``slots`` are taken in at
+    once; a further sender waits ``wait_s`` for a slot, then is answered 503 (``busy``) with ``Retry-After``."""
+
+    def __init__(self, directory: str | None, slots: int = UPLOAD_SLOTS, wait_s: float = UPLOAD_WAIT_S) -> None:
+        if slots < 1:
+            raise ValueError("the agent takes at least one dump at a time")
         self.directory = Path(directory) if directory else None
         self.counts = dict.fromkeys(DUMP_RESULTS, 0)
+        self.wait_s = wait_s
+        self._slots = threading.BoundedSemaphore(slots)
         self._lock = threading.Lock()
 
     def count(self, result: str) -> None:
@@ -49,31 +72,62 @@ class DumpIntake:
             self.counts[result] += 1
 
     def take(self, body: bytes) -> tuple[int, dict[str, Any]]:
-        """Store one dump; the HTTP status and the answer."""
+        """Store one dump held in memory; the HTTP status and the answer."""
+        return self.take_stream(io.BytesIO(body), len(body))
+
+    def take_stream(self, stream: io.BufferedIOBase, length: int) -> tuple[int, dict[str, Any]]:
+        """Store one dump of ``length`` bytes read from ``stream``; the HTTP status and the answer."""
         if self.directory is None:
             return 503, {"detail": "this agent keeps no Flight Recorder dumps (agent.flight_dir is not set)"}
-        if len(body) > MAX_DUMP_BYTES:
+        if length > MAX_DUMP_BYTES:
             self.count("too_large")
             return 413, {"detail": f"a dump is at most {MAX_DUMP_BYTES} bytes"}
+        if not self._slots.acquire(timeout=self.wait_s):
+            self.count("busy")
+            return 503, {"detail": "the agent is taking in other dumps: send it again", "retry_after_s": 1}
         try:
-            dump = json.loads(body)
-            run, trigger, rank = dump["run"], dump["trigger"], dump["rank"]
-            if not (isinstance(run, str) and run and isinstance(trigger, str) and trigger):
-                raise ValueError("run and trigger must be non-empty strings")
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-                raise ValueError("rank must be an integer >= 0")
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            return self._store(stream, length, self.directory)
+        finally:
+            self._slots.release()
+
+    def _store(self, stream: io.BufferedIOBase, length: int, directory: Path) -> tuple[int, dict[str, Any]]:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".upload-", suffix=".tmp")
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                remaining = length
+                while remaining:
+                    chunk = stream.read(min(CHUNK_BYTES, remaining))
+                    if not chunk:
+                        raise ValueError(f"the body ended {remaining} bytes short of its Content-Length")
+                    out.write(chunk)
+                    remaining -= len(chunk)
+            header = read_header(tmp)
+        except (ValueError, OSError) as exc:
+            tmp.unlink(missing_ok=True)
             self.count("rejected")
             return 400, {"detail": f"not a Flight Recorder dump: {exc!s}"[:500]}
-        relative = dump_path(run, trigger, rank)
-        target = self.directory / relative
+        relative = dump_path(header.run, header.trigger, header.rank)
+        target = directory / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(body)
         os.replace(tmp, target)  # the uploader sees the whole file or none
         self.count("ok")
-        log.info("flight dump of rank %d of run %s (%s) received: %s", rank, run, trigger, target)
+        log.info("flight dump of rank %d of run %s (%s) received: %s", header.rank, header.run, header.trigger, target)
         return 201, {"stored": str(relative)}
+
+
+def read_header(path: Path) -> DumpHeader:
+    """The header of the dump in ``path``, the file mapped rather than read; ``ValueError`` for one that is not a dump
+    (not JSON, not an object, or without a valid run, trigger or rank)."""
+    with path.open("rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:
+            raise ValueError("the body is empty")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            try:
+                return msgspec.json.decode(view, type=DumpHeader)
+            except msgspec.DecodeError as exc:  # ValidationError is one
+                raise ValueError(str(exc)) from None
 
 
 class DumpIntakeCollector(Collector):
@@ -84,7 +138,8 @@ class DumpIntakeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         received = CounterMetricFamily(
             "opsd_agent_flight_dumps_received",
-            "Flight Recorder dumps ranks sent over HTTP: kept (ok), not a dump (rejected), over 64 MiB (too_large).",
+            "Flight Recorder dumps ranks sent over HTTP: kept (ok), not a dump (rejected), over 64 MiB (too_large), "
+            "refused while the agent took in others for longer than the sender may wait (busy).",
             labels=["node", "result"],
         )
         for result in DUMP_RESULTS:
@@ -101,6 +156,8 @@ def handler(
     metrics_token: str = "",
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = 60  # a sender that stops mid-body gives its upload slot back (its dump is rejected)
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -130,8 +187,9 @@ def handler(
                 intake.count("too_large")
                 self._json(413, {"detail": f"a dump is at most {MAX_DUMP_BYTES} bytes"})
                 return
-            status, answer = intake.take(self.rfile.read(length))
-            self._json(status, answer)
+            status, answer = intake.take_stream(self.rfile, length)
+            retry = [("Retry-After", str(answer["retry_after_s"]))] if "retry_after_s" in answer else None
+            self._json(status, answer, retry)
 
         def _json(self, status: int, payload: Any, headers: list[tuple[str, str]] | None = None) -> None:
             self._reply(status, "application/json", json.dumps(payload).encode(), headers)

@@ -195,7 +195,7 @@ def test_a_dump_sent_to_the_agent_lands_where_a_rank_with_the_directory_writes_i
     assert post(url, json.dumps({**dump, "rank": -1}).encode())[0] == 400
     status, answer = post(url, b"{}", {"Content-Length": str(MAX_DUMP_BYTES + 1)})
     assert status == 413
-    assert agent.intake.counts == {"ok": 1, "rejected": 2, "too_large": 1}
+    assert agent.intake.counts == {"ok": 1, "rejected": 2, "too_large": 1, "busy": 0}
     assert not list((tmp_path / "spool").rglob("*.tmp"))
 
 

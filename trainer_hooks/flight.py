@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,8 @@ from trainer_hooks.sinks import agent_from_env
 log = logging.getLogger(__name__)
 
 DUMP_VERSION = 1
+#: how many times a dump is sent to an agent that answers it is busy (503 with Retry-After) before it is given up
+SEND_ATTEMPTS = 5
 
 
 def process_groups(tracer: CollectiveTracer = TRACER) -> dict[str, dict[str, Any]]:
@@ -253,8 +256,17 @@ class FlightRecorder:
         request = urllib.request.Request(
             self.upload_url, data=data, method="POST", headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            answer.read()
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=30) as answer:
+                    answer.read()
+                break
+            except urllib.error.HTTPError as exc:
+                retry_after = exc.headers.get("Retry-After") if exc.code == 503 else None
+                exc.close()
+                if retry_after is None or not retry_after.isdigit() or attempt == SEND_ATTEMPTS:
+                    raise
+                time.sleep(min(float(retry_after), 5.0))  # the agent is taking in other ranks' dumps
         self.dumps += 1
         log.warning(
             "flight recorder of rank %d dumped for %s: %d bytes sent to %s (%.2f s)",

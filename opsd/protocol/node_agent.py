@@ -16,6 +16,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Annotated
+
+from msgspec import Meta, Struct
 
 from opsd.protocol.env import AGENT_DATAGRAM_PORT_ENV, AGENT_HOST_ENV, AGENT_HTTP_PORT_ENV
 
@@ -26,6 +29,10 @@ POLICY_PATH = "/v1/policy"
 #: POST: one rank's Flight Recorder dump, as it would write it to its directory
 FLIGHT_PATH = "/v1/flight-recorder"
 MAX_DUMP_BYTES = 64 << 20
+#: how many dumps an agent takes in at once; a further sender waits for a slot (``UPLOAD_WAIT_S`` at most, then 503
+#: with ``Retry-After``)
+UPLOAD_SLOTS = 2
+UPLOAD_WAIT_S = 20.0
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
@@ -59,6 +66,15 @@ class AgentAddress:
     @property
     def flight_url(self) -> str:
         return self.http_base + FLIGHT_PATH
+
+
+class DumpHeader(Struct):
+    """What the agent reads of a dump sent to ``FLIGHT_PATH`` (the rest of the object is kept as sent): the run, the
+    trigger and the rank name the file it lands in. Decoded with the dump's other fields skipped, not built."""
+
+    run: Annotated[str, Meta(min_length=1)]
+    trigger: Annotated[str, Meta(min_length=1)]
+    rank: Annotated[int, Meta(ge=0)]
 
 
 def _port(environ: Mapping[str, str], name: str, default: int) -> int:
