@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import http.client
 import ipaddress
+import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
 from opsd.api.auth import Credentials
+from opsd.api.tls import CertificateReload
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.controller.controller import Controller
@@ -122,3 +124,114 @@ def test_agents_and_the_cli_speak_https_to_a_controller_whose_ca_they_trust(
     cli = CliRunner().invoke(app, ["runs", "--json", "--url", url, "--token", OPERATOR], env={"SSL_CERT_FILE": str(ca)})
     assert cli.exit_code == 0, cli.output
     assert '"id": "r"' in cli.stdout  # the run of the step the agent's heartbeat carried
+
+
+class SecretVolume:
+    """A Secret mounted as a volume, written as the kubelet writes it: the files in a directory of their own, which a
+    ``..data`` link names, swapped at once for the next (``tls.crt`` and ``tls.key`` are links through ``..data``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.writes = 0
+        root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, files: dict[str, bytes]) -> None:
+        self.writes += 1
+        version = self.root / f"..2026_11_29_{self.writes:04d}"
+        version.mkdir()
+        for name, data in files.items():
+            (version / name).write_bytes(data)
+        link = self.root / "..data_tmp"
+        link.symlink_to(version.name)
+        link.rename(self.root / "..data")
+        for name in files:
+            if not (self.root / name).is_symlink():
+                (self.root / name).symlink_to(f"..data/{name}")
+
+
+def issued(ca: tuple[str, ec.EllipticCurvePrivateKey]) -> tuple[x509.Certificate, bytes]:
+    """A server certificate for localhost from ``ca``, and its key (PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return certificate("opsd-controller", key, ca, names), key_pem
+
+
+def served_serial(port: int, context: ssl.SSLContext) -> int:
+    """The serial number of the certificate a new connection to ``port`` is served."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    with context.wrap_socket(raw, server_hostname="localhost") as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_a_renewed_certificate_is_served_without_a_restart_by_the_api_and_the_heartbeat_process(
+    tmp_path: Path,
+) -> None:
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = certificate("opsd test CA", ca_key, None)
+    pem_of = serialization.Encoding.PEM
+    volume = SecretVolume(tmp_path / "tls")
+    first, first_key = issued(("opsd test CA", ca_key))
+    volume.write({"tls.crt": first.public_bytes(pem_of), "tls.key": first_key})
+    config = ServeConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        liveness_port=0,
+        heartbeat_port=free_port(),
+        state_dir=str(tmp_path / "state"),
+        tls_certfile=str(volume.root / "tls.crt"),
+        tls_keyfile=str(volume.root / "tls.key"),
+        tls_reload_every_s=0.1,
+    )
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    serving = Serving(config, controller, Credentials(operator=OPERATOR, agent=AGENT))
+    serving.start()
+    trusting = ssl.create_default_context(cadata=ca.public_bytes(pem_of).decode())
+    ports = {"api": config.port, "heartbeats": config.heartbeat_port}
+    assert config.heartbeat_port is not None
+    try:
+        for where, port in ports.items():
+            served = wait_for(
+                f"the {where} over HTTPS", lambda p=port: served_serial(p, trusting), 20, retry_on=(OSError,)
+            )
+            assert served == first.serial_number, where
+        renewed, renewed_key = issued(("opsd test CA", ca_key))
+        volume.write({"tls.crt": renewed.public_bytes(pem_of), "tls.key": renewed_key})
+        for where, port in ports.items():
+            wait_for(
+                f"the {where} serving the renewed certificate",
+                lambda p=port: served_serial(p, trusting) == renewed.serial_number,
+                10,
+            )
+        # a certificate written without its key (a broken renewal): the renewed one is still served
+        broken, _ = issued(("opsd test CA", ca_key))
+        volume.write({"tls.crt": broken.public_bytes(pem_of), "tls.key": renewed_key})
+        time.sleep(1.0)  # ten checks
+        assert {where: served_serial(port, trusting) for where, port in ports.items()} == dict.fromkeys(
+            ports, renewed.serial_number
+        )
+    finally:
+        serving.close()
+
+
+def test_a_pair_that_does_not_load_is_counted_and_the_served_one_kept(tmp_path: Path) -> None:
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    volume = SecretVolume(tmp_path / "tls")
+    first, first_key = issued(("opsd test CA", ca_key))
+    pem_of = serialization.Encoding.PEM
+    volume.write({"tls.crt": first.public_bytes(pem_of), "tls.key": first_key})
+    certfile, keyfile = str(volume.root / "tls.crt"), str(volume.root / "tls.key")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certfile, keyfile)
+    reload = CertificateReload(context, certfile, keyfile)
+    assert not reload.check()  # unchanged
+    other, other_key = issued(("opsd test CA", ca_key))
+    volume.write({"tls.crt": other.public_bytes(pem_of), "tls.key": first_key})
+    assert (reload.check(), reload.failures, reload.reloads) == (False, 1, 0)
+    assert not reload.check()  # the same broken pair is not tried again
+    volume.write({"tls.crt": other.public_bytes(pem_of), "tls.key": other_key})
+    assert (reload.check(), reload.failures, reload.reloads) == (True, 1, 1)

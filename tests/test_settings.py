@@ -33,6 +33,7 @@ FROZEN_KEYS = [
     "controller.metrics_token",
     "controller.tls_certfile",
     "controller.tls_keyfile",
+    "controller.tls_reload_every_s",
     "controller.tick_interval_s",
     "controller.liveness_port",
     "controller.heartbeat_port",

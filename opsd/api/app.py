@@ -13,10 +13,11 @@ routing; the liveness datagrams, a second each, by a process of their own too (`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -79,11 +80,13 @@ def create_app(
     clock: Callable[[], float] = time.time,
     liveness: tuple[str, int] | None = None,
     heartbeats: HeartbeatPort | None = None,
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
 ) -> FastAPI:
     """The API; ``token``: the operators' token alone (every role's work), or every role's ``Credentials``;
     ``liveness``: the UDP address (host, port; 0: any free port) where it takes the agents' liveness datagrams while
     it serves (``opsd.api.liveness``), None: none; ``heartbeats``: where a process of its own answers heartbeats
-    (``opsd.api.heartbeat_ingest``), None: the API alone."""
+    (``opsd.api.heartbeat_ingest``), None: the API alone; ``background``: coroutines run in the server's event loop
+    while it serves (cancelled when it stops)."""
     credentials = token if isinstance(token, Credentials) else Credentials(operator=token)
     stats = ApiStats()
     writer = HeartbeatWriter(controller, clock)
@@ -93,9 +96,12 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ingest = await open_liveness(controller, credentials, stats, *liveness) if liveness else None
         apart = await open_heartbeats(controller, credentials, stats, writer, heard, heartbeats) if heartbeats else None
+        tasks = [asyncio.create_task(start()) for start in background]
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
             close_heartbeats(controller, apart)
             close_liveness(controller, ingest)
             writer.close()

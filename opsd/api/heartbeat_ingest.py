@@ -48,6 +48,7 @@ class HeartbeatPort:
     keep_alive_s: float = 30.0
     tls_certfile: str = ""
     tls_keyfile: str = ""
+    tls_reload_every_s: float = 10.0  # the certificate's files read again this often (``opsd.api.tls``)
 
 
 class Told:
@@ -208,6 +209,7 @@ async def open_heartbeats(
         keep_alive_s=where.keep_alive_s,
         tls_certfile=where.tls_certfile,
         tls_keyfile=where.tls_keyfile,
+        tls_reload_every_s=where.tls_reload_every_s,
         flush_s=FLUSH_S,
     )
     try:

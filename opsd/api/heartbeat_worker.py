@@ -43,6 +43,7 @@ from opsd.api.auth import Credentials
 from opsd.api.http1 import Reply, Request
 from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
 from opsd.api.pipes import PIPE_BYTES, Frames, encode_frame
+from opsd.api.tls import CertificateReload
 from opsd.protocol.heartbeat import PATH, SEND_TO_API, Heartbeat, HeartbeatReply
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     keep_alive_s: float = 30.0
     tls_certfile: str = ""
     tls_keyfile: str = ""
+    tls_reload_every_s: float = 10.0
     flush_s: float = 0.05  # a batch at least this often while heartbeats come
 
 
@@ -241,6 +243,11 @@ async def serve(sock: socket.socket, in_fd: int, out_fd: int, config: WorkerConf
     os.set_blocking(in_fd, False)
     loop.add_reader(in_fd, link.readable)
     flushing = asyncio.create_task(link.flush(out_fd, config.flush_s))
+    tls = http1.tls_context(config.tls_certfile, config.tls_keyfile)
+    background = [flushing]
+    if tls is not None:
+        reload = CertificateReload(tls, config.tls_certfile, config.tls_keyfile)
+        background.append(asyncio.create_task(reload.every(config.tls_reload_every_s)))
     try:
         await http1.serve(
             sock,
@@ -250,12 +257,13 @@ async def serve(sock: socket.socket, in_fd: int, out_fd: int, config: WorkerConf
             keep_alive_s=config.keep_alive_s,
             max_body_bytes=MAX_BODY_BYTES,
             backlog=BACKLOG,
-            tls=http1.tls_context(config.tls_certfile, config.tls_keyfile),
+            tls=tls,
         )
     finally:
-        flushing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await flushing
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from opsd.api.app import create_app
 from opsd.api.auth import Credentials
 from opsd.api.heartbeat_ingest import HeartbeatPort
 from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
+from opsd.api.tls import CertificateReload
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
@@ -50,6 +51,7 @@ class ServeConfig:
     metrics_token: str = ""  # Prometheus's (/metrics)
     tls_certfile: str = ""  # HTTPS with this certificate (PEM) and the key below; none: plain HTTP
     tls_keyfile: str = ""
+    tls_reload_every_s: float = 10.0  # the certificate's files read again this often; changed: loaded again
     tick_interval_s: float = 0.5  # between two detection passes
     liveness_port: int | None = 8470  # UDP, the agents' liveness datagrams (0: any free port; None: none)
     heartbeat_port: int | None = 8471  # TCP, the heartbeats' own process (0: any free port; None: the API alone)
@@ -69,6 +71,8 @@ class ServeConfig:
             raise ValueError("controller.keep_alive_s must be > controller.telemetry.max_interval_s")
         if self.tick_interval_s <= 0:
             raise ValueError("controller.tick_interval_s must be > 0")
+        if self.tls_reload_every_s <= 0:
+            raise ValueError("controller.tls_reload_every_s must be > 0")
         if bool(self.tls_certfile) != bool(self.tls_keyfile):
             raise ValueError("controller.tls_certfile and controller.tls_keyfile go together: set both or neither")
 
@@ -152,11 +156,22 @@ class Serving:
         heartbeats = None
         if config.heartbeat_port is not None:
             heartbeats = HeartbeatPort(
-                config.host, config.heartbeat_port, config.keep_alive_s, config.tls_certfile, config.tls_keyfile
+                config.host,
+                config.heartbeat_port,
+                config.keep_alive_s,
+                config.tls_certfile,
+                config.tls_keyfile,
+                config.tls_reload_every_s,
             )
         self.server = uvicorn.Server(
             uvicorn.Config(
-                create_app(controller, credentials, liveness=liveness, heartbeats=heartbeats),
+                create_app(
+                    controller,
+                    credentials,
+                    liveness=liveness,
+                    heartbeats=heartbeats,
+                    background=[self._reload_certificate] if config.tls_certfile else [],
+                ),
                 host=config.host,
                 port=config.port,
                 log_level="warning",
@@ -167,6 +182,14 @@ class Serving:
                 ssl_keyfile=config.tls_keyfile or None,
             )
         )
+
+    async def _reload_certificate(self) -> None:
+        """The API's certificate loaded again when its files change (``opsd.api.tls``); uvicorn made the context
+        before the app started."""
+        context = self.server.config.ssl
+        if context is not None:
+            reload = CertificateReload(context, self.config.tls_certfile, self.config.tls_keyfile)
+            await reload.every(self.config.tls_reload_every_s)
 
     @property
     def url(self) -> str:
