@@ -57,6 +57,7 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464  # 0: any free port
     metrics_token: str = ""  # /metrics needs it as a bearer token when set
+    previous_metrics_token: str = ""  # taken beside it until the next rotation (docs/kubernetes.md, "Credentials")
     datagram_host: str = "127.0.0.1"
     datagram_port: int | None = None  # UDP port for the ranks' datagrams (None: none; 0: any free port)
     node: str = field(default_factory=gethostname)
@@ -238,7 +239,7 @@ class Agent:
             health=self.health,
             policy=lambda: self.reporter.last_policy if self.reporter is not None else None,
             intake=self.intake,
-            metrics_token=cfg.metrics_token,
+            metrics_tokens=(cfg.metrics_token, cfg.previous_metrics_token) if cfg.metrics_token else (),
         )
         self._http = ThreadingHTTPServer((cfg.metrics_host, cfg.metrics_port), endpoints)
         self._http.daemon_threads = True

@@ -11,7 +11,8 @@ over the network (``opsd.protocol.node_agent``):
   to disk, never held whole in memory (``DumpIntake``).
 
 ``/metrics`` needs ``Authorization: Bearer <metrics_token>`` when the agent has one (what Prometheus sends, from the
-chart's Secret); the rest is open, as the ranks hold no credential: the agent's NetworkPolicy says who reaches it.
+chart's Secret; the previous token too, during a rotation); the rest is open, as the ranks hold no credential: the
+agent's NetworkPolicy says who reaches it.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def handler(
     health: Callable[[], dict[str, Any]],
     policy: Callable[[], dict[str, Any] | None],
     intake: DumpIntake,
-    metrics_token: str = "",
+    metrics_tokens: tuple[str, ...] = (),
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = 60  # a sender that stops mid-body gives its upload slot back (its dump is rejected)
@@ -161,7 +162,7 @@ def handler(
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                if metrics_token and not _bearer_ok(self.headers.get("Authorization"), metrics_token):
+                if metrics_tokens and not _bearer_ok(self.headers.get("Authorization"), metrics_tokens):
                     self._json(401, {"detail": "a valid bearer token is required"}, [("WWW-Authenticate", "Bearer")])
                     return
                 self._reply(200, CONTENT_TYPE_LATEST, metrics())
@@ -211,7 +212,9 @@ def handler(
     return Handler
 
 
-def _bearer_ok(authorization: str | None, token: str) -> bool:
+def _bearer_ok(authorization: str | None, tokens: tuple[str, ...]) -> bool:
+    """Whether the header carries one of ``tokens`` (each compared in constant time; "" is no token)."""
     if not authorization or not authorization.startswith("Bearer "):
         return False
-    return hmac.compare_digest(authorization.removeprefix("Bearer ").strip(), token)
+    presented = authorization.removeprefix("Bearer ").strip().encode()
+    return sum(hmac.compare_digest(presented, token.encode()) for token in tokens if token) > 0

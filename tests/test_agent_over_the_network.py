@@ -219,3 +219,37 @@ def test_the_flight_recorder_of_a_rank_without_the_directory_sends_its_dump(
     agent.stop()  # the agent gone: the dump fails, counted, not raised
     assert recorder.dump("later") is None
     assert recorder.errors == 1
+
+
+@pytest.mark.parametrize(
+    ("token", "status"),
+    [
+        pytest.param(None, 401, id="no token"),
+        pytest.param("scrape-new", 200, id="the current token"),
+        pytest.param("scrape-old", 200, id="the previous token, during a rotation"),
+        pytest.param("scrape-unknown", 401, id="a token it does not know"),
+    ],
+)
+def test_metrics_want_the_current_or_the_previous_token(tmp_path: Path, token: str | None, status: int) -> None:
+    config = AgentConfig(
+        socket=str(tmp_path / "a.sock"),
+        metrics_port=0,
+        node="n1",
+        metrics_token="scrape-new",
+        previous_metrics_token="scrape-old",
+    )
+    agent = Agent(config)
+    agent.start()
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(f"http://127.0.0.1:{agent.metrics_port}/metrics", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                got = r.status
+        except urllib.error.HTTPError as exc:
+            got = exc.code
+        assert got == status
+        with urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/healthz", timeout=10) as r:
+            assert r.status == 200  # open: the kubelet's probe holds no token
+    finally:
+        agent.stop()

@@ -321,6 +321,7 @@ def test_restart_needs_the_token_a_reason_and_a_backend(client: TestClient) -> N
 
 # -- credentials by role (opsd.api.auth) ------------------------------------------------------------------------------
 ROLE_TOKENS = {"operator": "op-token", "reader": "reader-token", "agent": "agent-token", "metrics": "metrics-token"}
+PREVIOUS_TOKENS = {role: f"{token}-before-rotation" for role, token in ROLE_TOKENS.items()}
 ENDPOINTS = {  # endpoint class -> (method, path, body)
     "runs": ("GET", "/v1/runs", None),
     "run": ("GET", "/v1/runs/job", None),
@@ -349,7 +350,7 @@ MAY = {
 @pytest.fixture(scope="module")
 def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path_factory.mktemp('roles') / 'opsd.db'}"))
-    credentials = Credentials(**ROLE_TOKENS)
+    credentials = Credentials(**ROLE_TOKENS, **{f"{role}_previous": token for role, token in PREVIOUS_TOKENS.items()})
     with TestClient(create_app(controller, credentials)) as c:
         c.post("/v1/heartbeat", json=heartbeat(), headers={"Authorization": "Bearer agent-token"})
         yield c
@@ -357,10 +358,14 @@ def roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
 @pytest.mark.parametrize("role", [None, *ROLE_TOKENS], ids=str)
-def test_each_role_may_call_what_its_role_takes_and_no_more(roles: TestClient, role: str | None, endpoint: str) -> None:
-    """Every endpoint but /healthz wants a token: no token is 401, a known token whose role may not is 403."""
+@pytest.mark.parametrize("tokens", [ROLE_TOKENS, PREVIOUS_TOKENS], ids=["current", "previous"])
+def test_each_role_may_call_what_its_role_takes_and_no_more(
+    roles: TestClient, role: str | None, endpoint: str, tokens: dict[str, str]
+) -> None:
+    """Every endpoint but /healthz wants a token: no token is 401, a known token whose role may not is 403. A role's
+    previous token (kept by a rotation) may what its current one may, and no more."""
     method, path, body = ENDPOINTS[endpoint]
-    headers = {"Authorization": f"Bearer {ROLE_TOKENS[role]}"} if role else {}
+    headers = {"Authorization": f"Bearer {tokens[role]}"} if role else {}
     status = roles.request(method, path, json=body, headers=headers).status_code
     if endpoint in MAY[role]:
         assert status not in (401, 403), (role, endpoint, status)
@@ -378,6 +383,9 @@ def test_refusals_are_counted_by_kind_and_tokens_are_distinct(roles: TestClient)
     assert after["auth"] == before.get("auth", 0) + 1
     with pytest.raises(ValueError, match="two roles share one"):
         Credentials(operator="same", reader="same")
+    with pytest.raises(ValueError, match="two roles share one"):
+        Credentials(operator="op", reader="r", agent_previous="r")  # an agent's old token is no reader's
+    assert len(Credentials(operator="op", operator_previous="op").tokens()) == 1  # not rotated: one token
 
 
 def samples_with(client: TestClient, headers: dict[str, str]) -> dict[str, float]:

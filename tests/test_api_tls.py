@@ -10,7 +10,7 @@ import ipaddress
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -191,22 +191,21 @@ def test_a_renewed_certificate_is_served_without_a_restart_by_the_api_and_the_he
     serving = Serving(config, controller, Credentials(operator=OPERATOR, agent=AGENT))
     serving.start()
     trusting = ssl.create_default_context(cadata=ca.public_bytes(pem_of).decode())
-    ports = {"api": config.port, "heartbeats": config.heartbeat_port}
     assert config.heartbeat_port is not None
+    ports: dict[str, int] = {"api": config.port, "heartbeats": config.heartbeat_port}
+
+    def serial_of(port: int, wanted: int = 0) -> Callable[[], int | bool]:
+        """The serial served on ``port``; with ``wanted``: whether it is that one."""
+        return lambda: served_serial(port, trusting) == wanted if wanted else served_serial(port, trusting)
+
     try:
         for where, port in ports.items():
-            served = wait_for(
-                f"the {where} over HTTPS", lambda p=port: served_serial(p, trusting), 20, retry_on=(OSError,)
-            )
+            served = wait_for(f"the {where} over HTTPS", serial_of(port), 20, retry_on=(OSError,))
             assert served == first.serial_number, where
         renewed, renewed_key = issued(("opsd test CA", ca_key))
         volume.write({"tls.crt": renewed.public_bytes(pem_of), "tls.key": renewed_key})
         for where, port in ports.items():
-            wait_for(
-                f"the {where} serving the renewed certificate",
-                lambda p=port: served_serial(p, trusting) == renewed.serial_number,
-                10,
-            )
+            wait_for(f"the {where} serving the renewed certificate", serial_of(port, renewed.serial_number), 10)
         # a certificate written without its key (a broken renewal): the renewed one is still served
         broken, _ = issued(("opsd test CA", ca_key))
         volume.write({"tls.crt": broken.public_bytes(pem_of), "tls.key": renewed_key})

@@ -221,6 +221,8 @@ def test_the_agent_moves_to_the_process_and_the_controller_takes_what_it_answere
         status, detail = post(heartbeat_port, b'{"v": 1, "node": "n-a", "time_unix_s": "now"}', "agent-token")
         assert (status, b"time_unix_s" in detail) == (422, True)
         assert post(heartbeat_port, encode(beat("n-new", runs=(run,))), "agent-token")[0] == SEND_TO_API
+        # an agent not yet rolled onto rotated tokens: its previous token is taken too
+        assert post(heartbeat_port, encode(beat("n-new", runs=(run,))), "agent-token-before-rotation")[0] == SEND_TO_API
         too_large = b"POST /v1/heartbeat HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)
         assert raw(heartbeat_port, too_large).startswith(b"HTTP/1.1 413 ")  # at once, the body not read
         assert raw(heartbeat_port, b"\x16\x03\x01 not HTTP\r\n\r\n").startswith(b"HTTP/1.1 400 ")

@@ -34,6 +34,7 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     assert variables["OPSD_AGENT_CONTROLLER_URL"]["value"] == "http://opsd-controller:8470/v1/heartbeat"
     assert secret_ref(c, "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")  # heartbeats only
     assert secret_ref(c, "OPSD_AGENT_METRICS_TOKEN") == ("opsd-credentials", "metrics")
+    assert secret_ref(c, "OPSD_AGENT_PREVIOUS_METRICS_TOKEN") == ("opsd-credentials", "metrics-previous")
     assert variables["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert variables["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}

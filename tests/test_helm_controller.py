@@ -116,6 +116,14 @@ def test_controller_statefulset(default: list[Obj]) -> None:
     assert secret_ref(c, "OPSD_CONTROLLER_READER_TOKEN") == ("opsd-credentials", "reader")
     assert secret_ref(c, "OPSD_CONTROLLER_AGENT_TOKEN") == ("opsd-credentials", "agent")
     assert secret_ref(c, "OPSD_CONTROLLER_METRICS_TOKEN") == ("opsd-credentials", "metrics")
+    for variable, key in (  # the tokens before the last rotation, while pods not yet rolled hold them
+        ("OPSD_CONTROLLER_PREVIOUS_TOKEN", "operator-previous"),
+        ("OPSD_CONTROLLER_PREVIOUS_READER_TOKEN", "reader-previous"),
+        ("OPSD_CONTROLLER_PREVIOUS_AGENT_TOKEN", "agent-previous"),
+        ("OPSD_CONTROLLER_PREVIOUS_METRICS_TOKEN", "metrics-previous"),
+    ):
+        assert secret_ref(c, variable) == ("opsd-credentials", key)
+        assert env(c)[variable]["valueFrom"]["secretKeyRef"]["optional"] is True  # none before the first rotation
     assert env(c)["OPSD_STATE_DIR"]["value"] == "/var/lib/opsd"
     assert env(c)["OPSD_CONTROLLER_KUBERNETES_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "OPSD_STATE_URL" not in env(c)

@@ -8,7 +8,7 @@ import base64
 from pathlib import Path
 
 from opsd.backends.kubernetes.api import KubeApi
-from opsd.backends.kubernetes.credentials import GENERATION_ANNOTATION, ROLES, ensure, main
+from opsd.backends.kubernetes.credentials import GENERATION_ANNOTATION, PREVIOUS, ROLES, ensure, main
 from tests.kube.emulator import KubeEmulator
 from tests.kube.training import kubeconfig
 
@@ -39,11 +39,18 @@ def test_made_once_kept_completed_and_rotated(kube: KubeEmulator) -> None:
     assert completed["metrics"] not in made.values()
     assert ensure(api, "opsd", "opsd-credentials", 2) == "rotated"
     rotated = tokens(kube)
-    assert not set(rotated.values()) & set(completed.values())
+    current = {role: rotated[role] for role in ROLES}
+    assert not set(current.values()) & set(completed.values())
+    # the tokens replaced are kept as the previous ones, taken beside the new until the next rotation
+    assert {role: rotated[role + PREVIOUS] for role in ROLES} == completed
     after = kube.get("secrets", "opsd", "opsd-credentials")
     assert after is not None
     assert after["metadata"]["annotations"][GENERATION_ANNOTATION] == "2"
     assert ensure(api, "opsd", "opsd-credentials", 1) == "kept"  # an older generation changes nothing
+    assert ensure(api, "opsd", "opsd-credentials", 3) == "rotated"
+    again = tokens(kube)
+    assert {role: again[role + PREVIOUS] for role in ROLES} == current  # the oldest ones are no longer taken
+    assert len(again) == 2 * len(ROLES)
 
 
 def test_the_command_line_of_the_hook(kube: KubeEmulator, tmp_path: Path) -> None:

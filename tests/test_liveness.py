@@ -32,7 +32,9 @@ from tests.test_agent import step
 from tests.test_reporter import Controller as StandIn
 from tests.waiting import wait_for
 
-CREDENTIALS = Credentials(operator="op-token", reader="reader-token", agent="agent-token")
+CREDENTIALS = Credentials(
+    operator="op-token", reader="reader-token", agent="agent-token", agent_previous="agent-token-before-rotation"
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +105,16 @@ def test_the_api_acknowledges_good_datagrams_and_counts_what_it_refuses(api: tup
         by_operator = encode_alive("n-api", seq + 1, operator)  # an operator's token does what an agent's may
         sock.send(by_operator)
         assert decode_ack(answer(sock)) == (seq + 1, by_operator[-16:])
+        # an agent not yet rolled onto rotated tokens signs with its previous one: taken too
+        by_previous = encode_alive("n-api", seq + 2, Signer(liveness_key("agent-token-before-rotation")))
+        sock.send(by_previous)
+        assert decode_ack(answer(sock)) == (seq + 2, by_previous[-16:])
     finally:
         sock.close()
     expected = {"malformed": 1, "version": 1, "mac": 1, "replay": 1, "skew": 1}
     wait_for("the refusals counted (batches come from the liveness worker)", lambda: refused(port) == expected, 10)
     assert refused(port) == expected
-    assert controller.nodes["n-api"].liveness_seq == seq + 1
+    assert controller.nodes["n-api"].liveness_seq == seq + 2
 
 
 def test_the_agent_says_it_is_alive_by_datagram_between_its_heartbeats(

@@ -8,6 +8,9 @@
   every GPU node: it reads nothing);
 - ``metrics`` (``controller.metrics_token``): ``/metrics``, Prometheus's scrape credential.
 
+A role may also have its previous token (``*_previous``): during a rotation the old token and the new are both
+taken, until the next rotation replaces the previous one (docs/kubernetes.md, "Credentials").
+
 Every endpoint but ``/healthz`` wants one. No token, or one the controller does not know: 401 (counted as
 ``auth``); a known token whose role may not: 403 (counted as ``forbidden``). A role without a token of its own is
 simply not given (the operator's token does its work: a single-token controller, as ``opsd run`` starts, works as
@@ -37,13 +40,30 @@ class Credentials:
     reader: str = ""
     agent: str = ""
     metrics: str = ""
+    # the tokens the roles had before the last rotation, still taken
+    operator_previous: str = ""
+    reader_previous: str = ""
+    agent_previous: str = ""
+    metrics_previous: str = ""
 
     def __post_init__(self) -> None:
         if not self.operator:
             raise ValueError("the controller needs a token for its operators")
-        given = [t for t in (self.operator, self.reader, self.agent, self.metrics) if t]
-        if len(given) != len(set(given)):
+        tokens = self.tokens()
+        if len(tokens) != len({token for _, token in tokens}):
             raise ValueError("each role needs a token of its own: two roles share one")
+
+    def tokens(self) -> list[tuple[Role, str]]:
+        """Every token taken, with its role (a previous token equal to its role's current one counted once)."""
+        pairs = [
+            (Role.OPERATOR, self.operator, self.operator_previous),
+            (Role.READER, self.reader, self.reader_previous),
+            (Role.AGENT, self.agent, self.agent_previous),
+            (Role.METRICS, self.metrics, self.metrics_previous),
+        ]
+        found = [(role, current) for role, current, _ in pairs if current]
+        found += [(role, previous) for role, current, previous in pairs if previous and previous != current]
+        return found
 
     def role_of(self, authorization: str | None) -> Role | None:
         """The role whose token an ``Authorization: Bearer <token>`` header carries; None for none."""
@@ -51,14 +71,9 @@ class Credentials:
             return None
         presented = authorization.removeprefix("Bearer ").strip().encode()
         found = None
-        for role, token in (
-            (Role.OPERATOR, self.operator),
-            (Role.READER, self.reader),
-            (Role.AGENT, self.agent),
-            (Role.METRICS, self.metrics),
-        ):
+        for role, token in self.tokens():
             # every token compared, in constant time: how long it takes says nothing of which matched
-            if token and hmac.compare_digest(presented, token.encode()):
+            if hmac.compare_digest(presented, token.encode()):
                 found = role
         return found
 

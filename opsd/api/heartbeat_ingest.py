@@ -206,6 +206,12 @@ async def open_heartbeats(
         credentials.reader,
         credentials.agent,
         credentials.metrics,
+        previous=(
+            credentials.operator_previous,
+            credentials.reader_previous,
+            credentials.agent_previous,
+            credentials.metrics_previous,
+        ),
         keep_alive_s=where.keep_alive_s,
         tls_certfile=where.tls_certfile,
         tls_keyfile=where.tls_keyfile,

@@ -61,6 +61,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     reader: str = ""
     agent: str = ""
     metrics: str = ""
+    previous: tuple[str, ...] = ()  # each role's previous token, in the order above ("": none)
     keep_alive_s: float = 30.0
     tls_certfile: str = ""
     tls_keyfile: str = ""
@@ -233,7 +234,7 @@ class Link:
 
 
 async def serve(sock: socket.socket, in_fd: int, out_fd: int, config: WorkerConfig, parent_pid: int) -> None:
-    credentials = Credentials(config.operator, config.reader, config.agent, config.metrics)
+    credentials = Credentials(config.operator, config.reader, config.agent, config.metrics, *config.previous)
     answerer = Answerer(credentials, Mirror())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -277,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until its event loop takes it over: it ends the same way
     try:
         config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=WorkerConfig)
-        Credentials(config.operator, config.reader, config.agent, config.metrics)
+        Credentials(config.operator, config.reader, config.agent, config.metrics, *config.previous)
     except (msgspec.DecodeError, ValueError) as exc:
         log.error("heartbeat worker: its settings on standard input: %s", exc)
         return 2

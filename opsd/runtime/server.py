@@ -49,6 +49,11 @@ class ServeConfig:
     reader_token: str = ""  # the readers' (every read, /metrics); none: only the operators' token reads
     agent_token: str = ""  # the agents' (heartbeats, Flight Recorder uploads)
     metrics_token: str = ""  # Prometheus's (/metrics)
+    # each role's token before the last rotation, taken beside the current one (docs/kubernetes.md, "Credentials")
+    previous_token: str = ""
+    previous_reader_token: str = ""
+    previous_agent_token: str = ""
+    previous_metrics_token: str = ""
     tls_certfile: str = ""  # HTTPS with this certificate (PEM) and the key below; none: plain HTTP
     tls_keyfile: str = ""
     tls_reload_every_s: float = 10.0  # the certificate's files read again this often; changed: loaded again
@@ -99,7 +104,16 @@ def load_token(config: ServeConfig) -> str:
 def credentials(config: ServeConfig) -> Credentials:
     """Every role's token (``opsd.api.auth``): the operators' from ``load_token``, the others as configured."""
     try:
-        return Credentials(load_token(config), config.reader_token, config.agent_token, config.metrics_token)
+        return Credentials(
+            load_token(config),
+            config.reader_token,
+            config.agent_token,
+            config.metrics_token,
+            config.previous_token,
+            config.previous_reader_token,
+            config.previous_agent_token,
+            config.previous_metrics_token,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

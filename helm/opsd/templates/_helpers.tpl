@@ -173,6 +173,20 @@ The credentials: "existing" (auth.existingSecret), "values" (auth.tokens) or "ge
 {{- end }}
 
 {{/*
+An env entry of a role's previous token (the Secret's "<key>-previous", kept there by a rotation; absent: none):
+include "opsd.credentials.previousEnv" (list $ "OPSD_CONTROLLER_PREVIOUS_READER_TOKEN" "reader")
+*/}}
+{{- define "opsd.credentials.previousEnv" -}}
+{{- $root := index . 0 }}
+- name: {{ index . 1 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "opsd.credentials.secretName" $root }}
+      key: {{ printf "%s-previous" (include "opsd.credentials.key" (list $root (index . 2))) }}
+      optional: true
+{{- end }}
+
+{{/*
 What rolls the pods when the credentials change: the tokens given as values, or the Secret's name and keys with
 auth.generation (an existing or generated Secret is not in the manifests: raise the generation after rotating it).
 */}}

@@ -7,7 +7,10 @@ The Secret holds a random token per role of the controller's API (``opsd.api.aut
 every render and every upgrade leaves the tokens as they are (no token is in the chart's manifests: ``helm template``
 and Argo CD render the same thing twice). A ``generation`` higher than the Secret's (its annotation
 ``opsd.io/credentials-generation``) replaces every token: the chart puts the generation in the pods' annotations,
-which rolls them onto the new tokens.
+which rolls them onto the new tokens. The tokens replaced stay in the Secret as ``<role>-previous``, which the
+controller and the agents take beside the new ones until the next rotation: a pod that has not rolled yet (an agent
+that still sends the old token, a Prometheus or an operator that read the new one before a pod rolled) is not
+refused.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from opsd.errors import NotFoundError, OpsError
 log = logging.getLogger(__name__)
 
 ROLES = ("operator", "reader", "agent", "metrics")
+PREVIOUS = "-previous"  # the key of a role's token before the last rotation: ``reader-previous``
 GENERATION_ANNOTATION = "opsd.io/credentials-generation"
 ATTEMPTS = 5
 
@@ -69,7 +73,8 @@ def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dic
             return "created"
         data = dict(found.get("data") or {})
         if _generation(found) < generation:
-            outcome, data = "rotated", _data({role: token() for role in ROLES})
+            previous = {role + PREVIOUS: data[role] for role in ROLES if data.get(role)}
+            outcome, data = "rotated", {**_data({role: token() for role in ROLES}), **previous}
         elif all(data.get(role) for role in ROLES):
             return "kept"
         else:
