@@ -4,10 +4,15 @@ accepts, and a release without agents."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 import yaml  # type: ignore[import-untyped]
 
+from opsd.backends.kubernetes.selectors import NodeSelector
 from tests.helm_chart import Combo, Helm, Obj, container, env, objects, one, secret_ref, values_of
+from tests.kube.jobset import fits
 from tests.pod_security import api_refusals
 
 
@@ -16,7 +21,8 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     pod = daemonset["spec"]["template"]["spec"]
     c = container(daemonset)
     assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nodeSelector" not in pod  # the GPU nodes are the required node affinity's terms, ORed
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert pod["tolerations"] == [{"operator": "Exists"}]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["automountServiceAccountToken"] is False
@@ -85,7 +91,10 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     assert settings["agent"]["heartbeat_interval_s"] == 2
     assert settings["agent"]["gpu_interval_s"] == 10
     assert settings["agent"]["gpu_source"] == "nvml"
-    assert settings["controller"]["kubernetes"]["node_selector"] == "cloud.example.com/pool=h100"
+    selector = NodeSelector.parse(settings["controller"]["kubernetes"]["node_selector"])
+    assert len(selector.terms) == 6  # each platform's GPU label, and the pool
+    assert selector.matches({"cloud.google.com/gke-accelerator": "nvidia-h100-80gb", "cloud.example.com/pool": "h100"})
+    assert not selector.matches({"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"})
     assert (settings["agent"]["socket"], settings["agent"]["policy_file"]) == (
         "/run/opsd/agent.sock",
         "/run/opsd/policy.json",
@@ -93,20 +102,64 @@ def test_agent_with_custom_values(renders: dict[Combo, list[Obj]]) -> None:
     assert "datagram_port" not in settings["agent"]
 
 
-def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
-    """gpuNodeSelector is both the agents' nodeSelector and the nodes the controller manages; the controller's own
-    key is refused, so that the two cannot disagree."""
-    docs = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null, "pool": "a", "gen": "h100"}')
-    assert one(docs, "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a", "gen": "h100"}
+PLATFORM_LABELS = {
+    "GPU Operator": {"nvidia.com/gpu.present": "true"},
+    "GKE": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+    "NFD": {"feature.node.kubernetes.io/pci-10de.present": "true"},
+    "Karpenter": {"karpenter.k8s.aws/instance-gpu-manufacturer": "nvidia"},
+    "EKS Auto Mode": {"eks.amazonaws.com/instance-gpu-manufacturer": "nvidia"},
+    "EKS node group": {"k8s.amazonaws.com/accelerator": "nvidia-tesla-h100"},
+}
+
+
+def labelled(labels: dict[str, str]) -> dict[str, Any]:
+    return {"metadata": {"name": "n", "labels": labels}, "spec": {}}
+
+
+def test_the_agents_and_the_controller_find_the_gpu_nodes_of_every_platform(helm: Helm) -> None:
+    """The default required node affinity admits a node carrying only one platform's GPU label, for each platform,
+    and no CPU node; the controller's node_selector, written from the same terms, selects the same nodes."""
+    docs = helm.render()
+    template = one(docs, "DaemonSet")["spec"]["template"]
+    assert "nodeSelector" not in template["spec"]
     settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
-    assert settings["controller"]["kubernetes"]["node_selector"] == "gen=h100,pool=a"
-    every = helm.render("--set-json", 'gpuNodeSelector={"nvidia.com/gpu.present": null}')
-    assert "nodeSelector" not in one(every, "DaemonSet")["spec"]["template"]["spec"]
+    selector = NodeSelector.parse(settings["controller"]["kubernetes"]["node_selector"])
+    for platform, labels in {**PLATFORM_LABELS, "a CPU node": {"kubernetes.io/os": "linux"}}.items():
+        gpu = platform != "a CPU node"
+        assert fits(labelled({**labels, "kubernetes.io/os": "linux"}), template) is gpu, platform
+        assert selector.matches(labels) is gpu, platform
+
+
+def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
+    """gpuNodeTerms (ORed) and gpuNodeSelector (ANDed with each) are both the agents' placement and the nodes the
+    controller manages; the controller's own key is refused, so that the two cannot disagree."""
+    terms = [{"matchExpressions": [{"key": "gen", "operator": "In", "values": ["h100", "h200"]}]}]
+    docs = helm.render("--set-json", f"gpuNodeTerms={json.dumps(terms)}", "--set-json", 'gpuNodeSelector={"pool": "a"}')
+    template = one(docs, "DaemonSet")["spec"]["template"]
+    assert template["spec"]["nodeSelector"] == {"pool": "a"}
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["node_selector"] == "gen in (h100,h200),pool=a"
+    selector = NodeSelector.parse(settings["controller"]["kubernetes"]["node_selector"])
+    for labels, admitted in (({"gen": "h200", "pool": "a"}, True), ({"gen": "h200"}, False), ({"pool": "a"}, False)):
+        assert fits(labelled(labels), template) is admitted, labels
+        assert selector.matches(labels) is admitted, labels
+    every = helm.render("--set-json", "gpuNodeTerms=[]")
+    assert "affinity" not in one(every, "DaemonSet")["spec"]["template"]["spec"]
     every_settings = yaml.safe_load(one(every, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
     assert every_settings["controller"]["kubernetes"]["node_selector"] == ""
     proc = helm.template("--set", "controller.config.kubernetes.node_selector=pool=b")
     assert proc.returncode != 0
-    assert "the GPU nodes are gpuNodeSelector" in proc.stderr
+    assert "the GPU nodes are gpuNodeTerms" in proc.stderr
+    proc = helm.template("--set-json", 'gpuNodeTerms=[{"matchExpressions": [{"key": "gen", "operator": "Gt"}]}]')
+    assert proc.returncode != 0  # not a label selector's operator: the schema refuses it
+
+
+def test_the_agents_keep_an_affinity_of_their_own_beside_the_gpu_nodes(helm: Helm) -> None:
+    anti = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
+    docs = helm.render("--set-json", f"agent.affinity={json.dumps(anti)}")
+    affinity = one(docs, "DaemonSet")["spec"]["template"]["spec"]["affinity"]
+    assert affinity["podAntiAffinity"] == anti["podAntiAffinity"]
+    assert len(affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]) == 6
 
 
 GPU_ACCESS = {

@@ -179,7 +179,12 @@ def test_settings_file(default: list[Obj]) -> None:
             "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
             "kubernetes": {
                 "namespace": NAMESPACE,
-                "node_selector": "nvidia.com/gpu.present=true",
+                "node_selector": (  # the default gpuNodeTerms: each platform's GPU label, ORed
+                    "nvidia.com/gpu.present=true; cloud.google.com/gke-accelerator;"
+                    " feature.node.kubernetes.io/pci-10de.present=true;"
+                    " karpenter.k8s.aws/instance-gpu-manufacturer=nvidia;"
+                    " eks.amazonaws.com/instance-gpu-manufacturer=nvidia; k8s.amazonaws.com/accelerator"
+                ),
                 "lease_name": "opsd-leader",
                 "leader_election": True,
                 "quarantines_per_hour": 4,

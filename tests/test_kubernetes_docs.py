@@ -165,9 +165,10 @@ def test_jobset_example_is_wired_to_opsd() -> None:
     assert pod["metadata"]["annotations"]["opsd.io/run"] == run
     spec = pod["spec"]
     assert spec["restartPolicy"] == "Never"
-    # any GPU node, back onto the run's own after a restart; no opsd toleration, no node labelled by hand
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert "tolerations" not in spec
+    # any GPU node (its GPU requests select them, on every platform), back onto the run's own after a restart; the
+    # GPU pools' taint tolerated, no opsd taint, no node labelled by hand
+    assert "nodeSelector" not in spec
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     (preferred,) = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert preferred["preference"]["matchExpressions"] == [{"key": "opsd.io/run", "operator": "In", "values": [run]}]
     assert "requiredDuringSchedulingIgnoredDuringExecution" not in spec["affinity"]["nodeAffinity"]

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from opsd.backends.kubernetes.api import Json, KubeApi
+from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.leader import cluster_informers
 from opsd.backends.kubernetes.watch import Informer
 from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.machines import node
@@ -30,6 +32,14 @@ class GatedApi(KubeApi):
             self.waiting.set()
             self.gate.wait()
         yield from super().watch(kind, resource_version, timeout_s, **selectors)
+
+
+#: the chart's default GPU node terms, as it writes them into controller.kubernetes.node_selector
+PLATFORMS = (
+    "nvidia.com/gpu.present=true; cloud.google.com/gke-accelerator; feature.node.kubernetes.io/pci-10de.present=true;"
+    " karpenter.k8s.aws/instance-gpu-manufacturer=nvidia; eks.amazonaws.com/instance-gpu-manufacturer=nvidia;"
+    " k8s.amazonaws.com/accelerator"
+)
 
 
 def names(informer: Informer) -> set[str]:
@@ -82,5 +92,37 @@ def test_bookmarks_move_a_quiet_informer_on(informer_kube: KubeEmulator) -> None
         wait_for("bookmark", lambda: int(informer.resource_version) > listed, 20)
         assert informer.relists == 0
         assert names(informer) == {"node-0"}
+    finally:
+        informer.stop()
+
+
+def labelled(name: str, labels: dict[str, str]) -> Json:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": {}}
+
+
+def test_the_nodes_informer_of_selectors_ored_keeps_the_gpu_nodes_of_every_platform(
+    informer_kube: KubeEmulator,
+) -> None:
+    """``node_selector`` with terms ORed: every node listed and watched, only the matching ones kept; a node whose
+    label goes leaves the cache, one that gets it joins."""
+    kube = informer_kube
+    kube.put(labelled("operator-node", {"nvidia.com/gpu.present": "true"}))
+    kube.put(labelled("gke-node", {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}))
+    kube.put(labelled("cpu-node", {"kubernetes.io/os": "linux"}))
+    api = KubeApi(kube.api_client)
+    informers = cluster_informers(api, KubernetesConfig(node_selector=PLATFORMS, watch_timeout_s=30))
+    informer = informers[0]
+    informer.start()
+    try:
+        assert informer.synced.wait(10)
+        assert names(informer) == {"operator-node", "gke-node"}
+        kube.put(labelled("nfd-node", {"feature.node.kubernetes.io/pci-10de.present": "true"}))
+        kube.put(labelled("cpu-node", {"karpenter.k8s.aws/instance-gpu-manufacturer": "nvidia"}))  # now a GPU node
+        kube.put(labelled("gke-node", {}))  # its label removed
+        wait_for(
+            "the informer to follow the labels",
+            lambda: names(informer) == {"operator-node", "nfd-node", "cpu-node"},
+            20,
+        )
     finally:
         informer.stop()

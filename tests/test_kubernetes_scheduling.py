@@ -54,9 +54,18 @@ def docs_jobset(nodes: int) -> Json:
 
 
 def fresh_node(name: str, *, gpu: bool = True) -> Json:
-    """A node as the cloud and NVIDIA's feature discovery make it: nothing of opsd's."""
+    """A node as the cloud and NVIDIA's feature discovery make it, nothing of opsd's: a GPU node has 8 GPUs
+    allocatable (the device plugin's) and the taint GPU pools carry (GKE puts it on every GPU node)."""
     labels = {"kubernetes.io/hostname": name, **({GPU_LABEL: "true"} if gpu else {})}
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": {}}
+    spec: Json = {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]} if gpu else {}
+    status: Json = {"allocatable": {"nvidia.com/gpu": "8"}} if gpu else {}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "spec": spec,
+        "status": status,
+    }
 
 
 def designate_spare(kube: KubeEmulator, name: str) -> None:
@@ -64,7 +73,10 @@ def designate_spare(kube: KubeEmulator, name: str) -> None:
     node = kube.get("nodes", None, name)
     assert node is not None
     node["metadata"]["labels"][POOL_LABEL] = SPARE_POOL
-    node["spec"]["taints"] = [{"key": SPARE_TAINT, "value": "true", "effect": "NoSchedule"}]
+    node["spec"]["taints"] = [
+        *node["spec"].get("taints", []),
+        {"key": SPARE_TAINT, "value": "true", "effect": "NoSchedule"},
+    ]
     kube.put(node)
 
 

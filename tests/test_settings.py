@@ -299,6 +299,7 @@ def other_value(key: settings.Key) -> Any:
         "controller.telemetry.hysteresis_ratio": 0.2,
         "agent.receive_buffer_bytes": 1 << 23,
         "agent.controller_url": "http://controller:8470/v1/heartbeat",
+        "controller.kubernetes.node_selector": "pool=a; cloud.google.com/gke-accelerator",
     }
     if key.path in special:
         return special[key.path]

@@ -168,10 +168,34 @@ def preference(node: Json, pod: Json) -> int:
     )
 
 
+def required_affinity_holds(labels: Mapping[str, str], pod: Json) -> bool:
+    """The pod's required node affinity: its terms ORed, each term's expressions ANDed (none: every node)."""
+    affinity = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = required.get("nodeSelectorTerms") or []
+    return not terms or any(all(matches(labels, e) for e in term.get("matchExpressions") or []) for term in terms)
+
+
+def has_extended_resources(node: Json, pod: Json) -> bool:
+    """Whether the node has the extended resources (``nvidia.com/gpu``: a name with a domain) the pod's containers ask
+    for, in its ``status.allocatable`` (a node without them has none; one pod per node, as the player places)."""
+    asked: dict[str, int] = {}
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        resources = c.get("resources") or {}
+        amounts = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        for name, amount in amounts.items():
+            if "/" in name:
+                asked[name] = asked.get(name, 0) + int(amount)
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    return all(int(allocatable.get(name, 0)) >= amount for name, amount in asked.items())
+
+
 def fits(node: Json, pod: Json) -> bool:
     labels = (node.get("metadata") or {}).get("labels") or {}
     spec = pod.get("spec") or {}
     if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    if not required_affinity_holds(labels, pod) or not has_extended_resources(node, pod):
         return False
     if (node.get("spec") or {}).get("unschedulable"):
         return False

@@ -53,6 +53,7 @@ def node(name: str, *, spare: bool = False, run: str = "") -> Json:
         "kind": "Node",
         "metadata": {"name": name, "labels": labels},
         "spec": {"taints": taints},
+        "status": {"allocatable": {"nvidia.com/gpu": "8"}},  # the device plugin's
     }
 
 

@@ -224,13 +224,51 @@ hostNetwork the container's ports are the node's, agent.hostPorts themselves.
 {{- if eq .Values.agent.transport "hostNetwork" }}{{ .Values.agent.hostPorts.datagrams }}{{ else }}9465{{ end }}
 {{- end }}
 
-{{/* gpuNodeSelector as a label selector, "key=value,..." ("" for every node). */}}
-{{- define "opsd.gpuNodeSelector" -}}
-{{- $terms := list }}
+{{/* gpuNodeSelector without the keys set to null. */}}
+{{- define "opsd.gpuNodeLabels" -}}
+{{- $labels := dict }}
 {{- range $key, $value := .Values.gpuNodeSelector }}
-{{- if not (kindIs "invalid" $value) }}{{ $terms = append $terms (printf "%s=%s" $key $value) }}{{ end }}
+{{- if not (kindIs "invalid" $value) }}{{ $_ := set $labels $key (toString $value) }}{{ end }}
 {{- end }}
-{{- join "," $terms }}
+{{- toJson $labels }}
+{{- end }}
+
+{{/*
+The GPU nodes as the controller's node_selector (opsd.backends.kubernetes.selectors): each of gpuNodeTerms as a
+label selector, with gpuNodeSelector's labels, the terms ORed (";"); "" for every node.
+*/}}
+{{- define "opsd.gpuNodeSelector" -}}
+{{- $labels := list }}
+{{- range $key, $value := include "opsd.gpuNodeLabels" . | fromJson }}
+{{- $labels = append $labels (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- $terms := list }}
+{{- range $term := .Values.gpuNodeTerms }}
+{{- $requirements := list }}
+{{- range $e := $term.matchExpressions }}
+{{- $values := $e.values | default list }}
+{{- if and (eq $e.operator "In") (eq (len $values) 1) }}{{ $requirements = append $requirements (printf "%s=%s" $e.key (first $values)) }}
+{{- else if eq $e.operator "In" }}{{ $requirements = append $requirements (printf "%s in (%s)" $e.key (join "," $values)) }}
+{{- else if eq $e.operator "NotIn" }}{{ $requirements = append $requirements (printf "%s notin (%s)" $e.key (join "," $values)) }}
+{{- else if eq $e.operator "Exists" }}{{ $requirements = append $requirements $e.key }}
+{{- else if eq $e.operator "DoesNotExist" }}{{ $requirements = append $requirements (printf "!%s" $e.key) }}
+{{- else }}{{ include "opsd.refuse" (printf "gpuNodeTerms: operator %s of %s is not a label selector's (In, NotIn, Exists, DoesNotExist)" $e.operator $e.key) }}
+{{- end }}
+{{- end }}
+{{- if $term.matchFields }}{{ include "opsd.refuse" "gpuNodeTerms: matchFields is not a label selector's: use matchExpressions" }}{{ end }}
+{{- $terms = append $terms (join "," (concat $requirements $labels)) }}
+{{- end }}
+{{- if $terms }}{{ join "; " $terms }}{{ else }}{{ join "," $labels }}{{ end }}
+{{- end }}
+
+{{/* The agents' affinity: agent.affinity, with the GPU nodes (gpuNodeTerms) as the required node affinity. */}}
+{{- define "opsd.agent.affinity" -}}
+{{- $affinity := deepCopy (.Values.agent.affinity | default dict) }}
+{{- if .Values.gpuNodeTerms }}
+{{- $required := dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" .Values.gpuNodeTerms) }}
+{{- $_ := set $affinity "nodeAffinity" (merge (get $affinity "nodeAffinity" | default dict) $required) }}
+{{- end }}
+{{- if $affinity }}{{ toYaml $affinity }}{{ end }}
 {{- end }}
 
 {{/* The controller's URL inside the cluster: https with controller.tls. */}}
@@ -312,7 +350,7 @@ render runs them once.
 {{- include "opsd.refuse" (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
 {{- end }}
 {{- if hasKey (.Values.controller.config.kubernetes | default dict) "node_selector" }}
-{{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
+{{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeTerms and gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
 {{- end }}
 {{- if and .Values.controller.tls.enabled (not .Values.controller.tls.secretName) }}
 {{- include "opsd.refuse" "controller.tls.enabled needs controller.tls.secretName: a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt" }}

@@ -55,6 +55,7 @@ from opsd.backends.kubernetes.jobsets import (
     succeeded,
     terminating,
 )
+from opsd.backends.kubernetes.selectors import NodeSelector
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.controller.steps import Step, as_outcome
@@ -294,7 +295,8 @@ class KubernetesBackend:
         current = self.api.node(node)
         if nodes.has_taint(current, QUARANTINE_TAINT):
             return Done({"changed": False})
-        listed, _ = self.api.nodes(self.config.node_selector)
+        selector = NodeSelector.parse(self.config.node_selector)
+        listed = [node for node in self.api.nodes(selector.server_side)[0] if selector.matches_node(node)]
         recent = nodes.quarantined_since(listed, self.clock() - HOUR_S)
         if len(recent) >= self.config.quarantines_per_hour:
             message = (

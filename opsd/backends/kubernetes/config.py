@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opsd.backends.kubernetes.selectors import NodeSelector
+
 
 @dataclass(frozen=True)
 class KubernetesConfig:
     namespace: str = "default"  # the controller's own: its leader-election Lease and its pod
     watch_namespace: str = ""  # where the runs' JobSets are ("": every namespace)
-    node_selector: str = "nvidia.com/gpu.present=true"  # the nodes opsd manages (a label selector; "": every node)
+    # the nodes opsd manages: label selectors ORed, separated by ";" (``selectors``; "": every node)
+    node_selector: str = "nvidia.com/gpu.present=true"
     kubeconfig: str = ""  # outside a cluster: the kubeconfig file ("": $KUBECONFIG or ~/.kube/config)
     context: str = ""  # and its context ("": the current one)
     leader_election: bool = False  # two or more replicas: one leads, on a coordination.k8s.io Lease
@@ -26,6 +29,10 @@ class KubernetesConfig:
     def __post_init__(self) -> None:
         if not self.namespace:
             raise ValueError("kubernetes.namespace must not be empty")
+        try:
+            NodeSelector.parse(self.node_selector)
+        except ValueError as exc:
+            raise ValueError(f"kubernetes.node_selector: {exc}") from None
         if self.lease_duration_s <= self.renew_deadline_s or self.renew_deadline_s <= self.retry_period_s:
             raise ValueError("kubernetes: lease_duration_s > renew_deadline_s > retry_period_s is needed")
         if self.retry_period_s < 1:

@@ -21,6 +21,7 @@ from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.runs import Reconciler
+from opsd.backends.kubernetes.selectors import NodeSelector
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.controller import Controller
 from opsd.controller.incidents import failure_of, took_step, unfinished_incident
@@ -43,8 +44,15 @@ def cluster_informers(api: KubeApi, config: KubernetesConfig) -> tuple[Informer,
     pods and the JobSets in ``watch_namespace`` (every namespace when empty), each watch opened again after
     ``watch_timeout_s``."""
     namespace, timeout = config.watch_namespace, config.watch_timeout_s
-    selector = config.node_selector
-    nodes = Informer(api, "nodes", lambda: api.nodes(selector), timeout_s=timeout, label_selector=selector)
+    selector = NodeSelector.parse(config.node_selector)
+    nodes = Informer(
+        api,
+        "nodes",
+        lambda: api.nodes(selector.server_side),
+        timeout_s=timeout,
+        keep=selector.matches_node,
+        label_selector=selector.server_side,
+    )
     pods = Informer(
         api,
         "pods",

@@ -36,14 +36,18 @@ class Informer:
         *,
         timeout_s: int = 300,
         on_change: Callable[[], None] | None = None,
+        keep: Callable[[Json], bool] | None = None,
         **selectors: str,
     ) -> None:
+        """``keep``: which of the objects listed and watched the cache holds (what ``selectors`` cannot select on
+        the server: the nodes of label selectors ORed); an object that stops being kept leaves it."""
         self.api = api
         self.kind = kind
         self._list = list_
         self.timeout_s = timeout_s
         self.on_change = on_change
         self.selectors = selectors
+        self.keep = keep or (lambda _: True)
         self.items: dict[str, Json] = {}
         self.resource_version = ""
         self.synced = threading.Event()
@@ -92,7 +96,7 @@ class Informer:
         with self._lock:
             if self.synced.is_set():
                 self.relists += 1
-            self.items = {key_of(o): o for o in items}
+            self.items = {key_of(o): o for o in items if self.keep(o)}
             self.resource_version = version
         self.synced.set()
         self._changed()
@@ -109,9 +113,9 @@ class Informer:
                 return False  # 410 Gone (or another error): what changed in between is only in a fresh list
             version = str((obj.get("metadata") or {}).get("resourceVersion", ""))
             with self._lock:
-                if kind in ("ADDED", "MODIFIED"):
+                if kind in ("ADDED", "MODIFIED") and self.keep(obj):
                     self.items[key_of(obj)] = obj
-                elif kind == "DELETED":
+                elif kind in ("ADDED", "MODIFIED", "DELETED"):
                     self.items.pop(key_of(obj), None)
                 if version:
                     self.resource_version = version
