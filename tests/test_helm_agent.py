@@ -155,7 +155,7 @@ def test_the_gpu_nodes_are_one_setting(helm: Helm) -> None:
 
 
 def test_the_agents_keep_an_affinity_of_their_own_beside_the_gpu_nodes(helm: Helm) -> None:
-    anti = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
+    anti: dict[str, Any] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}
     docs = helm.render("--set-json", f"agent.affinity={json.dumps(anti)}")
     affinity = one(docs, "DaemonSet")["spec"]["template"]["spec"]["affinity"]
     assert affinity["podAntiAffinity"] == anti["podAntiAffinity"]
