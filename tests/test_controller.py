@@ -13,8 +13,8 @@ import pytest
 from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
-from opsd.controller.detection import SCORING_NICE
 from opsd.controller.rows import RunSpec
+from opsd.controller.schedule import SCORING_NICE
 from opsd.controller.state import StateStore
 from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig, Failure
@@ -423,3 +423,26 @@ def test_the_scoring_runs_behind_what_answers_agents(controller: Controller) -> 
     thread.join(5)
     assert niceness == [max(os.nice(0), SCORING_NICE)]  # the thread alone (a process already nicer keeps its own)
     assert os.nice(0) < SCORING_NICE  # this process, its API's event loop and detection passes, as they were
+
+
+def test_the_last_reports_heard_after_a_run_completed_raise_its_final_step(controller: Controller) -> None:
+    """The backend saw the run complete (a JobSet's Completed condition) before the agents' next heartbeat carried
+    the ranks' last steps: the final step is what those say, and the run's end stays when it ended."""
+    from opsd.protocol.states import RunState
+
+    healthy(controller, 30)
+    ended = controller.final_step("job")
+    assert ended == 30
+    controller.store.update_run("job", 30.5, state=RunState.COMPLETED, final_step=ended)
+    controller.tick(31.0)
+    for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+        controller.heartbeat(beat(n, [rank(r, 31) for r in ranks]), 32.0)  # the last step, heard late
+    controller.tick(33.0)
+    status = controller.status("job", 40)
+    assert status is not None
+    assert (status["state"], status["step"]) == ("completed", 31)
+    row = controller.store.run("job")
+    assert row is not None
+    assert (row.final_step, row.updated_s) == (31, 30.5)
+    controller.tick(34.0)  # nothing more to raise
+    assert controller.store.run("job").updated_s == 30.5  # type: ignore[union-attr]

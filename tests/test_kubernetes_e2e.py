@@ -164,12 +164,16 @@ def inject_after_a_checkpoint(stack: Stack, status: Any, after_step: int = 20) -
     return step
 
 
-def finished(stack: Stack, status: Any) -> dict[str, Any]:
+def finished(stack: Stack, status: Any, steps: int | None = None) -> dict[str, Any]:
+    """The run's status once its JobSet completed, and (``steps``) once its final step is that: the ranks' last
+    reports come with their agent's next heartbeat, which may reach the controller after the JobSet completed."""
+
     def done() -> dict[str, Any] | None:
         found = stack.kube.get(JOBSETS, NAMESPACE, RUN) or {}
         conditions = {c["type"] for c in (found.get("status") or {}).get("conditions") or []}
         now = status() or {}
-        return now if "Completed" in conditions and now.get("state") == "completed" else None
+        ended = "Completed" in conditions and now.get("state") == "completed"
+        return now if ended and (steps is None or now.get("step") == steps) else None
 
     result: dict[str, Any] = wait_for("the run's completion", done, 300, context=stack.logs, interval_s=0.2)
     return result
@@ -251,7 +255,7 @@ def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
             return None
 
     injected_at = inject_after_a_checkpoint(stack, status)
-    run = finished(stack, status)
+    run = finished(stack, status, STEPS)
 
     assert run["step"] == STEPS
     assert injected_at < STEPS

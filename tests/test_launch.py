@@ -18,9 +18,11 @@ CRASH = KnownCrash.GLOO_CONCURRENT_COLLECTIVES
 
 @pytest.fixture
 def retries(monkeypatch: pytest.MonkeyPatch) -> list[Retry]:
-    """This test's relaunches, kept out of the session's count."""
+    """This test's relaunches, kept out of the session's count; relaunching on, even in a soak (which turns it off
+    for every other test: these test the relaunch itself)."""
     mine: list[Retry] = []
     monkeypatch.setattr(launch, "RETRIES", mine)
+    monkeypatch.delenv(launch.NO_RELAUNCH_ENV, raising=False)
     return mine
 
 

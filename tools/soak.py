@@ -124,6 +124,7 @@ def soak_run(python: str, tests: Sequence[str], run: int, burn: bool, keep: Path
     """One pytest session over ``tests`` from a fresh temporary directory; each test's outcome."""
     with tempfile.TemporaryDirectory(prefix=f"soak-{run}-") as tmp:
         base = Path(tmp)
+        base.chmod(0o755)  # as /tmp is to the tests' helpers that run as another user (PostgreSQL's initdb)
         report = base / "junit.xml"
         env = {**os.environ, "TMPDIR": str(base), NO_RELAUNCH_ENV: "1"}
         cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(base / "pytest")]

@@ -8,10 +8,7 @@ beside the passes when they run on their schedule (``tick_every``).
 from __future__ import annotations
 
 import logging
-import os
-import threading
-from collections.abc import Callable, Iterable
-from functools import partial
+from collections.abc import Iterable
 
 from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import (
@@ -23,9 +20,8 @@ from opsd.controller.incidents import (
     unfinished_incident,
 )
 from opsd.controller.live import RankLive
-from opsd.controller.maintenance import Maintenance
 from opsd.controller.rows import IncidentRow, RunRow
-from opsd.errors import OpsError
+from opsd.controller.schedule import Schedule
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, Findings, detect
 from opsd.policy.replicas import Scope, failed_group, recovery_scope
 from opsd.protocol.states import ActionKind, IncidentState, NodeRole, RunState
@@ -36,56 +32,7 @@ log = logging.getLogger(__name__)
 XID_CLOCK_SLACK_S = 60.0  # an XID's failure time is its event time, but no earlier than this before detection
 
 
-#: the niceness of the scoring's thread: what answers agents (the API's event loop, its liveness and heartbeat
-#: processes) and the detection passes get a core first when the machine is short of them
-SCORING_NICE = 10
-
-
-def lower_priority(nice: int) -> None:
-    """This thread at niceness ``nice`` (Linux: the thread alone), unless it is already nicer."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError as exc:
-        log.debug("the scoring's thread keeps its priority: %s", exc)
-
-
-class Detection(Maintenance):
-    def tick_every(self, interval_s: float, stop: threading.Event) -> None:
-        """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set, and the scoring
-        and cadence planning on a thread of their own, at ``SCORING_NICE`` (``score_every``). A slot's scoring of
-        98,304 ranks takes a second or more, several on a busy machine at that niceness: in the same pass, it put
-        off the next detection, and a silent node was found seconds late. Returns once both have stopped (a pass
-        left running while the process exits may be inside the state store's driver when the interpreter goes)."""
-        scoring = threading.Thread(target=self.score_every, args=(interval_s, stop), name="opsd-scoring", daemon=True)
-        scoring.start()
-        self._every(interval_s, stop, partial(self.tick, score=False), "detection pass")
-        scoring.join()
-
-    def score_every(self, interval_s: float, stop: threading.Event) -> None:
-        """``score`` every ``interval_s`` until ``stop`` is set, at ``SCORING_NICE``."""
-        lower_priority(SCORING_NICE)
-        self._every(interval_s, stop, self.score, "scoring pass")
-
-    def _every(self, interval_s: float, stop: threading.Event, do: Callable[[float], object], what: str) -> None:
-        """``do`` at the controller's clock every ``interval_s`` until ``stop`` is set; one that fails is logged and
-        the next one runs."""
-        while not stop.wait(interval_s):
-            try:
-                do(self.clock())
-            except OpsError as exc:
-                log.warning("%s skipped: %s", what, exc)
-            except Exception:
-                log.exception("%s failed", what)
-
-    def score(self, now_s: float) -> None:
-        """Score the stragglers and plan the cadence of every running run."""
-        for run in self.store.runs():
-            if run.state == RunState.RUNNING:
-                with self.scoring:
-                    self._score(run.id, now_s)
-                    self._plan(run, now_s)
-
+class Detection(Schedule):
     def tick(self, now_s: float, *, score: bool = True) -> list[Failure]:
         """Detect failures of running runs and start their recovery; score stragglers and plan cadences (unless
         ``score`` is false: ``score`` does, on a thread of its own)."""
@@ -101,6 +48,8 @@ class Detection(Maintenance):
                         self._retry_out_groups(run, now_s)
                 if run.state.finished and not self.settled(run.id):
                     self._settle(run, now_s)
+                if run.state.finished:
+                    self._reported_late(run, now_s)
                 if run.state != RunState.RUNNING:
                     continue
                 self.adopt_cadence(run)  # this controller's first pass: the cadence its predecessor published
@@ -267,6 +216,19 @@ class Detection(Maintenance):
                 return  # its recovery has not relaunched yet (a leader that took over goes on with it)
             self._close_recovered(run, now_s, ended=True)
         self.settle(run.id, now_s)
+
+    def _reported_late(self, run: RunRow, now_s: float) -> None:
+        """A finished run's final step raised to what its last launch reported after the end was seen: the ranks'
+        last reports reach the controller with their agent's next heartbeat, which may come after the backend said
+        the run completed (on a cluster, a JobSet's Completed condition)."""
+        if run.final_step is None:
+            return
+        with self.lock:
+            live = self.live_of(run.id)
+            newest = live.newest_step if live is not None else -1
+        if newest > int(run.final_step):
+            log.info("run %s: its final step is %d (reported after its end), not %d", run.id, newest, run.final_step)
+            self.store.update_run(run.id, float(run.updated_s), final_step=newest)  # its end stays when it ended
 
     def _open(self, run: RunRow) -> list[IncidentRow]:
         return self.store.incidents(run.id, state=IncidentState.OPEN)
