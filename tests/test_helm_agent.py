@@ -225,3 +225,20 @@ def test_no_agent_values(renders: dict[Combo, list[Obj]]) -> None:
     state = next(v for v in controller["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
     assert state == {"name": "state", "emptyDir": {}}
     assert "AGENT_METRICS" not in env(one(docs, "Pod")["spec"]["containers"][0])
+
+
+def test_the_quota_that_admits_the_agents_priority_class_outside_kube_system(
+    renders: dict[Combo, list[Obj]], helm: Helm
+) -> None:
+    """GKE admits system-node-critical pods outside kube-system only under a ResourceQuota whose scope names the
+    class: rendered when asked, for the agents' class; not by default."""
+    docs = renders[Combo("kube-prometheus-stack-values.yaml", "1.37.0", True)]
+    quota = one(docs, "ResourceQuota")
+    assert quota["metadata"]["namespace"] == one(docs, "DaemonSet")["metadata"]["namespace"]
+    assert quota["spec"]["scopeSelector"]["matchExpressions"] == [
+        {"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical"]}
+    ]
+    assert int(quota["spec"]["hard"]["pods"]) >= 1000
+    assert not objects(helm.render(), "ResourceQuota")
+    other = helm.render("--set", "agent.priorityClassQuota.create=true", "--set", "agent.priorityClassName=gpu-agents")
+    assert one(other, "ResourceQuota")["spec"]["scopeSelector"]["matchExpressions"][0]["values"] == ["gpu-agents"]
