@@ -13,7 +13,20 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from opsd.backends.kubernetes.credentials import main as credentials_main
-from tests.helm_chart import COMBOS, NAMESPACE, Combo, Helm, Obj, container, env, objects, one, parse, secret_ref
+from tests.helm_chart import (
+    COMBOS,
+    NAMESPACE,
+    RELEASE,
+    Combo,
+    Helm,
+    Obj,
+    container,
+    env,
+    objects,
+    one,
+    parse,
+    secret_ref,
+)
 from tests.kube.emulator import KubeEmulator
 from tests.kube.training import kubeconfig
 from tests.pod_security import violations
@@ -268,18 +281,18 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
 def test_sqlite_with_secrets_from_values(renders: dict[Combo, list[Obj]]) -> None:
     docs = renders[Combo("sqlite-persistence-values.yaml", "1.37.0", False)]
     secrets = {s["metadata"]["name"]: s for s in objects(docs, "Secret")}
-    assert set(secrets) == {"opsd-gpuops-credentials", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
+    assert set(secrets) == {"opsd-gpuops-tokens", "opsd-gpuops-s3"}  # nameOverride: <release>-<name>
     decoded = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-s3"]["data"].items()}
     assert decoded == {
         "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
         "AWS_SECRET_ACCESS_KEY": "example-secret",
         "AWS_ENDPOINT_URL_S3": "http://minio.storage.svc:9000",
     }
-    tokens = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-credentials"]["data"].items()}
+    tokens = {k: base64.b64decode(v).decode() for k, v in secrets["opsd-gpuops-tokens"]["data"].items()}
     assert tokens == {role: f"not-a-real-{role}-token" for role in ("operator", "reader", "agent", "metrics")}
     assert not objects(docs, "Job")  # the tokens are given: no hook makes them
     c = container(one(docs, "StatefulSet", "opsd-gpuops-controller"))
-    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-credentials", "operator")
+    assert secret_ref(c, "OPSD_TOKEN") == ("opsd-gpuops-tokens", "operator")
     assert secret_ref(c, "AWS_SECRET_ACCESS_KEY") == ("opsd-gpuops-s3", "AWS_SECRET_ACCESS_KEY")
     assert c["args"][-2:] == ["--log-level", "DEBUG"]
     pvc = one(docs, "PersistentVolumeClaim", "opsd-gpuops-state")
@@ -352,6 +365,11 @@ def test_no_token_in_the_renders_and_a_hook_makes_them_once(helm: Helm, kube: Ku
     assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")
     assert secret_ref(container(one(docs, "StatefulSet")), "OPSD_TOKEN") == ("opsd-credentials", "operator")
     assert set(made["data"]) == {"operator", "reader", "agent", "metrics"}
+    # in no manifest: nothing Argo CD tracks an application's resources by, and told not to prune it
+    assert "app.kubernetes.io/instance" not in made["metadata"]["labels"]
+    assert made["metadata"]["labels"]["opsd.io/release"] == RELEASE
+    assert made["metadata"]["annotations"]["argocd.argoproj.io/sync-options"] == "Prune=false"
+    assert made["metadata"]["annotations"]["argocd.argoproj.io/compare-options"] == "IgnoreExtraneous"
     bumped = parse(helm.template("--set", "auth.generation=2").stdout)
     assert rolling(bumped) != rolling(docs)  # a new generation: new tokens, the pods roll onto them
     command = container(one(bumped, "Job"))["command"]
@@ -360,8 +378,8 @@ def test_no_token_in_the_renders_and_a_hook_makes_them_once(helm: Helm, kube: Ku
 
 def test_tokens_given_render_the_same_secret_twice_and_a_change_rolls_the_pods(helm: Helm) -> None:
     first, second = helm.render(*TOKENS), helm.render(*TOKENS)
-    secret = one(first, "Secret", "opsd-credentials")
-    assert secret == one(second, "Secret", "opsd-credentials")
+    secret = one(first, "Secret", "opsd-tokens")  # not the hook's name: a switch on upgrade meets neither
+    assert secret == one(second, "Secret", "opsd-tokens")
     assert base64.b64decode(secret["data"]["reader"]).decode() == "reader-secret-1"
     assert not objects(first, "Job")
     assert rolling(first) == rolling(second)

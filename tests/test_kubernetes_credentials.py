@@ -7,8 +7,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from opsd.backends.kubernetes.api import KubeApi
-from opsd.backends.kubernetes.credentials import GENERATION_ANNOTATION, PREVIOUS, ROLES, ensure, main
+from opsd.backends.kubernetes.api import Json, KubeApi
+from opsd.backends.kubernetes.credentials import ARGO_ANNOTATIONS, GENERATION_ANNOTATION, PREVIOUS, ROLES, ensure, main
 from tests.kube.emulator import KubeEmulator
 from tests.kube.training import kubeconfig
 
@@ -62,3 +62,37 @@ def test_the_command_line_of_the_hook(kube: KubeEmulator, tmp_path: Path) -> Non
     assert made is not None
     assert made["metadata"]["labels"] == {"app.kubernetes.io/part-of": "opsd"}
     assert main(["--namespace", "nowhere", "--secret", "x", "--kubeconfig", config]) == 1  # a clear error, exit 1
+
+
+def argo_prunes(secret: Json, application: str) -> bool:
+    """Whether Argo CD, tracking its application's resources by label (its default), prunes ``secret``, which it
+    does not render: it carries the application's instance label and is not annotated ``Prune=false``."""
+    meta = secret["metadata"]
+    tracked = (meta.get("labels") or {}).get("app.kubernetes.io/instance") == application
+    kept = "Prune=false" in (meta.get("annotations") or {}).get("argocd.argoproj.io/sync-options", "")
+    return tracked and not kept
+
+
+def test_the_secret_survives_an_argo_cd_prune_and_one_of_an_older_chart_is_relabelled(kube: KubeEmulator) -> None:
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "opsd"}})
+    api = KubeApi(kube.api_client)
+    labels = {"app.kubernetes.io/part-of": "opsd", "app.kubernetes.io/instance": "opsd"}  # as an older hook passed
+    assert ensure(api, "opsd", "opsd-credentials", 1, labels) == "created"
+    made = kube.get("secrets", "opsd", "opsd-credentials")
+    assert made is not None
+    assert not argo_prunes(made, "opsd")
+    assert made["metadata"]["labels"] == {"app.kubernetes.io/part-of": "opsd"}
+    # a Secret an older chart's hook made: tracked by Argo CD, which would prune it at the next sync
+    made["metadata"]["labels"]["app.kubernetes.io/instance"] = "opsd"
+    for key in ARGO_ANNOTATIONS:
+        del made["metadata"]["annotations"][key]
+    kube.put(made)
+    older = kube.get("secrets", "opsd", "opsd-credentials")
+    assert older is not None
+    assert argo_prunes(older, "opsd")
+    assert ensure(api, "opsd", "opsd-credentials", 1, {"app.kubernetes.io/part-of": "opsd"}) == "relabelled"
+    after = kube.get("secrets", "opsd", "opsd-credentials")
+    assert after is not None
+    assert not argo_prunes(after, "opsd")
+    assert after["data"] == older["data"]  # the tokens kept
+    assert ensure(api, "opsd", "opsd-credentials", 1, {"app.kubernetes.io/part-of": "opsd"}) == "kept"

@@ -151,8 +151,17 @@ The credentials: "existing" (auth.existingSecret), "values" (auth.tokens) or "ge
 {{- end }}
 {{- end }}
 
+{{/*
+The credentials' Secret: auth.existingSecret; "<fullname>-tokens" rendered from auth.tokens; "<fullname>-credentials"
+made by the hook. Two names, so that switching between values and the hook on an upgrade neither meets a Secret helm
+does not own nor deletes the one the hook made.
+*/}}
 {{- define "opsd.credentials.secretName" -}}
-{{- default (printf "%s-credentials" (include "opsd.fullname" .)) .Values.auth.existingSecret }}
+{{- $mode := include "opsd.credentials.mode" . }}
+{{- if eq $mode "existing" }}{{ .Values.auth.existingSecret }}
+{{- else if eq $mode "values" }}{{ printf "%s-tokens" (include "opsd.fullname" .) }}
+{{- else }}{{ printf "%s-credentials" (include "opsd.fullname" .) }}
+{{- end }}
 {{- end }}
 
 {{/* The Secret's key of a role's token: include "opsd.credentials.key" (list $ "reader") */}}

@@ -11,6 +11,11 @@ which rolls them onto the new tokens. The tokens replaced stay in the Secret as 
 controller and the agents take beside the new ones until the next rotation: a pod that has not rolled yet (an agent
 that still sends the old token, a Prometheus or an operator that read the new one before a pod rolled) is not
 refused.
+
+The Secret is in no manifest, so GitOps tools must leave it alone: it never carries ``app.kubernetes.io/instance``
+(the label Argo CD tracks its applications' resources by, and prunes those it does not render; one left by an
+older chart is removed), and it is annotated not to be pruned and not to count as out of sync
+(``ARGO_ANNOTATIONS``), which holds with annotation tracking too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ log = logging.getLogger(__name__)
 ROLES = ("operator", "reader", "agent", "metrics")
 PREVIOUS = "-previous"  # the key of a role's token before the last rotation: ``reader-previous``
 GENERATION_ANNOTATION = "opsd.io/credentials-generation"
+TRACKING_LABEL = "app.kubernetes.io/instance"  # Argo CD's, by default: never on this Secret
+ARGO_ANNOTATIONS = {
+    "argocd.argoproj.io/sync-options": "Prune=false",
+    "argocd.argoproj.io/compare-options": "IgnoreExtraneous",
+}
 ATTEMPTS = 5
 
 
@@ -46,10 +56,24 @@ def _data(tokens: dict[str, str]) -> dict[str, str]:
     return {role: base64.b64encode(value.encode()).decode() for role, value in tokens.items()}
 
 
+def _metadata_kept(metadata: Json, labels: dict[str, str]) -> bool:
+    """Set ``labels`` and ``ARGO_ANNOTATIONS`` on a Secret's metadata and take ``TRACKING_LABEL`` off; whether it
+    already was so."""
+    found_labels = metadata.setdefault("labels", {}) or {}
+    found_annotations = metadata.setdefault("annotations", {}) or {}
+    wanted_labels = {k: v for k, v in {**found_labels, **labels}.items() if k != TRACKING_LABEL}
+    wanted_annotations = {**found_annotations, **ARGO_ANNOTATIONS}
+    kept = wanted_labels == found_labels and wanted_annotations == found_annotations
+    metadata["labels"], metadata["annotations"] = wanted_labels, wanted_annotations
+    return kept
+
+
 def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dict[str, str] | None = None) -> str:
-    """Make the Secret, fill it, or rotate it: ``created``, ``completed`` (tokens added), ``rotated`` or ``kept``."""
+    """Make the Secret, fill it, or rotate it: ``created``, ``completed`` (tokens added), ``rotated``, ``relabelled``
+    (its labels and annotations set as a GitOps tool must find them, its tokens kept) or ``kept``."""
     if generation < 1:
         raise ValueError("generation must be >= 1")
+    labels = {k: v for k, v in (labels or {}).items() if k != TRACKING_LABEL}
     for _ in range(ATTEMPTS):
         try:
             found = api.secret(namespace, name)
@@ -61,8 +85,8 @@ def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dic
                 "metadata": {
                     "name": name,
                     "namespace": namespace,
-                    "labels": dict(labels or {}),
-                    "annotations": {GENERATION_ANNOTATION: str(generation)},
+                    "labels": dict(labels),
+                    "annotations": {GENERATION_ANNOTATION: str(generation), **ARGO_ANNOTATIONS},
                 },
                 "data": _data({role: token() for role in ROLES}),
             }
@@ -72,11 +96,14 @@ def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dic
                 continue  # made meanwhile (a second hook): read it
             return "created"
         data = dict(found.get("data") or {})
+        metadata_kept = _metadata_kept(found.setdefault("metadata", {}), labels)
         if _generation(found) < generation:
             previous = {role + PREVIOUS: data[role] for role in ROLES if data.get(role)}
             outcome, data = "rotated", {**_data({role: token() for role in ROLES}), **previous}
         elif all(data.get(role) for role in ROLES):
-            return "kept"
+            if metadata_kept:
+                return "kept"
+            outcome = "relabelled"
         else:
             outcome = "completed"
             data.update(_data({role: token() for role in ROLES if not data.get(role)}))
