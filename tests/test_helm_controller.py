@@ -98,7 +98,8 @@ def test_rbac_without_pod_delete_and_without_leader_election(renders: dict[Combo
     no_delete = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
     assert grants(one(no_delete, "ClusterRole"))[("", "pods", ())] == ["list", "watch"]
     no_election = renders[Combo("agent-custom-values.yaml", "1.37.0", True)]
-    assert [r["metadata"]["name"] for r in objects(no_election, "Role")] == ["trainops-credentials"]  # the hook's
+    roles = [r["metadata"]["name"] for r in objects(no_election, "Role")]
+    assert roles == ["trainops-credentials", "trainops-test"]  # the hooks': credentials, helm test
     assert not [b for b in objects(no_election, "RoleBinding") if "leader" in b["metadata"]["name"]]
     settings = yaml.safe_load(one(no_election, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["controller"]["kubernetes"]["leader_election"] is False
@@ -270,7 +271,8 @@ def test_postgresql_with_existing_secrets(renders: dict[Combo, list[Obj]]) -> No
     ]
     agent_settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])["agent"]
     assert (agent_settings["metrics_port"], agent_settings["datagram_port"]) == (19464, 19465)
-    assert env(one(docs, "Pod")["spec"]["containers"][0])["AGENTS"]["value"] == "opsd-agent:19464"
+    command = one(docs, "Pod")["spec"]["containers"][0]["command"]
+    assert command[command.index("--agent-port") + 1] == "19464"
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
     settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
@@ -452,7 +454,9 @@ def test_the_api_over_https(renders: dict[Combo, list[Obj]], helm: Helm) -> None
         "serverName": "opsd-controller",
         "ca": {"secret": {"name": "opsd-tls", "key": "ca.crt"}},
     }
-    assert env(one(docs, "Pod")["spec"]["containers"][0])["CONTROLLER_URL"]["value"] == "https://opsd-controller:8470"
+    check = one(docs, "Pod")["spec"]["containers"][0]
+    assert check["command"][check["command"].index("--controller") + 1] == "https://opsd-controller:8470"
+    assert env(check)["SSL_CERT_FILE"]["value"] == "/etc/opsd/tls/ca.crt"
     proc = helm.template("--set", "controller.tls.enabled=true")
     assert proc.returncode != 0
     assert "controller.tls.enabled needs controller.tls.secretName" in proc.stderr

@@ -4,20 +4,21 @@ rules as the repository's files, the monitors' values for kube-prometheus-stack,
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml  # type: ignore[import-untyped]
 
 from agent.daemon import Agent, AgentConfig
+from opsd.backends.kubernetes.install_check import main as install_check
 from opsd.backends.local.processes import free_port
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
-from tests.helm_chart import DASHBOARDS, NAMESPACE, RULES, Combo, Helm, Obj, env, objects, one
+from tests.helm_chart import DASHBOARDS, NAMESPACE, RULES, Combo, Helm, Obj, objects, one
+from tests.kube.emulator import KubeEmulator
+from tests.kube.training import kubeconfig
 from tests.serving import start_api
+from tests.test_kubernetes_install_check import agent_pod, daemonset
 
 
 def test_dashboards_and_rules_are_the_repository_files(default: list[Obj]) -> None:
@@ -77,50 +78,65 @@ def test_helm_test_pod(default: list[Obj]) -> None:
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     (c,) = pod["spec"]["containers"]
     assert c["image"] == "opsd:0.1.0"
-    assert env(c)["CONTROLLER_URL"]["value"] == "http://opsd-controller:8470"
-    assert env(c)["AGENTS"]["value"] == "opsd-agent:9464"  # the headless Service: every ready agent
-    assert c["command"] == ["python", "-c"]
+    assert c["command"] == [
+        "python",
+        "-m",
+        "opsd.backends.kubernetes.install_check",
+        "--namespace",
+        NAMESPACE,
+        "--controller",
+        "http://opsd-controller:8470",
+        "--daemonset",
+        "opsd-agent",
+        "--agent-port",
+        "9464",
+    ]
     assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["serviceAccountName"] == "opsd-test"
+    role = one(default, "Role", "opsd-test")
+    assert role["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert role["rules"] == [  # the DaemonSet by name, the pods: nothing else
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["opsd-agent"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    ]
+    assert one(default, "RoleBinding", "opsd-test")["subjects"][0]["name"] == "opsd-test"
 
 
-def run_check(script: str, controller_url: str, agents: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "CONTROLLER_URL": controller_url, "AGENTS": agents},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def test_helm_test_pods_check_reads_the_controller_and_every_agents_gpus(default: list[Obj], tmp_path: Path) -> None:
-    """The check the test pod runs, run here against a real controller API and real agents on loopback: an agent that
-    reads its GPUs passes; one without NVML (this machine has none) fails the test, naming its node and why."""
+def test_helm_test_pods_check_reads_the_controller_and_every_agents_gpus(
+    default: list[Obj], tmp_path: Path, kube: KubeEmulator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check the test pod runs, run here against a real controller API and real agents on loopback (their
+    DaemonSet and pod on the emulated API server): an agent that reads its GPUs passes; one without NVML (this
+    machine has none) fails the test, naming its node and why."""
     (c,) = one(default, "Pod", "opsd-test")["spec"]["containers"]
-    script = c["args"][0]
+    assert c["command"][2] == "opsd.backends.kubernetes.install_check"
     port = free_port()
     server = start_api(Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")), "t", "127.0.0.1", port)
     seeing = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1", gpu_source="none"))
     blind = Agent(AgentConfig(socket=str(tmp_path / "b.sock"), metrics_port=0, node="n2", gpu_source="nvml"))
     seeing.start()
     blind.start()
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "opsd"}})
+    kube.put(daemonset(1, 1))
+    kube.put(agent_pod("n1"))
+    config = ["--kubeconfig", str(kubeconfig(kube, tmp_path / "kubeconfig"))]
+    args = ["--namespace", "opsd", "--controller", f"http://127.0.0.1:{port}", "--daemonset", "opsd-agent", *config]
     try:
-        controller_url = f"http://127.0.0.1:{port}"
-        ok = run_check(script, controller_url, f"127.0.0.1:{seeing.metrics_port}")
-        assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert ok.stdout.splitlines() == [
+        assert install_check([*args, "--agent-port", str(seeing.metrics_port)]) == 0
+        assert capsys.readouterr().out.splitlines() == [
             "controller /healthz: OK",
             "controller API without a token: refused",
-            "agent n1: 0 GPU(s) through none",
+            "1 of 1 agent(s) Ready",
+            "agent on n1: 0 GPU(s) through none",
             "1 agent(s): OK",
         ]
         assert blind.gpu_access is not None
         if blind.gpu_access.status.available:
             pytest.skip("NVML loads on this machine: no agent here is without GPUs")
-        failed = run_check(script, controller_url, f"127.0.0.1:{blind.metrics_port}")
-        assert failed.returncode != 0
-        assert "agent n2: no GPU through nvml: library_not_found" in failed.stdout
-        assert "1 of 1 agents cannot read their GPUs (n2): set agent.gpuAccess" in failed.stderr
+        assert install_check([*args, "--agent-port", str(blind.metrics_port)]) == 1
+        captured = capsys.readouterr()
+        assert "agent on n1: no GPU through nvml: library_not_found" in captured.out
+        assert "1 of 1 agents cannot read their GPUs (n1): set agent.gpuAccess" in captured.err
     finally:
         seeing.stop()
         blind.stop()

@@ -64,6 +64,7 @@ class KubeApi:
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
+        self.apps = kubernetes.client.AppsV1Api(client)
 
     # -- discovery -----------------------------------------------------------------------------------------------
     def serves(self, group: str, version: str, plural: str) -> bool:
@@ -187,6 +188,12 @@ class KubeApi:
         )
 
     # -- secrets (the chart's credentials) -----------------------------------------------------------------------
+    def daemonset(self, namespace: str, name: str) -> Json:
+        return self._json(
+            f"read daemonset {namespace}/{name}",
+            lambda: self.apps.read_namespaced_daemon_set(name, namespace, _preload_content=False),
+        )
+
     def secret(self, namespace: str, name: str) -> Json:
         return self._json(
             f"read secret {namespace}/{name}",
