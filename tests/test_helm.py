@@ -94,6 +94,8 @@ def test_objects_are_unique_and_namespaced(renders: dict[Combo, list[Obj]], comb
             assert ns is None, d["metadata"]
         elif d["metadata"]["name"].startswith(f"{RELEASE}-dashboard-") and dashboards_ns:
             assert ns == dashboards_ns
+        elif d["kind"] in ("Role", "RoleBinding") and d["metadata"]["name"].endswith("-controller-node-events"):
+            assert ns == "default"  # where a cluster-scoped object's Events live: create, nothing else
         else:
             assert ns == NAMESPACE, d["metadata"]
 

@@ -54,6 +54,8 @@ def test_agent_daemonset(default: list[Obj]) -> None:
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
     assert "privileged" not in security
+    # not root: the ports are the node's through hostPort, and the GPUs' device nodes are every user's
+    assert (security["runAsUser"], security["runAsGroup"], security["runAsNonRoot"]) == (10001, 10001, True)
     headless = one(default, "Service", "opsd-agent")
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["ports"][0]["name"] == "metrics"
@@ -242,3 +244,18 @@ def test_the_quota_that_admits_the_agents_priority_class_outside_kube_system(
     assert not objects(helm.render(), "ResourceQuota")
     other = helm.render("--set", "agent.priorityClassQuota.create=true", "--set", "agent.priorityClassName=gpu-agents")
     assert one(other, "ResourceQuota")["spec"]["scopeSelector"]["matchExpressions"][0]["values"] == ["gpu-agents"]
+
+
+@pytest.mark.parametrize(
+    ("args", "user"),
+    [
+        pytest.param([], 10001, id="hostPort: the image's user"),
+        pytest.param(["--set", "agent.transport=hostNetwork"], 10001, id="hostNetwork: the image's user"),
+        pytest.param(["--set", "agent.transport=hostPath"], 0, id="hostPath: root, for its root-owned host directory"),
+        pytest.param(["--set", "agent.securityContext.runAsUser=0"], 0, id="root when asked"),
+    ],
+)
+def test_the_agent_runs_as_root_only_where_it_must(helm: Helm, args: list[str], user: int) -> None:
+    security = container(one(helm.render(*args), "DaemonSet"))["securityContext"]
+    assert security["runAsUser"] == user
+    assert security.get("runAsNonRoot", False) is (user != 0)

@@ -44,7 +44,7 @@ def grants(role: Obj) -> dict[tuple[str, str, tuple[str, ...]], list[str]]:
     return out
 
 
-RUNS_GRANTS = {  # where the runs are: every namespace, or controller.config.kubernetes.watch_namespace
+RUNS_GRANTS = {  # where the runs are: runNamespaces (the release namespace by default), or every one (clusterWide)
     ("", "pods", ()): ["list", "watch", "delete"],
     ("", "pods/eviction", ()): ["create"],
     ("jobset.x-k8s.io", "jobsets", ()): ["get", "list", "watch"],
@@ -60,7 +60,9 @@ LEADER_GRANTS = {
 
 def test_rbac_grants_what_the_backend_calls(default: list[Obj]) -> None:
     """The rules as tests/test_rbac.py proves them from the calls (the emulated API server's request log)."""
-    assert grants(one(default, "ClusterRole", "opsd-controller")) == NODE_GRANTS | RUNS_GRANTS
+    assert grants(one(default, "ClusterRole", "opsd-controller")) == NODE_GRANTS  # nothing of the runs' cluster-wide
+    runs = one(default, "Role", "opsd-controller-runs")
+    assert (runs["metadata"]["namespace"], grants(runs)) == (NAMESPACE, RUNS_GRANTS)  # the release namespace's
     assert grants(one(default, "Role", "opsd-leader-election")) == LEADER_GRANTS
     subject = [{"kind": "ServiceAccount", "name": "opsd-controller", "namespace": NAMESPACE}]
     binding = one(default, "ClusterRoleBinding", "opsd-controller")
@@ -78,12 +80,23 @@ def test_rbac_grants_what_the_backend_calls(default: list[Obj]) -> None:
     one(default, "ServiceAccount", "opsd-controller")
 
 
-def test_a_controller_that_watches_one_namespace_may_act_in_that_one_only(helm: Helm) -> None:
-    docs = helm.render("--set", "controller.config.kubernetes.watch_namespace=training")
+def test_a_controller_may_act_in_the_runs_namespaces_only_unless_cluster_wide_is_asked(helm: Helm) -> None:
+    docs = helm.render("--set-json", 'runNamespaces=["training", "research"]')
     assert grants(one(docs, "ClusterRole", "opsd-controller")) == NODE_GRANTS
-    runs = one(docs, "Role", "opsd-controller-runs")
-    assert runs["metadata"]["namespace"] == "training"
-    assert grants(runs) == RUNS_GRANTS
+    runs = [r for r in objects(docs, "Role") if r["metadata"]["name"] == "opsd-controller-runs"]
+    assert sorted(r["metadata"]["namespace"] for r in runs) == ["research", "training"]
+    assert all(grants(r) == RUNS_GRANTS for r in runs)
+    settings = yaml.safe_load(one(docs, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert settings["controller"]["kubernetes"]["watch_namespace"] == "training,research"  # what it watches
+    wide = helm.render("--set", "rbac.clusterWide=true")
+    assert grants(one(wide, "ClusterRole", "opsd-controller")) == NODE_GRANTS | RUNS_GRANTS
+    assert not [r for r in objects(wide, "Role") if r["metadata"]["name"].endswith("-runs")]
+    wide_settings = yaml.safe_load(one(wide, "ConfigMap", "opsd-config")["data"]["opsd.yaml"])
+    assert wide_settings["controller"]["kubernetes"]["watch_namespace"] == ""
+    proc = helm.template("--set", "controller.config.kubernetes.watch_namespace=x")
+    assert proc.returncode != 0
+    assert "the runs' namespaces are runNamespaces" in proc.stderr
+    docs = helm.render("--set-json", 'runNamespaces=["training"]')
     node_events = one(docs, "Role", "opsd-controller-node-events")
     assert node_events["metadata"]["namespace"] == "default"  # where a cluster-scoped object's Events live
     assert grants(node_events) == {("", "events", ()): ["create"]}
@@ -96,10 +109,16 @@ def test_a_controller_that_watches_one_namespace_may_act_in_that_one_only(helm: 
 
 def test_rbac_without_pod_delete_and_without_leader_election(renders: dict[Combo, list[Obj]]) -> None:
     no_delete = renders[Combo("no-agent-values.yaml", "1.37.0", True)]
-    assert grants(one(no_delete, "ClusterRole"))[("", "pods", ())] == ["list", "watch"]
+    assert grants(one(no_delete, "Role", "opsd-controller-runs"))[("", "pods", ())] == ["list", "watch"]
     no_election = renders[Combo("agent-custom-values.yaml", "1.37.0", True)]
     roles = [r["metadata"]["name"] for r in objects(no_election, "Role")]
-    assert roles == ["trainops-credentials", "trainops-test"]  # the hooks': credentials, helm test
+    # the runs' namespace's, the node events', the hooks' (credentials, helm test); none for leader election
+    assert roles == [
+        "trainops-controller-runs",
+        "trainops-controller-node-events",
+        "trainops-credentials",
+        "trainops-test",
+    ]
     assert not [b for b in objects(no_election, "RoleBinding") if "leader" in b["metadata"]["name"]]
     settings = yaml.safe_load(one(no_election, "ConfigMap", "trainops-config")["data"]["opsd.yaml"])
     assert settings["controller"]["kubernetes"]["leader_election"] is False
@@ -193,6 +212,7 @@ def test_settings_file(default: list[Obj]) -> None:
             "detection": {"heartbeat_floor_s": 10, "hang_floor_s": 60},
             "kubernetes": {
                 "namespace": NAMESPACE,
+                "watch_namespace": NAMESPACE,  # the runs' namespaces: the release namespace by default
                 "node_selector": (  # the default gpuNodeTerms: each platform's GPU label, ORed
                     "nvidia.com/gpu.present=true; cloud.google.com/gke-accelerator;"
                     " feature.node.kubernetes.io/pci-10de.present=true;"

@@ -12,7 +12,8 @@ import pytest
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.leader import cluster_informers
-from opsd.backends.kubernetes.watch import Informer
+from opsd.backends.kubernetes.watch import Informer, InformerSet
+from opsd.protocol.cluster import JOBSET_NAME_LABEL
 from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.machines import node
 from tests.waiting import wait_for
@@ -126,3 +127,34 @@ def test_the_nodes_informer_of_selectors_ored_keeps_the_gpu_nodes_of_every_platf
         )
     finally:
         informer.stop()
+
+
+def test_the_runs_of_several_namespaces_are_read_as_one_cache_and_no_other_namespaces(
+    informer_kube: KubeEmulator,
+) -> None:
+    """``watch_namespace`` naming several namespaces (the chart's runNamespaces, a Role in each): an informer per
+    namespace, read as one; a pod of a namespace not named is not seen (nor may the controller list it)."""
+    kube = informer_kube
+    for namespace in ("training", "research", "elsewhere"):
+        kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"r-{namespace}", "namespace": namespace, "labels": {JOBSET_NAME_LABEL: "r"}},
+            "spec": {"containers": [{"name": "c", "image": "i"}]},
+        }
+        kube.put(pod)
+    api = KubeApi(kube.api_client)
+    _, pods, jobsets = cluster_informers(api, KubernetesConfig(watch_namespace="training, research"))
+    assert isinstance(pods, InformerSet)
+    assert isinstance(jobsets, InformerSet)
+    pods.start()
+    try:
+        assert pods.synced.wait(10)
+        assert {p["metadata"]["name"] for p in pods.objects()} == {"r-training", "r-research"}
+        assert pods.get("research/r-research") is not None
+        assert pods.get("elsewhere/r-elsewhere") is None
+    finally:
+        pods.stop()
+    with pytest.raises(ValueError, match="is not a namespace's name"):
+        KubernetesConfig(watch_namespace="training,Not_A_Namespace")

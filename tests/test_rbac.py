@@ -134,7 +134,9 @@ def check(made: set[Call], given: set[Grant], watch_namespace: str) -> None:
 def render(helm: Helm, watch_namespace: str) -> list[Json]:
     args = ["--namespace", RELEASE_NAMESPACE]
     if watch_namespace:
-        args += ["--set", f"controller.config.kubernetes.watch_namespace={watch_namespace}"]
+        args += ["--set-json", f'runNamespaces=["{watch_namespace}"]']
+    else:
+        args += ["--set", "rbac.clusterWide=true"]  # every namespace: only when asked
     proc = helm.run("template", *args)
     assert proc.returncode == 0, proc.stderr
     return parse(proc.stdout)

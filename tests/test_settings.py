@@ -300,6 +300,7 @@ def other_value(key: settings.Key) -> Any:
         "agent.receive_buffer_bytes": 1 << 23,
         "agent.controller_url": "http://controller:8470/v1/heartbeat",
         "controller.kubernetes.node_selector": "pool=a; cloud.google.com/gke-accelerator",
+        "controller.kubernetes.watch_namespace": "training,research",
     }
     if key.path in special:
         return special[key.path]

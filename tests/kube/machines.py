@@ -18,7 +18,7 @@ from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION
 from opsd.backends.kubernetes.leader import cluster_informers
 from opsd.backends.kubernetes.runs import Reconciler
-from opsd.backends.kubernetes.watch import Informer
+from opsd.backends.kubernetes.watch import Cache, Informer
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
 from opsd.controller.state import StateStore
@@ -100,7 +100,7 @@ def run_preference(run: str) -> Json:
     return {"weight": 100, "preference": {"matchExpressions": [{"key": RUN_LABEL, "operator": "In", "values": [run]}]}}
 
 
-def informers(backend: KubernetesBackend, timeout_s: int = 5) -> tuple[Informer, Informer, Informer]:
+def informers(backend: KubernetesBackend, timeout_s: int = 5) -> tuple[Informer, Cache, Cache]:
     """The controller's informers of nodes, pods and JobSets, as ``opsd serve --backend kubernetes`` makes them (a
     watch opened again after ``timeout_s``)."""
     return cluster_informers(backend.api, replace(backend.config, watch_timeout_s=timeout_s))

@@ -209,12 +209,17 @@ auth.generation (an existing or generated Secret is not in the manifests: raise 
 {{- end }}
 
 {{/*
-The agent container's securityContext: agent.securityContext, made privileged for gpuAccess "privileged" and
+The agent container's securityContext: agent.securityContext, as user 10001 (root with transport "hostPath", whose
+host directory is root's; a runAsUser given wins), made privileged for gpuAccess "privileged" and
 "hostDriver". The API server refuses privileged: true beside allowPrivilegeEscalation: false, and a privileged
 container holds every capability: both keys go.
 */}}
 {{- define "opsd.agentSecurityContext" -}}
+{{- $user := ternary (dict "runAsUser" 0) (dict "runAsUser" 10001 "runAsGroup" 10001 "runAsNonRoot" true) (eq .Values.agent.transport "hostPath") }}
 {{- $security := deepCopy (.Values.agent.securityContext | default dict) }}
+{{- if hasKey $security "runAsUser" }}{{ $user = dict "runAsUser" (get $security "runAsUser") }}{{ end }}
+{{- $security = mustMergeOverwrite $security $user }}
+{{- if eq (int (get $security "runAsUser")) 0 }}{{ $security = omit $security "runAsNonRoot" "runAsGroup" }}{{ end }}
 {{- if ne .Values.agent.gpuAccess "runtime" }}
 {{- $security = merge (dict "privileged" true) (omit $security "allowPrivilegeEscalation" "capabilities") }}
 {{- end }}
@@ -231,6 +236,14 @@ hostNetwork the container's ports are the node's, agent.hostPorts themselves.
 
 {{- define "opsd.agentDatagramPort" -}}
 {{- if eq .Values.agent.transport "hostNetwork" }}{{ .Values.agent.hostPorts.datagrams }}{{ else }}9465{{ end }}
+{{- end }}
+
+{{/*
+Where the runs' JobSets are, as the controller's watch_namespace: runNamespaces joined with "," (none: the release
+namespace); "" (every namespace) with rbac.clusterWide.
+*/}}
+{{- define "opsd.watchNamespace" -}}
+{{- if .Values.rbac.clusterWide }}{{ else }}{{ join "," (.Values.runNamespaces | default (list .Release.Namespace) | uniq) }}{{ end }}
 {{- end }}
 
 {{/* gpuNodeSelector without the keys set to null. */}}
@@ -358,6 +371,9 @@ render runs them once.
 {{- if and (gt $replicas 1) (not .Values.controller.leaderElection.enabled) }}
 {{- include "opsd.refuse" (printf "controller.replicas is %d with controller.leaderElection.enabled false: several controllers would act on the same runs; enable leader election or run 1 replica" $replicas) }}
 {{- end }}
+{{- if hasKey (.Values.controller.config.kubernetes | default dict) "watch_namespace" }}
+{{- include "opsd.refuse" "controller.config.kubernetes.watch_namespace is set: the runs' namespaces are runNamespaces (or every namespace with rbac.clusterWide), which the chart gives both to the controller and to its RBAC" }}
+{{- end }}
 {{- if hasKey (.Values.controller.config.kubernetes | default dict) "node_selector" }}
 {{- include "opsd.refuse" "controller.config.kubernetes.node_selector is set: the GPU nodes are gpuNodeTerms and gpuNodeSelector, which the chart gives both to the agents and to the controller" }}
 {{- end }}
@@ -408,6 +424,7 @@ agents' settings alone does not restart the controller.
   "kubernetes" (dict
     "namespace" .Release.Namespace
     "node_selector" (include "opsd.gpuNodeSelector" .)
+    "watch_namespace" (include "opsd.watchNamespace" .)
     "lease_name" (include "opsd.leaseName" .)
     "leader_election" .Values.controller.leaderElection.enabled)) }}
 {{- toYaml $controller }}

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from opsd.backends.kubernetes.selectors import NodeSelector
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
 class KubernetesConfig:
     namespace: str = "default"  # the controller's own: its leader-election Lease and its pod
-    watch_namespace: str = ""  # where the runs' JobSets are ("": every namespace)
+    watch_namespace: str = ""  # where the runs' JobSets are: a namespace, or several separated by "," ("": every one)
     # the nodes opsd manages: label selectors ORed, separated by ";" (``selectors``; "": every node)
     node_selector: str = "nvidia.com/gpu.present=true"
     kubeconfig: str = ""  # outside a cluster: the kubeconfig file ("": $KUBECONFIG or ~/.kube/config)
@@ -29,6 +32,9 @@ class KubernetesConfig:
     def __post_init__(self) -> None:
         if not self.namespace:
             raise ValueError("kubernetes.namespace must not be empty")
+        for namespace in self.watch_namespaces:
+            if not _DNS_LABEL.fullmatch(namespace):
+                raise ValueError(f"kubernetes.watch_namespace: {namespace!r} is not a namespace's name")
         try:
             NodeSelector.parse(self.node_selector)
         except ValueError as exc:
@@ -41,3 +47,8 @@ class KubernetesConfig:
             raise ValueError("kubernetes.quarantines_per_hour must be >= 0")
         if self.force_delete_after_s < 0 or self.resync_interval_s <= 0 or self.watch_timeout_s < 1:
             raise ValueError("kubernetes: force_delete_after_s >= 0, resync_interval_s > 0, watch_timeout_s >= 1")
+
+    @property
+    def watch_namespaces(self) -> tuple[str, ...]:
+        """The namespaces of ``watch_namespace``, in order; () for every namespace."""
+        return tuple(dict.fromkeys(n.strip() for n in self.watch_namespace.split(",") if n.strip()))

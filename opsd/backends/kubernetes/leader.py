@@ -22,7 +22,7 @@ from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.selectors import NodeSelector
-from opsd.backends.kubernetes.watch import Informer
+from opsd.backends.kubernetes.watch import Cache, Informer, InformerSet
 from opsd.controller.controller import Controller
 from opsd.controller.incidents import failure_of, took_step, unfinished_incident
 from opsd.errors import ConfigError, OpsError
@@ -39,11 +39,11 @@ from opsd.protocol.states import ActionKind, RunState
 log = logging.getLogger(__name__)
 
 
-def cluster_informers(api: KubeApi, config: KubernetesConfig) -> tuple[Informer, Informer, Informer]:
+def cluster_informers(api: KubeApi, config: KubernetesConfig) -> tuple[Informer, Cache, Cache]:
     """The leader's informers, not started yet: of the nodes opsd manages (``node_selector``), and of the JobSets'
-    pods and the JobSets in ``watch_namespace`` (every namespace when empty), each watch opened again after
-    ``watch_timeout_s``."""
-    namespace, timeout = config.watch_namespace, config.watch_timeout_s
+    pods and the JobSets in ``watch_namespace`` (every namespace when empty; an informer of each kind per namespace
+    when it names several), each watch opened again after ``watch_timeout_s``."""
+    timeout = config.watch_timeout_s
     selector = NodeSelector.parse(config.node_selector)
     nodes = Informer(
         api,
@@ -53,16 +53,29 @@ def cluster_informers(api: KubeApi, config: KubernetesConfig) -> tuple[Informer,
         keep=selector.matches_node,
         label_selector=selector.server_side,
     )
-    pods = Informer(
-        api,
-        "pods",
-        lambda: api.all_pods(JOBSET_NAME_LABEL, namespace),
-        timeout_s=timeout,
-        namespace=namespace,
-        label_selector=JOBSET_NAME_LABEL,
+
+    def pods(namespace: str) -> Informer:
+        return Informer(
+            api,
+            "pods",
+            lambda: api.all_pods(JOBSET_NAME_LABEL, namespace),
+            timeout_s=timeout,
+            namespace=namespace,
+            label_selector=JOBSET_NAME_LABEL,
+        )
+
+    def jobsets(namespace: str) -> Informer:
+        return Informer(api, "jobsets", lambda: api.jobsets_listed(namespace), timeout_s=timeout, namespace=namespace)
+
+    namespaces = config.watch_namespaces
+    if len(namespaces) <= 1:
+        where = namespaces[0] if namespaces else ""
+        return nodes, pods(where), jobsets(where)
+    return (
+        nodes,
+        InformerSet("pods", [pods(n) for n in namespaces]),
+        InformerSet("jobsets", [jobsets(n) for n in namespaces]),
     )
-    jobsets = Informer(api, "jobsets", lambda: api.jobsets_listed(namespace), timeout_s=timeout, namespace=namespace)
-    return nodes, pods, jobsets
 
 
 class KubernetesController:

@@ -36,7 +36,7 @@ from opsd.backends.kubernetes.jobsets import (
     terminating,
 )
 from opsd.backends.kubernetes.nodes import has_taint, mark_active
-from opsd.backends.kubernetes.watch import Informer
+from opsd.backends.kubernetes.watch import Cache, Informer
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import StateStore
 from opsd.errors import OpsError
@@ -115,8 +115,8 @@ class Reconciler:
         self,
         store: StateStore,
         backend: KubernetesBackend,
-        jobsets: Informer,
-        pods: Informer,
+        jobsets: Cache,
+        pods: Cache,
         nodes: Informer,
         final_step: Callable[[str], int] | None = None,
     ) -> None:

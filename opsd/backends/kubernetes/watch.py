@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.errors import OpsError
@@ -129,3 +130,60 @@ class Informer:
                 self.on_change()
             except Exception:
                 log.exception("%s: a change could not be handled", self.kind)
+
+
+class AllSynced:
+    """Set once every one of ``events`` is (what ``InformerSet.synced`` is)."""
+
+    def __init__(self, events: Sequence[threading.Event]) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return all(e.is_set() for e in self.events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for event in self.events:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not event.wait(left):
+                return False
+        return True
+
+
+class InformerSet:
+    """Informers of one kind in several namespaces, read as one cache (the runs' pods and JobSets where the
+    controller may read them: its Roles in a list of namespaces)."""
+
+    def __init__(self, kind: str, parts: Sequence[Informer]) -> None:
+        self.kind = kind
+        self.parts = list(parts)
+        self.synced = AllSynced([p.synced for p in self.parts])
+
+    @property
+    def relists(self) -> int:
+        return sum(p.relists for p in self.parts)
+
+    def objects(self) -> list[Json]:
+        return [o for p in self.parts for o in p.objects()]
+
+    def get(self, key: str) -> Json | None:
+        for part in self.parts:
+            found = part.get(key)
+            if found is not None:
+                return found
+        return None
+
+    def relist(self) -> None:
+        for part in self.parts:
+            part.relist()
+
+    def start(self) -> None:
+        for part in self.parts:
+            part.start()
+
+    def stop(self) -> None:
+        for part in self.parts:
+            part.stop()
+
+
+Cache = Informer | InformerSet  # what the reconciler and the backend read
