@@ -107,17 +107,39 @@ class NodeAgents:
         self.addresses: dict[str, AgentAddress] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for node in nodes:
-            if not network:
-                self.procs[node] = start_agent(spec, node)
-                continue
-            address = self.addresses[node] = AgentAddress("127.0.0.1", free_udp_port(), free_port())
-            spool = spec.node_dir(node) / "spool"  # the agent's own directory: no rank writes there
-            self.procs[node] = start_agent(
-                spec,
-                node,
-                ("--metrics-port", str(address.http_port), "--flight-dir", str(spool)),
-                {"OPSD_AGENT_DATAGRAM_HOST": address.host, "OPSD_AGENT_DATAGRAM_PORT": str(address.datagram_port)},
-            )
+            if network:
+                self.addresses[node] = AgentAddress("127.0.0.1", free_udp_port(), free_port())
+            self.start(node)
+
+    def start(self, node: str, env: Mapping[str, str] | None = None) -> None:
+        """Start ``node``'s agent (again: at the same address, as a DaemonSet's new pod on that node is)."""
+        address = self.addresses.get(node)
+        if address is None:
+            self.procs[node] = start_agent(self.spec, node, (), env)
+            return
+        spool = self.spec.node_dir(node) / "spool"  # the agent's own directory: no rank writes there
+        self.procs[node] = start_agent(
+            self.spec,
+            node,
+            ("--metrics-port", str(address.http_port), "--flight-dir", str(spool)),
+            {
+                "OPSD_AGENT_DATAGRAM_HOST": address.host,
+                "OPSD_AGENT_DATAGRAM_PORT": str(address.datagram_port),
+                **(env or {}),
+            },
+        )
+
+    def stop(self, node: str, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
+        """Stop ``node``'s agent as the kubelet stops a pod (SIGTERM, then SIGKILL after the grace period,
+        Kubernetes' default 30 s; or SIGKILL at once: killed) and wait for it."""
+        proc = self.procs[node]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.wait(timeout=10)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until the agent of every node has opened its socket; an agent that exits first fails the wait at once."""
