@@ -59,6 +59,12 @@ class RestartIn(Strict):
     reason: Annotated[str, Field(min_length=1, max_length=1000)]
 
 
+class DrillIn(Strict):
+    node: Annotated[str, Field(min_length=1, max_length=253)]
+    gpu: Annotated[int, Field(ge=0, le=1023)] = 0
+    xid: Annotated[int, Field(ge=1, le=65535)] = 79
+
+
 class AttachIn(Strict):
     namespace: Annotated[str, Field(min_length=1, max_length=253)]
     jobset: Annotated[str, Field(min_length=1, max_length=253)]
@@ -196,6 +202,12 @@ def create_app(
         """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
         that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
         return _answer(lambda: controller.request_restart(run, body.reason, clock()))
+
+    @app.post("/v1/runs/{run}/drill", dependencies=operators)
+    def drill(run: str, body: DrillIn) -> IncidentRow:
+        """Rehearse a fatal XID on one of a running run's nodes: an incident recovered from as a real XID's (the
+        node quarantined, a spare taken, the run relaunched), its detail saying it is a drill."""
+        return _answer(lambda: controller.drill_xid(run, body.node, body.gpu, body.xid, clock()))
 
     @app.get("/v1/runs/{run}/checkpoints", dependencies=reads)
     def checkpoints(run: str) -> dict[str, Any]:

@@ -355,6 +355,36 @@ def inject_slow(
     _inject(api, run, {"fault": FaultKind.SLOW, "rank": rank, "factor": factor})
 
 
+drill_app = typer.Typer(
+    help="Rehearse a failure on a real cluster, where none can be made: opsd recovers from it as from a real one.",
+    no_args_is_help=True,
+)
+
+
+@drill_app.command("xid")
+@connected
+def drill_xid(
+    run: Run,
+    node: Annotated[str, typer.Option(help="one of the run's active nodes")],
+    gpu: Annotated[int, typer.Option(min=0, help="the GPU index named in the incident")] = 0,
+    xid: Annotated[int, typer.Option(min=1, help="the XID code named in the incident")] = 79,
+    as_json: AsJson = False,
+    *,
+    api: ApiClient,
+) -> None:
+    """A fatal XID on NODE of a running RUN, rehearsed: the node is quarantined, a spare takes its place and the run
+    resumes from its newest checkpoint, as after a GPU that fell off the bus; the incident says "drill". Follow it
+    with `opsd incidents RUN` and `opsd postmortem RUN`; give the node back with `opsd uncordon NODE`."""
+    incident = call(api, "POST", f"/v1/runs/{run}/drill", {"node": node, "gpu": gpu, "xid": xid})
+    if as_json:
+        typer.echo(json.dumps(incident))
+        return
+    typer.echo(
+        f"run {run}: incident {incident['id']} ({incident['kind']} on {node}, a drill): {incident['state']};"
+        f" follow it with `opsd incidents {run}`, give {node} back with `opsd uncordon {node}` after"
+    )
+
+
 COMMANDS = (status, incidents, restart, cordon, uncordon, spares, checkpoints, cadence, postmortem, flamegraph)
 
 
@@ -363,4 +393,5 @@ def register(app: typer.Typer) -> None:
         app.command(command.__name__)(command)
     app.add_typer(runs_app, name="runs")
     app.add_typer(inject_app, name="inject")
+    app.add_typer(drill_app, name="drill")
     app.add_typer(maintenance_app, name="maintenance")

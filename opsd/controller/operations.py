@@ -8,6 +8,7 @@ import re
 import uuid
 
 from opsd.controller.core import ControllerCore
+from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import failure_key
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
 from opsd.controller.rows import IncidentRow, NodeRow, RunRow, RunSpec
@@ -65,6 +66,49 @@ class Operations(ControllerCore):
         log.warning("run %s: incident %d: %s", run_id, incident, cause.detail)
         self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
         self.recovery.start(run_id, incident, cause, now_s)
+        found = self.store.incident(incident)
+        assert found is not None
+        return found
+
+    def drill_xid(self, run_id: str, node: str, gpu: int, xid: int, now_s: float) -> IncidentRow:
+        """An operator's rehearsal of a fatal XID on ``node`` of a running run, where no GPU fault can be made (a
+        real cluster): a ``fatal_xid`` incident whose detail says it is a drill, recovered from as a real one is
+        (the node quarantined, a spare taken, the ranks stopped and relaunched from the newest checkpoint); in dry
+        run, its plan recorded and nothing done. Give the node back with ``opsd uncordon`` after. Raises
+        ``NotFoundError`` for an unknown run, ``PermanentError`` when it is not running, a recovery is under way,
+        the node is not one of its active nodes, or there is no backend."""
+        run = self.store.run(run_id)
+        if run is None:
+            raise NotFoundError(f"no run {run_id!r}")
+        if self.backend is None:
+            raise PermanentError("this controller has no backend to recover with")
+        if run.state != RunState.RUNNING:
+            raise PermanentError(f"run {run_id!r} is {run.state}: a drill needs a running run")
+        active = sorted(n.name for n in self.store.nodes(run_id) if n.role == NodeRole.ACTIVE)
+        if node not in active:
+            raise PermanentError(f"node {node!r} is not one of run {run_id!r}'s active nodes ({', '.join(active)})")
+        cause = Failure(
+            FailureKind.FATAL_XID, node, None, f"drill: XID {xid} on GPU {gpu}, rehearsed by an operator (no GPU fault)"
+        )
+        incident, new = self.store.open_incident(
+            key=failure_key(run_id, int(run.generation)),
+            run=run_id,
+            kind=cause.kind.value,
+            node=node,
+            rank=None,
+            detail=cause.detail,
+            failed_s=now_s,
+            detected_s=now_s,
+        )
+        if not new:
+            raise PermanentError(f"run {run_id!r} is already recovering (incident {incident})")
+        self.tracing.assign(self.store, incident)
+        log.warning("run %s: incident %d: %s on %s", run_id, incident, cause.detail, node)
+        if self.config.dry_run:
+            record_dry_run(self.store, run, incident, cause, now_s)
+        else:
+            self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
+            self.recovery.start(run_id, incident, cause, now_s)
         found = self.store.incident(incident)
         assert found is not None
         return found
