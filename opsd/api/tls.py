@@ -32,7 +32,8 @@ class CertificateReload:
         self.keyfile = keyfile
         self.reloads = 0
         self.failures = 0
-        self._seen = self._fingerprint()
+        pair = self._read()
+        self._seen = _digest(pair) if pair is not None else ""
 
     def _read(self) -> tuple[bytes, bytes] | None:
         """What the two files hold now (None when one cannot be read: a swap in progress)."""
@@ -41,16 +42,12 @@ class CertificateReload:
         except OSError:
             return None
 
-    def _fingerprint(self) -> str:
-        pair = self._read()
-        return hashlib.sha256(b"\0".join(pair)).hexdigest() if pair is not None else ""
-
     def check(self) -> bool:
         """Load the pair again if its files changed since they were last seen; whether it was loaded."""
         pair = self._read()
         if pair is None:
             return False
-        seen = hashlib.sha256(b"\0".join(pair)).hexdigest()
+        seen = _digest(pair)
         if seen == self._seen:
             return False
         self._seen = seen
@@ -80,3 +77,7 @@ class CertificateReload:
         while True:
             await asyncio.sleep(every_s)
             self.check()
+
+
+def _digest(pair: tuple[bytes, bytes]) -> str:
+    return hashlib.sha256(b"\0".join(pair)).hexdigest()
