@@ -192,6 +192,7 @@ FROZEN_FLAGS = {
     "inject kill": ["--rank", "--run", *CONNECTION],
     "inject hang": ["--rank", "--run", *CONNECTION],
     "inject slow": ["--factor", "--rank", "--run", *CONNECTION],
+    "drill xid": ["--gpu", "--json", "--node", "--xid", *CONNECTION],
     "maintenance start": ["--reason", "--run", *CONNECTION],
     "maintenance stop": ["--run", *CONNECTION],
     "maintenance list": ["--json", *CONNECTION],
