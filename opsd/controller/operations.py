@@ -50,25 +50,31 @@ class Operations(ControllerCore):
         if run.state != RunState.RUNNING:
             raise PermanentError(f"run {run_id!r} is {run.state}: only a running run can be restarted")
         cause = Failure(FailureKind.MANUAL_RESTART, "", None, f"restart asked: {reason}")
+        incident = self._operators_incident(run, cause, now_s)
+        self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
+        self.recovery.start(run_id, incident, cause, now_s)
+        found = self.store.incident(incident)
+        assert found is not None
+        return found
+
+    def _operators_incident(self, run: RunRow, cause: Failure, now_s: float) -> int:
+        """Open the incident of an operator's action on ``run`` (its launch's, once); ``PermanentError`` when the run
+        is already recovering."""
         incident, new = self.store.open_incident(
-            key=failure_key(run_id, int(run.generation)),
-            run=run_id,
+            key=failure_key(run.id, int(run.generation)),
+            run=run.id,
             kind=cause.kind.value,
-            node="",
+            node=cause.node,
             rank=None,
             detail=cause.detail,
             failed_s=now_s,
             detected_s=now_s,
         )
         if not new:
-            raise PermanentError(f"run {run_id!r} is already recovering (incident {incident})")
+            raise PermanentError(f"run {run.id!r} is already recovering (incident {incident})")
         self.tracing.assign(self.store, incident)
-        log.warning("run %s: incident %d: %s", run_id, incident, cause.detail)
-        self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
-        self.recovery.start(run_id, incident, cause, now_s)
-        found = self.store.incident(incident)
-        assert found is not None
-        return found
+        log.warning("run %s: incident %d: %s (node %s)", run.id, incident, cause.detail, cause.node or "-")
+        return incident
 
     def drill_xid(self, run_id: str, node: str, gpu: int, xid: int, now_s: float) -> IncidentRow:
         """An operator's rehearsal of a fatal XID on ``node`` of a running run, where no GPU fault can be made (a
@@ -90,20 +96,7 @@ class Operations(ControllerCore):
         cause = Failure(
             FailureKind.FATAL_XID, node, None, f"drill: XID {xid} on GPU {gpu}, rehearsed by an operator (no GPU fault)"
         )
-        incident, new = self.store.open_incident(
-            key=failure_key(run_id, int(run.generation)),
-            run=run_id,
-            kind=cause.kind.value,
-            node=node,
-            rank=None,
-            detail=cause.detail,
-            failed_s=now_s,
-            detected_s=now_s,
-        )
-        if not new:
-            raise PermanentError(f"run {run_id!r} is already recovering (incident {incident})")
-        self.tracing.assign(self.store, incident)
-        log.warning("run %s: incident %d: %s on %s", run_id, incident, cause.detail, node)
+        incident = self._operators_incident(run, cause, now_s)
         if self.config.dry_run:
             record_dry_run(self.store, run, incident, cause, now_s)
         else:
