@@ -62,6 +62,44 @@ def test_slowdown_is_the_median_ratio() -> None:
     assert top.samples == 20
 
 
+def first_flagged_slot(ratios: list[float], config: StragglerConfig) -> int | None:
+    """The first slot after which rank 1, computing ``ratio`` x rank 0's in each slot, is flagged (None: never)."""
+    samples: list[ComputeSample] = []
+    for slot, ratio in enumerate(ratios):
+        samples += [ComputeSample(0, "n0", 0, slot, 1.0), ComputeSample(1, "n0", 0, slot, ratio)]
+        if any(s.flagged for s in score_stragglers(samples, config)):
+            return slot
+    return None
+
+
+def noisy(mean: float, slots: int, every: int, off: float) -> list[float]:
+    """``slots`` ratios of ``mean`` but every ``every``-th, which is ``mean + off`` (a noisy slot)."""
+    return [mean + off if i % every == every - 1 else mean for i in range(slots)]
+
+
+ONSETS = {
+    # name: (the ratios of rank 1, slot by slot; the slot it is flagged by at the latest, None: never)
+    # 60 clean slots (2 minutes of 2 s slots) then 30 slow ones (60 s): flagged within them, though 1 slot in 4
+    # reads under the threshold (the default 80% of the window would wait for 24 slow slots of 30, past the end)
+    "a noisy 1.25x straggler: within 60 s": (noisy(1.0, 60, 5, 0.15) + noisy(1.25, 30, 4, -0.2), 89),
+    "a healthy rank 1 slot in 3 over the threshold: never": (noisy(1.0, 120, 3, 0.15), None),
+    "an episode of 10 slow slots (20 s): never": (noisy(1.0, 40, 5, 0.15) + [1.3] * 10 + [1.0] * 40, None),
+    "a steady 1.3x straggler from the start: at its 20th slot": ([1.3] * 40, 19),
+}
+
+
+@pytest.mark.parametrize(("ratios", "by_slot"), ONSETS.values(), ids=ONSETS.keys())
+def test_the_defaults_flag_a_noisy_straggler_within_a_minute_and_a_noisy_healthy_rank_never(
+    ratios: list[float], by_slot: int | None
+) -> None:
+    flagged = first_flagged_slot(ratios, StragglerConfig())
+    if by_slot is None:
+        assert flagged is None
+    else:
+        assert flagged is not None
+        assert flagged <= by_slot
+
+
 DECISIONS = {
     # name: (slowdown, remaining_s, swap_cost_s, swap?)
     "long run left: swap": (1.3, 24 * 3600, 600, True),

@@ -8,6 +8,12 @@ weight in the median). A rank is flagged when, over its last ``window`` slots (a
 least ``persistence_ratio`` of its ratios are >= ``threshold_ratio`` (1.10: 10% slower, the usual definition, e.g.
 the OSDI 2025 straggler study). Its slowdown is the median ratio over the window.
 
+The defaults (60% of the last 30 slots, at least 20 of them) are set for noisy slots: where a slot's ratio
+scatters by 0.12 around its mean (2 CPU ranks on 2 busy cores), a 1.25x straggler reads below 1.10 in one slot
+of 8 and a healthy rank above it in one of 5. Asking 80% of the window then missed 60 s for 1 straggler in 5
+(24 slow slots of the first 30 after the onset); 60% of 20 or more flags it in ~40 s and leaves a healthy rank
+unflagged through two minutes but for about 1 in 10,000 (a flag is a warning: nothing is stopped for it).
+
 Swap or warn: a straggler slows the whole synchronous job to its pace, so keeping it costs
 ``remaining_s x (1 - 1 / slowdown)`` of wall time; a swap costs ``swap_cost_s`` (stop, restart, restore, recompute).
 Swap when keeping costs more than ``swap_margin`` x the swap.
@@ -25,8 +31,8 @@ from dataclasses import dataclass
 class StragglerConfig:
     threshold_ratio: float = 1.10
     window: int = 30
-    min_samples: int = 10
-    persistence_ratio: float = 0.8
+    min_samples: int = 20
+    persistence_ratio: float = 0.6
     swap_margin: float = 1.5
 
     def __post_init__(self) -> None:
