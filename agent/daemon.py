@@ -31,10 +31,12 @@ from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
 from agent.gpu_access import GpuAccess, GpuAccessCollector
 from agent.health import GpuHealth, GpuHealthCollector
 from agent.metrics import AgentCollector, AgentStats, FlightCollector, ReporterCollector
+from agent.rank_gate import RankGate, RankGateCollector
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import NodeState
 from agent.tracing import Tracing
 from opsd.policy.xid import WatchWindow
+from opsd.protocol.rank_auth import MAX_DATAGRAM_BYTES, RankAuth, SignatureError, split_signed
 from opsd.protocol.wire import MAX_MESSAGE_BYTES, TimeoutReport, WireError, decode_report
 from opsd.protocol.xid_table import load_xid_table
 
@@ -78,6 +80,8 @@ class AgentConfig:
     )
     policy_file: str | None = None  # where the controller's policy is written for the ranks
     flight_dir: str | None = None  # where the ranks write Flight Recorder dumps (sent with controller_url)
+    rank_secret: str = ""  # the runs' keys derive from it (opsd.protocol.rank_auth)
+    rank_auth: RankAuth = RankAuth.OFF  # what the network endpoints ask of a rank (optional without a secret: off)
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -101,6 +105,8 @@ class AgentConfig:
         if self.gpu_interval_s <= 0 or self.gpu_retry_s <= 0:
             raise ValueError("agent.gpu_interval_s and agent.gpu_retry_s must be > 0")
         WatchWindow(self.xid_window_s, self.xid_threshold)  # validates them
+        if self.rank_auth is RankAuth.REQUIRED and not self.rank_secret:
+            raise ValueError("agent.rank_auth required needs agent.rank_secret")
         if self.controller_url is not None:
             self.reporter_config()  # validates the reporter's settings
             if self.flight_dir:
@@ -139,6 +145,8 @@ class Agent:
         self.tracing: Tracing | None = None
         self.intake = DumpIntake(config.flight_dir)
         self.registry.register(DumpIntakeCollector(self.intake, config.node))
+        self.ranks = RankGate(config.rank_secret, config.rank_auth if config.rank_secret else RankAuth.OFF)
+        self.registry.register(RankGateCollector(self.ranks, config.node))
         self._sock: socket.socket | None = None
         self._udp: socket.socket | None = None
         self._http: ThreadingHTTPServer | None = None
@@ -146,14 +154,20 @@ class Agent:
         self._stopping = threading.Event()
 
     # -- ingest ----------------------------------------------------------------------------------------------
-    def handle(self, data: bytes, now_s: float | None = None) -> str | None:
-        """Take one datagram; the rule it broke (and it is dropped), or None when it was ingested."""
+    def handle(self, data: bytes, now_s: float | None = None, *, network: bool = False) -> str | None:
+        """Take one datagram (``network``: from the UDP port, where the run's key is asked for; a signature is
+        taken off on the socket too); the rule it broke (and it is dropped), or None when it was ingested."""
         try:
-            report = decode_report(data)
-        except WireError as exc:
+            tag, body = split_signed(data)
+            report = decode_report(body)
+        except (WireError, SignatureError) as exc:
             self.stats.count(exc.reason)
             log.debug("dropped a datagram: %s", exc)
             return exc.reason
+        if network and (refused := self.ranks.refuses(tag, body, report.run)) is not None:
+            self.stats.count(refused)
+            log.debug("dropped a datagram of run %s: %s", report.run, refused)
+            return refused
         if isinstance(report, TimeoutReport):
             log.warning(
                 "rank %d of run %s has waited %.0f s in %s on %s",
@@ -172,7 +186,7 @@ class Agent:
     def _receive(self, sock: socket.socket) -> None:
         while not self._stopping.is_set():
             try:
-                data = sock.recv(MAX_MESSAGE_BYTES + 1)
+                data = sock.recv(MAX_DATAGRAM_BYTES + 1)
             except TimeoutError:
                 continue
             except OSError:
@@ -180,7 +194,7 @@ class Agent:
                     return
                 log.exception("agent socket failed; receiving again")
                 continue
-            self.handle(data)
+            self.handle(data, network=sock is self._udp)
 
     def _expire(self) -> None:
         while not self._stopping.wait(min(self.config.stale_after_s / 4, 30.0)):
@@ -239,6 +253,7 @@ class Agent:
             health=self.health,
             policy=lambda: self.reporter.last_policy if self.reporter is not None else None,
             intake=self.intake,
+            gate=self.ranks,
             metrics_tokens=(cfg.metrics_token, cfg.previous_metrics_token) if cfg.metrics_token else (),
         )
         self._http = ThreadingHTTPServer((cfg.metrics_host, cfg.metrics_port), endpoints)
@@ -253,6 +268,10 @@ class Agent:
         self._threads.append(expiry)
         udp = f" and udp {cfg.datagram_host}:{self.datagram_port}" if self._udp is not None else ""
         log.info("agent %s: datagrams on %s%s, metrics on %s:%d", cfg.node, path, udp, *self._http.server_address[:2])
+        if cfg.rank_auth is not RankAuth.OFF and self.ranks.mode is RankAuth.OFF:
+            log.warning("agent %s: rank_auth %s without a rank_secret: no run's key is asked", cfg.node, cfg.rank_auth)
+        else:
+            log.info("agent %s: the run's key is %s over the network", cfg.node, self.ranks.mode.value)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -11,8 +11,9 @@ over the network (``opsd.protocol.node_agent``):
   to disk, never held whole in memory (``DumpIntake``).
 
 ``/metrics`` needs ``Authorization: Bearer <metrics_token>`` when the agent has one (what Prometheus sends, from the
-chart's Secret; the previous token too, during a rotation); the rest is open, as the ranks hold no credential: the
-agent's NetworkPolicy says who reaches it.
+chart's Secret; the previous token too, during a rotation). The policy and the dumps ask for the rank's run key
+where the agent's ``rank_auth`` says (``agent.rank_gate``: 401 without it, or with a wrong one; 403 for a dump of
+another run than the key's); ``/healthz`` is open.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.rank_gate import RankGate
 from opsd.protocol.node_agent import (
     FLIGHT_PATH,
     MAX_DUMP_BYTES,
@@ -44,6 +46,7 @@ from opsd.protocol.node_agent import (
     DumpHeader,
     dump_path,
 )
+from opsd.protocol.rank_auth import RUN_HEADER, RankAuth
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +79,9 @@ class DumpIntake:
         """Store one dump held in memory; the HTTP status and the answer."""
         return self.take_stream(io.BytesIO(body), len(body))
 
-    def take_stream(self, stream: io.BufferedIOBase, length: int) -> tuple[int, dict[str, Any]]:
-        """Store one dump of ``length`` bytes read from ``stream``; the HTTP status and the answer."""
+    def take_stream(self, stream: io.BufferedIOBase, length: int, run: str | None = None) -> tuple[int, dict[str, Any]]:
+        """Store one dump of ``length`` bytes read from ``stream`` (``run``: only a dump of that run); the HTTP status
+        and the answer."""
         if self.directory is None:
             return 503, {"detail": "this agent keeps no Flight Recorder dumps (agent.flight_dir is not set)"}
         if length > MAX_DUMP_BYTES:
@@ -87,11 +91,13 @@ class DumpIntake:
             self.count("busy")
             return 503, {"detail": "the agent is taking in other dumps: send it again", "retry_after_s": 1}
         try:
-            return self._store(stream, length, self.directory)
+            return self._store(stream, length, self.directory, run)
         finally:
             self._slots.release()
 
-    def _store(self, stream: io.BufferedIOBase, length: int, directory: Path) -> tuple[int, dict[str, Any]]:
+    def _store(
+        self, stream: io.BufferedIOBase, length: int, directory: Path, run: str | None
+    ) -> tuple[int, dict[str, Any]]:
         directory.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=directory, prefix=".upload-", suffix=".tmp")
         tmp = Path(name)
@@ -109,6 +115,10 @@ class DumpIntake:
             tmp.unlink(missing_ok=True)
             self.count("rejected")
             return 400, {"detail": f"not a Flight Recorder dump: {exc!s}"[:500]}
+        if run is not None and header.run != run:
+            tmp.unlink(missing_ok=True)
+            self.count("rejected")
+            return 403, {"detail": "the dump is of another run than the key's", "refused": "other_run"}
         relative = dump_path(header.run, header.trigger, header.rank)
         target = directory / relative
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +164,7 @@ def handler(
     health: Callable[[], dict[str, Any]],
     policy: Callable[[], dict[str, Any] | None],
     intake: DumpIntake,
+    gate: RankGate,
     metrics_tokens: tuple[str, ...] = (),
 ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -169,7 +180,8 @@ def handler(
             elif path == "/healthz":
                 self._json(200, health())
             elif path == POLICY_PATH:
-                self._json(200, {"v": 1, **(policy() or {})})
+                if not self._refused("policy"):
+                    self._json(200, {"v": 1, **(policy() or {})})
             else:
                 self._json(404, {"detail": f"not found: /metrics, /healthz, {POLICY_PATH} are served"})
 
@@ -184,13 +196,28 @@ def handler(
             if length < 0:
                 self._json(411, {"detail": "Content-Length is required"})
                 return
+            if self._refused("flight_recorder"):
+                return
             if length > MAX_DUMP_BYTES:
                 intake.count("too_large")
                 self._json(413, {"detail": f"a dump is at most {MAX_DUMP_BYTES} bytes"})
                 return
-            status, answer = intake.take_stream(self.rfile, length)
+            signed = gate.mode is not RankAuth.OFF and self.headers.get("Authorization")
+            status, answer = intake.take_stream(self.rfile, length, self.headers.get(RUN_HEADER) if signed else None)
+            if answer.get("refused"):
+                gate.count_refused(answer["refused"])
             retry = [("Retry-After", str(answer["retry_after_s"]))] if "retry_after_s" in answer else None
             self._json(status, answer, retry)
+
+        def _refused(self, endpoint: str) -> bool:
+            """Whether the request is refused for its run's key (and answered 401)."""
+            reason = gate.refuses_request(self.headers.get("Authorization"), self.headers.get(RUN_HEADER), endpoint)
+            if reason is None:
+                return False
+            self.close_connection = True  # its body, if any, is not read
+            detail = "the run's key is required" if reason == "unsigned" else "not the key of the run named"
+            self._json(401, {"detail": detail, "refused": reason}, [("WWW-Authenticate", "Bearer")])
+            return True
 
         def _json(self, status: int, payload: Any, headers: list[tuple[str, str]] | None = None) -> None:
             self._reply(status, "application/json", json.dumps(payload).encode(), headers)

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from agent.flight import FlightUploader
+from agent.rank_gate import DATAGRAM_REFUSALS
 from agent.reporter import Reporter
 from agent.state import NodeState, RankSnapshot
 from opsd.protocol.mesh import DIM_NAMES as MESH_DIMENSIONS
@@ -38,7 +39,7 @@ class AgentStats:
 
     def __init__(self) -> None:
         self.received = 0
-        self.rejected = dict.fromkeys(REASONS, 0)
+        self.rejected = dict.fromkeys(REASONS + DATAGRAM_REFUSALS, 0)
         self._lock = threading.Lock()
 
     def count(self, reason: str | None) -> None:

@@ -25,17 +25,15 @@ from trainer_hooks.policy_reader import PolicyReader, policy_source
 from trainer_hooks.sinks import DatagramSink, UdpSink, agent_sink
 
 
+def network_agent(tmp_path: Path, **changes: Any) -> Agent:
+    """An agent of node n1 with a UDP port and a dump directory, on any free ports; ``changes`` to its config."""
+    base = {"socket": str(tmp_path / "a.sock"), "metrics_port": 0, "node": "n1", "datagram_port": 0}
+    return Agent(AgentConfig(**{**base, "flight_dir": str(tmp_path / "spool"), **changes}))
+
+
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    a = Agent(
-        AgentConfig(
-            socket=str(tmp_path / "a.sock"),
-            metrics_port=0,
-            node="n1",
-            datagram_port=0,
-            flight_dir=str(tmp_path / "spool"),
-        )
-    )
+    a = network_agent(tmp_path)
     a.start()
     try:
         yield a

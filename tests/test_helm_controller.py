@@ -49,6 +49,7 @@ RUNS_GRANTS = {  # where the runs are: runNamespaces (the release namespace by d
     ("", "pods/eviction", ()): ["create"],
     ("jobset.x-k8s.io", "jobsets", ()): ["get", "list", "watch"],
     ("", "events", ()): ["create", "get"],
+    ("", "secrets", ()): ["create"],  # each run's key, beside its JobSet (agent.rankAuth; never read)
 }
 NODE_GRANTS = {("", "nodes", ()): ["get", "list", "watch", "update"]}  # replaced whole: no patch
 LEADER_GRANTS = {
@@ -386,7 +387,7 @@ def test_no_token_in_the_renders_and_a_hook_makes_them_once(helm: Helm, kube: Ku
     assert kube.get("secrets", NAMESPACE, "opsd-credentials")["data"] == made["data"]  # type: ignore[index]
     assert secret_ref(container(one(docs, "DaemonSet")), "OPSD_CONTROLLER_TOKEN") == ("opsd-credentials", "agent")
     assert secret_ref(container(one(docs, "StatefulSet")), "OPSD_TOKEN") == ("opsd-credentials", "operator")
-    assert set(made["data"]) == {"operator", "reader", "agent", "metrics"}
+    assert set(made["data"]) == {"operator", "reader", "agent", "metrics", "ranks"}
     # in no manifest: nothing Argo CD tracks an application's resources by, and told not to prune it
     assert "app.kubernetes.io/instance" not in made["metadata"]["labels"]
     assert made["metadata"]["labels"]["opsd.io/release"] == RELEASE

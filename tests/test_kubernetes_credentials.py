@@ -8,7 +8,15 @@ import base64
 from pathlib import Path
 
 from opsd.backends.kubernetes.api import Json, KubeApi
-from opsd.backends.kubernetes.credentials import ARGO_ANNOTATIONS, GENERATION_ANNOTATION, PREVIOUS, ROLES, ensure, main
+from opsd.backends.kubernetes.credentials import (
+    ARGO_ANNOTATIONS,
+    GENERATION_ANNOTATION,
+    PREVIOUS,
+    RANKS,
+    ROLES,
+    ensure,
+    main,
+)
 from tests.kube.emulator import KubeEmulator
 from tests.kube.training import kubeconfig
 
@@ -24,25 +32,30 @@ def test_made_once_kept_completed_and_rotated(kube: KubeEmulator) -> None:
     api = KubeApi(kube.api_client)
     assert ensure(api, "opsd", "opsd-credentials", 1, {"app.kubernetes.io/part-of": "opsd"}) == "created"
     made = tokens(kube)
-    assert set(made) == set(ROLES)
-    assert len(set(made.values())) == 4
+    assert set(made) == {*ROLES, RANKS}
+    assert len(set(made.values())) == 5
     assert all(len(t) >= 40 for t in made.values())
     assert ensure(api, "opsd", "opsd-credentials", 1) == "kept"  # every install and upgrade after the first
     assert tokens(kube) == made
     secret = kube.get("secrets", "opsd", "opsd-credentials")
     assert secret is not None
     del secret["data"]["metrics"]  # a Secret of an older chart, without one role
+    del secret["data"][RANKS]  # nor the ranks' secret
     kube.put(secret)
     assert ensure(api, "opsd", "opsd-credentials", 1) == "completed"
     completed = tokens(kube)
-    assert {k: v for k, v in completed.items() if k != "metrics"} == {k: v for k, v in made.items() if k != "metrics"}
+    new = ("metrics", RANKS)
+    assert {k: v for k, v in completed.items() if k not in new} == {k: v for k, v in made.items() if k not in new}
     assert completed["metrics"] not in made.values()
+    assert completed[RANKS] not in made.values()
     assert ensure(api, "opsd", "opsd-credentials", 2) == "rotated"
     rotated = tokens(kube)
     current = {role: rotated[role] for role in ROLES}
     assert not set(current.values()) & set(completed.values())
-    # the tokens replaced are kept as the previous ones, taken beside the new until the next rotation
-    assert {role: rotated[role + PREVIOUS] for role in ROLES} == completed
+    # the tokens replaced are kept as the previous ones, taken beside the new until the next rotation; the ranks'
+    # secret is not rotated (the running pods hold keys derived from it)
+    assert {role: rotated[role + PREVIOUS] for role in ROLES} == {k: v for k, v in completed.items() if k != RANKS}
+    assert rotated[RANKS] == completed[RANKS]
     after = kube.get("secrets", "opsd", "opsd-credentials")
     assert after is not None
     assert after["metadata"]["annotations"][GENERATION_ANNOTATION] == "2"
@@ -50,7 +63,8 @@ def test_made_once_kept_completed_and_rotated(kube: KubeEmulator) -> None:
     assert ensure(api, "opsd", "opsd-credentials", 3) == "rotated"
     again = tokens(kube)
     assert {role: again[role + PREVIOUS] for role in ROLES} == current  # the oldest ones are no longer taken
-    assert len(again) == 2 * len(ROLES)
+    assert len(again) == 2 * len(ROLES) + 1
+    assert again[RANKS] == completed[RANKS]
 
 
 def test_the_command_line_of_the_hook(kube: KubeEmulator, tmp_path: Path) -> None:

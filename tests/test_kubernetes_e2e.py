@@ -32,7 +32,14 @@ from opsd.backends.local.processes import free_port
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
-from opsd.protocol.cluster import CHECKPOINT_URL_ANNOTATION, QUARANTINE_TAINT, RUN_LABEL, SPARE_TAINT
+from opsd.protocol.cluster import (
+    CHECKPOINT_URL_ANNOTATION,
+    QUARANTINE_TAINT,
+    RUN_LABEL,
+    SPARE_TAINT,
+    rank_key_secret,
+)
+from opsd.protocol.env import RANK_KEY_ENV
 from opsd.protocol.gpu_files import inject_xid
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer
@@ -55,6 +62,7 @@ TAKEOVER_STEPS = 160  # the takeover's run: ~137 steps (~15 s) left after the XI
 NODES = ["node-0", "node-1", "node-2"]  # node-2: the spare
 CONTROLLER_NAMESPACE = "opsd"
 TOKEN = "e2e-token"  # the controller's API token, which the agents send (the chart's Secret)
+RANK_SECRET = "e2e-ranks-secret"  # the runs' keys derive from it (the chart's Secret too)
 
 
 def trainer_args(ckpt_url: str, losses: Path, steps: int = STEPS) -> list[str]:
@@ -96,10 +104,18 @@ class Stack:
 
 
 def cluster_with_a_run(
-    kube: KubeEmulator, tmp: Path, controller_url: str, *, network: bool = False, steps: int = STEPS
+    kube: KubeEmulator,
+    tmp: Path,
+    controller_url: str,
+    *,
+    network: bool = False,
+    steps: int = STEPS,
+    rank_secret: str = "",
 ) -> Stack:
     """Two GPU nodes nobody labelled, a spare, and the run's JobSet of ``steps`` steps (its pods, one rank each,
-    start at once); ``network``: the ranks reach their agents at their node's address (no host directory)."""
+    start at once); ``network``: the ranks reach their agents at their node's address (no host directory);
+    ``rank_secret``: the agents require the run's key, which the pods take from the Secret the controller makes
+    (docs/kubernetes.md, "The run's key")."""
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CONTROLLER_NAMESPACE}})
     kube.put(node("node-0"))
@@ -117,12 +133,15 @@ def cluster_with_a_run(
         controller_url=f"{controller_url}/v1/heartbeat",
         token=TOKEN,
     )
-    kubelet = ProcessKubelet(spec, world=2)
+    kubelet = ProcessKubelet(spec, world=2, kube=kube)
     stack = Stack(kube, tmp, ckpt_url, losses, spec, kubelet, JobSetPlayer(kube, kubelet), steps)
-    stack.agents = NodeAgents(spec, NODES, network=network)
+    required = {"OPSD_AGENT_RANK_SECRET": rank_secret, "OPSD_AGENT_RANK_AUTH": "required"} if rank_secret else {}
+    stack.agents = NodeAgents(spec, NODES, network=network, env=required)
     kubelet.addresses = stack.agents.addresses
     stack.agents.wait_ready()
-    kube.put(jobset(RUN, 2, annotations={CHECKPOINT_URL_ANNOTATION: ckpt_url}, grace_s=5))
+    key = {"name": RANK_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": rank_key_secret(RUN), "key": "key"}}}
+    container = {"name": "trainer", "image": "trainer:1", "env": [key]} if rank_secret else None
+    kube.put(jobset(RUN, 2, annotations={CHECKPOINT_URL_ANNOTATION: ckpt_url}, grace_s=5, container=container))
     stack.player.start()
     return stack
 
@@ -245,8 +264,10 @@ def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
     kube: KubeEmulator, tmp_path: Path, cleanup: ExitStack
 ) -> None:
     port = free_port()
-    controller = ControllerProcess(controller_settings(kube, tmp_path, port), tmp_path / "controller")
-    stack = cluster_with_a_run(kube, tmp_path, controller.url, network=True)
+    controller = ControllerProcess(
+        controller_settings(kube, tmp_path, port, rank_secret=RANK_SECRET), tmp_path / "controller"
+    )
+    stack = cluster_with_a_run(kube, tmp_path, controller.url, network=True, rank_secret=RANK_SECRET)
     cleanup.callback(stack.close)
     stack.controllers["opsd"] = controller
     controller.wait_healthy()
@@ -265,7 +286,8 @@ def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
     incidents = closed_incidents(stack, controller.get)
     check_the_swap(stack, incidents, controller.get(f"/v1/runs/{RUN}/actions"))
     check_bitwise(stack, incidents)
-    # the ranks' reports came as datagrams to the agents' UDP ports: no rank was told of a socket
+    # the ranks' reports came as datagrams to the agents' UDP ports: no rank was told of a socket; each signed with
+    # the run's key from the Secret the controller made beside the JobSet (the agents refuse any other)
     assert stack.agents is not None
     for name in ("node-0", "node-2"):
         with urllib.request.urlopen(f"{stack.agents.addresses[name].http_base}/metrics", timeout=5) as r:
@@ -273,6 +295,13 @@ def test_an_xid_swaps_the_node_for_a_spare_and_the_run_resumes_bit_for_bit(
         received = re.search(rf'^opsd_agent_datagrams_total{{node="{name}"}} (\S+)$', metrics, flags=re.M)
         assert received is not None
         assert float(received.group(1)) > 0
+        refused = re.findall(
+            rf'^opsd_agent_datagrams_rejected_total{{node="{name}",reason="(\w+)"}} (\S+)$', metrics, re.M
+        )
+        assert {reason: float(n) for reason, n in refused if float(n)} == {}
+    made = kube.get("secrets", NAMESPACE, rank_key_secret(RUN))
+    assert made is not None
+    assert made["metadata"]["ownerReferences"][0]["kind"] == "JobSet"  # deleted with it
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
-"""The chart's RBAC grants exactly what opsd calls, from the calls themselves: the controller's end-to-end scenario
-on the emulated API server (the reconciler's passes, an XID swapped for a spare with a pod stuck on its dead node,
-the node given back, leader election on the Lease and the replica's label on its own pod) and the credentials' hook,
-each presenting the token of its ServiceAccount; every request is turned into the attributes a real API server
-authorizes (verb, API group, resource, namespace, name) and checked against the Roles and ClusterRoles the chart
-binds to that ServiceAccount: each call is granted, and each grant is used (no verb, resource, namespace or name
-wider than the calls). Run for a controller that watches every namespace and for one that watches one.
+"""The chart's RBAC grants exactly what opsd calls, from the calls themselves: the controller's end-to-end scenario on
+the emulated API server (the reconciler's passes, an XID swapped for a spare with a pod stuck on its dead node, the
+node given back, the run's key put in a Secret beside its JobSet, leader election on the Lease and the replica's
+label on its own pod) and the credentials' hook, each presenting the token of its ServiceAccount; every request is
+turned into the attributes a real API server authorizes (verb, API group, resource, namespace, name) and checked
+against the Roles and ClusterRoles the chart binds to that ServiceAccount: each call is granted, and each grant is
+used (no verb, resource, namespace or name wider than the calls). Run for a controller that watches every namespace
+and for one that watches one.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def check(made: set[Call], given: set[Grant], watch_namespace: str) -> None:
     unused = sorted(str(g) for g in given if not used(g, made))
     assert unused == [], "granted and never called:\n" + "\n".join(unused)
     cluster_wide = {g.resource for g in given if g.scope is None}
-    assert cluster_wide <= ({"nodes"} if watch_namespace else {"nodes", "pods", "pods/eviction", "jobsets", "events"})
+    runs = {"pods", "pods/eviction", "jobsets", "events", "secrets"}  # "secrets": create only (the runs' keys)
+    assert cluster_wide <= ({"nodes"} if watch_namespace else {"nodes", *runs})
 
 
 def render(helm: Helm, watch_namespace: str) -> list[Json]:
@@ -149,8 +151,13 @@ def controller_config(docs: list[Json], tmp_path: Path) -> KubernetesConfig:
     path = tmp_path / "opsd.yaml"
     path.write_text(config_map["data"]["opsd.yaml"])
     loaded: KubernetesConfig = settings.load("controller", str(path), env={}).kubernetes
+    (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    secret_env = {e["name"] for e in container.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})}
     return dataclasses.replace(
         loaded,
+        # the ranks' secret, as the chart gives it from its Secret: each run's key is put beside its JobSet
+        rank_secret="the-ranks-secret" if "OPSD_CONTROLLER_KUBERNETES_RANK_SECRET" in secret_env else "",
         pod_name="opsd-controller-0",
         force_delete_after_s=0.0,
         lease_duration_s=3,

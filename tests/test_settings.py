@@ -97,6 +97,7 @@ FROZEN_KEYS = [
     "controller.kubernetes.force_delete_after_s",
     "controller.kubernetes.resync_interval_s",
     "controller.kubernetes.watch_timeout_s",
+    "controller.kubernetes.rank_secret",
     "agent.socket",
     "agent.metrics_host",
     "agent.metrics_port",
@@ -120,6 +121,8 @@ FROZEN_KEYS = [
     "agent.liveness_datagrams",
     "agent.policy_file",
     "agent.flight_dir",
+    "agent.rank_secret",
+    "agent.rank_auth",
 ]
 
 CONNECTION = ["--config", "--state-dir", "--state-url", "--token", "--url"]

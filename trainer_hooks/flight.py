@@ -55,7 +55,7 @@ from opsd.protocol.node_agent import path_part
 from opsd.protocol.policy_file import DUMP_COMMAND
 from trainer_hooks.collectives import TRACER, CollectiveTracer
 from trainer_hooks.policy_reader import PolicyReader, policy_source
-from trainer_hooks.sinks import agent_from_env
+from trainer_hooks.sinks import agent_from_env, rank_headers
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class FlightRecorder:
         """POST a dump to the agent (from the watchdog thread, which may wait: the training thread does not)."""
         assert self.upload_url is not None
         request = urllib.request.Request(
-            self.upload_url, data=data, method="POST", headers={"Content-Type": "application/json"}
+            self.upload_url, data=data, method="POST", headers={"Content-Type": "application/json", **rank_headers()}
         )
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:

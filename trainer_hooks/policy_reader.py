@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 from opsd.protocol.env import POLICY_FILE_ENV
 from opsd.protocol.policy_file import Command, Policy, PolicyError, parse_policy
-from trainer_hooks.sinks import agent_from_env
+from trainer_hooks.sinks import agent_from_env, rank_headers
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class PolicyReader:
         """Read the agent's policy once (the reader's thread does it every ``check_every_s``)."""
         assert self.path is not None
         try:
-            with urllib.request.urlopen(self.path, timeout=self.timeout_s) as answer:
+            request = urllib.request.Request(self.path, headers=rank_headers())  # the run's key, when it has one
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
                 data = answer.read(1 << 20)
         except (OSError, ValueError) as exc:
             self.errors += 1

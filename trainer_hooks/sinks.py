@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from opsd.protocol.env import AGENT_SOCKET_ENV
+from opsd.protocol.env import AGENT_SOCKET_ENV, RANK_KEY_ENV, RUN_ENV
 from opsd.protocol.node_agent import AgentAddress, agent_address
+from opsd.protocol.rank_auth import headers, sign
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class UdpSink:
     destination), so that the ICMP "port unreachable" of an address where no agent listens is reported at the next
     send, and counted; a full send buffer, an unreachable network, a name that does not resolve: dropped, counted."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, key: str | None = None) -> None:
+        """``key``: the run's key (``$OPSD_RANK_KEY``), which signs every datagram (``opsd.protocol.rank_auth``)."""
         self.address = (host, port)
+        self.key = key
         self.dropped = 0
         self._warned = False
         self._sock: socket.socket | None = None
@@ -74,7 +77,7 @@ class UdpSink:
             self.dropped += 1
             return
         try:
-            self._sock.send(data)
+            self._sock.send(sign(data, self.key) if self.key else data)
         except OSError as exc:  # nobody listening (reported by the previous datagram), buffer full, no route
             self.dropped += 1
             self._warn(exc)
@@ -100,14 +103,22 @@ def agent_from_env(environ: Mapping[str, str] = os.environ) -> AgentAddress | No
         return None
 
 
+def rank_headers(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The headers of a rank's requests to its agent over the network: its run's key (``$OPSD_RANK_KEY``, for the run
+    ``$OPSD_RUN``), or none without one."""
+    key, run = environ.get(RANK_KEY_ENV, "").strip(), environ.get(RUN_ENV, "").strip()
+    return headers(run, key) if key and run else {}
+
+
 def agent_sink(socket_path: str | None = None, environ: Mapping[str, str] = os.environ) -> Sink | None:
     """The node agent's sink: its Unix socket (``socket_path``, else ``$OPSD_AGENT_SOCKET``), else its UDP port at
-    ``$OPSD_AGENT_HOST``; None when neither is set."""
+    ``$OPSD_AGENT_HOST`` (the datagrams signed with ``$OPSD_RANK_KEY`` when it is set); None when neither is set."""
     path = socket_path or environ.get(AGENT_SOCKET_ENV)
     if path:
         return DatagramSink(path)
     address = agent_from_env(environ)
-    return UdpSink(*address.datagrams) if address is not None else None
+    key = environ.get(RANK_KEY_ENV, "").strip() or None
+    return UdpSink(*address.datagrams, key=key) if address is not None else None
 
 
 class JsonlSink:

@@ -41,6 +41,8 @@ ROLE_LABEL = "opsd.io/role"  # on a controller's pod: "leader" or "standby" (the
 LEADER, STANDBY = "leader", "standby"
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+RANK_KEY_SECRET_PREFIX = "opsd-rank-key-"  # + the run: the Secret of the run's key, in its JobSet's namespace
+
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 #: a child Job's index in its replicated job (a fault-tolerant run's replica group), and how many times JobSet's
 #: ``RestartJob`` failure policy recreated that Job alone (JobSet 0.12+, feature gate ``RestartJob``)
@@ -53,3 +55,8 @@ JOBSET_MIN_RELEASE = "v0.6.0"
 #: the oldest JobSet release that recreates a failed child Job alone (RestartJob, behind its feature gate
 #: RestartJob): what a fault-tolerant run's replica groups need
 JOBSET_RESTART_JOB_RELEASE = "v0.12.0"
+
+
+def rank_key_secret(run: str) -> str:
+    """The name of the Secret that holds ``run``'s key (key ``key``), which its pods take as ``$OPSD_RANK_KEY``."""
+    return RANK_KEY_SECRET_PREFIX + run

@@ -10,6 +10,7 @@ local nodes, a Kubernetes pod template) to the ranks' hooks and the node agent.
 | ``OPSD_AGENT_HOST`` | the pod template | the ranks | without a socket: the node agent's address (``status.hostIP``) |
 | ``OPSD_AGENT_DATAGRAM_PORT`` | the pod template | the ranks | its UDP port for the step reports (default 9465) |
 | ``OPSD_AGENT_HTTP_PORT`` | the pod template | the ranks | its HTTP port for the policy and the dumps (default 9464) |
+| ``OPSD_RANK_KEY`` | the pod template (a Secret) | the ranks | their run's key for the agent's network endpoints |
 | ``OPSD_POLICY_FILE`` | the backend | the ranks, ``opsd agent`` | where the agent writes the controller's policy |
 | ``OPSD_FLIGHT_DIR`` | the backend | the ranks, ``opsd agent`` | where ranks write Flight Recorder dumps |
 | ``OPSD_CONTROLLER_TOKEN`` | the backend | ``opsd agent`` | the bearer token of its heartbeats |
@@ -35,6 +36,7 @@ AGENT_SOCKET_ENV = "OPSD_AGENT_SOCKET"
 AGENT_HOST_ENV = "OPSD_AGENT_HOST"
 AGENT_DATAGRAM_PORT_ENV = "OPSD_AGENT_DATAGRAM_PORT"
 AGENT_HTTP_PORT_ENV = "OPSD_AGENT_HTTP_PORT"
+RANK_KEY_ENV = "OPSD_RANK_KEY"
 POLICY_FILE_ENV = "OPSD_POLICY_FILE"
 FLIGHT_DIR_ENV = "OPSD_FLIGHT_DIR"
 CONTROLLER_TOKEN_ENV = "OPSD_CONTROLLER_TOKEN"

@@ -37,6 +37,7 @@ On every pass (``step``), for each JobSet of the emulator:
   ``DoesNotExist``, as the scheduler's NodeAffinity plugin), the first by name among equals; else it stays
   Pending.
 - kubelet: a placed pod is started (``Kubelet.start``, with its rank: job index x parallelism + completion index)
+  once the Secrets its variables name are there (``secret_env``)
   and Running; its exit (``Kubelet.exit_code``) makes it Succeeded or Failed; a pod gone from the API server is
   stopped (``Kubelet.stop``).
 
@@ -49,6 +50,7 @@ admitted here, and refused when applied).
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import threading
@@ -201,6 +203,25 @@ def fits(node: Json, pod: Json) -> bool:
         return False
     taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("effect") in ("NoSchedule", "NoExecute")]
     return all(tolerated(t, spec.get("tolerations") or []) for t in taints)
+
+
+def secret_env(kube: KubeEmulator, namespace: str, pod: Json) -> dict[str, str] | None:
+    """The variables of ``pod``'s containers taken from Secrets (``valueFrom.secretKeyRef``), as its kubelet sets
+    them; None while a Secret or key that is not ``optional`` is missing."""
+    out: dict[str, str] = {}
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for variable in container.get("env") or []:
+            ref = (variable.get("valueFrom") or {}).get("secretKeyRef")
+            if not ref:
+                continue
+            secret = kube.get("secrets", namespace, ref["name"]) or {}
+            value = (secret.get("data") or {}).get(ref["key"])
+            if value is None:
+                if ref.get("optional"):
+                    continue
+                return None
+            out[variable["name"]] = base64.b64decode(value).decode()
+    return out
 
 
 class JobSetPlayer:
@@ -487,6 +508,8 @@ class JobSetPlayer:
             if not node or phase in ("Succeeded", "Failed") or (pod["metadata"].get("deletionTimestamp")):
                 continue
             if phase == "Pending":
+                if secret_env(self.kube, namespace, pod) is None:
+                    continue  # a Secret its variables name is missing: its kubelet waits (CreateContainerConfigError)
                 if self.kubelet is not None:
                     job = self._job_of(pod)
                     index = job.index * parallelism.get(job.replicated_job, 1) + label_int(pod, COMPLETION_INDEX, 0)

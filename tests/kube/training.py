@@ -49,15 +49,18 @@ from opsd.protocol.env import (
 )
 from opsd.protocol.node_agent import AgentAddress
 from tests.kube.emulator import KubeEmulator
+from tests.kube.jobset import secret_env
 from tests.waiting import get_json, wait_for
 
 Json = dict[str, Any]
 
 
 class ProcessKubelet:
-    def __init__(self, spec: LocalRunSpec, world: int) -> None:
+    def __init__(self, spec: LocalRunSpec, world: int, kube: KubeEmulator | None = None) -> None:
+        """``kube``: where the Secrets the pods' variables name are read (``secret_env``)."""
         self.spec = spec
         self.world = world
+        self.kube = kube
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[int, int] = {}  # restart attempt -> its rendezvous port
         self.placed: list[tuple[int, int, str]] = []  # (attempt, rank, node), as started
@@ -79,6 +82,8 @@ class ProcessKubelet:
                 env[AGENT_HOST_ENV] = address.host
                 env[AGENT_DATAGRAM_PORT_ENV] = str(address.datagram_port)
                 env[AGENT_HTTP_PORT_ENV] = str(address.http_port)
+            if self.kube is not None:
+                env.update(secret_env(self.kube, pod["metadata"]["namespace"], pod) or {})
             self.procs[name] = start_rank(self.spec, node, env, f"{name}.log")
             self.placed.append((attempt, index, node))
 
@@ -102,8 +107,12 @@ class ProcessKubelet:
 class NodeAgents:
     """An ``opsd agent`` per node, heartbeating to ``spec.controller_url``."""
 
-    def __init__(self, spec: LocalRunSpec, nodes: list[str], *, network: bool = False) -> None:
+    def __init__(
+        self, spec: LocalRunSpec, nodes: list[str], *, network: bool = False, env: Mapping[str, str] | None = None
+    ) -> None:
+        """``env``: every agent's, beside the node's own."""
         self.spec = spec
+        self.env = dict(env or {})
         self.addresses: dict[str, AgentAddress] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for node in nodes:
@@ -114,6 +123,7 @@ class NodeAgents:
     def start(self, node: str, env: Mapping[str, str] | None = None) -> None:
         """Start ``node``'s agent (again: at the same address, as a DaemonSet's new pod on that node is)."""
         address = self.addresses.get(node)
+        env = {**self.env, **(env or {})}
         if address is None:
             self.procs[node] = start_agent(self.spec, node, (), env)
             return

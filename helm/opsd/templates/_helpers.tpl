@@ -152,6 +152,30 @@ The credentials: "existing" (auth.existingSecret), "values" (auth.tokens) or "ge
 {{- end }}
 
 {{/*
+"true" when the agents ask the ranks for their run's key (agent.rankAuth "optional" or "required") and the ranks'
+secret is there to give the agents and the controller (which makes each run's key's Secret where the runs are).
+"optional" asks nothing of an install whose tokens are values without auth.tokens.ranks (nothing to derive keys
+from; an upgrade from a chart without it renders as before); "required" fails there.
+*/}}
+{{- define "opsd.rankAuth" -}}
+{{- $mode := .Values.agent.rankAuth | default "off" }}
+{{- $missing := and (eq (include "opsd.credentials.mode" .) "values") (not .Values.auth.tokens.ranks) }}
+{{- if and (eq $mode "required") $missing }}
+{{- fail "agent.rankAuth required needs auth.tokens.ranks beside the other tokens" }}
+{{- end }}
+{{- if and (ne $mode "off") (not $missing) }}true{{ end }}
+{{- end }}
+
+{{/* The env entry of the ranks' secret: optional where the agents' rankAuth is (an existing Secret without the key) */}}
+{{- define "opsd.rankSecretEnv" -}}
+{{- $root := index . 0 }}
+{{- include "opsd.credentials.env" . }}
+{{- if ne $root.Values.agent.rankAuth "required" }}
+      optional: true
+{{- end }}
+{{- end }}
+
+{{/*
 The credentials' Secret: auth.existingSecret; "<fullname>-tokens" rendered from auth.tokens; "<fullname>-credentials"
 made by the hook. Two names, so that switching between values and the hook on an upgrade neither meets a Secret helm
 does not own nor deletes the one the hook made.

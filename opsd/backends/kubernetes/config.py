@@ -28,6 +28,7 @@ class KubernetesConfig:
     force_delete_after_s: float = 120.0  # a pod still Terminating this long past its grace period is deleted at once
     resync_interval_s: float = 5.0  # between two passes that bring runs and node roles from the cluster
     watch_timeout_s: int = 300  # a watch is opened again after this long (a fresh resourceVersion)
+    rank_secret: str = ""  # the runs' keys derive from it: each run's is put in a Secret beside its JobSet
 
     def __post_init__(self) -> None:
         if not self.namespace:

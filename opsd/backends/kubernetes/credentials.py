@@ -3,14 +3,14 @@
 "Credentials").
 
 The Secret holds a random token per role of the controller's API (``opsd.api.auth``): ``operator``, ``reader``,
-``agent``, ``metrics``. Made when missing; a token missing from it is added; nothing else is ever changed, so that
-every render and every upgrade leaves the tokens as they are (no token is in the chart's manifests: ``helm template``
-and Argo CD render the same thing twice). A ``generation`` higher than the Secret's (its annotation
-``opsd.io/credentials-generation``) replaces every token: the chart puts the generation in the pods' annotations,
-which rolls them onto the new tokens. The tokens replaced stay in the Secret as ``<role>-previous``, which the
-controller and the agents take beside the new ones until the next rotation: a pod that has not rolled yet (an agent
-that still sends the old token, a Prometheus or an operator that read the new one before a pod rolled) is not
-refused.
+``agent``, ``metrics``; and ``ranks``, the secret the runs' keys derive from (never rotated by a generation). Made when
+missing; a token missing from it is added; nothing else is ever changed, so that every render and every upgrade leaves
+the tokens as they are (no token is in the chart's manifests: ``helm template`` and Argo CD render the same thing
+twice). A ``generation`` higher than the Secret's (its annotation ``opsd.io/credentials-generation``) replaces every
+token: the chart puts the generation in the pods' annotations, which rolls them onto the new tokens. The tokens
+replaced stay in the Secret as ``<role>-previous``, which the controller and the agents take beside the new ones until
+the next rotation: a pod that has not rolled yet (an agent that still sends the old token, a Prometheus or an operator
+that read the new one before a pod rolled) is not refused.
 
 The Secret is in no manifest, so GitOps tools must leave it alone: it never carries ``app.kubernetes.io/instance``
 (the label Argo CD tracks its applications' resources by, and prunes those it does not render; one left by an
@@ -33,6 +33,9 @@ from opsd.errors import NotFoundError, OpsError
 log = logging.getLogger(__name__)
 
 ROLES = ("operator", "reader", "agent", "metrics")
+#: the ranks' secret, from which each run's key derives (``opsd.protocol.rank_auth``): made once, never rotated by a
+#: generation (the running pods hold keys derived from it)
+RANKS = "ranks"
 PREVIOUS = "-previous"  # the key of a role's token before the last rotation: ``reader-previous``
 GENERATION_ANNOTATION = "opsd.io/credentials-generation"
 TRACKING_LABEL = "app.kubernetes.io/instance"  # Argo CD's, by default: never on this Secret
@@ -88,7 +91,7 @@ def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dic
                     "labels": dict(labels),
                     "annotations": {GENERATION_ANNOTATION: str(generation), **ARGO_ANNOTATIONS},
                 },
-                "data": _data({role: token() for role in ROLES}),
+                "data": _data({role: token() for role in (*ROLES, RANKS)}),
             }
             try:
                 api.create_secret(namespace, secret)
@@ -99,14 +102,15 @@ def ensure(api: KubeApi, namespace: str, name: str, generation: int, labels: dic
         metadata_kept = _metadata_kept(found.setdefault("metadata", {}), labels)
         if _generation(found) < generation:
             previous = {role + PREVIOUS: data[role] for role in ROLES if data.get(role)}
-            outcome, data = "rotated", {**_data({role: token() for role in ROLES}), **previous}
-        elif all(data.get(role) for role in ROLES):
+            kept = {RANKS: data[RANKS]} if data.get(RANKS) else _data({RANKS: token()})
+            outcome, data = "rotated", {**_data({role: token() for role in ROLES}), **previous, **kept}
+        elif all(data.get(role) for role in (*ROLES, RANKS)):
             if metadata_kept:
                 return "kept"
             outcome = "relabelled"
         else:
             outcome = "completed"
-            data.update(_data({role: token() for role in ROLES if not data.get(role)}))
+            data.update(_data({role: token() for role in (*ROLES, RANKS) if not data.get(role)}))
         found["data"] = data
         found.setdefault("metadata", {}).setdefault("annotations", {})[GENERATION_ANNOTATION] = str(
             max(generation, _generation(found))

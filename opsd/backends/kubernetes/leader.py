@@ -20,6 +20,7 @@ import time
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.rank_keys import RankKeys
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.kubernetes.selectors import NodeSelector
 from opsd.backends.kubernetes.watch import Cache, Informer, InformerSet
@@ -92,7 +93,13 @@ class KubernetesController:
         self.nodes, self.pods, self.jobsets = cluster_informers(api, config)
         backend.node_cache = self.nodes  # the second witness of a silent node, read without an API call
         self.reconciler = Reconciler(
-            controller.store, backend, self.jobsets, self.pods, self.nodes, final_step=controller.final_step
+            controller.store,
+            backend,
+            self.jobsets,
+            self.pods,
+            self.nodes,
+            final_step=controller.final_step,
+            rank_keys=RankKeys(api, config.rank_secret),
         )
         self.stop = threading.Event()
 

@@ -36,6 +36,7 @@ from opsd.backends.kubernetes.jobsets import (
     terminating,
 )
 from opsd.backends.kubernetes.nodes import has_taint, mark_active
+from opsd.backends.kubernetes.rank_keys import RankKeys
 from opsd.backends.kubernetes.watch import Cache, Informer
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import StateStore
@@ -119,15 +120,18 @@ class Reconciler:
         pods: Cache,
         nodes: Informer,
         final_step: Callable[[str], int] | None = None,
+        rank_keys: RankKeys | None = None,
     ) -> None:
         """``final_step``: where a run whose JobSet finished ended (the controller's ``final_step``: what its
-        last launch reported); without it, the newest step the store has."""
+        last launch reported); without it, the newest step the store has. ``rank_keys``: makes each run's key's
+        Secret."""
         self.store = store
         self.backend = backend
         self.jobsets = jobsets
         self.pods = pods
         self.nodes = nodes
         self.final_step = final_step
+        self.rank_keys = rank_keys
         self.told: set[str] = set()  # the warnings told (their Events' request ids), once each
 
     def runs(self) -> dict[str, Json]:
@@ -160,6 +164,8 @@ class Reconciler:
                     self.store.update_run(name, now_s, spec=spec, generation=max(1, row.generation))
                     log.info("run %s: the spec of JobSet %s/%s", name, spec.namespace, spec.jobset)
             self.backend.runs[name] = RunRef(spec.namespace, spec.jobset)
+            if self.rank_keys is not None and jobset_state(jobset) is None:
+                self.rank_keys.ensure(name, jobset)
             self._fault_tolerance(name, jobset, now_s)
             ended = jobset_state(jobset)
             row = self.store.run(name)
