@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -196,3 +197,65 @@ def test_completion_seconds_prefers_gpu_time() -> None:
     t0 = datetime(2026, 1, 1)
     assert completion_seconds(FakeWorkInfo(OpType.SEND, timedelta(microseconds=250), t0, t0 + timedelta(1))) == 250e-6
     assert completion_seconds(FakeWorkInfo(OpType.SEND, timedelta(0), t0, t0 + timedelta(seconds=1.5))) == 1.5
+
+
+def test_a_completion_never_seen_issued_leaves_the_durations_still_to_come(tracer: CollectiveTracer) -> None:
+    """A work the tracer did not see issued (DDP's C++ reducer, an object collective inside c10d) completes on a
+    group and op where traced works ran before: its duration counts, and the step still waits for the traced
+    all-gather's."""
+    group = NcclLikeGroup(world())
+    tracer.label(group, "tp")  # type: ignore[arg-type]
+    dist.all_reduce(torch.ones(5), group=world())
+    dist.all_gather_into_tensor(torch.empty(8), torch.ones(8), group=world())
+    now = datetime.now()
+    group.hooks[0](FakeWorkInfo(OpType.ALLREDUCE, timedelta(milliseconds=3), now, now + timedelta(milliseconds=9)))
+    group.hooks[0](FakeWorkInfo(OpType.ALLREDUCE, timedelta(milliseconds=1), now, now + timedelta(milliseconds=2)))
+    step = tracer.take_step()
+    assert step.gpu_pending == 1  # the all-gather's duration: still to come
+    assert step.ops[("tp", "all_reduce")].seconds == pytest.approx(0.004)
+
+
+def test_a_batch_of_transfers_completes_once_on_nccl_and_its_transfers_share_its_duration(
+    tracer: CollectiveTracer,
+) -> None:
+    """NCCL launches ``batch_isend_irecv``'s sends and receives as one work, whose completion hook reports the op
+    ``COALESCED`` once: the batch's transfers share its duration, which is the stage's wait, and the step waits for
+    nothing more. Torch's functions are stood in for (a world of one cannot send): traced as ``install`` traces
+    them."""
+    group = NcclLikeGroup(world())
+    tracer.label(group, "pp")  # type: ignore[arg-type]
+
+    def isend(tensor: Any, dst: Any = None, group: Any = None, tag: int = 0, group_dst: Any = None) -> None:
+        return None  # inside NCCL's coalescing an op has no work of its own
+
+    def irecv(tensor: Any, src: Any = None, group: Any = None, tag: int = 0, group_src: Any = None) -> None:
+        return None
+
+    def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
+        for p2p in p2p_op_list:
+            p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag)
+        return []
+
+    send = tracer._wrap_dist(isend, "send", "tensor", True)
+    recv = tracer._wrap_dist(irecv, "recv", "tensor", True)
+    batch = tracer._wrap_batch(batch_isend_irecv)
+    transfers = [
+        SimpleNamespace(op=send, tensor=torch.ones(4), peer=0, group=world(), tag=0),
+        SimpleNamespace(op=recv, tensor=torch.ones(2), peer=0, group=world(), tag=0),
+    ]
+    batch(transfers)
+    step = tracer.take_step()
+    assert step.gpu_pending == 2
+    now = datetime.now()
+    group.hooks[0](FakeWorkInfo(OpType.COALESCED, timedelta(milliseconds=6), now, now + timedelta(milliseconds=7)))
+    assert step.gpu_pending == 0
+    assert step.ops[("pp", "send")].seconds == pytest.approx(0.003)
+    assert step.ops[("pp", "recv")].seconds == pytest.approx(0.003)
+    assert step.pipeline_wait_s == pytest.approx(0.006)  # the bubble, from the GPU's durations
+    assert ("pp", "other") not in step.ops
+    batch(transfers[:1])  # a batch of one transfer, whose completion names its op
+    alone = tracer.take_step()
+    group.hooks[0](FakeWorkInfo(OpType.SEND, timedelta(milliseconds=1), now, now + timedelta(milliseconds=2)))
+    assert alone.gpu_pending == 0
+    assert alone.ops[("pp", "send")].seconds == pytest.approx(0.001)
+    assert tracer.internal_errors == 0

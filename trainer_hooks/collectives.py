@@ -21,14 +21,16 @@ later stage and a receive from an earlier one carry activations (``forward``), t
 first counts as backward. A schedule also runs FSDP's gradient reduction itself, outside autograd
 (``perform_reduce_grad``): it is marked ``backward``.
 
-Durations: on a process group whose backend has an on-completion hook (NCCL), the hook gives each collective's
-duration as measured on the GPU by CUDA events. NCCL accepts the hook only when ``TORCH_NCCL_ENABLE_TIMING=1`` was
-set before the process group was created (else ``ValueError``): a group whose hook cannot be registered is timed on
-the host instead, and counted (``timing_fallbacks``). The hook runs on NCCL's watchdog thread once the work is done
-on the GPU, often after the step that issued it has ended: its duration goes to the step and phase that issued the
-work (the ``StepComms`` of that step, whose ``gpu_pending`` counts the durations still to come). Elsewhere (gloo)
-durations are measured on the host from issue to completion of the work. Time that did not block the training
-thread is "overlapped"; per step, compute time = step time - exposed time.
+Durations: on a process group whose backend has an on-completion hook (NCCL), the hook gives each collective's duration
+as measured on the GPU by CUDA events. NCCL accepts the hook only when ``TORCH_NCCL_ENABLE_TIMING=1`` was set before
+the process group was created (else ``ValueError``): a group whose hook cannot be registered is timed on the host
+instead, and counted (``timing_fallbacks``). The hook runs on NCCL's watchdog thread once the work is done on the GPU,
+often after the step that issued it has ended: its duration goes to the step and phase that issued the work (the
+``StepComms`` of that step, whose ``gpu_pending`` counts the durations still to come). NCCL launches the sends and
+receives of a ``batch_isend_irecv`` (a pipeline's step) as one work, whose hook fires once with the op ``COALESCED``:
+the batch's transfers share its duration, which is also the stage's wait (its bubble), once. Elsewhere (gloo) durations
+are measured on the host from issue to completion of the work. Time that did not block the training thread is
+"overlapped"; per step, compute time = step time - exposed time.
 
 Host cost: a traced call does its bookkeeping in one locked update, with the group's name, dimension and timing
 looked up once per group (``bench.hook_overhead`` prints the cost of a call). The tracer never raises into training:
@@ -60,6 +62,7 @@ from trainer_hooks.comm_tables import (
     Key,
     OpStats,
     StepComms,
+    add_batch_duration,
     is_pipeline_transfer,
     op_label,
 )
@@ -115,6 +118,10 @@ class CollectiveTracer(Installer):
         self._blocked: tuple[Key, float] | None = None  # what the training thread waits on, since when
         # (group, op) -> (the step that issued it, its phase) of each work awaiting its completion hook
         self._gpu_issued: dict[tuple[str, str], deque[tuple[StepComms, str]]] = {}
+        # group -> the point-to-point batches (``batch_isend_irecv``) awaiting their one completion (NCCL's op
+        # ``COALESCED``): the step that issued each, and its transfers' keys
+        self._gpu_batches: dict[str, deque[tuple[StepComms, list[Key]]]] = {}
+        self._batching: tuple[str, list[Key]] | None = None  # the batch being issued (on the training thread)
         self._peers: dict[str, dict[int, int]] = {}  # pp group -> global rank -> rank in the group
         self.marked_phase: str | None = None  # set by ``phase()``
         self.default_phase = OTHER  # the phase of collectives neither marked nor in backward (the monitor's step)
@@ -244,6 +251,11 @@ class CollectiveTracer(Installer):
             dim = self._labels.get(group_name, OTHER)
             with self._lock:
                 issued = self._gpu_issued.get((group_name, op))
+                batch = self._completed_batch(group_name, info.op_type, op, bool(issued))
+                if batch is not None:
+                    add_batch_duration(*batch, seconds)
+                    return
+                seen = bool(issued)  # issued through the tracer: one of its step's durations to come
                 step, phase = issued.popleft() if issued else (self._step, OTHER)
                 key = (dim, op, phase)
                 stats = step.phases.get(key)
@@ -252,10 +264,49 @@ class CollectiveTracer(Installer):
                 stats.seconds += seconds
                 if is_pipeline_transfer(key):  # on the GPU a transfer's kernel runs until its peer's side arrives
                     step.pipeline_wait_s += seconds
-                if issued is not None and step.gpu_pending > 0:
+                if seen and step.gpu_pending > 0:  # not for a work it never saw (DDP's reducer, c10d's own)
                     step.gpu_pending -= 1
         except Exception as exc:
             self._internal_error(exc)
+
+    def _completed_batch(
+        self, group_name: str, op_type: Any, op: str, issued: bool
+    ) -> tuple[StepComms, list[Key]] | None:
+        """The batch a completion ends (under the lock): the group's oldest, for a ``COALESCED`` one; for a send or
+        receive that was not issued alone, a batch of that one transfer. None: not a batch's."""
+        batches = self._gpu_batches.get(group_name)
+        if not batches:
+            return None
+        coalesced = getattr(op_type, "name", str(op_type)).rsplit(".", 1)[-1] == "COALESCED"
+        keys = batches[0][1]
+        if coalesced or (not issued and len(keys) == 1 and keys[0][1] == op):
+            return batches.popleft()
+        return None
+
+    def begin_batch(self, group: dist.ProcessGroup | None) -> bool:
+        """The point-to-point ops issued until ``end_batch`` are one batch, which completes once (on a group whose
+        durations come from its completion hook; elsewhere nothing changes: False)."""
+        g = self._group(group)
+        if not g.gpu_timed:
+            return False
+        with self._lock:
+            self._batching = (g.name, [])
+        return True
+
+    def end_batch(self) -> None:
+        with self._lock:
+            batching, self._batching = self._batching, None
+            if batching is None or not batching[1]:
+                return
+            name, keys = batching
+            batches = self._gpu_batches.get(name)
+            if batches is None:
+                batches = self._gpu_batches[name] = deque()
+            if len(batches) >= _MAX_GPU_PENDING:  # a hook that never fired: that batch's duration is lost
+                lost, lost_keys = batches.popleft()
+                lost.gpu_pending = max(lost.gpu_pending - len(lost_keys), 0)
+                self.gpu_durations_lost += len(lost_keys)
+            batches.append((self._step, keys))
 
     def dimension_of(self, group: dist.ProcessGroup | str | None) -> str:
         """The label of ``group`` (None: the default group), ``other`` when it has none."""
@@ -288,7 +339,10 @@ class CollectiveTracer(Installer):
                 step.exposed_s += exposed_s
                 if pipeline:
                     step.pipeline_wait_s += exposed_s
-            if g.gpu_timed:
+            if g.gpu_timed and self._batching is not None and self._batching[0] == g.name:
+                self._batching[1].append(key)  # one of a batch: its duration comes with the batch's
+                step.gpu_pending += 1
+            elif g.gpu_timed:
                 issued = self._gpu_issued.get((g.name, key[1]))
                 if issued is None:
                     issued = self._gpu_issued[(g.name, key[1])] = deque()

@@ -153,3 +153,17 @@ class Blocked:
     op: str
     since: float
     waited_s: float
+
+
+def add_batch_duration(step: StepComms, keys: list[Key], seconds: float) -> None:
+    """A batch of point-to-point transfers took ``seconds`` on the GPU: shared among its transfers, and (on the
+    pipeline's group) the stage's wait, once."""
+    share = seconds / len(keys)
+    for key in keys:
+        stats = step.phases.get(key)
+        if stats is None:
+            stats = step.phases[key] = OpStats()
+        stats.seconds += share
+    if any(is_pipeline_transfer(key) for key in keys):
+        step.pipeline_wait_s += seconds
+    step.gpu_pending = max(step.gpu_pending - len(keys), 0)

@@ -79,6 +79,12 @@ class Installer:
     def _mark(self, phase: str) -> Any:
         raise NotImplementedError
 
+    def begin_batch(self, group: dist.ProcessGroup | None) -> bool:
+        raise NotImplementedError
+
+    def end_batch(self) -> None:
+        raise NotImplementedError
+
     @property
     def installed(self) -> bool:
         return bool(self._originals)
@@ -96,6 +102,14 @@ class Installer:
             if name in IDENTITY_CHECKED and getattr(c10d, name, None) is original:
                 self._originals[(c10d, name)] = original
                 setattr(c10d, name, traced)
+        batch = getattr(dist, "batch_isend_irecv", None)
+        if batch is not None:  # a pipeline's sends and receives of a step, launched as one (NCCL: one completion)
+            traced_batch = self._wrap_batch(batch)
+            self._originals[(dist, "batch_isend_irecv")] = batch
+            setattr(dist, "batch_isend_irecv", traced_batch)  # noqa: B010
+            if getattr(c10d, "batch_isend_irecv", None) is batch:
+                self._originals[(c10d, "batch_isend_irecv")] = batch
+                setattr(c10d, "batch_isend_irecv", traced_batch)  # noqa: B010
         namespace = torch.ops._c10d_functional
         for name, (op, tensor_index, group_index) in FUNCTIONAL_OPS.items():
             packet = getattr(namespace, name)
@@ -179,6 +193,28 @@ class Installer:
             else:
                 self._count(key, nbytes, g, elapsed, elapsed)
             return work
+
+        return traced
+
+    def _wrap_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``batch_isend_irecv``: its sends and receives (traced one by one) are one batch, whose duration comes
+        from its one completion on a group timed on the GPU."""
+
+        @functools.wraps(original)
+        def traced(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+            batching = False
+            try:
+                batching = self.begin_batch(p2p_op_list[0].group if p2p_op_list else None)
+            except Exception as exc:
+                self._internal_error(exc)
+            try:
+                return original(p2p_op_list, *args, **kwargs)
+            finally:
+                if batching:
+                    try:
+                        self.end_batch()
+                    except Exception as exc:
+                        self._internal_error(exc)
 
         return traced
 
