@@ -22,6 +22,8 @@ from agent.daemon import Agent, AgentConfig
 from opsd.protocol.wire import StepReport, decode, decode_report
 from tests.test_collectives import FakeWorkInfo, NcclLikeGroup
 from trainer_hooks.collectives import CollectiveTracer
+from trainer_hooks.comm_tables import StepComms
+from trainer_hooks.deferred import PendingStep, PendingSteps
 from trainer_hooks.monitor import Monitor, MonitorConfig
 
 
@@ -114,6 +116,38 @@ def test_a_step_the_device_never_finishes_goes_out_after_the_pending_bound(tmp_p
     assert 0 < reports[0]["step_s"] < 0.01  # its time on the host, the only one there is
     assert [r["internal_errors_total"] for r in reports] == [1, 2]  # counted
     assert device.syncs == 0
+
+
+def waiting(host_s: float, ended_s: float, *, durations_to_come: int = 1) -> PendingStep:
+    """A step of ``host_s`` on the host that ended at ``ended_s``, whose collectives' durations are still to come."""
+    return PendingStep(1, 1, host_s, 0.0, StepComms(gpu_pending=durations_to_come), {}, ended_s=ended_s)
+
+
+#: name: (steps as (host_s, ended_s, durations still to come), now_s, how many of the oldest are handed out)
+BOUNDS = {
+    # steps of 5 ms whose durations the watchdog reports ~100 ms late: 20 of them wait (16 forced one out before)
+    "short steps, a late watchdog: all wait": ([(0.005, 0.005 * i, 1) for i in range(20)], 0.1, 0),
+    "the oldest is complete: it goes, and the next waits": ([(0.005, 0.0, 0), (0.005, 0.005, 1)], 0.01, 1),
+    "incomplete for longer than max_wait_s: out as it is": ([(0.005, 0.0, 1), (0.005, 0.005, 1)], 5.001, 1),
+    "both overdue: both out, in order": ([(0.005, 0.0, 1), (0.005, 0.005, 1)], 5.006, 2),
+    "a 10 s step waits 4 x its time, not 5 s": ([(10.0, 0.0, 1)], 39.0, 0),
+    "... and goes after them": ([(10.0, 0.0, 1)], 40.001, 1),
+    "past the count bound: the oldest goes, however young": ([(0.001, 0.001 * i, 1) for i in range(1025)], 1.1, 1),
+}
+
+
+@pytest.mark.parametrize(("steps", "now_s", "out"), BOUNDS.values(), ids=BOUNDS.keys())
+def test_an_incomplete_step_is_held_by_time_first_then_by_count(
+    steps: list[tuple[float, float, int]], now_s: float, out: int
+) -> None:
+    defaults = MonitorConfig()  # the monitor's bounds: 5 s (and 4 x the step), 1024 steps
+    pending = PendingSteps(defaults.max_pending_steps, defaults.max_pending_s)
+    for host_s, ended_s, to_come in steps:
+        pending.add(waiting(host_s, ended_s, durations_to_come=to_come))
+    handed = pending.ready(now_s)
+    assert len(handed) == out
+    assert [s.ended_s for s in handed] == [ended for _, ended, _ in steps[:out]]  # the oldest, in order
+    assert pending.incomplete == sum(1 for s in handed if s.comms.gpu_pending)
 
 
 def test_collective_durations_that_arrive_after_their_step_are_reported_with_it(

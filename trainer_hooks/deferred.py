@@ -11,9 +11,13 @@ completion hook (``StepComms.gpu_pending``). Then the step time is the time betw
 loss is read from host memory, and the collectives are those the step issued, whenever their durations came.
 
 ``PendingSteps`` keeps them in order and hands out the ones complete, oldest first (a report never overtakes an
-older one). A step still incomplete when ``max_steps`` newer ones wait behind it is handed out as it is (its host
-time for its step time; counted by the monitor). On CPU no events are recorded: a step is complete as soon as its
-collectives are (at once on gloo), and is reported at its end, with its host time, as before.
+older one). A step still incomplete is handed out as it is (its host time for its step time; counted by the monitor)
+once it has waited ``max_wait_s`` since its end, and ``WAIT_STEPS`` times its own host time (a long step's kernels
+may run that long after the host launched them), or when ``max_steps`` newer ones wait behind it (a bound on
+memory). Bounded by time first: NCCL's watchdog fires the completion hooks at its own pace (it sleeps ~100 ms
+between its looks), so steps of a few milliseconds would be forced out by a count alone. On CPU no events are
+recorded: a step is complete as soon as its collectives are (at once on gloo), and is reported at its end, with its
+host time, as before.
 
 The events are anything with CUDA events' ``record``, ``query``, ``elapsed_time`` (milliseconds) and
 ``synchronize`` (used only when the monitor closes): the tests drive a fake whose events complete when told.
@@ -77,6 +81,7 @@ class PendingStep:
     end: DeviceEvent | None = None
     loss: float | torch.Tensor | None = None
     quorum: FtReport | None = None  # a fault-tolerant rank's: the step's quorum (``Monitor.record_quorum``)
+    ended_s: float = 0.0  # when it ended on the host (``time.monotonic``)
 
     def complete(self) -> bool:
         """Every figure of the step is in: its end event completed, its collectives' durations arrived."""
@@ -89,13 +94,20 @@ class PendingStep:
         return self.host_s
 
 
+#: an incomplete step waits at least this many times its own host time before it is handed out as it is
+WAIT_STEPS = 4
+
+
 class PendingSteps:
     """Steps awaiting their report, oldest first; ``ready()`` hands out those that can go, in order."""
 
-    def __init__(self, max_steps: int) -> None:
+    def __init__(self, max_steps: int, max_wait_s: float = 5.0) -> None:
         if max_steps < 1:
             raise ValueError("monitor.max_pending_steps must be >= 1")
+        if max_wait_s < 0:
+            raise ValueError("monitor.max_pending_s must be >= 0")
         self.max_steps = max_steps
+        self.max_wait_s = max_wait_s
         self.incomplete = 0  # steps handed out before they were complete (too many newer ones behind them)
         self._steps: deque[PendingStep] = deque()
 
@@ -105,16 +117,21 @@ class PendingSteps:
     def add(self, step: PendingStep) -> None:
         self._steps.append(step)
 
-    def ready(self) -> list[PendingStep]:
-        """The oldest steps that are complete, up to the first that is not; and, past it, as many of the oldest as
-        keep at most ``max_steps`` waiting."""
+    def ready(self, now_s: float) -> list[PendingStep]:
+        """The oldest steps that are complete, up to the first that is not; and, past it, the oldest that waited
+        too long (at ``now_s``, ``time.monotonic``), or as many of them as keep at most ``max_steps`` waiting."""
         out = []
-        while self._steps and (self._steps[0].complete() or len(self._steps) > self.max_steps):
+        while self._steps and (
+            self._steps[0].complete() or len(self._steps) > self.max_steps or self._overdue(self._steps[0], now_s)
+        ):
             step = self._steps.popleft()
             if not step.complete():
                 self.incomplete += 1
             out.append(step)
         return out
+
+    def _overdue(self, step: PendingStep, now_s: float) -> bool:
+        return now_s - step.ended_s > max(self.max_wait_s, WAIT_STEPS * step.host_s)
 
     def drain(self) -> list[PendingStep]:
         """Every step still waiting, after waiting for its events (the monitor is closing: blocking is allowed)."""

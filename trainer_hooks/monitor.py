@@ -97,8 +97,10 @@ class MonitorConfig:
     trace_collectives: bool = True
     collective_timeout_s: float = 300.0  # a wait on one collective longer than this is reported (0: never)
     flight_dir: str | None = None  # Flight Recorder dumps go there (default $OPSD_FLIGHT_DIR; neither: none)
-    # on CUDA, a step's report waits for its events and GPU durations while at most this many newer steps wait
-    max_pending_steps: int = 16
+    # on CUDA, a step's report waits for its events and GPU durations: at most this long (and 4 x its host time),
+    # and while at most this many newer steps wait (trainer_hooks.deferred)
+    max_pending_s: float = 5.0
+    max_pending_steps: int = 1024
     close_wait_s: float = 2.0  # at close, how long to wait for the last steps' collective durations
 
     def __post_init__(self) -> None:
@@ -106,6 +108,8 @@ class MonitorConfig:
             raise ValueError("monitor.run_id must not be empty")
         if self.max_pending_steps < 1:
             raise ValueError("monitor.max_pending_steps must be >= 1")
+        if self.max_pending_s < 0:
+            raise ValueError("monitor.max_pending_s must be >= 0")
         if self.close_wait_s < 0:
             raise ValueError("monitor.close_wait_s must be >= 0")
         if self.collective_timeout_s < 0:
@@ -148,7 +152,7 @@ class Monitor(ReportParts):
         self.device = device or torch.device("cpu")
         self.tracer = tracer
         self.events = events if events is not None else (cuda_event if self.device.type == "cuda" else None)
-        self.pending = PendingSteps(config.max_pending_steps)
+        self.pending = PendingSteps(config.max_pending_steps, config.max_pending_s)
         self._begin_event: Any = None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -316,6 +320,7 @@ class Monitor(ReportParts):
                 comms = StepComms()
             loss, self._loss = self._loss, None
             pending = PendingStep(self.steps, tokens, host_s, time.time(), comms, self._memory())
+            pending.ended_s = time.monotonic()
             pending.quorum, self._quorum = self._quorum, None  # the step's, reported with it however late
             pending.begin, self._begin_event = self._begin_event, None
             if pending.begin is not None and self.events is not None:
@@ -325,7 +330,7 @@ class Monitor(ReportParts):
             else:
                 pending.begin, pending.loss = None, loss
             self.pending.add(pending)
-            self._send(self.pending.ready())
+            self._send(self.pending.ready(pending.ended_s))
         except Exception as exc:
             self._error(exc)
 
@@ -355,7 +360,7 @@ class Monitor(ReportParts):
         deadline = time.monotonic() + limit_s
         try:
             while len(self.pending) and time.monotonic() < deadline:
-                self._send(self.pending.ready())
+                self._send(self.pending.ready(time.monotonic()))
                 if len(self.pending):
                     time.sleep(0.01)
             self._send(self.pending.drain())
