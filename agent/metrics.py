@@ -116,6 +116,12 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
         "Process groups of the rank whose collectives are timed on the host: their GPU completion hook was refused.",
         labels=RANK,
     )
+    host_timed = CounterMetricFamily(
+        "opsd_rank_comm_host_timed_seconds",
+        "Of the rank's seconds in collectives, those timed on the host (from the call's launch) on process groups "
+        "whose GPU completion hook was refused.",
+        labels=RANK,
+    )
     comm_s = CounterMetricFamily("opsd_collective_seconds", "Time in collectives, issue to completion.", labels=COMM)
     comm_b = CounterMetricFamily("opsd_collective_bytes", "Bytes of collectives (full buffer).", labels=COMM)
     comm_n = CounterMetricFamily("opsd_collectives", "Collectives issued.", labels=COMM)
@@ -151,6 +157,8 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             skipped.add_metric(labels, r.last.checkpoints_skipped_total)
         if r.last.comm_timing_fallbacks_total:
             fallbacks.add_metric(labels, r.last.comm_timing_fallbacks_total)
+        if r.comm_host_timed_s:
+            host_timed.add_metric(labels, r.comm_host_timed_s)
         if r.checkpoints.count:
             c = r.checkpoints
             ckpt_n.add_metric(labels, c.count)
@@ -164,7 +172,7 @@ def _rank_metrics(ranks: Iterable[RankSnapshot]) -> Iterator[Metric]:
             comm_n.add_metric([*labels, dim, op], totals.count)
     yield info
     yield from gauges.values()
-    yield from (loss, bubble, quorum, healing, memory, seen, steps, tokens, dropped, errors, fallbacks)
+    yield from (loss, bubble, quorum, healing, memory, seen, steps, tokens, dropped, errors, fallbacks, host_timed)
     yield from (comm_s, comm_b, comm_n, ckpt_n, ckpt_s, ckpt_b, skipped)
 
 

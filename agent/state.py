@@ -77,6 +77,7 @@ class RankState:
     last_seen_s: float = 0.0
     checkpoints: CheckpointTotals = field(default_factory=lambda: CheckpointTotals())
     ft: FtTotals | None = None  # once it reported a quorum
+    comm_host_timed_s: float = 0.0  # of the collectives' seconds, those timed on the host where the GPU's were refused
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class RankSnapshot:
     last_seen_s: float
     checkpoints: CheckpointTotals
     ft: FtTotals | None = None
+    comm_host_timed_s: float = 0.0
 
 
 class NodeState:
@@ -147,6 +149,7 @@ class NodeState:
                 f.healing_s += report.ft.healing_s
                 f.quorum_wait_s += report.ft.quorum_wait_s
                 f.discarded_steps += not report.ft.committed
+            state.comm_host_timed_s += report.comm_host_timed_s
             run_comms = self._run_comms.setdefault(report.run, {}) if report.comms else {}
             for entry in report.comms:
                 dim, op, count, nbytes, seconds = entry.dimension, entry.op, entry.count, entry.bytes, entry.seconds
@@ -204,6 +207,7 @@ class NodeState:
                     last_seen_s=s.last_seen_s,
                     checkpoints=replace(s.checkpoints),
                     ft=replace(s.ft) if s.ft is not None else None,
+                    comm_host_timed_s=s.comm_host_timed_s,
                 )
                 for _, s in sorted(self._ranks.items())
             ]

@@ -201,7 +201,7 @@ class CollectiveTracer(Installer):
                 # already registered; those, and anything else, are a fallback.
                 if type(exc) is not RuntimeError:
                     self._fall_back(name, exc)
-        self._groups[name] = GroupInfo(name, dimension, name in self._gpu_timed)
+        self._groups[name] = GroupInfo(name, dimension, name in self._gpu_timed, name in self._fallen_back)
 
     def _fall_back(self, name: str, exc: BaseException) -> None:
         self._fallen_back.add(name)
@@ -237,7 +237,9 @@ class CollectiveTracer(Installer):
             return _NO_GROUP
         found = self._groups.get(name)
         if found is None:
-            found = self._groups[name] = GroupInfo(name, self._labels.get(name, OTHER), name in self._gpu_timed)
+            found = self._groups[name] = GroupInfo(
+                name, self._labels.get(name, OTHER), name in self._gpu_timed, name in self._fallen_back
+            )
         return found
 
     def _on_completion(self, group_name: str, info: Any) -> None:
@@ -330,6 +332,8 @@ class CollectiveTracer(Installer):
                 stats = step.phases[key] = OpStats()
             stats.count += 1
             stats.bytes += nbytes
+            if g.fell_back:
+                stats.host_timed = True
             pipeline = key[0] == PIPELINE_DIMENSION and key[1] in PIPELINE_OPS
             if pipeline:
                 step.pipeline_transfers += 1

@@ -83,6 +83,7 @@ class OpStats:
     count: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    host_timed: bool = False  # (some of) its seconds timed on the host where the GPU's were refused
 
 
 #: the pipeline's point-to-point ops: the waits on them are a stage's bubble
@@ -135,14 +136,16 @@ class StepComms:
 
 class GroupInfo:
     """What the tracer knows of a process group, looked up once per group: its name, the dimension it is labelled
-    with, and whether its completion hook reports the durations of its collectives."""
+    with, whether its completion hook reports the durations of its collectives, and whether that hook was
+    refused."""
 
-    __slots__ = ("dim", "gpu_timed", "name")
+    __slots__ = ("dim", "fell_back", "gpu_timed", "name")
 
-    def __init__(self, name: str, dim: str, gpu_timed: bool) -> None:
+    def __init__(self, name: str, dim: str, gpu_timed: bool, fell_back: bool = False) -> None:
         self.name = name
         self.dim = dim
         self.gpu_timed = gpu_timed
+        self.fell_back = fell_back  # its completion hook was refused: timed on the host where the GPU's are meant
 
 
 @dataclass(frozen=True)

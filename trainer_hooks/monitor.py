@@ -426,6 +426,7 @@ class Monitor(ReportParts):
             launch=self.config.launch,
             ft=quorum,
             comm_timing_fallbacks_total=self.tracer.timing_fallbacks,
+            comm_host_timed_s=sum(s.seconds for s in list(comms.phases.values()) if s.host_timed),
             checkpoints_skipped_total=self.checkpoints_skipped,
         )
 

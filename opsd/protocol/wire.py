@@ -114,6 +114,8 @@ class StepReport(Struct, frozen=True, omit_defaults=True):
     ft: FtReport | None = None  # a rank of a fault-tolerant replica group: the step's quorum
     # process groups whose collectives are timed on the host because their GPU completion hook was refused
     comm_timing_fallbacks_total: Count = 0
+    # of the seconds of ``comms``, those timed on the host (from the call's launch) on such groups
+    comm_host_timed_s: Seconds = 0.0
     # checkpoint saves skipped because the previous one was still being written
     checkpoints_skipped_total: Count = 0
 
@@ -152,6 +154,7 @@ OPTIONAL_FIELDS = (
     "launch",
     "ft",
     "comm_timing_fallbacks_total",
+    "comm_host_timed_s",
     "checkpoints_skipped_total",
 )
 STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL_FIELDS)
