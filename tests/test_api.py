@@ -4,6 +4,7 @@ the OpenAPI document, run-level metrics."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from collections.abc import Iterator
@@ -292,6 +293,30 @@ def test_recovery_times_are_a_histogram(tmp_path: Path) -> None:
             4,
         )
         assert samples(c, "opsd_run_recovery_seconds_sum") == {(("run", "job"),): 4095.0}
+
+
+def histogram_median(buckets: dict[float, float]) -> float:
+    """Prometheus's ``histogram_quantile(0.5, ...)``: linear within the bucket that holds the median."""
+    total, lower, below = buckets[math.inf], 0.0, 0.0
+    for le, count in sorted(buckets.items()):
+        if count >= total / 2:
+            return lower + (le - lower) * (total / 2 - below) / (count - below)
+        lower, below = le, count
+    raise AssertionError("no bucket holds the median")
+
+
+@pytest.mark.parametrize("took_s", [3.0, 9.0, 12.0, 25.0, 50.0])
+def test_the_dashboards_median_of_a_recovery_is_near_its_time(tmp_path: Path, took_s: float) -> None:
+    """One recovery of ``took_s``: the recovery-time panel's p50 (interpolated in its bucket) within 25% of it."""
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
+    with TestClient(create_app(controller, TOKEN), headers=AUTH) as c:
+        c.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+        i, _ = controller.store.open_incident(
+            key="r", run="job", kind="hang", node="n0", rank=0, detail="d", failed_s=0.0, detected_s=10.0
+        )
+        controller.store.update_incident(i, state="recovered", resumed_s=10.0 + took_s)
+        buckets = {float(dict(k)["le"]): v for k, v in samples(c, "opsd_run_recovery_seconds_bucket").items()}
+    assert histogram_median(buckets) == pytest.approx(took_s, rel=0.25)
 
 
 def test_the_read_views_answer_for_a_run_and_404_for_others(client: TestClient) -> None:
