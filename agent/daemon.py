@@ -65,6 +65,8 @@ class AgentConfig:
     node: str = field(default_factory=gethostname)
     receive_buffer_bytes: int = 4 << 20
     stale_after_s: float = 600.0
+    # a rank not heard from for this long (and 10 of its steps) leaves /metrics until it reports again
+    quiet_after_s: float = 30.0
     max_comm_series: int = 8
     gpu_source: str = "none"  # nvml | none | file:DIRECTORY (the fake)
     gpu_interval_s: float = 5.0
@@ -98,6 +100,8 @@ class AgentConfig:
             raise ValueError(f"agent.receive_buffer_bytes must be >= {MAX_MESSAGE_BYTES}")
         if self.stale_after_s <= 0:
             raise ValueError("agent.stale_after_s must be > 0")
+        if self.quiet_after_s <= 0:
+            raise ValueError("agent.quiet_after_s must be > 0")
         if self.max_comm_series < 1:
             raise ValueError("agent.max_comm_series must be >= 1")
         if not (self.gpu_source in ("nvml", "none") or self.gpu_source.startswith("file:")):
@@ -136,7 +140,7 @@ class Agent:
         self.state = NodeState(max_comm_series=config.max_comm_series, stale_after_s=config.stale_after_s)
         self.stats = AgentStats()
         self.registry = CollectorRegistry()
-        self.registry.register(AgentCollector(self.state, self.stats, config.node))
+        self.registry.register(AgentCollector(self.state, self.stats, config.node, config.quiet_after_s))
         self.gpu: GpuHealth | None = None
         self.gpu_access: GpuAccess | None = None
         self.reporter: Reporter | None = None

@@ -7,6 +7,7 @@ makes forgetting a stale rank remove its series.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -49,14 +50,34 @@ class AgentStats:
                 self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
 
+#: a rank quiet for this many of its own steps (and ``quiet_after_s``) leaves /metrics until it reports again
+QUIET_STEPS = 10
+
+
+def audible(ranks: Iterable[RankSnapshot], now_s: float, quiet_after_s: float) -> list[RankSnapshot]:
+    """The ranks heard from within ``quiet_after_s`` and ``QUIET_STEPS`` of their own step time: the others (a node's
+    ranks after it left its run, ranks that exited) would stay on the dashboards as flat lines beside their
+    replacements until they are forgotten (``stale_after_s``)."""
+    return [r for r in ranks if now_s - r.last_seen_s <= max(quiet_after_s, QUIET_STEPS * r.last.step_s)]
+
+
 class AgentCollector(Collector):
-    def __init__(self, state: NodeState, stats: AgentStats, node: str) -> None:
+    def __init__(
+        self,
+        state: NodeState,
+        stats: AgentStats,
+        node: str,
+        quiet_after_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.state = state
         self.stats = stats
         self.node = node
+        self.quiet_after_s = quiet_after_s
+        self.clock = clock
 
     def collect(self) -> Iterator[Metric]:
-        ranks = self.state.snapshot()
+        ranks = audible(self.state.snapshot(), self.clock(), self.quiet_after_s)
         yield from _rank_metrics(ranks)
         received = CounterMetricFamily("opsd_agent_datagrams", "Datagrams received from ranks.", labels=["node"])
         received.add_metric([self.node], self.stats.received)

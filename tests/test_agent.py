@@ -6,6 +6,7 @@ import json
 import re
 import socket
 import stat
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,13 +16,14 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import FileGpuSource
 from agent.gpu_access import GpuAccess, GpuAccessCollector
 from agent.health import GpuHealth, GpuHealthCollector
-from agent.metrics import ReporterCollector
+from agent.metrics import AgentCollector, AgentStats, ReporterCollector
 from agent.rank_gate import DATAGRAM_REFUSALS
 from agent.reporter import Reporter, ReporterConfig
 from agent.state import OVERFLOW, NodeState
@@ -70,15 +72,16 @@ def agent(tmp_path: Path) -> Agent:
 
 
 def test_reports_become_per_rank_metrics(agent: Agent) -> None:
+    recently = float(int(time.time())) - 10.0  # ranks quiet for longer leave /metrics (quiet_after_s)
     for step in (1, 2):
-        agent.handle(encode(report(step=step, rank=3, step_s=0.25, tokens=512)), now_s=100.0 + step)
+        agent.handle(encode(report(step=step, rank=3, step_s=0.25, tokens=512)), now_s=recently + step)
     r = {"run": "r", "rank": "3"}
     assert value(agent, "opsd_step_seconds", **r) == 0.25
     assert value(agent, "opsd_steps_total", **r) == 2
     assert value(agent, "opsd_tokens_total", **r) == 1024
     assert value(agent, "opsd_mfu_ratio", **r) == 0.4
     assert value(agent, "opsd_memory_bytes", kind="rss", **r) == 1 << 30
-    assert value(agent, "opsd_rank_last_report_timestamp_seconds", **r) == 102.0
+    assert value(agent, "opsd_rank_last_report_timestamp_seconds", **r) == recently + 2
     comm = {**r, "dimension": "tp", "op": "all_reduce"}
     assert value(agent, "opsd_collectives_total", **comm) == 56  # summed over the two steps
     assert value(agent, "opsd_collective_bytes_total", **comm) == 2 * 917504
@@ -361,3 +364,34 @@ def test_the_socket_and_the_dump_directory_are_open_to_ranks_of_any_user(tmp_pat
         assert stat.S_IMODE(flight.stat().st_mode) == 0o1777  # as /tmp: anyone writes, only owners remove
     finally:
         a.stop()
+
+
+def test_a_rank_quiet_for_long_leaves_metrics_and_comes_back_with_its_totals() -> None:
+    """After a swap the ranks of the node that left stop reporting: within ``quiet_after_s`` (and 10 of their steps)
+    they leave /metrics, so the dashboards do not draw them as flat lines beside their replacements; a rank that
+    reports again is back with its totals (forgotten only after ``stale_after_s``)."""
+    clock = [1000.0]
+    state = NodeState()
+    collector = AgentCollector(state, AgentStats(), "n", quiet_after_s=30.0, clock=lambda: clock[0])
+    registry = CollectorRegistry()
+    registry.register(collector)
+
+    def steps_of() -> dict[str, float]:
+        text = generate_latest(registry).decode()
+        found = re.findall(r'^opsd_steps_total\{rank="(\d+)",run="job"\} (\S+)$', text, flags=re.M)
+        assert re.search(rf'^opsd_agent_ranks\{{node="n"\}} {float(len(found))}$', text, flags=re.M)
+        return {rank: float(n) for rank, n in found}
+
+    for rank, step_s in ((0, 0.2), (1, 10.0)):
+        decoded = decode_report(encode(report(run="job", rank=rank, step=1, step_s=step_s)))
+        assert isinstance(decoded, StepReport)
+        state.ingest(decoded, now_s=1000.0)
+    assert steps_of() == {"0": 1.0, "1": 1.0}
+    clock[0] = 1031.0  # rank 0 (0.2 s steps) quiet for 31 s: gone; rank 1 (10 s steps) has 100 s
+    assert steps_of() == {"1": 1.0}
+    clock[0] = 1101.0
+    assert steps_of() == {}
+    again = decode_report(encode(report(run="job", rank=0, step=2, step_s=0.2)))
+    assert isinstance(again, StepReport)
+    state.ingest(again, now_s=1101.0)
+    assert steps_of() == {"0": 2.0}  # its totals kept

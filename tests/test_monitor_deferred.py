@@ -206,7 +206,7 @@ def test_a_refused_completion_hook_never_stops_training_and_is_reported(
     assert seconds > 0  # timed on the host, and the report says so
     assert report["comm_host_timed_s"] == seconds
     agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
-    agent.handle((tmp_path / "steps.jsonl").read_bytes().strip(), now_s=1.0)
+    agent.handle((tmp_path / "steps.jsonl").read_bytes().strip())
     metrics = agent.metrics_text().decode()
     assert 'opsd_rank_comm_timing_fallbacks_total{rank="0",run="gpu"} 1.0' in metrics
     assert f'opsd_rank_comm_host_timed_seconds_total{{rank="0",run="gpu"}} {seconds!r}' in metrics

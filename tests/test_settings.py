@@ -108,6 +108,7 @@ FROZEN_KEYS = [
     "agent.node",
     "agent.receive_buffer_bytes",
     "agent.stale_after_s",
+    "agent.quiet_after_s",
     "agent.max_comm_series",
     "agent.gpu_source",
     "agent.gpu_interval_s",
