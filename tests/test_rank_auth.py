@@ -19,8 +19,8 @@ from opsd.cli import settings
 from opsd.errors import ConfigError
 from opsd.protocol.env import AGENT_SOCKET_ENV, RANK_KEY_ENV, RUN_ENV
 from opsd.protocol.node_agent import FLIGHT_PATH, POLICY_PATH
-from opsd.protocol.rank_auth import RankAuth, SignatureError, headers, run_key, sign, split_signed, verify
-from opsd.protocol.wire import encode
+from opsd.protocol.rank_auth import RankAuth, headers, run_key, sign, split_signed, verify
+from opsd.protocol.wire import WireError, encode
 from tests.test_agent_over_the_network import env_of, network_agent
 from tests.test_wire import report
 from tests.waiting import wait_for
@@ -46,7 +46,7 @@ def test_each_run_has_its_own_key_and_a_tag_covers_every_byte() -> None:
     assert not verify(tag, body.replace(b'"step":', b'"step" :'), KEY)
     assert not verify(tag, body, run_key(SECRET, "llm2"))
     assert split_signed(body) == (None, body)  # unsigned: as it came
-    with pytest.raises(SignatureError, match="32 hex digits"):
+    with pytest.raises(WireError, match="32 hex digits"):
         split_signed(b"opsd-sig1:abc\n" + body)
 
 

@@ -24,7 +24,7 @@ import hmac
 from enum import StrEnum
 from typing import Final
 
-from opsd.protocol.wire import MAX_MESSAGE_BYTES
+from opsd.protocol.wire import MAX_MESSAGE_BYTES, WireError
 
 PREFIX: Final = b"opsd-sig1:"
 TAG_HEX: Final = 32  # 128 bits of HMAC-SHA256
@@ -39,12 +39,6 @@ class RankAuth(StrEnum):
     OFF = "off"
     OPTIONAL = "optional"
     REQUIRED = "required"
-
-
-class SignatureError(ValueError):
-    """A message whose signature is malformed (``reason``: ``signature``, as a metric label)."""
-
-    reason = "signature"
 
 
 def run_key(secret: str, run: str) -> str:
@@ -64,12 +58,13 @@ def sign(body: bytes, key: str) -> bytes:
 
 
 def split_signed(data: bytes) -> tuple[bytes | None, bytes]:
-    """A datagram's tag (None: unsigned) and its body. ``SignatureError`` for a signature that is not one."""
+    """A datagram's tag (None: unsigned) and its body. ``WireError`` (reason ``signature``) for a signature that is
+    not one."""
     if not data.startswith(PREFIX):
         return None, data
     tag, newline = data[len(PREFIX) : len(PREFIX) + TAG_HEX], data[len(PREFIX) + TAG_HEX : SIGNATURE_BYTES]
     if newline != b"\n" or len(tag) != TAG_HEX:
-        raise SignatureError("a signature is opsd-sig1: then 32 hex digits and a newline")
+        raise WireError("a signature is opsd-sig1: then 32 hex digits and a newline", "signature")
     return tag, data[SIGNATURE_BYTES:]
 
 
