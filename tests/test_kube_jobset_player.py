@@ -16,7 +16,7 @@ import yaml  # type: ignore[import-untyped]
 
 from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, RESTART_ATTEMPT_LABEL
 from tests.kube.emulator import KubeEmulator
-from tests.kube.jobset import JobSetPlayer
+from tests.kube.jobset import JobSetPlayer, put_secrets_named
 from tests.kube.machines import JOBSETS, node
 from tests.test_kubernetes_takeover import ScriptedKubelet
 
@@ -85,7 +85,9 @@ def started(
     for i in range(5):
         kube.put(node(f"node-{i}"))
     gate = options.pop("restart_job_gate", True)
-    kube.put(ft_jobset(rules, **options))
+    played = ft_jobset(rules, **options)
+    put_secrets_named(kube, played)  # checkpoint-s3, as the docs have it made
+    kube.put(played)
     kubelet = ScriptedKubelet()
     player = JobSetPlayer(kube, kubelet, restart_job_gate=gate)
     settle(player, lambda: len(running(kube)) == 4)

@@ -41,7 +41,7 @@ from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, JO
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatEvent, HeartbeatFt, HeartbeatRank
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from tests.kube.emulator import KubeEmulator
-from tests.kube.jobset import JobSetPlayer
+from tests.kube.jobset import JobSetPlayer, put_secrets_named
 from tests.kube.machines import JOBSETS, Cluster, node
 from tests.rows import stored
 from tests.test_kubernetes_takeover import ScriptedKubelet
@@ -90,7 +90,9 @@ class FtCluster:
         for name in ("node-0", "node-1"):
             kube.put(node(name))
         kube.put(node("node-2", spare=True))
-        kube.put(ft_jobset(min_replicas))
+        played = ft_jobset(min_replicas)
+        put_secrets_named(kube, played)  # checkpoint-s3, as the docs have it made
+        kube.put(played)
         self.player = JobSetPlayer(kube, ScriptedKubelet(), restart_job_gate=restart_job_gate)
         self.player.start()
         wait_for("both groups running", lambda: len(self.running()) == 2, 20)

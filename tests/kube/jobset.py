@@ -224,6 +224,24 @@ def secret_env(kube: KubeEmulator, namespace: str, pod: Json) -> dict[str, str] 
     return out
 
 
+def put_secrets_named(kube: KubeEmulator, jobset: Json) -> None:
+    """Put every Secret the pods of ``jobset`` take variables from (each key a placeholder): those its users make
+    (``checkpoint-s3``) and those opsd makes (the run's key), for a test that plays the JobSet without them."""
+    namespace = jobset["metadata"]["namespace"]
+    keys: dict[str, set[str]] = {}
+    for replicated in (jobset.get("spec") or {}).get("replicatedJobs") or []:
+        pod_spec = replicated["template"]["spec"]["template"]["spec"]
+        for container in pod_spec.get("containers") or []:
+            for variable in container.get("env") or []:
+                ref = (variable.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    keys.setdefault(ref["name"], set()).add(ref["key"])
+    for name, names in keys.items():
+        data = {k: base64.b64encode(b"placeholder").decode() for k in sorted(names)}
+        metadata = {"name": name, "namespace": namespace}
+        kube.put({"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "data": data})
+
+
 class JobSetPlayer:
     def __init__(
         self,
