@@ -47,6 +47,11 @@ def test_the_table_names_failing_tests_and_counts_every_failed_run(tmp_path: Pat
     assert rows == [["t::b", "3", "2", "1,", "2*"], ["t::a", "3", "1", "2*"]]
     assert "    | first why" in lines  # the first failure's lines, not a later one's
     assert "    | second why" not in lines
+    # each run names its failures as it ends: a soak stopped early still says which
+    assert soak.failed_in(2, {"t::b": (True, "why"), "t::a": (True, "why"), "t::c": (False, "")}) == [
+        "  failed in run 2: t::a",
+        "  failed in run 2: t::b",
+    ]
 
 
 def test_the_soak_selects_the_modules_that_start_processes_and_retries_nothing() -> None:

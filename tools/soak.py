@@ -8,7 +8,8 @@ costs little. Each run is one pytest session over all of them from a fresh tempo
 on one core for the run's length and killed with it. Nothing is retried: a launch that a test would relaunch for a
 known crash (``tests.launch.run_module_retrying``) is launched once (``OPSD_NO_RELAUNCH=1``).
 
-It prints a table, one row per test that failed in any run (runs, failures, the first failure's last lines) and the
+After each run it names the tests that failed in it (a soak stopped early still says which). At the end it prints a
+table, one row per test that failed in any run (runs, failures, the first failure's last lines) and the
 count of tests that never failed, and last ``soak_failures=N``: the failed (or errored) test runs over every run.
 """
 
@@ -97,6 +98,11 @@ def add_run(outcomes: dict[str, Outcome], run: int, results: dict[str, tuple[boo
             outcome.first_failure = outcome.first_failure or why
 
 
+def failed_in(run: int, results: dict[str, tuple[bool, str]]) -> list[str]:
+    """A line per test that failed in ``run``, printed as soon as the run ends."""
+    return [f"  failed in run {run}: {test}" for test, (failed, _) in sorted(results.items()) if failed]
+
+
 def table(outcomes: dict[str, Outcome], burned: Iterable[int]) -> list[str]:
     """The report's lines: a row per test that failed (runs with a burner marked ``*``), the rest counted, and last
     ``soak_failures=N``."""
@@ -174,7 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes: dict[str, Outcome] = {}
     burned = [run for run in range(1, args.runs + 1) if run % 2 == 0]
     for run in range(1, args.runs + 1):
-        add_run(outcomes, run, soak_run(python, tests, run, run in burned, args.keep))
+        results = soak_run(python, tests, run, run in burned, args.keep)
+        for line in failed_in(run, results):  # known at once, not only at the end
+            print(line, flush=True)
+        add_run(outcomes, run, results)
     print("\n".join(table(outcomes, burned)))
     return 0
 
