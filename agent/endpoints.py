@@ -46,6 +46,7 @@ from opsd.protocol.node_agent import (
     DumpHeader,
     dump_path,
 )
+from opsd.protocol.policy_file import EMPTY, Policy, encode_policy
 from opsd.protocol.rank_auth import RUN_HEADER, RankAuth
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def handler(
     *,
     metrics: Callable[[], bytes],
     health: Callable[[], dict[str, Any]],
-    policy: Callable[[], dict[str, Any] | None],
+    policy: Callable[[], Policy | None],
     intake: DumpIntake,
     gate: RankGate,
     metrics_tokens: tuple[str, ...] = (),
@@ -181,7 +182,7 @@ def handler(
                 self._json(200, health())
             elif path == POLICY_PATH:
                 if not self._refused("policy"):
-                    self._json(200, {"v": 1, **(policy() or {})})
+                    self._reply(200, "application/json", encode_policy(policy() or EMPTY))
             else:
                 self._json(404, {"detail": f"not found: /metrics, /healthz, {POLICY_PATH} are served"})
 

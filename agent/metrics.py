@@ -210,6 +210,13 @@ class ReporterCollector(Collector):
         sent.add_metric([self.node, "ok"], r.sent_ok)
         sent.add_metric([self.node, "error"], r.sent_failed)
         yield sent
+        refused = CounterMetricFamily(
+            "opsd_agent_replies_refused",
+            "Replies of the controller to heartbeats delivered that do not fit the protocol (nothing in them applied).",
+            labels=["node"],
+        )
+        refused.add_metric([self.node], r.replies_refused)
+        yield refused
         dropped = CounterMetricFamily(
             "opsd_agent_summaries_dropped",
             "Summaries dropped, oldest first, while the controller was unreachable.",

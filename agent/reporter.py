@@ -26,7 +26,6 @@ each run's collective totals on the node (cumulative, by phase, dimension and op
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from agent.connection import Connection
 from agent.health import GpuHealth
 from agent.liveness import LivenessSender
 from agent.state import NodeState, RankSnapshot
+from opsd.errors import BodyError
 from opsd.policy.telemetry import phase_ratio, ranks_due
 from opsd.protocol.heartbeat import (
     SEND_TO_API,
@@ -51,12 +51,17 @@ from opsd.protocol.heartbeat import (
     HeartbeatFt,
     HeartbeatPipeline,
     HeartbeatRank,
+    HeartbeatReply,
     HeartbeatTimeout,
+    decode_reply,
     encode,
 )
+from opsd.protocol.policy_file import Policy, encode_policy
 from opsd.protocol.wire import StepReport, pipeline_bubble_ratio
 
 log = logging.getLogger(__name__)
+#: what a delivered heartbeat whose reply does not fit the protocol stands for: nothing in it is applied
+NO_REPLY = HeartbeatReply(ack_events_up_to=-1)
 
 APART_HOLD_S = 60.0  # after the heartbeat process could not be reached: heartbeats to the API this long
 
@@ -105,7 +110,8 @@ class Reporter:
         self.sent_ok = 0
         self.sent_failed = 0
         self.failures = 0  # consecutive
-        self.last_policy: dict[str, Any] | None = None
+        self.last_policy: Policy | None = None
+        self.replies_refused = 0  # replies delivered that do not fit the protocol (nothing in them taken)
         self.connection = Connection(config.url, config.timeout_s)
         self.apart: Connection | None = None  # to the controller's heartbeat process, while its replies name one
         self.apart_hold_mono_s = -math.inf  # it could not be reached: not tried again before then (monotonic)
@@ -246,7 +252,7 @@ class Reporter:
         self._apply(reply)
         return True
 
-    def _post(self, data: bytes, *, to_api: bool = False) -> dict[str, Any] | None:
+    def _post(self, data: bytes, *, to_api: bool = False) -> HeartbeatReply | None:
         """POST a heartbeat (``to_api``: to the API, not its heartbeat process); the reply (None: not delivered,
         counted)."""
         headers = {"Content-Type": "application/json"}
@@ -256,7 +262,6 @@ class Reporter:
             status, answer = self._send(data, headers, to_api)
             if not 200 <= status < 300:
                 raise ValueError(f"HTTP {status}: {answer[:200]!r}")
-            reply = json.loads(answer or b"{}")
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self.failures += 1
             self.sent_failed += 1
@@ -264,7 +269,12 @@ class Reporter:
             return None
         self.failures = 0
         self.sent_ok += 1
-        return reply if isinstance(reply, dict) else {}
+        try:
+            return decode_reply(answer)
+        except BodyError as exc:  # delivered, but nothing in it is taken
+            self.replies_refused += 1
+            log.warning("the controller's reply to a heartbeat does not fit docs/protocol.md, ignored: %s", exc)
+            return NO_REPLY
 
     def _send(self, data: bytes, headers: dict[str, str], to_api: bool) -> tuple[int, bytes]:
         """To the heartbeat process when there is one; to the API when it sends the heartbeat back (421), or cannot
@@ -281,26 +291,27 @@ class Reporter:
                     return status, answer
         return self.connection.post(data, headers)
 
-    def _apply(self, reply: dict[str, Any]) -> None:
-        ack = reply.get("ack_events_up_to")
-        if self.gpu is not None and isinstance(ack, int) and not isinstance(ack, bool):
-            self.gpu.acknowledge(ack)
-        policy = reply.get("policy")
-        if isinstance(policy, dict) and policy != self.last_policy:
+    def _apply(self, reply: HeartbeatReply) -> None:
+        if reply is NO_REPLY:  # delivered, but not understood: nothing changes
+            return
+        if self.gpu is not None:
+            self.gpu.acknowledge(reply.ack_events_up_to)
+        policy = reply.policy
+        if policy is not None and policy != self.last_policy:
             self.last_policy = policy
             if self.config.policy_path:
                 write_policy(self.config.policy_path, policy)
                 log.info("policy from the controller written to %s: %s", self.config.policy_path, policy)
-        interval = reply.get("telemetry_interval_s")
-        if isinstance(interval, int | float) and not isinstance(interval, bool) and 0 < interval < math.inf:
-            interval_s = max(float(interval), self.config.interval_s)
+        interval = reply.telemetry_interval_s
+        if interval is not None and interval < math.inf:
+            interval_s = max(interval, self.config.interval_s)
             if interval_s != self.telemetry_interval_s:
                 log.info("the controller asks for the ranks every %g s", interval_s)
             self.telemetry_interval_s = interval_s
         else:
             self.telemetry_interval_s = None  # an older controller: everything every beat
-        self._liveness(_port(reply.get("liveness_port")))
-        self._apart(_port(reply.get("heartbeat_port")))
+        self._liveness(reply.liveness_port)
+        self._apart(reply.heartbeat_port)
 
     def _apart(self, port: int | None) -> None:
         """Heartbeats to ``port`` of the controller's host from now on (None: to the API)."""
@@ -351,10 +362,6 @@ class Reporter:
             self.liveness.close()
 
 
-def _port(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else None
-
-
 def with_port(url: str, port: int) -> str:
     """``url`` at another port of its host (``https://opsd:8470/v1/heartbeat``, 8471 ->
     ``https://opsd:8471/v1/heartbeat``)."""
@@ -391,9 +398,9 @@ def _ft(rank: RankSnapshot) -> HeartbeatFt | None:
     )
 
 
-def write_policy(path: str | Path, policy: dict[str, Any]) -> None:
+def write_policy(path: str | Path, policy: Policy) -> None:
     """Write the policy file atomically (a reader sees the old file or the new one, never a part)."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"v": 1, **policy}))
+    tmp.write_bytes(encode_policy(policy))
     os.replace(tmp, target)

@@ -17,7 +17,9 @@ import pytest
 from agent.daemon import Agent, AgentConfig
 from agent.reporter import Reporter, ReporterConfig
 from opsd.protocol.env import AGENT_DATAGRAM_PORT_ENV, AGENT_HOST_ENV, AGENT_HTTP_PORT_ENV, AGENT_SOCKET_ENV
+from opsd.protocol.heartbeat import HeartbeatReply
 from opsd.protocol.node_agent import FLIGHT_PATH, MAX_DUMP_BYTES, POLICY_PATH, AgentAddress, agent_address
+from opsd.protocol.policy_file import EMPTY, CheckpointCadence, Policy
 from opsd.protocol.wire import encode
 from tests.test_wire import report
 from tests.waiting import wait_for
@@ -152,8 +154,9 @@ def test_the_policy_comes_from_the_agents_http_and_never_holds_up_the_caller(age
     try:
         assert reader.remote
         agent.reporter = Reporter(ReporterConfig(url="http://127.0.0.1:1/v1/heartbeat"), "n1", agent.state, None)
-        agent.reporter._apply({"policy": {"checkpoint": {"every_steps": 50, "from_step": 100}}})
-        wait_for("new cadence", lambda: reader.current().checkpoint_every_steps == 50, 10, interval_s=0.01)
+        policy = Policy(checkpoint=CheckpointCadence(every_steps=50, from_step=100))
+        agent.reporter._apply(HeartbeatReply(ack_events_up_to=0, policy=policy))
+        wait_for("new cadence", lambda: reader.current() == policy, 10, interval_s=0.01)
         assert reader.current().checkpoint_due(150)
     finally:
         reader.close()
@@ -168,7 +171,7 @@ def test_a_policy_url_that_hangs_costs_the_training_thread_nothing() -> None:
         reader = PolicyReader(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/policy", timeout_s=30.0)
         try:
             for _ in range(10_000):
-                assert reader.current().checkpoint_every_steps is None
+                assert reader.current() == EMPTY
             assert reader.errors == 0  # its thread still waits on the first answer
         finally:
             reader.close()

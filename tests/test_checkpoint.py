@@ -17,6 +17,7 @@ from opsd.checkpoints.local import LocalStore
 from opsd.checkpoints.s3 import S3Options
 from opsd.errors import PermanentError
 from opsd.protocol.manifest import parse_manifest
+from opsd.protocol.policy_file import CheckpointCadence, Policy
 from trainer_hooks import checkpoint as checkpoint_module
 from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 from trainer_hooks.policy_reader import PolicyReader
@@ -106,7 +107,7 @@ def test_cadence_follows_the_controller_policy_when_there_is_one(gloo_world: Non
         CheckpointConfig(str(tmp_path / "c"), every_steps=10), policy=PolicyReader(str(policy_file), check_every_s=0)
     )
     assert [s for s in range(1, 31) if ckpt.due(s)] == [10, 20, 30]  # local cadence
-    write_policy(policy_file, {"checkpoint": {"every_steps": 7, "from_step": 14}})
+    write_policy(policy_file, Policy(checkpoint=CheckpointCadence(every_steps=7, from_step=14)))
     assert [s for s in range(1, 31) if ckpt.due(s)] == [10, 14, 21, 28]  # local until the policy's step 14
 
 

@@ -20,6 +20,7 @@ from opsd.policy.cadence import CadenceConfig
 from opsd.policy.detection import DetectionConfig, Failure
 from opsd.policy.stragglers import StragglerConfig
 from opsd.protocol.heartbeat import Heartbeat
+from opsd.protocol.policy_file import Cadence, Policy
 
 CONFIG = ControllerConfig(
     detection=DetectionConfig(heartbeat_floor_s=3, hang_floor_s=5),
@@ -252,7 +253,7 @@ def saves_measured(c: Controller, **sums: float) -> None:
         c.tick(t)
 
 
-def costlier_saves(c: Controller, t: float, step: int, last_rank_step: int | None = None) -> dict[str, Any]:
+def costlier_saves(c: Controller, t: float, step: int, last_rank_step: int | None = None) -> Policy:
     """Heartbeats at ``t`` in which saves cost 100 times as much as in ``saves_measured`` (K moves far), every rank
     at ``step`` but rank 3 at ``last_rank_step`` (default: ``step``), a pass; the policy then told."""
     ckpt = {"checkpoints": 2, "checkpoint_blocking_s": 400.0}
@@ -271,7 +272,8 @@ def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Cont
     saves_measured(controller, checkpoint_blocking_s=2.0)
     policy = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0).policy
     assert policy is not None
-    every, start = policy["checkpoint"]["every_steps"], policy["checkpoint"]["from_step"]
+    assert policy.checkpoint is not None
+    every, start = policy.checkpoint.every_steps, policy.checkpoint.from_step
     assert every > 1
     assert start >= 6 + 2  # ahead of the current step by the lead
     status = controller.status("job", 6.0)
@@ -288,14 +290,15 @@ def test_a_cadence_is_replaced_only_once_every_rank_is_past_its_first_step(contr
     saves_measured(controller, checkpoint_blocking_s=2.0)
     first = controller.heartbeat(beat("n0", [rank(0, 7), rank(1, 7)]), 6.0).policy
     assert first is not None
-    start = first["checkpoint"]["from_step"]
+    assert first.checkpoint is not None
+    start = first.checkpoint.from_step
 
     assert costlier_saves(controller, 7.0, start + 50, last_rank_step=start) == first  # rank 3 has not decided E
-    replaced = costlier_saves(controller, 8.0, start + 50, last_rank_step=start + 1)
-    assert replaced["checkpoint"]["every_steps"] != first["checkpoint"]["every_steps"]
-    assert replaced["checkpoint"]["from_step"] > start + 50  # ahead of the newest step by the lead
-    previous = {"every_steps": first["checkpoint"]["every_steps"], "from_step": start}
-    assert replaced["checkpoint"]["previous"] == previous
+    replaced = costlier_saves(controller, 8.0, start + 50, last_rank_step=start + 1).checkpoint
+    assert replaced is not None
+    assert replaced.every_steps != first.checkpoint.every_steps
+    assert replaced.from_step > start + 50  # ahead of the newest step by the lead
+    assert replaced.previous == Cadence(every_steps=first.checkpoint.every_steps, from_step=start)
 
 
 def test_a_controller_started_again_replaces_the_cadence_its_predecessor_published(tmp_path: Path) -> None:
@@ -313,13 +316,12 @@ def test_a_controller_started_again_replaces_the_cadence_its_predecessor_publish
     again = Controller(StateStore.open(url), CONFIG)
     again.tick(7.0)
     assert again.heartbeat(beat("n0", [rank(0, 8), rank(1, 8)]), 7.0).policy == published
-    start = published["checkpoint"]["from_step"]
-    replaced = costlier_saves(again, 8.0, start + 50)
-    assert replaced["checkpoint"]["previous"] == {
-        "every_steps": published["checkpoint"]["every_steps"],
-        "from_step": start,
-    }
-    assert replaced["checkpoint"]["from_step"] > start + 50
+    assert published.checkpoint is not None
+    start = published.checkpoint.from_step
+    replaced = costlier_saves(again, 8.0, start + 50).checkpoint
+    assert replaced is not None
+    assert replaced.previous == Cadence(every_steps=published.checkpoint.every_steps, from_step=start)
+    assert replaced.from_step > start + 50
 
 
 def test_the_cadence_is_never_shorter_than_the_measured_write(controller: Controller) -> None:

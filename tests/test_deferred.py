@@ -20,6 +20,7 @@ from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
 from opsd.protocol.liveness import Signer, decode_ack, encode_alive, liveness_key
+from opsd.protocol.policy_file import Policy
 from opsd.protocol.xid_table import XidAction
 from tests.serving import start_api
 from tests.test_liveness import CREDENTIALS, answer, request
@@ -71,7 +72,7 @@ def test_a_heartbeat_finding_the_lock_held_is_answered_at_once_and_taken_in_orde
     rank = controller.ranks[RUN][0]
     with held(controller):
         replies = [controller.heartbeat(beat("node-0", step), 100.0 + step, wait=False) for step in (3, 4)]
-        assert all(r.policy == {"checkpoint_at_step": 50} for r in replies)  # as its run's last heartbeat was told
+        assert all(r.policy == Policy(checkpoint_at_step=50) for r in replies)  # as its run's last heartbeat was told
         assert all(r.telemetry_interval_s == controller.telemetry.interval_s for r in replies)
         assert (controller.heartbeats_total, rank.step, len(controller.deferred)) == (2, 2, 2)  # not taken yet
         assert not controller.drain_now()  # still held

@@ -34,6 +34,7 @@ from opsd.controller.flight import collect_dumps
 from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
+from opsd.protocol.policy_file import EMPTY, Command
 from tests.launch import run_module
 from tests.serving import start_api
 from tests.waiting import wait_for
@@ -287,11 +288,11 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
     try:
         heartbeat = Heartbeat(v=1, node="node-0", time_unix_s=time.time())
 
-        def policy() -> dict[str, Any]:
-            return controller.heartbeat(heartbeat, time.time()).policy or {}
+        def commands() -> tuple[Command, ...] | None:
+            return (controller.heartbeat(heartbeat, time.time()).policy or EMPTY).commands
 
-        wait_for("command in the policy", lambda: "commands" in policy(), 5)
-        assert policy()["commands"] == [{"id": trigger, "name": "dump_flight_recorder"}]
+        wait_for("command in the policy", lambda: commands() is not None, 5)
+        assert commands() == (Command(id=trigger, name="dump_flight_recorder"),)
         for rank in (0, 1):  # what the ranks do on that command
             place(tmp_path / "flight", recorded["cmd-2"][rank], trigger)
         collecting.join(timeout=10)
@@ -299,7 +300,7 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
         uploader.stop()
     assert (result["ranks_expected"], result["ranks_dumped"]) == ([0, 1, 2], [0, 1])
     assert 2.0 <= result["waited_s"] < 4.0  # rank 2 never dumps: the whole wait
-    assert (controller.heartbeat(heartbeat, time.time()).policy or {})["commands"] == []  # withdrawn: agents rewrite
+    assert (controller.heartbeat(heartbeat, time.time()).policy or EMPTY).commands == ()  # withdrawn: agents rewrite
     assert (uploader.ok, list((tmp_path / "flight").iterdir())) == (2, [])  # delivered: files and directories gone
 
     with TestClient(create_app(controller, TOKEN), headers={"Authorization": f"Bearer {TOKEN}"}) as client:

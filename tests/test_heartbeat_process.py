@@ -39,6 +39,7 @@ from opsd.protocol.heartbeat import (
     HeartbeatReply,
     encode,
 )
+from opsd.protocol.policy_file import EMPTY, Policy
 from tests.serving import start_api
 from tests.test_agent import step
 from tests.test_liveness import CREDENTIALS, request
@@ -64,14 +65,14 @@ TOLD = View(
     interval_s=3.0,
     liveness_port=8470,
     heartbeat_port=8471,
-    policies={"r1": {"checkpoint_at_step": 9}, "r0": {}},
+    policies={"r1": Policy(checkpoint_at_step=9), "r0": EMPTY},
     runs_gone=[],
     nodes={"n1": ("r1", 4), "n0": ("r0", 0), "n3": ("r3", 0)},
     nodes_gone=[],
 )
 
 
-def reply(ack: int, policy: dict[str, int] | None) -> HeartbeatReply:
+def reply(ack: int, policy: Policy | None) -> HeartbeatReply:
     return HeartbeatReply(
         ack_events_up_to=ack, policy=policy, telemetry_interval_s=3.0, liveness_port=8470, heartbeat_port=8471
     )
@@ -79,8 +80,8 @@ def reply(ack: int, policy: dict[str, int] | None) -> HeartbeatReply:
 
 #: a heartbeat -> the process's reply (None: 421, to the API)
 CASES: dict[str, tuple[Heartbeat, HeartbeatReply | None]] = {
-    "a known node of its run": (beat("n1"), reply(4, {"checkpoint_at_step": 9})),
-    "a known node without ranks": (beat("n1", runs=()), reply(4, {"checkpoint_at_step": 9})),
+    "a known node of its run": (beat("n1"), reply(4, Policy(checkpoint_at_step=9))),
+    "a known node without ranks": (beat("n1", runs=()), reply(4, Policy(checkpoint_at_step=9))),
     "a run whose policy is empty": (beat("n0", runs=("r0",)), reply(0, None)),
     "a node it was not told of": (beat("n9"), None),
     "GPU events": (beat("n1", events=2), None),
@@ -100,7 +101,7 @@ def test_views_apply_in_order() -> None:
     mirror = Mirror()
     assert mirror.answer(beat("n1")) is None  # told nothing yet
     mirror.apply(TOLD)
-    mirror.apply(View(5.0, None, 8471, {"r1": {}}, ["r0"], {"n2": ("r1", 0)}, ["n1"]))
+    mirror.apply(View(5.0, None, 8471, {"r1": EMPTY}, ["r0"], {"n2": ("r1", 0)}, ["n1"]))
     assert mirror.answer(beat("n1")) is None  # gone: the API's from now on
     assert mirror.answer(beat("n0", runs=("r0",))) is None  # its run told no policy any more
     assert mirror.answer(beat("n2")) == HeartbeatReply(
@@ -209,7 +210,7 @@ def test_the_agent_moves_to_the_process_and_the_controller_takes_what_it_answere
         assert live.ranks[0].step == 2  # what the process answered, taken
         wait_for(
             "the one-off checkpoint in the policy the process answers",
-            lambda: reporter.send_once(time.time()) and reporter.last_policy == {"checkpoint_at_step": 50},
+            lambda: reporter.send_once(time.time()) and reporter.last_policy == Policy(checkpoint_at_step=50),
             10,
         )
 
@@ -252,7 +253,7 @@ def test_the_agent_moves_to_the_process_and_the_controller_takes_what_it_answere
 def api_and_apart() -> Iterator[tuple[StandIn, StandIn]]:
     """Two stand-ins: the API, whose replies name the other's port, and the heartbeat process."""
     api, apart = StandIn(token="agent-token"), StandIn(token="agent-token")
-    api.reply = apart.reply = {"heartbeat_port": apart.port}
+    api.reply = apart.reply = {"ack_events_up_to": 0, "heartbeat_port": apart.port}
     api.start()
     apart.start()
     try:
@@ -300,7 +301,7 @@ def test_the_agent_holds_off_a_process_it_cannot_reach(
         assert reporter.send_once(NOW_S + 4)  # refused again: held off again, to the API
         assert len(api.requests) == 4
         successor = StandIn(token="agent-token")  # a new leader, whose replies name its own process
-        successor.reply = {"heartbeat_port": successor.port}
+        successor.reply = {"ack_events_up_to": 0, "heartbeat_port": successor.port}
         api.reply = successor.reply
         successor.start()
         try:
@@ -329,14 +330,14 @@ def test_the_process_is_told_what_changed_and_forgets_a_node_with_events(tmp_pat
     assert first is not None
     assert (first.heartbeat_port, first.policies, first.nodes, first.nodes_gone) == (
         8471,
-        {"r1": {}},
+        {"r1": EMPTY},
         {"n1": ("r1", 0)},
         [],
     )
     assert told.view(controller, {"n1"}) is None  # nothing changed
     controller.ask_checkpoint("r1", 40)
     assert told.view(controller, set()) == View(
-        controller.telemetry.interval_s, None, 8471, {"r1": {"checkpoint_at_step": 40}}, [], {}, []
+        controller.telemetry.interval_s, None, 8471, {"r1": Policy(checkpoint_at_step=40)}, [], {}, []
     )
     controller.heartbeat(beat("n1", events=1), NOW_S + 1)  # a GPU event waiting for its incident: the API's alone
     gone = told.view(controller, {"n1"})

@@ -154,7 +154,7 @@ def stand_in() -> Iterator[tuple[StandIn, socket.socket]]:
     controller.start()
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
-    controller.reply = {"telemetry_interval_s": 10.0, "liveness_port": udp.getsockname()[1]}
+    controller.reply = {"ack_events_up_to": 0, "telemetry_interval_s": 10.0, "liveness_port": udp.getsockname()[1]}
     try:
         yield controller, udp
     finally:

@@ -15,7 +15,8 @@ from opsd.policy.cadence import (
     run_mtbf_s,
     young_interval_s,
 )
-from opsd.protocol.policy_file import Policy
+from opsd.protocol.policy_file import Cadence as PublishedCadence
+from opsd.protocol.policy_file import CheckpointCadence, Policy
 
 C = CadenceConfig(prior_mtbf_node_h=1000, prior_node_hours=1000)  # the prior is worth one prior failure
 
@@ -153,8 +154,10 @@ def test_a_new_cadence_is_published_when_k_moves_enough() -> None:
 
 def policy_of(cadence: Cadence, previous: Cadence | None) -> Policy:
     """The ranks' policy as the controller publishes it: the cadence and the one it replaced."""
-    before = (previous.every_steps, previous.from_step) if previous is not None else (None, 0)
-    return Policy(cadence.every_steps, cadence.from_step, previous_every_steps=before[0], previous_from_step=before[1])
+    before = PublishedCadence(every_steps=previous.every_steps, from_step=previous.from_step) if previous else None
+    return Policy(
+        checkpoint=CheckpointCadence(every_steps=cadence.every_steps, from_step=cadence.from_step, previous=before)
+    )
 
 
 def test_a_newer_policy_decides_every_step_a_rank_may_reach_before_it_as_the_one_before() -> None:

@@ -14,10 +14,12 @@ import pytest
 from agent.daemon import Agent, AgentConfig
 from agent.gpu import FileGpuSource
 from agent.health import GpuHealth
+from agent.metrics import ReporterCollector
 from agent.reporter import Reporter, ReporterConfig, backoff_s
 from agent.state import NodeState
 from opsd.backends.local.processes import free_port
 from opsd.policy.xid import WatchWindow
+from opsd.protocol.policy_file import EMPTY, Policy
 from opsd.protocol.wire import encode
 from opsd.protocol.xid_table import load_xid_table
 from tests.test_agent import step
@@ -31,7 +33,8 @@ class Controller:
 
     def __init__(self, token: str = "s3cret") -> None:
         self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
-        self.reply: dict[str, Any] = {}
+        self.reply: dict[str, Any] = {"ack_events_up_to": 0}
+        self.raw_reply: bytes | None = None  # sent as it is, instead of ``reply``
         self.status = 200
         self.token = token
         self.port = free_port()
@@ -47,7 +50,7 @@ class Controller:
                 status = controller.status
                 if self.headers.get("Authorization") != f"Bearer {controller.token}":
                     status = 401
-                data = json.dumps(controller.reply).encode()
+                data = controller.raw_reply or json.dumps(controller.reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -119,6 +122,33 @@ def test_events_are_resent_until_acknowledged(tmp_path: Path, controller: Contro
     assert [len(b["events"]) for _, b in controller.requests] == [1, 1, 1, 0]
 
 
+BAD_REPLIES = {
+    "not JSON": b"<html>proxy error</html>",
+    "another policy version": b'{"ack_events_up_to": 0, "policy": {"v": 2}, "telemetry_interval_s": 1.0}',
+    "an interval of the wrong type": b'{"ack_events_up_to": 0, "telemetry_interval_s": "10"}',
+    "no acknowledgement": b'{"telemetry_interval_s": 1.0}',
+}
+
+
+@pytest.mark.parametrize("body", BAD_REPLIES.values(), ids=BAD_REPLIES.keys())
+def test_a_reply_that_does_not_fit_is_counted_and_changes_nothing(
+    tmp_path: Path, controller: Controller, body: bytes
+) -> None:
+    """Delivered (the controller has the heartbeat), but nothing in the reply is applied: the policy, the interval and
+    the ports the last good reply set stay."""
+    r = reporter(tmp_path, controller.url)
+    controller.reply = {"ack_events_up_to": 0, "telemetry_interval_s": 10.0, "policy": {"checkpoint_at_step": 8}}
+    assert r.send_once(now_s=1.0)
+    good = (r.telemetry_interval_s, r.last_policy, (tmp_path / "policy.json").read_bytes())
+    controller.raw_reply = body
+    assert r.send_once(now_s=2.0)
+    assert (r.sent_ok, r.sent_failed, r.failures, r.replies_refused) == (2, 0, 0, 1)
+    assert (r.telemetry_interval_s, r.last_policy, (tmp_path / "policy.json").read_bytes()) == good
+    assert good[1] == Policy(checkpoint_at_step=8)
+    families = {f.name: f for f in ReporterCollector(r, "node-7").collect()}
+    assert [s.value for s in families["opsd_agent_replies_refused"].samples if s.name.endswith("_total")] == [1]
+
+
 def test_unreachable_controller_buffers_summaries_oldest_dropped(tmp_path: Path, controller: Controller) -> None:
     url = controller.url
     controller.stop()
@@ -157,12 +187,13 @@ def test_policy_reply_reaches_the_ranks_through_the_file(tmp_path: Path, control
     r = reporter(tmp_path, controller.url)
     ticks = [0.0]
     reader = PolicyReader(str(tmp_path / "policy.json"), check_every_s=1.0, clock=lambda: ticks[0])
-    assert reader.current().checkpoint_every_steps is None  # no file yet
+    assert reader.current() == EMPTY  # no file yet
     controller.reply = {
+        "ack_events_up_to": 0,
         "policy": {
             "checkpoint": {"every_steps": 50, "from_step": 200},
             "commands": [{"id": "c1", "name": "dump_flight_recorder", "ranks": [1]}],
-        }
+        },
     }
     r.send_once(now_s=1.0)
     ticks[0] = 2.0

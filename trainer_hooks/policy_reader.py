@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 
 from opsd.protocol.env import POLICY_FILE_ENV
-from opsd.protocol.policy_file import Command, Policy, PolicyError, parse_policy
+from opsd.protocol.policy_file import EMPTY, Command, Policy, PolicyError, decode_policy
 from trainer_hooks.sinks import agent_from_env, rank_headers
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class PolicyReader:
         self._clock = clock
         self._checked: float | None = None
         self._signature: tuple[int, int] | None = None
-        self._policy = Policy()
+        self._policy = EMPTY
         self._done: set[str] = set()
         self._fetched: bytes | None = None
         self._warned = False
@@ -86,7 +86,7 @@ class PolicyReader:
                 return self._policy
             self._signature = signature  # a bad file is reported once, not at every check
             with open(self.path, "rb") as f:
-                self._policy = parse_policy(f.read())
+                self._policy = decode_policy(f.read())
         except FileNotFoundError:
             pass
         except (OSError, PolicyError) as exc:
@@ -111,7 +111,7 @@ class PolicyReader:
             return
         self._fetched = data  # a bad policy is reported once, not at every fetch
         try:
-            self._policy = parse_policy(data)  # one assignment: the training thread sees the old policy or the new
+            self._policy = decode_policy(data)  # one assignment: the training thread sees the old policy or the new
         except PolicyError as exc:
             self.errors += 1
             log.warning("policy at %s ignored, keeping the last good policy: %s", self.path, exc)
@@ -131,7 +131,7 @@ class PolicyReader:
     def new_commands(self, rank: int) -> list[Command]:
         """Commands for ``rank`` not returned before (each command id runs once per process)."""
         out = []
-        for command in self.current().commands:
+        for command in self.current().commands or ():
             if command.id in self._done or (command.ranks is not None and rank not in command.ranks):
                 continue
             self._done.add(command.id)

@@ -33,6 +33,7 @@ from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
 from opsd.errors import OpsError
 from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
+from opsd.protocol.policy_file import Policy
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Told:
 
     def __init__(self) -> None:
         self.scalars: tuple[float | None, int | None, int | None] | None = None
-        self.policies: dict[str, dict[str, Any]] = {}
+        self.policies: dict[str, Policy] = {}
         self.nodes: dict[str, NodeView] = {}
 
     def view(self, controller: Controller, heard: set[str]) -> View | None:

@@ -45,6 +45,7 @@ from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
 from opsd.api.pipes import PIPE_BYTES, Frames, encode_frame
 from opsd.api.tls import CertificateReload
 from opsd.protocol.heartbeat import PATH, SEND_TO_API, Heartbeat, HeartbeatReply
+from opsd.protocol.policy_file import Policy
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class View(msgspec.Struct, array_like=True):
     interval_s: float | None  # the interval to send the ranks at
     liveness_port: int | None
     heartbeat_port: int | None
-    policies: dict[str, dict[str, Any]]  # run -> the policy for its ranks, for the runs whose policy changed
+    policies: dict[str, Policy]  # run -> the policy for its ranks, for the runs whose policy changed
     runs_gone: list[str]  # runs no longer told a policy
     nodes: dict[str, NodeView]  # the nodes whose record changed
     nodes_gone: list[str]  # nodes that only the API answers from now on
@@ -97,7 +98,7 @@ class Mirror:
         self.interval_s: float | None = None
         self.liveness_port: int | None = None
         self.heartbeat_port: int | None = None
-        self.policies: dict[str, dict[str, Any]] = {}
+        self.policies: dict[str, Policy] = {}
         self.nodes: dict[str, NodeView] = {}
 
     def apply(self, view: View) -> None:
@@ -129,7 +130,7 @@ class Mirror:
             return None
         return HeartbeatReply(
             ack_events_up_to=acked,
-            policy=policy or None,
+            policy=None if policy.empty else policy,
             telemetry_interval_s=self.interval_s,
             liveness_port=self.liveness_port,
             heartbeat_port=self.heartbeat_port,

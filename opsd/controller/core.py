@@ -44,6 +44,7 @@ from opsd.policy.detection import Failure
 from opsd.policy.pipeline import RunBubble, run_bubble
 from opsd.policy.spares import Spare, select_spare
 from opsd.policy.telemetry import TelemetryPlan
+from opsd.protocol.policy_file import Command
 from opsd.protocol.states import NodeRole
 
 LAUNCH_RECORD_S = 10.0  # a launch's record is written at most this often while it progresses (6x: while it does not)
@@ -176,18 +177,18 @@ class ControllerCore:
                 self.forgotten.add(run)
 
     # -- the ranks' policy -------------------------------------------------------------------------------------
-    def add_command(self, run: str, command: dict[str, Any]) -> None:
-        """Put ``command`` (``{"id", "name"[, "ranks"]}``) in the policy of ``run``'s ranks, once per id."""
+    def add_command(self, run: str, command: Command) -> None:
+        """Put ``command`` in the policy of ``run``'s ranks, once per id."""
         with self.lock:
             memory = self.remember(run)
             commands = memory.commands if memory.commands is not None else []
-            if all(c["id"] != command["id"] for c in commands):
-                memory.commands = [*commands, dict(command)]
+            if all(c.id != command.id for c in commands):
+                memory.commands = [*commands, command]
 
     def remove_command(self, run: str, command_id: str) -> None:
         with self.lock:
             memory = self.remember(run)
-            memory.commands = [c for c in memory.commands or [] if c["id"] != command_id]
+            memory.commands = [c for c in memory.commands or [] if c.id != command_id]
 
     def checkpoint_step_ahead(self, run: str) -> int | None:
         """A step far enough ahead that every rank has read a policy naming it before it gets there (the one-off

@@ -19,7 +19,7 @@ from typing import Any
 from opsd.analysis.flight_recorder import analyze
 from opsd.controller.core import ControllerCore
 from opsd.controller.rows import FlightDumpRow
-from opsd.protocol.policy_file import DUMP_COMMAND
+from opsd.protocol.policy_file import DUMP_COMMAND, Command
 from opsd.protocol.states import ActionKind
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def collect_dumps(
 ) -> dict[str, Any]:
     """Ask every rank of ``run`` for a Flight Recorder dump named ``trigger`` and wait until ``ranks`` have one kept
     or ``wait_s`` passes; what happened, for the ``dump`` action's result."""
-    controller.add_command(run, {"id": trigger, "name": DUMP_COMMAND})
+    controller.add_command(run, Command(id=trigger, name=DUMP_COMMAND))
     start = clock()
     try:
         while True:

@@ -13,7 +13,6 @@ import logging
 import math
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window, comm_totals
 from opsd.controller.liveness import Liveness
@@ -21,6 +20,7 @@ from opsd.controller.rows import RunSpec
 from opsd.policy.detection import GpuEvent
 from opsd.policy.pipeline import RankBubble
 from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply, HeartbeatTimeout
+from opsd.protocol.policy_file import EMPTY, Cadence, CheckpointCadence, Policy
 from opsd.protocol.states import NodeRole
 from opsd.protocol.xid_table import XidAction
 
@@ -66,7 +66,7 @@ class Intake(Liveness):
             self.store.ack_events(node, ack, now_s)
         return HeartbeatReply(
             ack_events_up_to=ack,
-            policy=policy or None,
+            policy=None if policy.empty else policy,
             telemetry_interval_s=interval_s,
             liveness_port=self.liveness_port,
             heartbeat_port=self.heartbeat_port,
@@ -88,9 +88,7 @@ class Intake(Liveness):
             self.lock.release()
         return True
 
-    def _take(
-        self, body: Heartbeat, acked: int, run_of_node: str | None, now_s: float
-    ) -> tuple[int, float, dict[str, Any]]:
+    def _take(self, body: Heartbeat, acked: int, run_of_node: str | None, now_s: float) -> tuple[int, float, Policy]:
         """Take ``body`` into memory (the caller holds the lock); the events acknowledged, the interval and the
         policy."""
         node, events = body.node, body.events
@@ -113,7 +111,7 @@ class Intake(Liveness):
         # events that need no action are acknowledged at once; the others once their incident is recorded
         newest = max((e.seq for e in events), default=acked)
         ack = min(live.events) - 1 if live.events else max(acked, newest)
-        policy = self._policy(run_of_node) if run_of_node is not None else {}
+        policy = self._policy(run_of_node) if run_of_node is not None else EMPTY
         return ack, interval_s, policy
 
     def _reply_later(self, node: str, acked: int, run: str | None) -> HeartbeatReply | None:
@@ -123,7 +121,7 @@ class Intake(Liveness):
         live = self.nodes.get(node)
         if live is not None and live.events:
             return None
-        policy: dict[str, Any] | None = {}
+        policy: Policy | None = EMPTY
         if run is not None:
             memory = self.memory.get(run)
             policy = memory.policy if memory is not None else None
@@ -131,7 +129,7 @@ class Intake(Liveness):
             return None
         return HeartbeatReply(
             ack_events_up_to=acked,
-            policy=policy or None,
+            policy=None if policy.empty else policy,
             telemetry_interval_s=self.telemetry.interval_s,
             liveness_port=self.liveness_port,
             heartbeat_port=self.heartbeat_port,
@@ -161,7 +159,7 @@ class Intake(Liveness):
             return True
         return any(r.run not in self.known_runs for r in body.ranks)
 
-    def policies(self) -> dict[str, dict[str, Any]]:
+    def policies(self) -> dict[str, Policy]:
         """The policy of each run in memory (for the API's heartbeat process): made now if the lock is free at once,
         else as the run's last heartbeat was told (the API's event loop never waits for the lock)."""
         if not self.lock.acquire(blocking=False):
@@ -171,23 +169,19 @@ class Intake(Liveness):
         finally:
             self.lock.release()
 
-    def _policy(self, run: str) -> dict[str, Any]:
+    def _policy(self, run: str) -> Policy:
         """The policy for the ranks of ``run`` (docs/protocol.md); called with the lock held."""
-        policy: dict[str, Any] = {}
         memory = self.memory.get(run)
         if memory is None:
-            return policy
-        c = memory.cadence
+            return EMPTY
+        c, p = memory.cadence, memory.previous_cadence
+        checkpoint = None
         if c is not None:
-            checkpoint: dict[str, Any] = {"every_steps": c.every_steps, "from_step": c.from_step}
-            p = memory.previous_cadence
-            if p is not None:
-                checkpoint["previous"] = {"every_steps": p.every_steps, "from_step": p.from_step}
-            policy["checkpoint"] = checkpoint
-        if memory.checkpoint_at is not None:
-            policy["checkpoint_at_step"] = memory.checkpoint_at
-        if memory.commands is not None:  # once a run had one, an empty list: agents then rewrite a file that held one
-            policy["commands"] = list(memory.commands)
+            previous = Cadence(every_steps=p.every_steps, from_step=p.from_step) if p is not None else None
+            checkpoint = CheckpointCadence(every_steps=c.every_steps, from_step=c.from_step, previous=previous)
+        # once a run had a command, an empty tuple: agents then rewrite a file that held one
+        commands = tuple(memory.commands) if memory.commands is not None else None
+        policy = Policy(checkpoint=checkpoint, checkpoint_at_step=memory.checkpoint_at, commands=commands)
         memory.policy = policy
         return policy
 

@@ -21,6 +21,7 @@ from opsd.policy.cadence import Cadence
 from opsd.policy.detection import AgentDown, GpuEvent
 from opsd.policy.pipeline import RankBubble
 from opsd.policy.stragglers import StragglerScore
+from opsd.protocol.policy_file import Command, Policy
 
 
 class Window(Sequence[float]):
@@ -392,8 +393,8 @@ class RunMemory:
     launched_s: float = 0.0  # when its current launch started
     launch: int | None = None  # the launch its ranks report (OPSD_LAUNCH), when the backend named it
     checkpoint_at: int | None = None  # a one-off checkpoint step asked for (a graceful restart)
-    commands: list[dict[str, Any]] | None = None  # commands for its ranks (docs/protocol.md); None: never had one
-    policy: dict[str, Any] | None = None  # the policy its last heartbeat was told (None: none told yet)
+    commands: list[Command] | None = None  # commands for its ranks (docs/protocol.md); None: never had one
+    policy: Policy | None = None  # the policy its last heartbeat was told (None: none told yet)
     progressed_s: float | None = None  # when its newest step last advanced
     ended_step: int = -1  # the newest step of its previous launch (-1: unknown)
     checkpointed_s: float | None = None  # when every rank had finished one more checkpoint

@@ -9,18 +9,20 @@ structs without them, the receiver refuses what breaks them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
 from opsd.errors import BodyError
+from opsd.protocol.policy_file import Policy
 
 VERSION: Literal[1] = 1
 PATH = "/v1/heartbeat"
 #: the heartbeat process's answer to a heartbeat only the API answers (its node or a run of it new, GPU events):
 #: send it to the API's URL (421 Misdirected Request)
 SEND_TO_API = 421
+T = TypeVar("T")
 
 # ``$`` alone would let a trailing newline through (Python's re.search)
 Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$(?!\n)")]
@@ -136,20 +138,30 @@ class HeartbeatReply(Struct, kw_only=True):
     than the last two says neither interval nor port: its agents send everything every interval."""
 
     ack_events_up_to: int
-    policy: dict[str, Any] | None = None
+    policy: Policy | None = None
     telemetry_interval_s: Annotated[float, Meta(gt=0)] | None = None
     liveness_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
     heartbeat_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
 
 _DECODER = msgspec.json.Decoder(Heartbeat)
+_REPLY_DECODER = msgspec.json.Decoder(HeartbeatReply)
 _ENCODER = msgspec.json.Encoder()
 
 
 def decode_heartbeat(data: bytes) -> Heartbeat:
     """Parse and validate a heartbeat body (defaults filled in); ``BodyError`` names what does not fit."""
+    return _decode(_DECODER, data)
+
+
+def decode_reply(data: bytes) -> HeartbeatReply:
+    """Parse and validate the controller's reply (the agent's side); ``BodyError`` names what does not fit."""
+    return _decode(_REPLY_DECODER, data)
+
+
+def _decode(decoder: msgspec.json.Decoder[T], data: bytes) -> T:
     try:
-        return _DECODER.decode(data)
+        return decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise BodyError(str(exc)) from None
     except msgspec.DecodeError as exc:

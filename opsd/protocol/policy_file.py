@@ -1,19 +1,24 @@
-"""The policy file: what the controller asks of a run's ranks (docs/protocol.md, "Policy"), as the node agent
-writes it (``$OPSD_POLICY_FILE``, from the ``policy`` of the heartbeat's reply) and the ranks read it
-(``trainer_hooks.policy_reader``).
+"""The policy: what the controller asks of a run's ranks (docs/protocol.md, "Policy"). One struct, built by the
+controller, carried in the heartbeat's reply (``opsd.protocol.heartbeat.HeartbeatReply.policy``), written by the
+node agent to the policy file (``$OPSD_POLICY_FILE``) and served at ``GET /v1/policy``, and read by the ranks
+(``trainer_hooks.policy_reader``); every one of them encodes and decodes it with this module.
 
 The checkpoint cadence is "every K steps from step E": E is chosen by the controller safely in the future, so
 every rank, whichever moment its node's file changed, saves at the same steps (a checkpoint is a collective).
-Before E, what was in force before applies: the ``previous`` cadence the file names, else the rank's local one
+Before E, what was in force before applies: the ``previous`` cadence the policy names, else the rank's local one
 (the same on every rank, since every rank got the same command line). Commands (``dump_flight_recorder``) run once
 per id on the ranks they name.
+
+The policy always says its version (``"v": 1``, a tag msgspec writes and checks); one without it (a controller
+before the tag) is read as version 1. Fields left at their default are not written.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
 
 from opsd.errors import PermanentError
 
@@ -21,81 +26,81 @@ VERSION = 1
 #: the command that asks ranks for a Flight Recorder dump (docs/flight-recorder.md)
 DUMP_COMMAND = "dump_flight_recorder"
 
+Steps = Annotated[int, Meta(ge=1)]
+Step = Annotated[int, Meta(ge=0)]
+RankId = Annotated[int, Meta(ge=0)]
+
 
 class PolicyError(PermanentError, ValueError):
-    """A policy file that does not follow docs/protocol.md."""
+    """A policy that does not follow docs/protocol.md."""
 
 
-@dataclass(frozen=True)
-class Command:
+class Cadence(Struct, frozen=True, kw_only=True):
+    """Save at every step ``s >= from_step`` with ``(s - from_step) % every_steps == 0``."""
+
+    every_steps: Steps
+    from_step: Step = 0
+
+    def due(self, step: int) -> bool | None:
+        """Whether ``step`` is one of the cadence's; None before ``from_step`` (another rule decides)."""
+        if step < self.from_step:
+            return None
+        return (step - self.from_step) % self.every_steps == 0
+
+
+class CheckpointCadence(Cadence, frozen=True, kw_only=True):
+    """The cadence in force from ``from_step``, and the one in force before it (``previous``; None: the rank's
+    local cadence)."""
+
+    previous: Cadence | None = None
+
+
+class Command(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A command for the ranks, run once per ``id`` by each rank named (``ranks``; None: every rank)."""
+
     id: str
     name: str  # e.g. "dump_flight_recorder"
-    ranks: tuple[int, ...] | None = None  # None: every rank
+    ranks: tuple[RankId, ...] | None = None
 
 
-@dataclass(frozen=True)
-class Policy:
-    checkpoint_every_steps: int | None = None
-    checkpoint_from_step: int = 0
-    commands: tuple[Command, ...] = ()
-    previous_every_steps: int | None = None  # the cadence in force before checkpoint_from_step, if any
-    previous_from_step: int = 0
-    checkpoint_at_step: int | None = None  # a one-off checkpoint asked for (a graceful restart), besides the cadence
+class Policy(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="v", tag=VERSION):
+    """The policy for a run's ranks; ``Policy()`` says nothing (the ranks keep their local cadence)."""
+
+    checkpoint: CheckpointCadence | None = None
+    checkpoint_at_step: Steps | None = None  # a one-off checkpoint asked for (a graceful restart), besides the cadence
+    commands: tuple[Command, ...] | None = None  # None: the run never had one (an empty tuple: it had, now none)
+
+    @property
+    def empty(self) -> bool:
+        return self == EMPTY
 
     def checkpoint_due(self, step: int, local: bool = False) -> bool:
         """Whether to save after ``step``; ``local``: the rank's own cadence's answer, used before any published
         cadence takes effect."""
         if step == self.checkpoint_at_step:
             return True
-        every = self.checkpoint_every_steps
-        if every is not None and step >= self.checkpoint_from_step:
-            return (step - self.checkpoint_from_step) % every == 0
-        before = self.previous_every_steps
-        if before is not None and step >= self.previous_from_step:
-            return (step - self.previous_from_step) % before == 0
+        c = self.checkpoint
+        if c is None:
+            return local
+        for rule in (c, c.previous):
+            due = rule.due(step) if rule is not None else None
+            if due is not None:
+                return due
         return local
 
 
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PolicyError(f"policy.{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+EMPTY = Policy()
+_DECODER = msgspec.json.Decoder(Policy)
+_ENCODER = msgspec.json.Encoder()
 
 
-def _cadence(value: Any, name: str) -> tuple[int, int]:
-    """``{"every_steps": K, "from_step": E}`` at ``policy.<name>`` -> (K, E)."""
-    if not isinstance(value, dict):
-        raise PolicyError(f"policy.{name} must be an object")
-    every = _int(value.get("every_steps"), f"{name}.every_steps", 1)
-    return every, _int(value.get("from_step", 0), f"{name}.from_step", 0)
-
-
-def parse_policy(data: bytes) -> Policy:
+def decode_policy(data: bytes | str) -> Policy:
+    """Parse and validate a policy (the file, the agent's answer); ``PolicyError`` names what does not fit."""
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise PolicyError(f"policy is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("v") != 1:
-        raise PolicyError("policy must be a JSON object with v = 1")
-    every: int | None = None
-    before: int | None = None
-    start = before_start = 0
-    cadence = doc.get("checkpoint")
-    if cadence is not None:
-        every, start = _cadence(cadence, "checkpoint")
-        if cadence.get("previous") is not None:
-            before, before_start = _cadence(cadence["previous"], "checkpoint.previous")
-    commands = []
-    raw = doc.get("commands", [])
-    if not isinstance(raw, list):
-        raise PolicyError("policy.commands must be a list")
-    for c in raw:
-        if not (isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("name"), str)):
-            raise PolicyError("policy.commands entries need string id and name")
-        ranks = c.get("ranks")
-        if ranks is not None and not (isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)):
-            raise PolicyError("policy.commands[].ranks must be a list of ranks")
-        commands.append(Command(c["id"], c["name"], tuple(ranks) if ranks is not None else None))
-    at = doc.get("checkpoint_at_step")
-    at_step = _int(at, "checkpoint_at_step", 1) if at is not None else None
-    return Policy(every, start, tuple(commands), before, before_start, at_step)
+        return _DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise PolicyError(f"policy does not fit docs/protocol.md: {exc}") from None
+
+
+def encode_policy(policy: Policy) -> bytes:
+    return _ENCODER.encode(policy)
