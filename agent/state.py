@@ -23,6 +23,8 @@ from opsd.protocol.wire import PHASES, StepReport, TimeoutReport
 OVERFLOW = ("other", "other")
 RUN_OVERFLOW = ("other", "other", "other")
 _LABEL = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_LABELS: dict[str, str] = {}  # name -> its label (``_label``)
+_MAX_LABELS = 4096
 
 
 @dataclass
@@ -150,23 +152,40 @@ class NodeState:
                 f.quorum_wait_s += report.ft.quorum_wait_s
                 f.discarded_steps += not report.ft.committed
             state.comm_host_timed_s += report.comm_host_timed_s
-            run_comms = self._run_comms.setdefault(report.run, {}) if report.comms else {}
-            for entry in report.comms:
-                dim, op, count, nbytes, seconds = entry.dimension, entry.op, entry.count, entry.bytes, entry.seconds
-                pair = (dim, op)
-                if pair not in state.comms and len(state.comms) >= self.max_comm_series - 1:
+            if report.comms:
+                self._fold_comms(state, self._run_comms.setdefault(report.run, {}), report)
+
+    def _fold_comms(
+        self, state: RankState, run_comms: dict[tuple[str, str, str], CommTotals], report: StepReport
+    ) -> None:
+        """A report's collectives into its rank's totals by (dimension, op) and its run's by (phase, dimension, op),
+        each within its budget of series (the lock held). The hot path of the agent's ingest: a totals object is
+        made only for a series new to it."""
+        rank_comms = state.comms
+        for entry in report.comms:
+            dim, op, count, nbytes, seconds = entry.dimension, entry.op, entry.count, entry.bytes, entry.seconds
+            pair = (dim, op)
+            totals = rank_comms.get(pair)
+            if totals is None:
+                if len(rank_comms) >= self.max_comm_series - 1:
                     pair = OVERFLOW  # the last of the budget
-                totals = state.comms.setdefault(pair, CommTotals())
-                totals.count += count
-                totals.bytes += nbytes
-                totals.seconds += seconds
-                stack: tuple[str, str, str] = (entry.phase, _label(dim), _label(op))
-                if stack not in run_comms and len(run_comms) >= self.max_run_comm_series - 1:
+                totals = rank_comms.get(pair)
+                if totals is None:
+                    totals = rank_comms[pair] = CommTotals()
+            totals.count += count
+            totals.bytes += nbytes
+            totals.seconds += seconds
+            stack = (entry.phase, _label(dim), _label(op))
+            totals = run_comms.get(stack)
+            if totals is None:
+                if len(run_comms) >= self.max_run_comm_series - 1:
                     stack = RUN_OVERFLOW  # the last of the budget
-                totals = run_comms.setdefault(stack, CommTotals())
-                totals.count += count
-                totals.bytes += nbytes
-                totals.seconds += seconds
+                totals = run_comms.get(stack)
+                if totals is None:
+                    totals = run_comms[stack] = CommTotals()
+            totals.count += count
+            totals.bytes += nbytes
+            totals.seconds += seconds
 
     def expire(self, now_s: float) -> list[tuple[str, int]]:
         """Forget the ranks not heard from for ``stale_after_s``; the (run, rank) pairs forgotten."""
@@ -214,4 +233,11 @@ class NodeState:
 
 
 def _label(name: str) -> str:
-    return name if _LABEL.fullmatch(name) else "other"
+    """``name`` as a label value of the run's series: itself when it is a short word, else ``other`` (remembered:
+    every report names the same few)."""
+    label = _LABELS.get(name)
+    if label is None:
+        if len(_LABELS) >= _MAX_LABELS:
+            _LABELS.clear()
+        label = _LABELS[name] = name if _LABEL.fullmatch(name) else "other"
+    return label
