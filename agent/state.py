@@ -175,7 +175,7 @@ class NodeState:
             totals.count += count
             totals.bytes += nbytes
             totals.seconds += seconds
-            stack = (entry.phase, _label(dim), _label(op))
+            stack: tuple[str, str, str] = (entry.phase, _label(dim), _label(op))
             totals = run_comms.get(stack)
             if totals is None:
                 if len(run_comms) >= self.max_run_comm_series - 1:
