@@ -22,12 +22,16 @@ A quorum that does not form within the quorum timeout (fewer than ``min_replicas
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -37,6 +41,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torchft.checkpointing._serialization import _streaming_load
 from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -62,13 +68,75 @@ def in_job(model: ParallelModel, spec: MeshSpec, group: int) -> ParallelModel:
     return replace(model, spec=spec, coords={**model.coords, "dp_replicate": group})
 
 
-class _TimedTransport(HTTPTransport):  # type: ignore[misc]
-    """torchft's HTTP checkpoint transport, timing what this rank spends fetching a peer's state (on the Manager's
-    quorum thread)."""
+class _Gate:
+    """What the HTTP transport's request handler takes for each request, in place of torchft's read-write lock: a
+    request waits (up to the timeout) while no checkpoint is allowed, and disallowing never waits for a request
+    being served. torchft's lock made ``disallow_checkpoint`` (inside ``should_commit``, every step) wait for every
+    request being served, then raise ``TimeoutError`` into the training loop: a healer that read slowly crashed the
+    healthy group that served it. Here a request serves a snapshot the group no longer writes to
+    (``_PeerTransport.send_checkpoint``), so nothing needs to wait for it."""
 
-    def __init__(self, timeout: timedelta) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._open = threading.Event()
+
+    @contextlib.contextmanager
+    def r_lock(self) -> Iterator[None]:
+        if not self._open.wait(self.timeout_s):
+            raise TimeoutError(f"no checkpoint allowed within {self.timeout_s} s")
+        yield
+
+    def w_acquire(self) -> None:
+        self._open.clear()
+
+    def w_release(self) -> None:
+        self._open.set()
+
+
+def _snapshot(state: Any) -> Any:
+    """``state`` with each tensor in host memory copied: what a healer reads is not what the next optimizer step
+    writes (torchft copies a GPU tensor to the host itself; a tensor already there it would serve as it is)."""
+    values, spec = tree_flatten(state)
+    copied = [v.detach().clone() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v for v in values]
+    return tree_unflatten(copied, spec)
+
+
+class _Throttled(io.RawIOBase):
+    """A response read at most ``bytes_per_s`` (fault injection: a healer on a slow link)."""
+
+    def __init__(self, raw: Any, bytes_per_s: float) -> None:
+        self._raw = raw
+        self._bytes_per_s = bytes_per_s
+        self._start = time.monotonic()
+        self._read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer)[:65536]
+        n = self._raw.readinto(view)
+        self._read += n
+        time.sleep(max(0.0, self._start + self._read / self._bytes_per_s - time.monotonic()))
+        return int(n)
+
+
+class _PeerTransport(HTTPTransport):  # type: ignore[misc]
+    """torchft's HTTP checkpoint transport, with what a healthy group serving a healer must never do taken out: wait
+    for the healer (``_Gate``), or let it read state the next step is writing (``_snapshot``). It also times what
+    this rank spends fetching a peer's state (on the Manager's quorum thread), and can read slowly on purpose
+    (``read_bytes_per_s``: fault injection)."""
+
+    def __init__(self, timeout: timedelta, read_bytes_per_s: float | None = None) -> None:
         super().__init__(timeout=timeout, num_chunks=0)
+        self._checkpoint_lock = _Gate(timeout.total_seconds())  # closed: nothing is allowed before the first send
+        self.read_bytes_per_s = read_bytes_per_s
         self.fetch_s = 0.0
+        self.sent = 0  # checkpoints offered to healers
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        self.sent += 1
+        super().send_checkpoint(dst_ranks, step, _snapshot(state_dict), timeout)
 
     def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -76,6 +144,13 @@ class _TimedTransport(HTTPTransport):  # type: ignore[misc]
             return super().recv_checkpoint(*args, **kwargs)
         finally:
             self.fetch_s += time.perf_counter() - start
+
+    def _load_from_address(self, address: str, timeout: timedelta) -> object:
+        if self.read_bytes_per_s is None:
+            return super()._load_from_address(address, timeout)
+        log.warning("fault injection: reading the peer's state at %g bytes/s", self.read_bytes_per_s)
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            return _streaming_load(io.BufferedReader(_Throttled(f, self.read_bytes_per_s)), weights_only=False)
 
 
 class _Quorums:
@@ -149,6 +224,7 @@ class FaultTolerance:
         *,
         monitor: Monitor | None = None,
         kill_while_healing: bool = False,
+        heal_read_bytes_per_s: float | None = None,
     ) -> None:
         self.replica = replica
         self.model = model
@@ -164,7 +240,7 @@ class FaultTolerance:
         t = replica.timeouts
         backend = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
         self.pg = backend(timeout=timedelta(seconds=t.timeout_s))
-        self.transport = _TimedTransport(timedelta(seconds=t.timeout_s))
+        self.transport = _PeerTransport(timedelta(seconds=t.timeout_s), heal_read_bytes_per_s)
         self._store = None
         store_addr = os.environ.get("MASTER_ADDR")
         store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None

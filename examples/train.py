@@ -134,6 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE set; docs/ft.md)",
     )
     p.add_argument("--ft-kill-while-healing", action="store_true", help=argparse.SUPPRESS)  # fault injection (tests)
+    # fault injection (tests): a healing group reads its peer's state at most this fast
+    p.add_argument("--ft-heal-read-bytes-per-s", type=float, default=None, help=argparse.SUPPRESS)
     # tests: the hashes of each rank's state after each step, in --losses-out
     p.add_argument("--state-digests", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
@@ -387,6 +389,7 @@ def train(
                 data,
                 monitor=monitor,
                 kill_while_healing=args.ft_kill_while_healing,
+                heal_read_bytes_per_s=args.ft_heal_read_bytes_per_s,
             )
         rank0 = dist.get_rank() == 0
         if rank0:

@@ -68,12 +68,13 @@ class Job:
     groups: dict[int, ReplicaGroup] = field(default_factory=dict)
     events: dict[str, float] = field(default_factory=dict)
     starts: int = 0
+    model: tuple[str, ...] = MODEL
 
     def start(self, group: int, *extra: str) -> ReplicaGroup:
         self.starts += 1
         replica = ReplicaGroupEnv(group, 2, self.lighthouse.address, 1, self.timeouts)
         argv = [
-            *("--mesh", MESH, "--steps", "100000", "--steps-file", str(self.root / "last-step"), *MODEL),
+            *("--mesh", MESH, "--steps", "100000", "--steps-file", str(self.root / "last-step"), *self.model),
             *("--opsd-monitor", "--opsd-jsonl", str(self.root / "rank{rank}.jsonl"), "--state-digests"),
             *("--losses-out", str(self.root / "group{replica_group}.json"), "--ckpt-dir", str(self.root / "ckpt")),
             *("--ckpt-every", "100", "--ckpt-sync", *extra),
@@ -273,3 +274,46 @@ def test_without_enough_groups_a_survivor_exits_75_after_a_whole_job_restart(
         alone = [r for r in steps if r.time_unix_s > killed and r.ft is not None and r.ft.committed]
         assert all(r.ft is not None and r.ft.quorum_replicas == 2 for r in alone)  # never a step alone
         print(f"group 0 gave up {gave_up_s:.1f} s after group 1 died (quorum timeout 3 s)")
+
+
+# a model whose state per rank (~25 MB: weights and Adam's two moments, sharded over 2 ranks) is well beyond what the
+# sockets between two ranks buffer: a healer that reads slowly holds the serving rank's request for the whole read
+SLOW_HEAL_MODEL = ("--dim", "512", "--layers", "4", "--seq-len", "16")
+SLOW_HEAL_BYTES_PER_S = 2_000_000
+SLOW_HEAL_TIMEOUT_S = 3
+
+
+def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyond_the_bound(tmp_path: Path) -> None:
+    """Group 1 is killed and started again reading group 0's state at 2 MB/s, for longer than twice the Manager's
+    timeout. Before: group 0's collective with the healer timed out, its step was discarded, and ``should_commit``
+    waited for the request still being served, then raised ``TimeoutError`` into the training loop: the healthy
+    group died. Now the serving group never waits for a request (it serves a snapshot), and its longest gap between
+    committed steps is bounded by the heal's transfer plus two timeouts."""
+    timeouts = ManagerTimeouts(
+        timeout_s=SLOW_HEAL_TIMEOUT_S,
+        quorum_timeout_s=QUORUM_TIMEOUT_S,
+        connect_timeout_s=SLOW_HEAL_TIMEOUT_S,
+        quorum_retries=20,
+    )
+    config = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    with job(tmp_path, config, timeouts) as j:
+        j.model = SLOW_HEAL_MODEL
+        j.start(0)
+        j.start(1)
+        j.wait("both groups at step 3", lambda: min(j.step(0), j.step(1)) >= 3)
+        j.groups[1].kill()
+        killed = time.time()
+        j.start(1, "--ft-heal-read-bytes-per-s", str(SLOW_HEAL_BYTES_PER_S))
+        j.wait("group 1 healed", lambda: j.in_quorum_of_two_since(1, killed))
+        last = max(j.step(0), j.step(1)) + 3
+        (j.root / "last-step").write_text(str(last))
+        for g in (0, 1):
+            assert j.groups[g].wait(WAIT_S) == 0, f"group {g}: see {j.root}"
+        healed = [r for r in steps_of(j.root, 2) if r.time_unix_s > killed and r.ft is not None and r.ft.healing_s]
+        assert healed, f"group 1 never healed: see {j.root}"
+        fetch_s = max(r.ft.healing_s for r in healed if r.ft is not None)
+        stall_s = longest_gap(steps_of(j.root, 0), killed, healed[0].time_unix_s)
+        print(f"group 1 read its peer's state in {fetch_s:.1f} s; group 0's longest gap {stall_s:.1f} s")
+        assert fetch_s > 2 * SLOW_HEAL_TIMEOUT_S  # the read outlasted the timeouts that crashed group 0 before
+        assert stall_s < fetch_s + 2 * SLOW_HEAL_TIMEOUT_S + HEARTBEAT_TIMEOUT_MS / 1000
+        assert max(r.step for r in steps_of(j.root, 0)) == last
