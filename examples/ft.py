@@ -18,6 +18,11 @@ at every step, rank 0 of each group asks the Lighthouse for a quorum of the grou
 
 A quorum that does not form within the quorum timeout (fewer than ``min_replicas`` groups alive) raises
 ``NoQuorumError``: the trainer exits with ``EXIT_NO_QUORUM`` rather than train on alone.
+
+A group relaunched while its peers train (``heal_from_peer``: ``OPSD_FT_HEAL_FROM_PEER=1``) reads no checkpoint: it
+heals from a live peer. Until it has, it commits nothing: a step in which it would train from what it has (alone
+in its quorum, or no peer ahead of it) is discarded, and when no peer has let it heal within the quorum timeout it
+raises ``NoQuorumError`` too (then only a whole-job restart from the checkpoint is left).
 """
 
 from __future__ import annotations
@@ -274,6 +279,11 @@ class FaultTolerance:
         if monitor is not None:
             monitor.watch_replica_group(replica.group, replica.groups)
         self.heals = 0
+        self.healing_total_s = 0.0  # fetching and loading a peer's state, over every heal
+        self.discarded = 0  # steps of this group not committed (their update thrown away, their batch done again)
+        self.commit_times_unix_s: list[float] = []  # when each committed step ended
+        self.awaiting_peer = replica.heal_from_peer  # relaunched while its peers train: commits nothing before it heals
+        self._awaiting_since_s: float | None = None
         self._quorum_ready = False
         self._no_quorum: BaseException | None = None
         self._quorum_wait_s = 0.0
@@ -324,15 +334,36 @@ class FaultTolerance:
         start = time.perf_counter()
         self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
         TRACER.record("dp_replicate", "all_reduce", total.element_size(), time.perf_counter() - start)
+        self._hold_until_healed()
         committed = bool(self.manager.should_commit())
+        if self.awaiting_peer and self.heals:
+            self.awaiting_peer = False
+            log.info("healed from a live peer at step %d: no checkpoint read", self.manager.current_step())
         loss = None
         if committed:
+            self.commit_times_unix_s.append(time.time())
             self.optimizer.step()
             self.scheduler.step()
             loss = float(total) / (self.manager.num_participants() * dist.get_world_size() // pp)
+        else:
+            self.discarded += 1
         self.data.position = self.manager.current_step()
         self._report(committed)
         return loss
+
+    def _hold_until_healed(self) -> None:
+        """A group that is to heal from a peer and does not heal this step (alone in its quorum, or no peer ahead of
+        it) would train from its initial state: the step is discarded (an error reported to the Manager). Raises
+        ``NoQuorumError`` when no peer let it heal within the quorum timeout."""
+        if not self.awaiting_peer or not self.manager.is_participating():  # not participating: it heals this step
+            return
+        now_s = time.monotonic()
+        if self._awaiting_since_s is None:
+            self._awaiting_since_s = now_s
+        waited_s = now_s - self._awaiting_since_s
+        if waited_s > self.replica.timeouts.quorum_timeout_s:
+            raise NoQuorumError(f"no live peer to heal from within {self.replica.timeouts.quorum_timeout_s} s")
+        self.manager.report_error(RuntimeError(f"waiting for a live peer to heal from ({waited_s:.1f} s)"))
 
     @property
     def _device(self) -> torch.device:
@@ -345,6 +376,7 @@ class FaultTolerance:
 
     def _report(self, committed: bool) -> None:
         healing_s = self._apply_s + (self.transport.fetch_s - self._fetched_s)
+        self.healing_total_s += healing_s
         if self.monitor is None:
             return
         self.monitor.record_quorum(

@@ -376,7 +376,9 @@ def train(
         if monitor is not None and spec.pp > 1:  # the schedule its bubble is compared to
             monitor.watch_pipeline(args.pp_schedule, stages=spec.pp, microbatches=microbatches)
         ckpt, state = make_checkpointer(args, group, monitor, model.module, optimizer, data=data, scheduler=scheduler)
-        resumed = ckpt.load(state) if ckpt is not None and state is not None and args.resume else None
+        # a replica group relaunched while its peers train heals from them: no checkpoint read (examples/ft.py)
+        from_peer = replica is not None and replica.heal_from_peer
+        resumed = ckpt.load(state) if ckpt is not None and state is not None and args.resume and not from_peer else None
         if replica is not None:  # last before the first step: from here on the Lighthouse counts the group alive
             from examples.ft import FaultTolerance, in_job
 
@@ -396,6 +398,8 @@ def train(
             print(f"layout {spec} on {spec.world_size} rank(s), {device.type}/{dist.get_backend()}", flush=True)
             if resumed is not None:
                 print(f"resumed from the checkpoint of step {resumed}", flush=True)
+            elif from_peer:
+                print("relaunched while the other groups train: healing from one, no checkpoint read", flush=True)
         first_step = data.position
         if monitor is not None:
             monitor.resume_at(first_step)  # reports number steps as training does
@@ -452,7 +456,15 @@ def train(
                 extra["step_digests"] = {str(s): gather_digests(d) for s, d in sorted(digests.items())}
             if ft is not None:
                 hashes = gather_digests(state_digest(model.module, optimizer))
-                extra.update(replica_group=ft.replica.group, heals=ft.heals, state_hashes=hashes)
+                extra.update(
+                    replica_group=ft.replica.group,
+                    heals=ft.heals,
+                    state_hashes=hashes,
+                    discarded_steps=ft.discarded,
+                    healing_s=ft.healing_total_s,
+                    commit_times_unix_s=ft.commit_times_unix_s,
+                    checkpoint_read=resumed is not None,
+                )
             path = Path(str(args.losses_out).replace("{replica_group}", str(replica.group if replica else 0)))
             write_report(path, model, cfg, losses, tokens_per_step=args.batch_size * cfg.seq_len, **extra)
         dist.barrier()

@@ -70,9 +70,9 @@ class Job:
     starts: int = 0
     model: tuple[str, ...] = MODEL
 
-    def start(self, group: int, *extra: str) -> ReplicaGroup:
+    def start(self, group: int, *extra: str, heal_from_peer: bool = False) -> ReplicaGroup:
         self.starts += 1
-        replica = ReplicaGroupEnv(group, 2, self.lighthouse.address, 1, self.timeouts)
+        replica = ReplicaGroupEnv(group, 2, self.lighthouse.address, 1, self.timeouts, heal_from_peer=heal_from_peer)
         argv = [
             *("--mesh", MESH, "--steps", "100000", "--steps-file", str(self.root / "last-step"), *self.model),
             *("--opsd-monitor", "--opsd-jsonl", str(self.root / "rank{rank}.jsonl"), "--state-digests"),
@@ -317,3 +317,22 @@ def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyon
         assert fetch_s > 2 * SLOW_HEAL_TIMEOUT_S  # the read outlasted the timeouts that crashed group 0 before
         assert stall_s < fetch_s + 2 * SLOW_HEAL_TIMEOUT_S + HEARTBEAT_TIMEOUT_MS / 1000
         assert max(r.step for r in steps_of(j.root, 0)) == last
+
+
+def test_a_group_relaunched_to_heal_that_finds_no_peer_exits_75_without_training_from_scratch(tmp_path: Path) -> None:
+    """A group relaunched alone (``OPSD_FT_HEAL_FROM_PEER=1``) reads no checkpoint. Its peer is gone too (here: never
+    started): rather than train the job again from its initial weights, it discards each step it would take alone
+    and exits 75 after the quorum timeout, which leaves the controller a whole-job restart from the checkpoint."""
+    timeouts = ManagerTimeouts(timeout_s=10, quorum_timeout_s=3, quorum_retries=3)
+    with job(tmp_path, LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS), timeouts) as j:
+        started = time.time()
+        alone = j.start(1, "--resume", heal_from_peer=True)
+        assert alone.wait(WAIT_S) == EXIT_NO_QUORUM, f"see {j.root}"
+        gave_up_s = time.time() - started
+        log = next(j.root.glob("group1.start*.log")).read_text(errors="replace")
+        assert "no live peer to heal from within 3 s" in log
+        assert "no checkpoint read" in log
+        reports = [r.ft for r in steps_of(j.root, 2) if r.ft is not None]  # the step that raised has no quorum
+        assert reports, f"group 1 reported no step: see {j.root}"
+        assert not any(ft.committed for ft in reports)  # every step it took alone discarded
+        print(f"group 1 discarded {len(reports)} steps alone and gave up {gave_up_s:.1f} s after its start")

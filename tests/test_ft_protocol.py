@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from opsd.protocol.ft import (
+    HEAL_FROM_PEER_ENV,
     LIGHTHOUSE_ENV,
     MIN_REPLICAS_ENV,
     QUORUM_RETRIES_ENV,
@@ -31,11 +32,14 @@ def test_a_group_reads_back_what_its_launcher_set() -> None:
     assert env[TIMEOUT_ENV] == "30"  # torchft's own variable, in whole seconds
     assert env[QUORUM_RETRIES_ENV] == "4"
     assert ReplicaGroupEnv.from_env(env) == sent
+    relaunched = ReplicaGroupEnv(1, 3, "http://10.0.0.5:29510", heal_from_peer=True)
+    assert relaunched.env()[HEAL_FROM_PEER_ENV] == "1"
+    assert ReplicaGroupEnv.from_env(relaunched.env()) == relaunched
 
 
 def test_what_a_launcher_may_leave_out_has_defaults() -> None:
     replica = ReplicaGroupEnv.from_env(GOOD)
-    assert (replica.group, replica.groups, replica.min_replicas) == (1, 2, 1)
+    assert (replica.group, replica.groups, replica.min_replicas, replica.heal_from_peer) == (1, 2, 1, False)
     assert replica.timeouts == ManagerTimeouts()
 
 
@@ -54,6 +58,7 @@ BAD_ENV: dict[str, tuple[dict[str, str], str]] = {
     "fractional timeout": ({**GOOD, QUORUM_TIMEOUT_ENV: "1.5"}, "TORCHFT_QUORUM_TIMEOUT_SEC must be an integer"),
     "zero timeout": ({**GOOD, TIMEOUT_ENV: "0"}, "ft.timeout_s must be a whole number of seconds >= 1"),
     "negative retries": ({**GOOD, QUORUM_RETRIES_ENV: "-1"}, "ft.quorum_retries must be >= 0"),
+    "heal flag not 0 or 1": ({**GOOD, HEAL_FROM_PEER_ENV: "yes"}, "OPSD_FT_HEAL_FROM_PEER must be 0 or 1, got 'yes'"),
 }
 
 

@@ -45,6 +45,26 @@ CASES = {
         [Interruption(failed_s=500, detected_s=501, resumed_s=531, lost_steps=4, step_time_s=2.0)],
         {"productive": 951.0, "startup": 10.0, "detection": 1.0, "restart": 30.0, "recompute": 8.0},
     ),
+    # a replica recovery of 1 group of 4: its share of the job is down; the 3 others waited for a quorum and
+    # discarded 2 steps around it, which they did again (3/4 of the job's step, twice)
+    "a replica recovery: the other groups' discarded steps are recomputed at their share": (
+        1000.0,
+        0.0,
+        None,
+        [
+            Interruption(
+                failed_s=100,
+                detected_s=104,
+                resumed_s=144,
+                lost_steps=0,
+                step_time_s=2.0,
+                share=0.25,
+                stall_s=3.0,
+                discarded_steps=2,
+            )
+        ],
+        {"productive": 983.0, "detection": 1.0, "restart": 10.0, "recompute": 3.0, "quorum": 3.0},
+    ),
 }
 
 

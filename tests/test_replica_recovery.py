@@ -54,10 +54,17 @@ def ft_run(tmp_path: Path, *, min_replicas: int = 1, spare: bool = True) -> tupl
 
 
 def beat(
-    c: Controller, now_s: float, steps: dict[int, int], launches: dict[int, int], waited_s: float = 0.0, **more: Any
+    c: Controller,
+    now_s: float,
+    steps: dict[int, int],
+    launches: dict[int, int],
+    waited_s: float = 0.0,
+    discarded: int = 0,
+    **more: Any,
 ) -> None:
     """Each rank's agent: rank r (group r) at ``steps[r]``, of launch ``launches[r]``, on its node of the fake (a rank
-    the fake stopped: on the node it ran on, whose agent still remembers it)."""
+    the fake stopped: on the node it ran on, whose agent still remembers it); ``waited_s`` and ``discarded``: the
+    quorum waits and discarded steps its reports summed."""
     backend = c.backend
     assert isinstance(backend, FakeBackend)
     placed = backend.runs[RUN].ranks
@@ -69,6 +76,7 @@ def beat(
             quorum_replicas=len(steps),
             participants=len(steps),
             quorum_wait_total_s=waited_s,
+            discarded_steps=discarded,
         )
         r = HeartbeatRank(
             run=RUN, rank=rank, step=step, step_s=0.1, last_report_unix_s=now_s, launch=launches[rank], ft=ft, **more
@@ -107,24 +115,26 @@ def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Pat
         ("launch", 1),
     ]
 
-    # group 0 trains on, waiting 2.5 s more for its quorum around the failure; group 1 heals to step 55
-    beat(c, T0 + 10, {0: 55}, {0: 1}, waited_s=2.5)
-    beat(c, T0 + 12, {0: 56, 1: 55}, {0: 1, 1: 2}, waited_s=2.5)
+    # group 0 trains on, waiting 2.5 s more for its quorum around the failure and discarding the step in flight
+    # (its collective failed with group 1's) and the one before group 1 healed; group 1 heals to step 55
+    beat(c, T0 + 10, {0: 55}, {0: 1}, waited_s=2.5, discarded=1)
+    beat(c, T0 + 12, {0: 56, 1: 55}, {0: 1, 1: 2}, waited_s=2.5, discarded=2)
     c.tick(T0 + 12.5)
 
     closed = stored(c.store.incident(incident))
     assert closed.state == IncidentState.RECOVERED
-    assert (closed.resumed_from_step, closed.lost_steps, closed.missed_steps, closed.stall_s) == (55, 0, 15, 2.5)
+    assert (closed.resumed_from_step, closed.lost_steps, closed.missed_steps, closed.stall_s) == (55, 2, 15, 2.5)
     goodput = c.goodput(stored(c.store.run(RUN)), T0 + 100)
     recovery_s = closed.resumed_s - closed.failed_s  # type: ignore[operator]
     assert goodput.quorum_s == 2.5  # the others' stall, at the whole job's share
-    lost = goodput.detection_s + goodput.restart_s + goodput.spare_wait_s + goodput.recompute_s
+    lost = goodput.detection_s + goodput.restart_s + goodput.spare_wait_s
     assert lost == pytest.approx(recovery_s / 2)  # group 1's share of the time it was out
+    assert goodput.recompute_s == pytest.approx(2 * 0.1 / 2)  # group 0's 2 discarded steps, at its share
 
     # the post-mortem tells a replica recovery from a restart: no checkpoint read, no step lost, the steps it missed
     bundle = json.loads(json.dumps(postmortem_bundle(c, RUN, T0 + 100), default=str))
     (report,) = build(bundle, incident).incidents
-    assert (report.replica_group, report.missed_steps, report.stall_s, report.lost_steps) == (1, 15, 2.5, 0)
+    assert (report.replica_group, report.missed_steps, report.stall_s, report.lost_steps) == (1, 15, 2.5, 2)
     assert report.resume.reason == "step 55: healed from a live replica group, no checkpoint read"
     md = to_markdown(build(bundle, incident))
     assert "replica group 1 alone: the other groups trained on" in md

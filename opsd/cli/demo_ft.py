@@ -7,17 +7,31 @@ controller quarantines node-1, brings the spare in, stops and relaunches group 1
 smaller quorum, and group 1 heals from it (no checkpoint is read) and joins again. Once group 1 is back, the demo
 lets the run train ``--after-heal`` more steps and end (``--steps-file``), and checks what the replicas hold.
 
-Printed: a summary in words, then, last, one JSON line: ``survivor_lost_steps`` (steps group 0 had to do again: 0),
-``heal_s`` (from group 1's relaunch to its first step in the quorum), ``recovered_s`` (from the injection to then),
-``replicas_equal`` (the two groups' final weights and optimizer states are the same, bit for bit), ``final_step``,
-and the incident's record. It exits 0 only when all of that held; else it says on stderr what did not and exits 1.
+Printed: a summary in words, then, last, one JSON line, each figure from the trainers' own records (their
+``--losses-out``) and the controller's:
+
+- ``survivor_discarded_steps``: steps group 0 did not commit (their update thrown away, their batch done again: the
+  step in flight when group 1 went, at least), and ``survivor_stall_s``: its longest time between two committed
+  steps from the injection until group 1 was back;
+- ``checkpoint_reads``: checkpoints read by a group relaunched alone (0: group 1 healed from group 0);
+  ``whole_job_restarts``: relaunches of the whole job, over every incident of the run;
+- ``heal_s`` (from group 1's relaunch to its first step in the quorum), split into ``heal_transfer_s`` (fetching and
+  loading group 0's state) and ``heal_startup_s`` (the rest: process start, imports, the model, the quorum);
+  ``recovered_s`` (from the injection to then);
+- ``replicas_equal`` (the two groups' final weights and optimizer states are the same, bit for bit),
+  ``final_step``, the ETTR, and the incident's record (its ``lost_steps``: group 0's discarded steps).
+
+It exits 1, saying on stderr why, when a whole-job restart happened, a group relaunched alone read a checkpoint,
+group 0's stall passed ``STALL_BOUND_S`` (the Lighthouse's heartbeat timeout and 5 s: group 0's step in flight
+fails with group 1's node, its next quorum waits until the Lighthouse counts group 1 dead, then it trains alone),
+the replicas differ, or the run did not complete.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -29,11 +43,13 @@ from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.demo_run import checkpoint_url, finish, fresh_workdir, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
+from opsd.protocol.ft import LighthouseConfig
 from opsd.protocol.states import FAILURE_KINDS, IncidentKind, RunState
 from opsd.runtime.local import run_local
 
 RUN = "demo-ft"
-STEP_LINE = re.compile(r"^step (\d+)/")
+#: the bound on group 0's longest time between two committed steps around the failure
+STALL_BOUND_S = LighthouseConfig().heartbeat_timeout_ms / 1000 + 5.0
 
 
 def trainer_command(ckpt_url: str, losses: Path, steps_file: Path) -> tuple[str, ...]:
@@ -75,11 +91,11 @@ class Scenario:
             print(f"replica group 1 is back: the run ends at step {self.last_step}", flush=True)
 
 
-def printed_steps(log: Path) -> list[int]:
-    """The steps a group's rank 0 printed, in order (a step done again is printed again)."""
-    if not log.exists():
-        return []
-    return [int(m.group(1)) for line in log.read_text(errors="replace").splitlines() if (m := STEP_LINE.match(line))]
+def longest_gap(times_s: list[float], start_s: float, end_s: float) -> float | None:
+    """The longest time between two consecutive ``times_s`` over the gaps that overlap [``start_s``, ``end_s``]; None
+    without two times."""
+    gaps = [b - a for a, b in itertools.pairwise(sorted(times_s)) if b >= start_s and a <= end_s]
+    return max(gaps) if gaps else None
 
 
 def summary(status: dict[str, Any], spec: LocalRunSpec, scenario: Scenario, losses: Path) -> dict[str, Any]:
@@ -88,21 +104,31 @@ def summary(status: dict[str, Any], spec: LocalRunSpec, scenario: Scenario, loss
     launch = next(
         (a for a in status["actions"] if first and a["incident_id"] == first["id"] and a["kind"] == "launch"), None
     )
-    survivor = printed_steps(spec.node_dir("node-0") / "rank0.gen1.log")  # group 0's rank 0, its one launch
-    relaunched = sorted({e.get("group") for e in effects(spec) if e["step"] == "relaunch"} - {None}, key=str)
-    hashes = [json.loads(losses.with_name(f"losses-{g}.json").read_text()).get("state_hashes") for g in (0, 1)]
+    relaunches = [e for e in effects(spec) if e["step"] == "relaunch"]
+    relaunched = sorted({e.get("group") for e in relaunches} - {None}, key=str)
+    reports = [json.loads(losses.with_name(f"losses-{g}.json").read_text()) for g in (0, 1)]
+    survivor, healed = reports
+    hashes = [r.get("state_hashes") for r in reports]
     injected, resumed = scenario.injected_s, first["resumed_s"] if first else None
+    heal_s = round(resumed - launch["done_s"], 3) if resumed and launch and launch["done_s"] else None
+    transfer_s = round(float(healed.get("healing_s", 0.0)), 3)
+    stall_s = longest_gap(survivor.get("commit_times_unix_s", []), injected, resumed) if injected and resumed else None
     return {
         "run": status["run"],
         "state": status["state"],
         "incident": first["kind"] if first else None,
         "replica_group": first["replica_group"] if first else None,
         "groups_relaunched": relaunched,
-        "survivor_lost_steps": len(survivor) - len(set(survivor)),  # steps group 0 printed twice: done again
-        "survivor_stall_s": round(first["stall_s"], 3) if first and first["stall_s"] is not None else None,
+        "whole_job_restarts": sum(1 for e in relaunches if e.get("group") is None and e["generation"] > 1),
+        "checkpoint_reads": sum(1 for r in reports if r.get("checkpoint_read")),
+        "survivor_discarded_steps": survivor.get("discarded_steps"),
+        "survivor_stall_s": round(stall_s, 3) if stall_s is not None else None,
         "missed_steps": first["missed_steps"] if first else None,
+        "lost_steps": first["lost_steps"] if first else None,
         "healed_to_step": first["resumed_from_step"] if first else None,
-        "heal_s": round(resumed - launch["done_s"], 3) if resumed and launch and launch["done_s"] else None,
+        "heal_s": heal_s,
+        "heal_transfer_s": transfer_s,
+        "heal_startup_s": round(heal_s - transfer_s, 3) if heal_s is not None else None,
         "recovered_s": round(resumed - injected, 3) if resumed and injected else None,
         "replicas_equal": bool(hashes[0]) and hashes[0] == hashes[1],
         "spare": first["spare"] if first else None,
@@ -122,8 +148,13 @@ def shortfalls(result: dict[str, Any], scenario: Scenario) -> list[str]:
         missing.append(f"groups relaunched: {result['groups_relaunched']} (group 1 alone was to be)")
     if result["healed_to_step"] is None:
         missing.append("replica group 1 never stepped in the quorum again")
-    if result["survivor_lost_steps"] != 0:
-        missing.append(f"group 0 did {result['survivor_lost_steps']} steps again")
+    if result["whole_job_restarts"]:
+        missing.append(f"the whole job was restarted {result['whole_job_restarts']} time(s)")
+    if result["checkpoint_reads"]:
+        missing.append(f"{result['checkpoint_reads']} group(s) relaunched alone read a checkpoint (a peer was live)")
+    stall = result["survivor_stall_s"]
+    if stall is None or stall > STALL_BOUND_S:
+        missing.append(f"group 0's longest time between two committed steps was {stall} s (bound {STALL_BOUND_S} s)")
     if not result["replicas_equal"]:
         missing.append("the replica groups' final states differ")
     if result["state"] != RunState.COMPLETED:
@@ -154,10 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if scenario.injected_s is not None:
         print(
             f"  XID 79 injected on node-1 at step {scenario.step_at_injection}; replica group 1 alone swapped to"
-            f" {result['spare']} and relaunched; group 0 trained on ({result['survivor_lost_steps']} steps done again,"
-            f" it waited {result['survivor_stall_s']} s for a quorum); group 1 healed to step"
-            f" {result['healed_to_step']} {result['heal_s']} s after its relaunch ({result['missed_steps']} steps"
-            f" missed), {result['recovered_s']} s after the injection; replicas equal: {result['replicas_equal']}"
+            f" {result['spare']} and relaunched; group 0 trained on ({result['survivor_discarded_steps']} steps"
+            f" discarded, {result['survivor_stall_s']} s at most between two committed steps); group 1 healed to step"
+            f" {result['healed_to_step']} {result['heal_s']} s after its relaunch ({result['heal_transfer_s']} s of"
+            f" it fetching and loading group 0's state, {result['checkpoint_reads']} checkpoints read,"
+            f" {result['missed_steps']} steps missed), {result['recovered_s']} s after the injection;"
+            f" whole-job restarts: {result['whole_job_restarts']}; replicas equal: {result['replicas_equal']}"
         )
     return finish("opsd demo-ft", result, workdir, shortfalls(result, scenario))
 

@@ -290,10 +290,11 @@ class ControllerCore:
             memory = self.remember(run)
             live = memory.live
             mine = [r for r in live.ranks.values() if r.group == group] if live is not None else []
-            others = {r.rank: r.quorum_wait_total_s for r in live.ranks.values() if r.group != group} if live else {}
+            others = [r for r in live.ranks.values() if r.group != group] if live is not None else []
             if group not in memory.groups_down:
                 ended = max((r.step for r in mine), default=-1)
-                memory.groups_down[group] = GroupDown(ended, now_s, others)
+                waited = {r.rank: r.quorum_wait_total_s for r in others}
+                memory.groups_down[group] = GroupDown(ended, now_s, waited, {r.rank: r.discarded_total for r in others})
             for r in mine:
                 assert live is not None
                 live.remove(r.rank)

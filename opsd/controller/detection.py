@@ -289,8 +289,9 @@ class Detection(Schedule):
     def _close_group(self, run: RunRow, incident: IncidentRow, now_s: float, *, ended: bool) -> None:
         """A replica recovery is over when its group's new launch made its first step in the quorum (it healed from
         a live group): then, the steps the other groups made while it was out (``missed_steps``), the longest they
-        waited for a quorum meanwhile (``stall_s``: their stall around the failure) and where it healed to. Nothing
-        was lost (``lost_steps`` 0): the other groups' steps all counted. ``ended``: the run finished without it."""
+        waited for a quorum meanwhile (``stall_s``: their stall around the failure), the steps they discarded
+        meanwhile (``lost_steps``: their update thrown away, their batch done again; the most of any of their ranks)
+        and where it healed to. ``ended``: the run finished without it."""
         group = incident.replica_group
         assert group is not None
         with self.lock:
@@ -315,19 +316,22 @@ class Detection(Schedule):
             stall = max(
                 0.0, *(r.quorum_wait_total_s - down.waited_s.get(r.rank, r.quorum_wait_total_s) for r in others)
             )
+        lost = 0
+        if down is not None and others:
+            lost = max(0, *(r.discarded_total - down.discarded.get(r.rank, r.discarded_total) for r in others))
         resumed_s = min((r.progress_s for r in members), default=float(run.updated_s))
         self.store.update_incident(
             incident.id,
             state=IncidentState.RECOVERED,
             resumed_s=resumed_s,
             resumed_from_step=healed_to,
-            lost_steps=0,
+            lost_steps=lost,
             missed_steps=missed,
             stall_s=stall,
         )
         log.info(
             "run %s: incident %d recovered: replica group %d back at step %s after %.1f s (%s steps missed; the"
-            " others waited %s s more for a quorum)",
+            " others waited %s s more for a quorum and discarded %d steps)",
             run.id,
             incident.id,
             group,
@@ -335,6 +339,7 @@ class Detection(Schedule):
             resumed_s - incident.detected_s,
             missed,
             None if stall is None else round(stall, 2),
+            lost,
         )
         if is_failure(incident):
             self.tracing.trace(self.store, incident.id)

@@ -258,10 +258,11 @@ class Intake(Liveness):
         live.job_tokens_per_s = r.job_tokens_per_s
         live.resumed_from_step = r.resumed_from_step
         if r.ft is not None:
-            live.group, live.quorum_replicas, live.quorum_wait_total_s = (
+            live.group, live.quorum_replicas, live.quorum_wait_total_s, live.discarded_total = (
                 group,
                 r.ft.quorum_replicas,
                 r.ft.quorum_wait_total_s,
+                r.ft.discarded_steps,
             )
         live.launch = r.launch
         p = r.pipeline

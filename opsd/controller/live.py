@@ -164,6 +164,7 @@ class RankLive:
     group: int | None = None  # a fault-tolerant run's: its replica group, as its reports say
     quorum_replicas: int = 0  # the replica groups in its last step's quorum
     quorum_wait_total_s: float = 0.0  # the seconds its training thread waited for a quorum, summed by its agent
+    discarded_total: int = 0  # its group's steps it saw discarded (not committed), summed by its agent
 
 
 @dataclass(slots=True)
@@ -409,9 +410,11 @@ class RunMemory:
 @dataclass
 class GroupDown:
     """A replica group of a fault-tolerant run stopped by a recovery: the newest step it had made, when, and what the
-    other groups had waited for a quorum by then (their stall is what they wait more until it is back)."""
+    other groups had waited for a quorum and discarded by then (their stall and their lost steps are what they wait
+    and discard more until it is back)."""
 
     ended_step: int
     since_s: float
     waited_s: dict[int, float]  # rank of another group -> its quorum wait so far
+    discarded: dict[int, int] = field(default_factory=dict)  # rank of another group -> its steps discarded so far
     relaunched: bool = False  # launched again: its new launch's reports are taken (it heals, then trains)

@@ -28,15 +28,17 @@ class Reads(ControllerCore):
             blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
             step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
         groups = run.spec.replica_groups
+        # a replica recovery stopped its group's share of the job; its lost steps are those the other groups discarded
         interruptions = [
             Interruption(
                 i.failed_s,
                 i.detected_s,
                 i.resumed_s,
-                int(i.lost_steps or 0),
+                int(i.lost_steps or 0) if i.replica_group is None else 0,
                 step,
-                share=1.0 / groups if i.replica_group is not None else 1.0,  # a replica recovery: its group's share
+                share=1.0 / groups if i.replica_group is not None else 1.0,
                 stall_s=i.stall_s or 0.0,
+                discarded_steps=int(i.lost_steps or 0) if i.replica_group is not None else 0,
             )
             for i in incidents
             if i.kind not in WARNING_KINDS and i.resumed_s is not None

@@ -61,12 +61,13 @@ class Interruption:
     spare_wait_s: float = 0.0
     share: float = 1.0  # the fraction of the job it stopped: a replica group's (0-1), or the whole job
     stall_s: float = 0.0  # the rest of the job's wait for a quorum around it (a replica recovery's)
+    discarded_steps: int = 0  # the rest of the job's steps discarded around it (a replica recovery's), done again
 
     def __post_init__(self) -> None:
         if not self.failed_s <= self.detected_s <= self.resumed_s:
             raise ValueError("an interruption needs failed_s <= detected_s <= resumed_s")
-        if self.lost_steps < 0 or self.step_time_s < 0 or self.spare_wait_s < 0 or self.stall_s < 0:
-            raise ValueError("lost_steps, step_time_s, spare_wait_s and stall_s must be >= 0")
+        if min(self.lost_steps, self.step_time_s, self.spare_wait_s, self.stall_s, self.discarded_steps) < 0:
+            raise ValueError("lost_steps, step_time_s, spare_wait_s, stall_s and discarded_steps must be >= 0")
         if not 0 < self.share <= 1:
             raise ValueError("an interruption's share of the job must be in (0, 1]")
 
@@ -131,6 +132,7 @@ def account(
         spare += i.spare_wait_s * i.share
         restart += max(0.0, i.resumed_s - i.detected_s - i.spare_wait_s) * i.share
         recompute += i.lost_steps * i.step_time_s * i.share
+        recompute += i.discarded_steps * i.step_time_s * (1.0 - i.share)  # the groups it did not stop
         quorum += i.stall_s
     if startup is not None:
         end_s = startup.started_s + wall_s

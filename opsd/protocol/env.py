@@ -20,7 +20,8 @@ And the operator's side (the CLI, and the controller's settings, docs/configurat
 ``OPSD_GRAFANA_TOKEN``.
 
 A fault-tolerant job's replica groups get theirs from ``opsd.protocol.ft`` (``TORCHFT_LIGHTHOUSE``,
-``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``OPSD_FT_MIN_REPLICAS`` and torchft's timeouts).
+``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``, ``OPSD_FT_MIN_REPLICAS``, ``OPSD_FT_HEAL_FROM_PEER`` and torchft's
+timeouts).
 
 ``OPSD_LAUNCH`` is the local backend's generation; on Kubernetes, the JobSet's restart attempt (the pod's label
 ``jobset.sigs.k8s.io/restart-attempt``, through the downward API), or for a fault-tolerant run's replica group its

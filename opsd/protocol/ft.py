@@ -34,6 +34,8 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
 MIN_REPLICAS_ENV = "OPSD_FT_MIN_REPLICAS"
+#: "1": the group is relaunched while its peers train: it heals from a live peer and reads no checkpoint
+HEAL_FROM_PEER_ENV = "OPSD_FT_HEAL_FROM_PEER"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
@@ -123,13 +125,16 @@ class ManagerTimeouts:
 @dataclass(frozen=True)
 class ReplicaGroupEnv:
     """What a rank of a fault-tolerant job is told by its environment: its replica group, how many there are, where
-    the Lighthouse is, the minimum quorum and torchft's timeouts."""
+    the Lighthouse is, the minimum quorum and torchft's timeouts, and whether it heals from a live peer
+    (``heal_from_peer``: a group relaunched alone while the others train; it reads no checkpoint, even with
+    ``--resume``, and takes no step of its own before it healed)."""
 
     group: int
     groups: int
     lighthouse: str
     min_replicas: int = 1
     timeouts: ManagerTimeouts = field(default_factory=ManagerTimeouts)
+    heal_from_peer: bool = False
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -148,6 +153,7 @@ class ReplicaGroupEnv:
             REPLICA_GROUP_ENV: str(self.group),
             REPLICA_GROUPS_ENV: str(self.groups),
             MIN_REPLICAS_ENV: str(self.min_replicas),
+            HEAL_FROM_PEER_ENV: "1" if self.heal_from_peer else "0",
             **self.timeouts.env(),
         }
 
@@ -166,6 +172,12 @@ class ReplicaGroupEnv:
             except ValueError:
                 raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
+        def flag(name: str) -> bool:
+            raw = environ.get(name, "").strip()
+            if raw not in ("", "0", "1"):
+                raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+            return raw == "1"
+
         lighthouse = environ.get(LIGHTHOUSE_ENV, "").strip()
         if not lighthouse:
             raise ValueError(f"{LIGHTHOUSE_ENV} is not set (a fault-tolerant rank needs it)")
@@ -182,6 +194,7 @@ class ReplicaGroupEnv:
             lighthouse=lighthouse,
             min_replicas=number(MIN_REPLICAS_ENV, 1),
             timeouts=timeouts,
+            heal_from_peer=flag(HEAL_FROM_PEER_ENV),
         )
 
 

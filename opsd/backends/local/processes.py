@@ -125,7 +125,10 @@ def start_ranks(
     ranks = []
     for g in chosen:
         group_nodes = nodes if group is not None else nodes[g * per_group : (g + 1) * per_group]
-        replica = ReplicaGroupEnv(g, spec.replica_groups, lighthouse, spec.min_replicas, spec.ft_timeouts)
+        # a group started alone is relaunched while its peers train: it heals from them, not from a checkpoint
+        replica = ReplicaGroupEnv(
+            g, spec.replica_groups, lighthouse, spec.min_replicas, spec.ft_timeouts, heal_from_peer=group is not None
+        )
         world = _start_world(
             spec, group_nodes, generation, first_rank=g * per_group * spec.gpus_per_node, env=replica.env(), group=g
         )

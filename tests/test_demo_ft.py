@@ -1,0 +1,76 @@
+"""``make demo-ft``'s verdict (``opsd.cli.demo_ft``): each figure it prints can come out bad, and then it fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opsd.cli.demo_ft import STALL_BOUND_S, Scenario, longest_gap, shortfalls
+
+#: what a good run prints (the figures of one run here)
+GOOD: dict[str, Any] = {
+    "state": "completed",
+    "incident": "fatal_xid",
+    "replica_group": 1,
+    "groups_relaunched": [1],
+    "whole_job_restarts": 0,
+    "checkpoint_reads": 0,
+    "survivor_discarded_steps": 1,
+    "survivor_stall_s": 2.398,
+    "healed_to_step": 94,
+    "replicas_equal": True,
+    "final_step": 114,
+}
+
+# name: (what differs from a good run, the words of the shortfall)
+BAD: dict[str, tuple[dict[str, Any], str]] = {
+    "a whole-job restart besides the group's": ({"whole_job_restarts": 1}, "whole job was restarted 1 time"),
+    "the relaunched group read a checkpoint": ({"checkpoint_reads": 1}, "read a checkpoint"),
+    "group 0 stalled past the bound": ({"survivor_stall_s": STALL_BOUND_S + 0.1}, "longest time between two"),
+    "group 0's stall unknown": ({"survivor_stall_s": None}, "was None s"),
+    "group 1 never back": ({"healed_to_step": None}, "never stepped in the quorum again"),
+    "both groups relaunched": ({"groups_relaunched": [0, 1]}, "groups relaunched: [0, 1]"),
+    "the replicas differ": ({"replicas_equal": False}, "final states differ"),
+    "the run failed": ({"state": "failed"}, "did not complete"),
+}
+
+
+def injected(tmp_path: Path) -> Scenario:
+    scenario = Scenario(tmp_path / "last-step", inject_at=30, after_heal=20)
+    scenario.injected_s = 100.0
+    return scenario
+
+
+def test_a_good_run_passes(tmp_path: Path) -> None:
+    assert shortfalls(GOOD, injected(tmp_path)) == []
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_each_figure_can_fail_the_demo(name: str, tmp_path: Path) -> None:
+    changed, words = BAD[name]
+    missing = shortfalls({**GOOD, **changed}, injected(tmp_path))
+    assert len(missing) == 1
+    assert words in missing[0]
+
+
+def test_no_injection_fails(tmp_path: Path) -> None:
+    assert shortfalls(GOOD, Scenario(tmp_path / "last-step", 30, 20)) == ["no fault was injected"]
+
+
+GAPS = {
+    # name: (commit times, window, longest gap)
+    "the gap across the window": ([1.0, 2.0, 9.0, 9.5], (3.0, 4.0), 7.0),
+    "gaps outside the window left out": ([1.0, 8.0, 8.5, 9.0], (8.2, 8.7), 0.5),
+    "a gap that starts in the window counts": ([1.0, 2.0, 5.0], (1.5, 2.5), 3.0),
+    "unordered times": ([9.0, 1.0, 2.0], (0.0, 10.0), 7.0),
+    "one time: none": ([5.0], (0.0, 10.0), None),
+}
+
+
+@pytest.mark.parametrize(("times", "window", "expected"), GAPS.values(), ids=GAPS.keys())
+def test_the_survivors_stall_is_its_longest_gap_around_the_failure(
+    times: list[float], window: tuple[float, float], expected: float | None
+) -> None:
+    assert longest_gap(times, *window) == expected
