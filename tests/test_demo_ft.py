@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from opsd.cli.demo_ft import STALL_BOUND_S, Scenario, longest_gap, shortfalls
+from tests.launch import ROOT
 
 #: what a good run prints (the figures of one run here)
 GOOD: dict[str, Any] = {
@@ -74,3 +78,26 @@ def test_the_survivors_stall_is_its_longest_gap_around_the_failure(
     times: list[float], window: tuple[float, float], expected: float | None
 ) -> None:
     assert longest_gap(times, *window) == expected
+
+
+@pytest.mark.slow
+def test_make_demo_ft_passes_with_every_figure_inside_its_bound(tmp_path: Path) -> None:
+    """The whole demo (controller, local backend, Lighthouse, two real torchft groups): it exits 0, and its JSON says
+    why: no whole-job restart, no checkpoint read by group 1, group 0's stall within the bound, equal replicas."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsd.cli.demo_ft", "--workdir", str(tmp_path / "demo")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print({k: result[k] for k in ("survivor_discarded_steps", "survivor_stall_s", "heal_s", "heal_transfer_s")})
+    assert (result["whole_job_restarts"], result["checkpoint_reads"], result["groups_relaunched"]) == (0, 0, [1])
+    # group 0 discards the step in flight when its collective fails with group 1's node (none when it waited at a
+    # quorum then); the controller counts what it discarded as the incident's lost steps, and recomputed work
+    assert result["lost_steps"] == result["survivor_discarded_steps"]
+    assert (result["badput_s"]["recompute"] > 0) == (result["lost_steps"] > 0)
+    assert 0 < result["survivor_stall_s"] <= STALL_BOUND_S
+    assert 0 < result["heal_transfer_s"] < result["heal_s"]

@@ -11,8 +11,8 @@ Printed: a summary in words, then, last, one JSON line, each figure from the tra
 ``--losses-out``) and the controller's:
 
 - ``survivor_discarded_steps``: steps group 0 did not commit (their update thrown away, their batch done again: the
-  step in flight when group 1 went, at least), and ``survivor_stall_s``: its longest time between two committed
-  steps from the injection until group 1 was back;
+  step in flight when its collective failed with group 1's node), and ``survivor_stall_s``: its longest time
+  between two committed steps from the injection until group 1 was back;
 - ``checkpoint_reads``: checkpoints read by a group relaunched alone (0: group 1 healed from group 0);
   ``whole_job_restarts``: relaunches of the whole job, over every incident of the run;
 - ``heal_s`` (from group 1's relaunch to its first step in the quorum), split into ``heal_transfer_s`` (fetching and
