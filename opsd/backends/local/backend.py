@@ -63,6 +63,9 @@ class LocalBackend:
         self.instance = uuid.uuid4().hex[:12]  # names this backend's lines in backend.jsonl
         self.lighthouse: subprocess.Popen[bytes] | None = None  # a fault-tolerant run's
         self.lighthouse_address = ""
+        self.lighthouse_port = 0
+        self.lighthouse_restarts = 0
+        self._lighthouse_retry_mono_s = 0.0  # a Lighthouse that died is not started again before then (monotonic)
         self.group_launches: dict[int, int] = {}  # a fault-tolerant run's: each replica group's launch
         self._once_per_request = Once()
 
@@ -78,7 +81,7 @@ class LocalBackend:
             self.agents[node] = processes.start_agent(self.spec, node)
         if self.spec.replica_groups > 1:
             self.lighthouse, port = processes.start_lighthouse(self.spec)
-            self.lighthouse_address = f"http://127.0.0.1:{port}"
+            self.lighthouse_address, self.lighthouse_port = f"http://127.0.0.1:{port}", port
             processes.wait_listening(self.lighthouse, port)
             log.info("run %s: the Lighthouse listens at %s", self.spec.run, self.lighthouse_address)
         self._record_processes()
@@ -94,7 +97,9 @@ class LocalBackend:
     def supervise(self) -> tuple[list[tuple[int, str, int]], bool]:
         """The rank exits not reported yet (rank, node, exit code: 0 included, a finished rank is no hang), and
         whether every rank of the launch exited with 0 (the run is done; in a fault-tolerant run, every rank of the
-        groups running: a group stopped for want of a node does not hold the others' end)."""
+        groups running: a group stopped for want of a node does not hold the others' end). A fault-tolerant run's
+        Lighthouse that died is started again at its address (``_keep_lighthouse``)."""
+        self._keep_lighthouse()
         with self.lock:
             if not self.ranks:
                 return [], False
@@ -106,6 +111,24 @@ class LocalBackend:
                     r.reported_exit = True
                     exits.append((r.rank, r.node, code))
             return exits, all(code == 0 for code in codes)
+
+    def _keep_lighthouse(self) -> None:
+        """Start the Lighthouse again, on its port, when it died: the groups' quorum requests are tried again
+        meanwhile (torchft's ``quorum_retries``), and a relaunch's ranks are told the same address. At most once a
+        second (a port taken by something else would fail every start)."""
+        with self.lock:
+            proc = self.lighthouse
+            if proc is None or proc.poll() is None or time.monotonic() < self._lighthouse_retry_mono_s:
+                return
+            self._lighthouse_retry_mono_s = time.monotonic() + 1.0
+            code = proc.returncode
+            self.lighthouse, _ = processes.start_lighthouse(self.spec, self.lighthouse_port)
+            self.lighthouse_restarts += 1
+            log.warning(
+                "run %s: the Lighthouse exited (%s); started again at %s", self.spec.run, code, self.lighthouse_address
+            )
+            self._effect("supervise", "lighthouse_restarted", {"exit_code": code, "port": self.lighthouse_port})
+            self._record_processes()
 
     def kill_ranks(self, group: int | None = None) -> int:
         """Stop every rank now (``opsd run`` stopped by an operator), or every rank of replica group ``group``; how

@@ -162,11 +162,11 @@ def _start_world(
     return ranks
 
 
-def start_lighthouse(spec: LocalRunSpec) -> tuple[subprocess.Popen[bytes], int]:
-    """A fault-tolerant run's Lighthouse (torchft's, its extension loaded without torch: ``lighthouse``) on a free
-    port of loopback, in a session of its own, its output in ``<run>/lighthouse.log``; and its port. Its address
-    is given to the ranks once it listens (``wait_listening``)."""
-    port = free_port()
+def start_lighthouse(spec: LocalRunSpec, port: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """A fault-tolerant run's Lighthouse (torchft's, its extension loaded without torch: ``lighthouse``) on ``port``
+    of loopback (None: a free one), in a session of its own, its output in ``<run>/lighthouse.log``; and its port.
+    Its address is given to the ranks once it listens (``wait_listening``)."""
+    port = port if port is not None else free_port()
     argv = [sys.executable, lighthouse.__file__, *spec.lighthouse.argv(port, host="127.0.0.1")[1:]]
     spec.root.mkdir(parents=True, exist_ok=True)
     with (spec.root / "lighthouse.log").open("ab") as out:
