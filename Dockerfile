@@ -13,12 +13,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY opsd ./opsd
-COPY agent ./agent
+COPY opsd_agent ./opsd_agent
 COPY trainer_hooks ./trainer_hooks
-COPY examples ./examples
-COPY bench ./bench
-# The same pins as `make` (constraints.txt); the base dependencies only, no extras.
-RUN pip install --no-cache-dir -c constraints.txt . \
+# The same pins as `make` (constraints.txt); the agent's and the controller's extras, not the trainer's (torch).
+RUN pip install --no-cache-dir -c constraints.txt ".[agent,controller]" \
     && rm -rf /src \
     && groupadd --system --gid 10001 opsd \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \

@@ -197,8 +197,8 @@ def part_mfu(tiny: bool) -> None:
 
 
 def part_nvml(tiny: bool) -> None:
-    from agent.gpu import NvmlSource
     from opsd.errors import OpsError
+    from opsd_agent.gpu import NvmlSource
 
     # the source's warnings (a call NVML fails, and why) on stdout as notes, printed with the figures
     logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="# %(message)s")

@@ -26,12 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from agent.daemon import AgentConfig
 from bench.measured_costs import Measured
 from opsd.analysis.presets import DETECTION, Detection
 from opsd.analysis.simulation import Costs
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.policy.detection import DetectionConfig
+from opsd_agent.daemon import AgentConfig
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The simulated agents of ``bench.controller_scale``: what ``opsd agent`` sends, from asyncio load-generator
 processes, each node on a keep-alive connection of its own.
 
-Each node beats once a second at its phase. Like the agent (``agent.reporter``), it sends a heartbeat with its ranks
-(``opsd.protocol.heartbeat``) at the interval the controller's replies ask for, in its own slot of the interval
+Each node beats once a second at its phase. Like the agent (``opsd_agent.reporter``), it sends a heartbeat with its
+ranks (``opsd.protocol.heartbeat``) at the interval the controller's replies ask for, in its own slot of the interval
 (``opsd.policy.telemetry.ranks_due``), and a signed liveness datagram (``opsd.protocol.liveness``) every beat once a
 reply named the controller's datagram port; ``--mode http`` is an agent that knows neither (a heartbeat with the
 ranks every beat, as agents did before). The datagrams of a load process go from one UDP socket; their

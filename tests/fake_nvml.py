@@ -1,5 +1,5 @@
 # ruff: noqa: N802  (the fake's methods carry NVML's function names)
-"""A fake ``pynvml`` (nvidia-ml-py) module for the calls ``agent.gpu.NvmlSource`` makes.
+"""A fake ``pynvml`` (nvidia-ml-py) module for the calls ``opsd_agent.gpu.NvmlSource`` makes.
 
 A fake, because no GPU and so no NVML library exists on the machines the tests run on. It behaves as the real
 module does on those calls: an error is an ``NVMLError`` subclass named by its code (``NVMLError_Timeout`` when an

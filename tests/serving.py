@@ -7,7 +7,8 @@ import uvicorn
 
 from opsd.api.auth import Credentials
 from opsd.controller.controller import Controller
-from opsd.runtime.server import ServeConfig, Serving
+from opsd.runtime.config import ServeConfig
+from opsd.runtime.server import Serving
 
 
 def start_api(

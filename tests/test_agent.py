@@ -19,20 +19,20 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.daemon import Agent, AgentConfig
-from agent.gpu import FileGpuSource
-from agent.gpu_access import GpuAccess, GpuAccessCollector
-from agent.health import GpuHealth, GpuHealthCollector
-from agent.metrics import AgentCollector, AgentStats, ReporterCollector
-from agent.rank_gate import DATAGRAM_REFUSALS
-from agent.reporter import Reporter, ReporterConfig
-from agent.state import OVERFLOW, NodeState
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.gpu_files import GpuSample
 from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import REASONS, StepReport, decode_report, encode
 from opsd.protocol.xid_table import load_xid_table
+from opsd_agent.daemon import Agent, AgentConfig
+from opsd_agent.gpu import FileGpuSource
+from opsd_agent.gpu_access import GpuAccess, GpuAccessCollector
+from opsd_agent.health import GpuHealth, GpuHealthCollector
+from opsd_agent.metrics import AgentCollector, AgentStats, ReporterCollector
+from opsd_agent.rank_gate import DATAGRAM_REFUSALS
+from opsd_agent.reporter import Reporter, ReporterConfig
+from opsd_agent.state import OVERFLOW, NodeState
 from tests.test_wire import FT, report, timeout_report
 from tests.waiting import wait_for
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from agent.daemon import Agent, AgentConfig
-from agent.reporter import Reporter, ReporterConfig
 from opsd.protocol.env import AGENT_DATAGRAM_PORT_ENV, AGENT_HOST_ENV, AGENT_HTTP_PORT_ENV, AGENT_SOCKET_ENV
 from opsd.protocol.heartbeat import HeartbeatReply
 from opsd.protocol.node_agent import FLIGHT_PATH, MAX_DUMP_BYTES, POLICY_PATH, AgentAddress, agent_address
 from opsd.protocol.policy_file import EMPTY, CheckpointCadence, Policy
 from opsd.protocol.wire import encode
+from opsd_agent.daemon import Agent, AgentConfig
+from opsd_agent.reporter import Reporter, ReporterConfig
 from tests.test_wire import report
 from tests.waiting import wait_for
 from trainer_hooks.policy_reader import PolicyReader, policy_source

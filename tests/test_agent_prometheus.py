@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.daemon import Agent, AgentConfig
 from opsd.protocol.wire import decode
+from opsd_agent.daemon import Agent, AgentConfig
 from tests.launch import run_module
 from tests.prometheus import PrometheusServer
 from tests.test_docs import blocks

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.endpoints import DumpIntake
 from opsd.protocol.node_agent import FLIGHT_PATH, MAX_DUMP_BYTES, UPLOAD_SLOTS
+from opsd_agent.endpoints import DumpIntake
 from tests.launch import agent_until_sigterm
 
 MiB = 1 << 20

@@ -20,8 +20,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
-from agent.reporter import Reporter, ReporterConfig
-from agent.state import NodeState
 from opsd.api.auth import Credentials
 from opsd.api.tls import CertificateReload
 from opsd.backends.local.processes import free_port
@@ -29,7 +27,10 @@ from opsd.cli.app import app
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import encode
-from opsd.runtime.server import ServeConfig, Serving
+from opsd.runtime.config import ServeConfig
+from opsd.runtime.server import Serving
+from opsd_agent.reporter import Reporter, ReporterConfig
+from opsd_agent.state import NodeState
 from tests.test_agent import step
 from tests.waiting import wait_for
 

@@ -220,8 +220,10 @@ def test_dockerfile_installs_without_torch_and_with_the_makefile_constraints() -
     installs = re.findall(r"pip install ([^&;]*)", runs)
     assert len(installs) == 1, installs
     words = installs[0].split()
-    assert "." in words  # the project itself, no extras
-    assert not re.search(r"torch|\[(trainer|dev)\]|\.\[", installs[0]), installs[0]
+    assert '".[agent,controller]"' in words  # the project with the agent's and the controller's extras
+    assert not re.search(r"torch|trainer|dev", installs[0]), installs[0]
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(dep.lower().startswith("torch") for dep in optional["agent"] + optional["controller"])
     assert "--no-cache-dir" in words
     constraints = words[words.index("-c") + 1]
     make_installs = re.findall(r"pip install .*", (ROOT / "Makefile").read_text())
@@ -229,6 +231,7 @@ def test_dockerfile_installs_without_torch_and_with_the_makefile_constraints() -
     assert make_constraints == {constraints} == {"constraints.txt"}
     copied = " ".join(args for inst, args in dockerfile_instructions() if inst == "COPY")
     assert constraints in copied.split()
+    assert not {"examples", "bench", "agent"} & set(copied.split())  # the wheel's packages only
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(dep.lower().startswith("torch") for dep in project["dependencies"])
 

@@ -11,13 +11,13 @@ import boto3
 import pytest
 import torch
 
-from agent.reporter import write_policy
 from opsd.checkpoints.layout import inspect_checkpoints, sha256_file
 from opsd.checkpoints.local import LocalStore
 from opsd.checkpoints.s3 import S3Options
 from opsd.errors import PermanentError
 from opsd.protocol.manifest import parse_manifest
 from opsd.protocol.policy_file import CheckpointCadence, Policy
+from opsd_agent.reporter import write_policy
 from trainer_hooks import checkpoint as checkpoint_module
 from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
 from trainer_hooks.policy_reader import PolicyReader

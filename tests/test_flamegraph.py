@@ -22,9 +22,6 @@ from fastapi.testclient import TestClient
 from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from agent.daemon import Agent, AgentConfig
-from agent.reporter import Reporter, ReporterConfig
-from agent.state import RUN_OVERFLOW, NodeState
 from opsd.analysis.flamegraph import DIMENSION_COLOURS, MARGIN_PX, fold, parse_folded, render_svg, to_folded
 from opsd.api.app import create_app
 from opsd.backends.local.processes import free_port
@@ -36,6 +33,9 @@ from opsd.errors import BodyError, PermanentError
 from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode, decode_report, encode
+from opsd_agent.daemon import Agent, AgentConfig
+from opsd_agent.reporter import Reporter, ReporterConfig
+from opsd_agent.state import RUN_OVERFLOW, NodeState
 from tests.launch import run_module
 from tests.serving import start_api
 from tests.test_agent import samples, step, value

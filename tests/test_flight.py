@@ -24,8 +24,6 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
-from agent.metrics import FlightCollector
 from opsd.analysis.flight_recorder import analyze
 from opsd.api.app import create_app
 from opsd.controller.config import ControllerConfig
@@ -35,6 +33,8 @@ from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
 from opsd.protocol.policy_file import EMPTY, Command
+from opsd_agent.flight import FlightUploader, FlightUploaderConfig, controller_base
+from opsd_agent.metrics import FlightCollector
 from tests.launch import run_module
 from tests.serving import start_api
 from tests.waiting import wait_for

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.daemon import Agent, AgentConfig
-from agent.gpu_access import GpuAccess, GpuAccessCollector, reason_of
 from opsd.errors import PermanentError
 from opsd.protocol.gpu_files import GpuSample
 from opsd.protocol.wire import encode
+from opsd_agent.daemon import Agent, AgentConfig
+from opsd_agent.gpu_access import GpuAccess, GpuAccessCollector, reason_of
 from tests.test_reporter import Controller
 from tests.test_wire import report
 from tests.waiting import wait_for
@@ -94,7 +94,9 @@ def test_an_agent_without_nvml_keeps_serving_its_ranks_and_heartbeating_and_says
     assert health["gpu"]["available"] is False
     assert health["gpu"]["reason"] == "library_not_found"
     assert "NVML Shared Library Not Found" in health["gpu"]["detail"]
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "agent.gpu_access"]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "opsd_agent.gpu_access"
+    ]
     assert len(warnings) == 1  # said once, not at every retry
     assert "GPU source nvml unavailable (library_not_found" in warnings[0]
     assert "docs/kubernetes.md" in warnings[0]

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.daemon import Agent, AgentConfig
-from agent.gpu import FileGpuSource, NvmlSource, open_source
-from agent.health import GpuHealth, GpuHealthCollector
 from opsd.errors import PermanentError
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.gpu_files import GpuSample, inject_xid, write_samples
 from opsd.protocol.xid_table import load_xid_table
+from opsd_agent.daemon import Agent, AgentConfig
+from opsd_agent.gpu import FileGpuSource, NvmlSource, open_source
+from opsd_agent.health import GpuHealth, GpuHealthCollector
 from tests.fake_nvml import CONSTANTS, ERRORS, FUNCTIONS, EventData, FakeGpu, FakeNvml
 from tests.test_agent import samples, samples_of
 from tests.waiting import wait_for
@@ -204,7 +204,7 @@ def test_fields_nvml_does_not_support_are_not_exported_but_counted_and_logged_on
     )
     fake = nvml(monkeypatch, FakeNvml([h100, FakeGpu("GPU-f00d", nvlink_errors={(0, 0): 3})]))
     source = NvmlSource()
-    with caplog.at_level(logging.WARNING, logger="agent.gpu"):
+    with caplog.at_level(logging.WARNING, logger="opsd_agent.gpu"):
         first, second = source.sample()
         source.sample()
     assert (first.nvlink_errors, first.retired_pages_sbe, first.retired_pages_dbe) == (None, None, None)

@@ -20,9 +20,6 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import reporter as reporter_module
-from agent.reporter import Reporter, ReporterConfig, with_port
-from agent.state import NodeState
 from opsd.api.heartbeat_ingest import Told
 from opsd.api.heartbeat_worker import MAX_BODY_BYTES, Mirror, View, WorkerConfig
 from opsd.backends.local.processes import free_port
@@ -40,6 +37,9 @@ from opsd.protocol.heartbeat import (
     encode,
 )
 from opsd.protocol.policy_file import EMPTY, Policy
+from opsd_agent import reporter as reporter_module
+from opsd_agent.reporter import Reporter, ReporterConfig, with_port
+from opsd_agent.state import NodeState
 from tests.serving import start_api
 from tests.test_agent import step
 from tests.test_liveness import CREDENTIALS, request

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from agent.daemon import Agent, AgentConfig
 from opsd.backends.kubernetes.install_check import main as install_check
 from opsd.backends.local.processes import free_port
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from opsd_agent.daemon import Agent, AgentConfig
 from tests.helm_chart import DASHBOARDS, NAMESPACE, RULES, Combo, Helm, Obj, objects, one
 from tests.kube.emulator import KubeEmulator
 from tests.kube.training import kubeconfig

@@ -14,9 +14,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from agent.gpu import FileGpuSource
-from agent.health import GpuHealth
-from agent.tracing import Tracing
 from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
@@ -35,6 +32,9 @@ from opsd.postmortem.render import to_markdown
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatEvent, HeartbeatRank, decode_heartbeat, encode
 from opsd.protocol.states import IncidentState, NodeRole
 from opsd.protocol.xid_table import load_xid_table
+from opsd_agent.gpu import FileGpuSource
+from opsd_agent.health import GpuHealth
+from opsd_agent.tracing import Tracing
 from tests.backend_contract import XID, SimulatedCrashError, crash_at
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from tests.rows import stored

@@ -42,8 +42,8 @@ from opsd.protocol.cluster import (
     STATE_LABEL,
 )
 from opsd.protocol.states import NodeRole, RunState
+from opsd.runtime.config import ServeConfig
 from opsd.runtime.kubernetes import run_kubernetes
-from opsd.runtime.server import ServeConfig
 from tests.backend_contract import BY_NAME, RUN, play
 from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.machines import JOBSETS, NAMESPACE, KubeMachines, jobset, listed_reconciler, node, relist

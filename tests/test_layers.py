@@ -15,7 +15,7 @@ import pytest
 
 from tests.launch import ROOT
 
-PACKAGES = ("opsd", "agent", "trainer_hooks", "examples", "bench")
+PACKAGES = ("opsd", "opsd_agent", "trainer_hooks", "examples", "bench")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 RUFF = Path(sys.executable).with_name("ruff")
 
@@ -46,7 +46,7 @@ BREACHES = {
     # name: (file, line added, the contract that must break)
     "torch in the policy": ("opsd/policy/cadence.py", "import torch", "opsd.policy is pure"),
     "the controller imports the API": ("opsd/controller/core.py", "import opsd.api.app", "Layers"),
-    "the agent imports the controller": ("agent/state.py", "import opsd.controller.state", "Layers"),
+    "the agent imports the controller": ("opsd_agent/state.py", "import opsd.controller.state", "Layers"),
     "a backend imports the API": ("opsd/backends/fake.py", "import opsd.api.app", "Layers"),
     "the hooks import the post-mortem": ("trainer_hooks/sinks.py", "import opsd.postmortem.build", "The trainer hooks"),
     "a deferred import closes a cycle": (

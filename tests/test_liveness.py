@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.reporter import Reporter, ReporterConfig
-from agent.state import NodeState
 from opsd.api.auth import Credentials
 from opsd.backends.local.processes import free_port
 from opsd.controller.config import ControllerConfig
@@ -27,6 +25,8 @@ from opsd.controller.state import StateStore
 from opsd.policy.telemetry import TelemetryConfig
 from opsd.protocol.heartbeat import VERSION, Heartbeat, encode
 from opsd.protocol.liveness import Signer, decode_ack, decode_alive, encode_ack, encode_alive, liveness_key
+from opsd_agent.reporter import Reporter, ReporterConfig
+from opsd_agent.state import NodeState
 from tests.serving import start_api
 from tests.test_agent import step
 from tests.test_reporter import Controller as StandIn

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import OpType  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import init_device_mesh
 
-from agent.daemon import Agent, AgentConfig
 from opsd.protocol.wire import StepReport, decode, decode_report
+from opsd_agent.daemon import Agent, AgentConfig
 from tests.test_collectives import FakeWorkInfo, NcclLikeGroup
 from trainer_hooks.collectives import CollectiveTracer
 from trainer_hooks.comm_tables import StepComms

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.reporter import write_policy
 from opsd.protocol.policy_file import (
     EMPTY,
     Cadence,
@@ -18,6 +17,7 @@ from opsd.protocol.policy_file import (
     decode_policy,
     encode_policy,
 )
+from opsd_agent.reporter import write_policy
 from trainer_hooks.policy_reader import PolicyReader
 
 

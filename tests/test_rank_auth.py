@@ -1,6 +1,6 @@
 """The run's key: a pod elsewhere that reaches an agent's network endpoints cannot feed it reports, read its policy
-or send it dumps (``opsd.protocol.rank_auth``, ``agent.rank_gate``). Real sockets on loopback, the rank's side as the
-hooks run it, with ``$OPSD_RANK_KEY`` and ``$OPSD_RUN`` as a training pod's template gives them."""
+or send it dumps (``opsd.protocol.rank_auth``, ``opsd_agent.rank_gate``). Real sockets on loopback, the rank's side as
+the hooks run it, with ``$OPSD_RANK_KEY`` and ``$OPSD_RUN`` as a training pod's template gives them."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from agent.daemon import Agent, AgentConfig
 from opsd.cli import settings
 from opsd.errors import ConfigError
 from opsd.protocol.env import AGENT_SOCKET_ENV, RANK_KEY_ENV, RUN_ENV
 from opsd.protocol.node_agent import FLIGHT_PATH, POLICY_PATH
 from opsd.protocol.rank_auth import RankAuth, headers, run_key, sign, split_signed, verify
 from opsd.protocol.wire import WireError, encode
+from opsd_agent.daemon import Agent, AgentConfig
 from tests.test_agent_over_the_network import env_of, network_agent
 from tests.test_wire import report
 from tests.waiting import wait_for

@@ -37,8 +37,8 @@ from opsd.controller.port import FaultKind
 from opsd.controller.rows import IncidentRow
 from opsd.errors import PermanentError
 from opsd.policy.cadence import CadenceConfig
+from opsd.runtime.config import ServeConfig
 from opsd.runtime.local import run_local
-from opsd.runtime.server import ServeConfig
 from tests.faults import inject
 from tests.spares import implied_pool
 

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from agent.daemon import Agent, AgentConfig
-from agent.gpu import FileGpuSource
-from agent.health import GpuHealth
-from agent.metrics import ReporterCollector
-from agent.reporter import Reporter, ReporterConfig, backoff_s
-from agent.state import NodeState
 from opsd.backends.local.processes import free_port
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.policy_file import EMPTY, Policy
 from opsd.protocol.wire import encode
 from opsd.protocol.xid_table import load_xid_table
+from opsd_agent.daemon import Agent, AgentConfig
+from opsd_agent.gpu import FileGpuSource
+from opsd_agent.health import GpuHealth
+from opsd_agent.metrics import ReporterCollector
+from opsd_agent.reporter import Reporter, ReporterConfig, backoff_s
+from opsd_agent.state import NodeState
 from tests.test_agent import step
 from tests.test_wire import report
 from tests.waiting import wait_for

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import typer.main
 
-from agent.daemon import AgentConfig
 from opsd.backends.local.processes import free_port
 from opsd.cli import settings
 from opsd.cli.app import app
 from opsd.errors import ConfigError
-from opsd.runtime.server import ServeConfig
+from opsd.runtime.config import ServeConfig
+from opsd_agent.daemon import AgentConfig
 from tests.launch import ROOT, agent_until_sigterm
 
 #: every key of the settings file; a change here is a change users see (docs/configuration.md, the Helm chart)

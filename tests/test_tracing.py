@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.daemon import Agent, AgentConfig
 from opsd.protocol.gpu_files import inject_xid
+from opsd_agent.daemon import Agent, AgentConfig
 from tests.otlp import OtlpReceiver
 from tests.test_gpu_health import start_file_agent, xids_seen
 from tests.waiting import wait_for

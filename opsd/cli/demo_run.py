@@ -16,7 +16,7 @@ from opsd.backends.local.processes import free_port
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.controller.config import ControllerConfig
 from opsd.policy.detection import DetectionConfig
-from opsd.runtime.server import ServeConfig
+from opsd.runtime.config import ServeConfig
 
 QUIET = ("httpx", "uvicorn", "opsd.controller.state", "opsd.controller.scoring")
 

@@ -4,12 +4,14 @@ object (``opsd.cli.settings``): the ``--config`` file, then ``OPSD_*`` variables
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shlex
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -45,6 +47,21 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+@contextlib.contextmanager
+def controller_extra(command: str) -> Iterator[None]:
+    """Where a command needs the controller's libraries (``opsd[controller]``): one missing (an agent's or a trainer's
+    install) is said in one line, exit 2, not a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        typer.echo(
+            f"opsd {command}: the controller's libraries are not installed (no module {exc.name!r}):"
+            " pip install 'opsd[controller]'",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+
+
 def _load(section: str, path: str | None, flags: dict[str, Any], defaults: dict[str, Any] | None = None) -> Any:
     try:
         return settings.load(section, path, flags=flags, defaults=defaults)
@@ -72,7 +89,7 @@ def agent(
     log_level: LogLevel = "INFO",
 ) -> None:
     """Run the node agent: rank reports in, Prometheus metrics out."""
-    from agent.daemon import Agent
+    from opsd_agent.daemon import Agent
 
     _logging(log_level)
     flags = {
@@ -157,7 +174,8 @@ def serve(
     loaded = _load("controller", config, flags)
     chosen = registry.backend(loaded.backend)
     try:
-        chosen.serve(loaded.serve, getattr(loaded, chosen.name, None))  # with its section of the settings
+        with controller_extra("serve"):
+            chosen.serve(loaded.serve, getattr(loaded, chosen.name, None))  # with its section of the settings
     except OpsError as exc:
         typer.echo(f"opsd serve: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -213,8 +231,9 @@ def run(
     --gpus-per-node 2 --spares 1 -- python -m examples.train ... --resume`. Failures are detected and recovered
     (swap, relaunch, resume from the newest checkpoint) until every rank exits 0. Run it again with the same --run
     and --state-dir to take up a run whose controller died; SIGINT or SIGTERM stops the run."""
-    from opsd.backends.local.spec import LocalRunSpec
-    from opsd.runtime.local import run_local
+    with controller_extra("run"):
+        from opsd.backends.local.spec import LocalRunSpec
+        from opsd.runtime.local import run_local
 
     _logging(log_level)
     flags = {

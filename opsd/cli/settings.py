@@ -9,7 +9,7 @@ The file has two sections, each a frozen configuration dataclass of the code, ne
     hang_floor_s = 60           # no: it is controller.detection.hang_floor_s
     [controller.detection]
     hang_floor_s = 60
-    [agent]                     # agent.daemon.AgentConfig
+    [agent]                     # opsd_agent.daemon.AgentConfig
     socket = "/run/opsd/agent.sock"
 
 Each key has an environment variable: ``OPSD_`` and its path in capitals, joined by ``_``
@@ -33,7 +33,6 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from agent.daemon import AgentConfig
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.errors import ConfigError
 from opsd.protocol.env import (
@@ -45,8 +44,9 @@ from opsd.protocol.env import (
     STATE_URL_ENV,
     TOKEN_ENV,
 )
+from opsd.runtime.config import ServeConfig
 from opsd.runtime.registry import BACKENDS
-from opsd.runtime.server import ServeConfig
+from opsd_agent.daemon import AgentConfig
 
 
 @dataclass(frozen=True)

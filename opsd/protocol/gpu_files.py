@@ -1,6 +1,6 @@
 """The file-backed fake GPU source of a node without GPUs (the tests, ``opsd run``'s local nodes): a directory that
 describes the node's GPUs and their XID events, written by whoever plays the hardware and read by the node agent
-(``agent.gpu.FileGpuSource``).
+(``opsd_agent.gpu.FileGpuSource``).
 
 - ``gpus.json``: a list of ``GpuSample`` objects, replaced atomically (``write_samples``);
 - ``xids.jsonl``: one ``{"gpu": 0, "xid": 79}`` line per XID event, appended (``inject_xid``); the agent reports the

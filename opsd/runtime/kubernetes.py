@@ -21,7 +21,8 @@ from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.leader import KubernetesController, label_self, require_jobsets
 from opsd.backends.kubernetes.lease import elect
 from opsd.protocol.cluster import LEADER, STANDBY
-from opsd.runtime.server import ServeConfig, Serving, build
+from opsd.runtime.config import ServeConfig
+from opsd.runtime.server import Serving, build
 
 log = logging.getLogger(__name__)
 

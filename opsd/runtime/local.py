@@ -24,7 +24,8 @@ from opsd.backends.local.supervise import crash_after, last_reports, start_run
 from opsd.controller.controller import Controller
 from opsd.controller.rows import as_json
 from opsd.protocol.states import RunState
-from opsd.runtime.server import ServeConfig, Serving, build
+from opsd.runtime.config import ServeConfig
+from opsd.runtime.server import Serving, build
 
 log = logging.getLogger(__name__)
 

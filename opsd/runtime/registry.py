@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opsd.runtime.server import ServeConfig, run_server
+from opsd.runtime.config import ServeConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,12 @@ class BackendEntry:
     name: str
     description: str  # for the command's help
     serve: Callable[[ServeConfig, Any], None]  # runs the controller process until it stops
+
+
+def _none(config: ServeConfig, section: Any) -> None:
+    from opsd.runtime.server import run_server  # the server's libraries: only when it runs
+
+    run_server(config, section)
 
 
 def _kubernetes(config: ServeConfig, kubernetes: Any) -> None:
@@ -31,7 +37,7 @@ def _kubernetes(config: ServeConfig, kubernetes: Any) -> None:
 BACKENDS: dict[str, BackendEntry] = {
     entry.name: entry
     for entry in (
-        BackendEntry("none", "incidents recorded, the cadence published, nothing recovered", run_server),
+        BackendEntry("none", "incidents recorded, the cadence published, nothing recovered", _none),
         BackendEntry("kubernetes", "the cluster's nodes and JobSets (docs/kubernetes.md)", _kubernetes),
     )
 }

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.gpu import GpuSource, open_source
 from opsd.errors import OpsError
 from opsd.protocol.gpu_files import GpuSample
+from opsd_agent.gpu import GpuSource, open_source
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from opentelemetry.trace import Span, Tracer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.gpu import GpuSource
 from opsd.errors import OpsError
 from opsd.policy.xid import WatchWindow, XidDecision, XidEvent, decide
 from opsd.protocol.gpu_files import GpuSample
 from opsd.protocol.heartbeat import HeartbeatEvent
 from opsd.protocol.xid_table import XidAction
+from opsd_agent.gpu import GpuSource
 
 log = logging.getLogger(__name__)
 

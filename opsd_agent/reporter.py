@@ -4,12 +4,12 @@ Every ``interval_s`` (a beat) the agent says it is alive, and now and then it PO
 (``docs/protocol.md``, "agent -> controller") with the node's identity, the ranks it has heard from and their last
 step, the GPU health events the controller has not acknowledged, the summaries buffered since the last delivery, and
 each run's collective totals on the node (cumulative, by phase, dimension and op: the controller's flame graph), with
-``Authorization: Bearer <token>``, on a keep-alive connection (``agent.connection``).
+``Authorization: Bearer <token>``, on a keep-alive connection (``opsd_agent.connection``).
 
 - How often: every beat, as long as the controller's replies do not say otherwise (an older controller). A reply
   that names ``telemetry_interval_s`` and ``liveness_port`` asks for the ranks every ``telemetry_interval_s`` (and at
   once when a GPU event or a collective timeout is new), and for a signed liveness datagram every beat
-  (``agent.liveness``); while the datagrams go unacknowledged, or without a port, the beats in between are
+  (``opsd_agent.liveness``); while the datagrams go unacknowledged, or without a port, the beats in between are
   heartbeats without ranks over HTTP (liveness only).
 - Where: to ``url``, the API, until a reply names a ``heartbeat_port``: from then on to that port of the same host
   (the controller's heartbeat process: same scheme, path and token), but for a heartbeat with GPU events, one that
@@ -38,10 +38,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from agent.connection import Connection
-from agent.health import GpuHealth
-from agent.liveness import LivenessSender
-from agent.state import NodeState, RankSnapshot
 from opsd.errors import BodyError
 from opsd.policy.telemetry import phase_ratio, ranks_due
 from opsd.protocol.heartbeat import (
@@ -58,6 +54,10 @@ from opsd.protocol.heartbeat import (
 )
 from opsd.protocol.policy_file import Policy, encode_policy
 from opsd.protocol.wire import StepReport, pipeline_bubble_ratio
+from opsd_agent.connection import Connection
+from opsd_agent.health import GpuHealth
+from opsd_agent.liveness import LivenessSender
+from opsd_agent.state import NodeState, RankSnapshot
 
 log = logging.getLogger(__name__)
 #: what a delivered heartbeat whose reply does not fit the protocol stands for: nothing in it is applied

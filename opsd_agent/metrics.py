@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.flight import FlightUploader
-from agent.rank_gate import DATAGRAM_REFUSALS
-from agent.reporter import Reporter
-from agent.state import NodeState, RankSnapshot
 from opsd.protocol.mesh import DIM_NAMES as MESH_DIMENSIONS
 from opsd.protocol.wire import REASONS, pipeline_bubble_ratio
+from opsd_agent.flight import FlightUploader
+from opsd_agent.rank_gate import DATAGRAM_REFUSALS
+from opsd_agent.reporter import Reporter
+from opsd_agent.state import NodeState, RankSnapshot
 
 RANK = ["run", "rank"]
 COMM = [*RANK, "dimension", "op"]
@@ -261,7 +261,7 @@ class ReporterCollector(Collector):
 
 
 class FlightCollector(Collector):
-    """Flight Recorder dumps sent to the controller, by result (``agent.flight``); zeros while no uploader runs
+    """Flight Recorder dumps sent to the controller, by result (``opsd_agent.flight``); zeros while no uploader runs
     (no ``--flight-dir`` or no ``--controller-url``)."""
 
     def __init__(self, uploader: Callable[[], FlightUploader | None], node: str) -> None:

@@ -5,14 +5,14 @@ over the network (``opsd.protocol.node_agent``):
   one, or without a controller);
 - ``POST /v1/flight-recorder``: one rank's Flight Recorder dump (a JSON object naming its ``run``, ``trigger`` and
   ``rank``), written atomically to ``<flight_dir>/<run>/<trigger>/rank-<rank>.json``, where the uploader finds it as
-  if the rank had written it (``agent.flight``). Answers 201; 400 for a body that is not a dump, 413 above
+  if the rank had written it (``opsd_agent.flight``). Answers 201; 400 for a body that is not a dump, 413 above
   ``MAX_DUMP_BYTES``, 503 when the agent keeps no dumps (no ``flight_dir``) or is busy taking in ``UPLOAD_SLOTS``
   others (with ``Retry-After``); counted by result in ``opsd_agent_flight_dumps_received_total``. A dump is streamed
   to disk, never held whole in memory (``DumpIntake``).
 
 ``/metrics`` needs ``Authorization: Bearer <metrics_token>`` when the agent has one (what Prometheus sends, from the
 chart's Secret; the previous token too, during a rotation). The policy and the dumps ask for the rank's run key
-where the agent's ``rank_auth`` says (``agent.rank_gate``: 401 without it, or with a wrong one; 403 for a dump of
+where the agent's ``rank_auth`` says (``opsd_agent.rank_gate``: 401 without it, or with a wrong one; 403 for a dump of
 another run than the key's); ``/healthz`` is open.
 """
 
@@ -36,7 +36,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.rank_gate import RankGate
 from opsd.protocol.node_agent import (
     FLIGHT_PATH,
     MAX_DUMP_BYTES,
@@ -48,6 +47,7 @@ from opsd.protocol.node_agent import (
 )
 from opsd.protocol.policy_file import EMPTY, Policy, encode_policy
 from opsd.protocol.rank_auth import RUN_HEADER, RankAuth
+from opsd_agent.rank_gate import RankGate
 
 log = logging.getLogger(__name__)
 

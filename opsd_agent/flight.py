@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from agent.reporter import backoff_s
+from opsd_agent.reporter import backoff_s
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
 Ranks send their datagrams to the Unix socket ``socket`` (a host directory the training pods mount) or, with
 ``datagram_port`` set, to its UDP port (pods with no host directory: ``opsd.protocol.node_agent``); both are taken
 the same way. A malformed datagram is counted by the rule it breaks and dropped; nothing a sender does stops the
-receiver. The HTTP endpoints are ``agent.endpoints``'.
+receiver. The HTTP endpoints are ``opsd_agent.endpoints``'.
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.endpoints import DumpIntake, DumpIntakeCollector, handler
-from agent.flight import FlightUploader, FlightUploaderConfig, controller_base
-from agent.gpu_access import GpuAccess, GpuAccessCollector
-from agent.health import GpuHealth, GpuHealthCollector
-from agent.metrics import AgentCollector, AgentStats, FlightCollector, ReporterCollector
-from agent.rank_gate import RankGate, RankGateCollector
-from agent.reporter import Reporter, ReporterConfig
-from agent.state import NodeState
-from agent.tracing import Tracing
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.rank_auth import MAX_DATAGRAM_BYTES, RankAuth, split_signed
 from opsd.protocol.wire import MAX_MESSAGE_BYTES, TimeoutReport, WireError, decode_report
 from opsd.protocol.xid_table import load_xid_table
+from opsd_agent.endpoints import DumpIntake, DumpIntakeCollector, handler
+from opsd_agent.flight import FlightUploader, FlightUploaderConfig, controller_base
+from opsd_agent.gpu_access import GpuAccess, GpuAccessCollector
+from opsd_agent.health import GpuHealth, GpuHealthCollector
+from opsd_agent.metrics import AgentCollector, AgentStats, FlightCollector, ReporterCollector
+from opsd_agent.rank_gate import RankGate, RankGateCollector
+from opsd_agent.reporter import Reporter, ReporterConfig
+from opsd_agent.state import NodeState
+from opsd_agent.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
