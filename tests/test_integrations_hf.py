@@ -1,0 +1,90 @@
+"""opsd inside Hugging Face's ``transformers.Trainer`` (docs/integrations.md): the reference script
+``examples/hf_trainer.py`` (a tiny Llama from a config, DDP on gloo, 2 ranks under torchrun) with ``OpsdCallback``.
+
+- every optimizer step is a step report: tokens, step time, MFU, and DDP's gradient all-reduces as ``dp_replicate``;
+- the controller's cadence (a policy file: every 3 steps) makes the Trainer save at the policy's steps, besides its
+  own (every 4);
+- killed at step 7 and started again with ``--resume``, it resumes from the Trainer's own newest checkpoint (step 6,
+  the policy's), its reports say so, and its losses from step 7 on are those of the run that was never killed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opsd.protocol.env import POLICY_FILE_ENV
+from opsd.protocol.policy_file import CheckpointCadence, Policy, encode_policy
+from opsd.protocol.wire import StepReport, decode_report
+from tests.launch import ROOT, run_module
+from tests.test_docs import blocks
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+def reports(path: Path) -> list[StepReport]:
+    found = [decode_report(line) for line in path.read_bytes().splitlines()]
+    return [r for r in found if isinstance(r, StepReport)]
+
+
+def train(out: Path, policy: Path, *extra: str) -> int:
+    argv = ["--output-dir", str(out / "ckpt"), "--steps", str(STEPS), "--opsd-jsonl", str(out / "rank{rank}.jsonl")]
+    proc = run_module("examples.hf_trainer", [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy)})
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The controller's cadence, as the agent writes it: a save every 3 steps from step 3."""
+    path = tmp_path_factory.mktemp("policy") / "policy.json"
+    path.write_bytes(encode_policy(Policy(checkpoint=CheckpointCadence(every_steps=3, from_step=3))))
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
+    out = tmp_path_factory.mktemp("hf-straight")
+    assert train(out, policy, "--losses-out", str(out / "losses.json")) == 0
+    return out
+
+
+def test_every_optimizer_step_is_reported_with_its_tokens_mfu_and_ddp_all_reduces(straight: Path) -> None:
+    for rank in (0, 1):
+        steps = reports(straight / f"rank{rank}.jsonl")
+        assert [r.step for r in steps] == list(range(1, STEPS + 1))
+        for r in steps:
+            assert (r.world_size, r.tokens, r.coords) == (2, 4 * 32, {"dp_replicate": rank})  # batch 4 x 32 tokens
+            assert r.step_s > 0
+            assert 0 < r.mfu_ratio < 1
+            (comm,) = [c for c in r.comms if c.dimension == "dp_replicate"]
+            assert (comm.op, comm.count) == ("all_reduce", 1)  # one bucket: the tiny model's gradients
+            assert comm.bytes > 0
+
+
+def test_the_controllers_cadence_makes_the_trainer_save_at_its_steps(straight: Path) -> None:
+    saved = sorted(int(p.name.removeprefix("checkpoint-")) for p in (straight / "ckpt").iterdir())
+    assert saved == [3, 4, 6, 8, 9, 12]  # the policy's every 3 and the Trainer's own every 4
+
+
+def test_killed_and_resumed_from_the_trainers_checkpoint_it_trains_the_same_losses(
+    straight: Path, policy: Path, tmp_path: Path
+) -> None:
+    assert train(tmp_path, policy, "--kill-at-step", "7") != 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint-3", "checkpoint-4", "checkpoint-6"]
+    assert train(tmp_path, policy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
+    after = [r for r in reports(tmp_path / "rank0.jsonl") if r.resumed_from_step == 6]
+    assert [r.step for r in after] == list(range(7, STEPS + 1))
+    expected = json.loads((straight / "losses.json").read_text())
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert {s: got[s] for s in map(str, range(7, STEPS + 1))} == {s: expected[s] for s in map(str, range(7, STEPS + 1))}
+
+
+def test_the_docs_lines_are_those_of_the_tested_script() -> None:
+    (snippet,) = blocks("docs/integrations.md", "python")
+    script = (ROOT / "examples" / "hf_trainer.py").read_text()
+    for line in snippet.strip().splitlines():
+        assert line.strip() in script, line
