@@ -14,12 +14,15 @@ import json
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from opsd.protocol.env import POLICY_FILE_ENV
+from opsd.protocol.env import AGENT_SOCKET_ENV, POLICY_FILE_ENV
 from opsd.protocol.policy_file import CheckpointCadence, Policy, encode_policy
 from opsd.protocol.wire import StepReport, decode_report
+from opsd_agent.daemon import Agent, AgentConfig
 from tests.launch import ROOT, run_module
 from tests.test_docs import blocks
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +34,11 @@ def reports(path: Path) -> list[StepReport]:
     return [r for r in found if isinstance(r, StepReport)]
 
 
-def train(out: Path, policy: Path, *extra: str) -> int:
+def train(out: Path, policy: Path, *extra: str, env: dict[str, str] | None = None) -> int:
     argv = ["--output-dir", str(out / "ckpt"), "--steps", str(STEPS), "--opsd-jsonl", str(out / "rank{rank}.jsonl")]
-    proc = run_module("examples.hf_trainer", [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy)})
+    proc = run_module(
+        "examples.hf_trainer", [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy), **(env or {})}
+    )
     return proc.returncode
 
 
@@ -47,8 +52,17 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
+    """The run that is never killed, its ranks reporting to a node agent too (its /metrics in ``metrics.txt``)."""
     out = tmp_path_factory.mktemp("hf-straight")
-    assert train(out, policy, "--losses-out", str(out / "losses.json")) == 0
+    agent = Agent(AgentConfig(socket=str(out / "agent.sock"), metrics_port=0, node="local"))
+    agent.start()
+    try:
+        env = {AGENT_SOCKET_ENV: agent.config.socket}
+        assert train(out, policy, "--losses-out", str(out / "losses.json"), env=env) == 0
+        wait_for("every report at the agent", lambda: agent.stats.received >= 2 * STEPS, 10, interval_s=0.05)
+        (out / "metrics.txt").write_bytes(agent.metrics_text())
+    finally:
+        agent.stop()
     return out
 
 
@@ -63,6 +77,18 @@ def test_every_optimizer_step_is_reported_with_its_tokens_mfu_and_ddp_all_reduce
             (comm,) = [c for c in r.comms if c.dimension == "dp_replicate"]
             assert (comm.op, comm.count) == ("all_reduce", 1)  # one bucket: the tiny model's gradients
             assert comm.bytes > 0
+
+
+def test_the_agent_exports_the_same_series_as_for_the_reference_trainer(straight: Path) -> None:
+    samples = {
+        (s.name, s.labels.get("rank"), s.labels.get("dimension")): s.value
+        for family in text_string_to_metric_families((straight / "metrics.txt").read_text())
+        for s in family.samples
+    }
+    for rank in ("0", "1"):
+        assert samples[("opsd_steps_total", rank, None)] == STEPS
+        assert 0 < samples[("opsd_mfu_ratio", rank, None)] < 1
+        assert samples[("opsd_collectives_total", rank, "dp_replicate")] == STEPS  # one bucket a step
 
 
 def test_the_controllers_cadence_makes_the_trainer_save_at_its_steps(straight: Path) -> None:
