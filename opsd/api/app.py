@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
 from opsd.analysis.flamegraph import fold, to_folded
-from opsd.api.auth import Credentials, Role, requirement
+from opsd.api.auth import Credentials, requirement
 from opsd.api.flight import flight_router
 from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
 from opsd.api.heartbeat_ingest import HeartbeatPort, close_heartbeats, open_heartbeats
@@ -42,7 +42,7 @@ from opsd.controller.rows import Action, IncidentRow, NodeRow, RunRow
 from opsd.controller.views import cadence_view, checkpoints_view, flame_stacks, postmortem_bundle, spares_view
 from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
 from opsd.protocol.heartbeat import PATH
-from opsd.protocol.states import NodeRole
+from opsd.protocol.states import ApiRole, NodeRole
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def create_app(
         touched=heard,
     )
 
-    def allow(*roles: Role) -> Any:
+    def allow(*roles: ApiRole) -> Any:
         """A dependency: operators and ``roles`` through, the others refused (401 or 403, counted)."""
         check = requirement(credentials, stats.reject, *roles)
 
@@ -142,7 +142,7 @@ def create_app(
 
         return Depends(authorized)
 
-    operators, reads = [allow()], [allow(Role.READER)]
+    operators, reads = [allow()], [allow(ApiRole.READER)]
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -154,7 +154,7 @@ def create_app(
     async def unavailable(request: Request, exc: TransientError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(int(exc.retry_after_s))})
 
-    app.include_router(flight_router(controller, allow(Role.AGENT), allow(Role.READER), stats.reject, clock))
+    app.include_router(flight_router(controller, allow(ApiRole.AGENT), allow(ApiRole.READER), stats.reject, clock))
     app.include_router(maintenance_router(controller, operators, reads, clock))
 
     @app.get("/v1/runs", dependencies=reads)
@@ -242,7 +242,7 @@ def create_app(
         fault = Fault(body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor)
         return {"injected": _answer(lambda: controller.inject(run, fault))}
 
-    @app.get("/metrics", dependencies=[allow(Role.READER, Role.METRICS)])
+    @app.get("/metrics", dependencies=[allow(ApiRole.READER, ApiRole.METRICS)])
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

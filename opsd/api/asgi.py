@@ -10,11 +10,12 @@ from typing import Any, NamedTuple
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from opsd.api.auth import Credentials, Role, check
+from opsd.api.auth import Credentials, check
 from opsd.errors import BodyError
 from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
+from opsd.protocol.states import ApiRole
 
-AGENTS = frozenset({Role.AGENT})
+AGENTS = frozenset({ApiRole.AGENT})
 
 
 class Refusal(NamedTuple):

@@ -19,19 +19,13 @@ before).
 
 from __future__ import annotations
 
-import enum
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import HTTPException
 
-
-class Role(enum.StrEnum):
-    OPERATOR = "operator"
-    READER = "reader"
-    AGENT = "agent"
-    METRICS = "metrics"
+from opsd.protocol.states import ApiRole
 
 
 @dataclass(frozen=True)
@@ -53,19 +47,19 @@ class Credentials:
         if len(tokens) != len({token for _, token in tokens}):
             raise ValueError("each role needs a token of its own: two roles share one")
 
-    def tokens(self) -> list[tuple[Role, str]]:
+    def tokens(self) -> list[tuple[ApiRole, str]]:
         """Every token taken, with its role (a previous token equal to its role's current one counted once)."""
         pairs = [
-            (Role.OPERATOR, self.operator, self.operator_previous),
-            (Role.READER, self.reader, self.reader_previous),
-            (Role.AGENT, self.agent, self.agent_previous),
-            (Role.METRICS, self.metrics, self.metrics_previous),
+            (ApiRole.OPERATOR, self.operator, self.operator_previous),
+            (ApiRole.READER, self.reader, self.reader_previous),
+            (ApiRole.AGENT, self.agent, self.agent_previous),
+            (ApiRole.METRICS, self.metrics, self.metrics_previous),
         ]
         found = [(role, current) for role, current, _ in pairs if current]
         found += [(role, previous) for role, current, previous in pairs if previous and previous != current]
         return found
 
-    def role_of(self, authorization: str | None) -> Role | None:
+    def role_of(self, authorization: str | None) -> ApiRole | None:
         """The role whose token an ``Authorization: Bearer <token>`` header carries; None for none."""
         if not authorization or not authorization.startswith("Bearer "):
             return None
@@ -78,25 +72,25 @@ class Credentials:
         return found
 
 
-def check(credentials: Credentials, authorization: str | None, allowed: frozenset[Role]) -> str | None:
+def check(credentials: Credentials, authorization: str | None, allowed: frozenset[ApiRole]) -> str | None:
     """None when the header's role may; else the reason to refuse: ``auth`` (401) or ``forbidden`` (403)."""
     role = credentials.role_of(authorization)
     if role is None:
         return "auth"
-    if role is Role.OPERATOR or role in allowed:
+    if role is ApiRole.OPERATOR or role in allowed:
         return None
     return "forbidden"
 
 
-def refusal(reason: str, allowed: frozenset[Role]) -> HTTPException:
+def refusal(reason: str, allowed: frozenset[ApiRole]) -> HTTPException:
     if reason == "auth":
         return HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
-    roles = ", ".join(sorted({Role.OPERATOR, *allowed}))
+    roles = ", ".join(sorted({ApiRole.OPERATOR, *allowed}))
     return HTTPException(403, f"this token's role may not do this (it takes: {roles})")
 
 
 def requirement(
-    credentials: Credentials, reject: Callable[[str], None], *allowed: Role
+    credentials: Credentials, reject: Callable[[str], None], *allowed: ApiRole
 ) -> Callable[[str | None], None]:
     """A FastAPI dependency (its argument the ``Authorization`` header) letting ``allowed`` roles, and operators,
     through; refusals counted by ``reject``."""

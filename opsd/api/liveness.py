@@ -22,11 +22,12 @@ import subprocess
 from collections import deque
 
 from opsd.api import pipes
-from opsd.api.auth import Credentials, Role
+from opsd.api.auth import Credentials
 from opsd.api.liveness_worker import Batch, WorkerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats
 from opsd.protocol.liveness import liveness_key
+from opsd.protocol.states import ApiRole
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ async def open_liveness(
     on. None when the port cannot be bound or its worker not started: agents then send their liveness over HTTP."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
-    keys = [liveness_key(t) for role, t in credentials.tokens() if role in (Role.AGENT, Role.OPERATOR)]
+    keys = [liveness_key(t) for role, t in credentials.tokens() if role in (ApiRole.AGENT, ApiRole.OPERATOR)]
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
         sock.bind((host, port))

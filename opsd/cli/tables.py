@@ -12,8 +12,9 @@ from rich.console import Group
 from rich.text import Text
 
 from opsd.cli.columns import Col, Fit, Grid, fields, lines, listing, number, pairs, seconds, size, when
+from opsd.protocol.states import NodeRole
 
-ROLES = ("active", "spare", "cordoned")  # the order of the nodes' roles in a run's status
+ROLES = tuple(NodeRole)  # the order of the nodes' roles in a run's status
 IN_FULL = "left out for want of room: opsd incidents RUN ID shows it"
 
 RUNS = (

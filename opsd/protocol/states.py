@@ -23,6 +23,15 @@ class RunState(StrEnum):
         return self in (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
 
 
+class ApiRole(StrEnum):
+    """Who calls the controller's API, each with a token of its own (docs/kubernetes.md, "Credentials")."""
+
+    OPERATOR = "operator"  # every endpoint: restarts, cordons
+    READER = "reader"  # every read, /metrics
+    AGENT = "agent"  # heartbeats and Flight Recorder uploads
+    METRICS = "metrics"  # /metrics alone (Prometheus)
+
+
 class NodeRole(StrEnum):
     ACTIVE = "active"  # runs ranks of its run
     SPARE = "spare"  # in its run's hot-spare pool

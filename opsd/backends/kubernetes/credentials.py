@@ -29,10 +29,11 @@ from collections.abc import Sequence
 
 from opsd.backends.kubernetes.api import ConflictError, Json, KubeApi, connect
 from opsd.errors import NotFoundError, OpsError
+from opsd.protocol.states import ApiRole
 
 log = logging.getLogger(__name__)
 
-ROLES = ("operator", "reader", "agent", "metrics")
+ROLES = tuple(ApiRole)
 #: the ranks' secret, from which each run's key derives (``opsd.protocol.rank_auth``): made once, never rotated by a
 #: generation (the running pods hold keys derived from it)
 RANKS = "ranks"
