@@ -137,10 +137,8 @@ class _PeerTransport(HTTPTransport):  # type: ignore[misc]
         self._checkpoint_lock = _Gate(timeout.total_seconds())  # closed: nothing is allowed before the first send
         self.read_bytes_per_s = read_bytes_per_s
         self.fetch_s = 0.0
-        self.sent = 0  # checkpoints offered to healers
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        self.sent += 1
         super().send_checkpoint(dst_ranks, step, _snapshot(state_dict), timeout)
 
     def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:

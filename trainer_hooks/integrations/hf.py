@@ -70,7 +70,6 @@ class OpsdCallback(TrainerCallback):  # type: ignore[misc]
         self.shape = shape
         self.tokens_per_step = tokens_per_step
         self.monitor: Monitor | None = None
-        self.saves_asked = 0  # saves the controller's cadence asked the Trainer for
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -105,9 +104,8 @@ class OpsdCallback(TrainerCallback):  # type: ignore[misc]
                 tokens = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.seq_len
             self.monitor.end_step(tokens)
         try:
-            if self.policy.current().checkpoint_due(state.global_step) and not control.should_save:
+            if self.policy.current().checkpoint_due(state.global_step):
                 control.should_save = True
-                self.saves_asked += 1
         except Exception as exc:  # the cadence is advice: training goes on with the Trainer's own
             log.warning("opsd: the checkpoint cadence could not be read: %s", exc)
         return control
