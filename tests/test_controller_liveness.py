@@ -3,10 +3,12 @@ keeps a node alive, what finds it silent, what is refused, and what the heartbea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.live import SlotClock
@@ -59,6 +61,29 @@ def test_datagrams_keep_nodes_alive_between_heartbeats_and_a_silent_one_is_found
     assert t == 30.0  # its last datagram at 19 s: the first pass more than 10.6 s later
     (incident,) = controller.store.incidents("job")
     assert (incident.failed_s, incident.detected_s) == (19.0, 30.0)
+
+
+def test_a_node_heard_only_through_its_datagrams_says_nothing_of_its_ranks(tmp_path: Path) -> None:
+    """``opsd run``'s floors (heartbeat 3 s, hang 6 s). n1's agent is paused from 10 s to 25 s (as during its
+    restart) while every rank trains on, and n0's heartbeats with the ranks fail from 12 s to 22 s (a timeout, then
+    its backoff) while its datagrams come every second. No step reaches the controller in between, but none was seen
+    missing either: the run is not judged hung (before, the steps last carried at 12 s made a 7 s hang at 19 s), and
+    n1 is not lost (its peers' steps are not seen; the backend says its ranks run): its agent was down, a warning."""
+    config = replace(CONFIG, detection=DetectionConfig(heartbeat_floor_s=3, hang_floor_s=6))
+    controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"), config, FakeBackend(["n0", "n1"]))
+    found: list[Failure] = []
+    for tenths in range(0, 300, 5):
+        t = tenths / 10
+        for node in ("n0", "n1"):
+            if node == "n1" and 10 <= t < 25:
+                continue  # paused
+            if t % 2 == 0 and not (node == "n0" and 12 <= t < 22):
+                post(controller, node, t)
+            if t == int(t):
+                assert controller.alive(node, int(t * MS) + 1, t) is None
+        found += controller.tick(t)
+    assert found == []
+    assert [(i.kind, i.node, i.state) for i in controller.store.incidents("job")] == [("agent_down", "n1", "warned")]
 
 
 def test_replays_and_clocks_too_far_off_are_refused(controller: Controller) -> None:

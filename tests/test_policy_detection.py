@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from opsd.policy.detection import (
@@ -43,8 +46,8 @@ def node(name: str, last: float) -> NodeView:
     return NodeView(name, last, (1.0, 1.0, 1.0))
 
 
-def rank(r: int, n: str, step: int, progress: float, exit_code: int | None = None) -> RankView:
-    return RankView(r, n, step, progress, exit_code)
+def rank(r: int, n: str, step: int, progress: float, exit_code: int | None = None, seen: float = math.inf) -> RankView:
+    return RankView(r, n, step, progress, exit_code, seen)
 
 
 HEALTHY_NODES = [node("n0", 99.5), node("n1", 99.8)]
@@ -88,6 +91,24 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
     ),
     "hang past the floor, the rank behind named": (
         {"ranks": [rank(0, "n0", 50, 85.0), rank(1, "n0", 49, 84.0), rank(2, "n1", 50, 85.0)]},
+        [(FailureKind.HANG, "n0", 1)],
+    ),
+    # heartbeats carry the ranks every 1 s (``report_interval_s``) and the floor is 3 s: a rank no heartbeat carried
+    # since 96 s is not judged; a heartbeat without ranks, or a liveness datagram, keeps its node heard
+    "no hang judged on steps no heartbeat carried: n0's heartbeats with ranks back off, its datagrams come": (
+        {"ranks": [rank(r, "n0", 50, 85.0, seen=85.5) for r in range(2)]},
+        [],
+    ),
+    "hang: heartbeats carried the ranks within the window, and no step since": (
+        {"ranks": [rank(r, "n0", 50, 85.0, seen=99.0) for r in range(2)]},
+        [(FailureKind.HANG, "n0", 0)],
+    ),
+    "the stall runs to the oldest heartbeat that carried the ranks (9.5 s), not to now (13 s)": (
+        {"ranks": [rank(0, "n0", 50, 87.0, seen=99.0), rank(1, "n1", 50, 87.0, seen=96.5)]},
+        [],
+    ),
+    "a rank no heartbeat carried lately is not judged: the furthest behind is named among those seen": (
+        {"ranks": [rank(0, "n0", 40, 80.0, seen=90.0), rank(1, "n0", 49, 84.0), rank(2, "n1", 50, 85.0)]},
         [(FailureKind.HANG, "n0", 1)],
     ),
     "collective timeout: the rank that does not wait is the suspect": (
@@ -169,6 +190,16 @@ SILENCES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str]], list
     "the peers' node is silent too: no peer witness, lost as before": (
         silence(nodes=[node("n0", 94.0), node("n1", 94.0)]),
         [(FailureKind.HEARTBEAT_LOSS, "n0"), (FailureKind.HEARTBEAT_LOSS, "n1")],
+        [],
+    ),
+    "the peers' steps stopped with n1 as far as heartbeats carried them, none since 95 s: the backend decides": (
+        silence(ranks=[replace(r, seen_s=95.0) for r in STALLED_RANKS], node_ready={"n1": True}),
+        [],
+        ["n1"],
+    ),
+    "the same peers carried by a heartbeat at 99 s: they stopped with it, lost": (
+        silence(ranks=[replace(r, seen_s=99.0) for r in STALLED_RANKS], node_ready={"n1": True}),
+        [(FailureKind.HEARTBEAT_LOSS, "n1")],
         [],
     ),
     "a single-node run: the backend says its ranks run": (

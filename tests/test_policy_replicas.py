@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from opsd.policy.detection import DetectionConfig, Failure, FailureKind, detect_failures
+from opsd.policy.detection import DetectionConfig, Failure, FailureKind, RankView, detect_failures
 from opsd.policy.recovery import plan_recovery
 from opsd.policy.replicas import ReplicaGroups, failed_group, recovery_scope
 from opsd.protocol.ft import EXIT_NO_QUORUM
@@ -77,16 +77,16 @@ def test_an_impossible_layout_is_refused(groups: int, minimum: int) -> None:
         ReplicaGroups(groups, minimum)
 
 
-class Rank:
-    def __init__(self, rank: int, node: str, step: int, progress_s: float, exit_code: int | None = None) -> None:
-        self.rank, self.node, self.step, self.progress_s, self.exit_code = rank, node, step, progress_s, exit_code
-
-
 CONFIG = DetectionConfig(hang_floor_s=10.0)
 
 
 def test_a_group_that_stopped_stepping_hangs_alone_while_the_others_train() -> None:
-    ranks = [Rank(0, "n0", 90, 100.0), Rank(1, "n0", 90, 100.0), Rank(2, "n1", 40, 50.0), Rank(3, "n1", 41, 52.0)]
+    ranks = [
+        RankView(0, "n0", 90, 100.0),
+        RankView(1, "n0", 90, 100.0),
+        RankView(2, "n1", 40, 50.0),
+        RankView(3, "n1", 41, 52.0),
+    ]
     failures = detect_failures(now_s=100.0, nodes=[], ranks=ranks, config=CONFIG, rank_groups=RANKS)
     assert [(f.kind, f.rank) for f in failures] == [(FailureKind.HANG, 2)]
     assert "in replica group 1" in failures[0].detail
@@ -94,7 +94,7 @@ def test_a_group_that_stopped_stepping_hangs_alone_while_the_others_train() -> N
 
 
 def test_a_rank_without_a_quorum_is_no_quorum_in_a_fault_tolerant_run_only() -> None:
-    ranks = [Rank(0, "n0", 5, 100.0, exit_code=EXIT_NO_QUORUM)]
+    ranks = [RankView(0, "n0", 5, 100.0, exit_code=EXIT_NO_QUORUM)]
     assert [f.kind for f in detect_failures(now_s=100.0, nodes=[], ranks=ranks, config=CONFIG, rank_groups=RANKS)] == [
         FailureKind.NO_QUORUM
     ]

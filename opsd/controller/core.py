@@ -217,7 +217,7 @@ class ControllerCore:
             run_live = self._run_live(run)
             live = run_live.ranks.get(rank)
             if live is None:
-                live = RankLive(rank, node, -1, now_s, Window(2))
+                live = RankLive(rank, node, -1, now_s, now_s, Window(2))
                 run_live.place(live)
             live.exit_code = exit_code
             run_live.exited.add(rank)

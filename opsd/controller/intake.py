@@ -227,8 +227,9 @@ class Intake(Liveness):
         run_live = self._run_live(run)
         live = run_live.ranks.get(rank)
         if live is None or live.node != node:
-            live = RankLive(rank, node, -1, now_s, Window(self.config.history))
+            live = RankLive(rank, node, -1, now_s, now_s, Window(self.config.history))
             run_live.place(live)
+        live.seen_s = now_s
         if r.world_size and r.world_size != run_live.world_size:
             run_live.world_size = r.world_size
             self.telemetry_due_s = -math.inf  # the interval planned again at once, for the job's size

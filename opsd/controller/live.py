@@ -144,6 +144,7 @@ class RankLive:
     node: str
     step: int
     progress_s: float  # controller time when the step last advanced
+    seen_s: float  # controller time when a heartbeat last carried it
     step_times_s: Window
     stage: int = 0  # pipeline stage (its ``pp`` coordinate)
     sample_slot: int = -1  # the newest slot with compute samples, not taken yet:

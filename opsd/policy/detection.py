@@ -4,7 +4,9 @@ Pure: views in, ``Failure`` list out; ``now_s`` is an argument. Timeouts come fr
 a node is lost when its heartbeat is late by ``heartbeat_factor`` x its median interval (at least
 ``heartbeat_floor_s``); a run hangs when no rank's step has advanced for ``hang_factor`` x the median step time
 (at least ``hang_floor_s``). So a 40-minute step does not look like a hang, and a 1 s step is not left hanging for
-half an hour.
+half an hour. A hang is judged on what the heartbeats that carry the ranks' steps saw: a liveness datagram or a
+heartbeat without ranks (sent while the agent's last one with them failed and backs off) says the agent is alive,
+not that its ranks stopped.
 
 A silent agent is not a lost node by itself: the agent is opsd's own component, and it goes quiet whenever it is
 rolled (a new image or setting), restarted, killed for its memory, or refused while its token or certificate
@@ -86,6 +88,7 @@ class RankView:
     step: int  # the last step reported
     progress_s: float  # when its step last advanced (or when it started)
     exit_code: int | None = None  # set when its process has exited
+    seen_s: float = math.inf  # when a heartbeat last carried it (inf: now, its step is as of now)
 
 
 class NodeLike(Protocol):
@@ -112,6 +115,8 @@ class RankLike(Protocol):
     def progress_s(self) -> float: ...
     @property
     def exit_code(self) -> int | None: ...
+    @property
+    def seen_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,10 @@ def detect(
     out: list[Failure] = []
     down: list[AgentDown] = []
     rank_list = list(ranks)
+    # a rank's step is known as of the last heartbeat that carried it: one no heartbeat carried within the floor and
+    # the interval its agent sends steps at is neither judged hung nor a witness (its node's liveness datagrams, or
+    # heartbeats without ranks while the agent's last one with them failed and backs off, say the agent is alive)
+    unseen_s = now_s - config.heartbeat_floor_s - report_interval_s
     late = []
     node_list = list(nodes)
     for n in node_list:
@@ -237,7 +246,7 @@ def detect(
             group = rank_groups.get(r.rank) if rank_groups is not None else None
             if r.node in silent_nodes:
                 own.setdefault(r.node, []).append(r)
-            elif r.progress_s > latest.get(group, -math.inf):
+            elif r.seen_s >= unseen_s and r.progress_s > latest.get(group, -math.inf):
                 latest[group] = r.progress_s
         for n, detail in late:
             grace_s = witness_grace_s(n.intervals_s, step_times_s, report_interval_s, config)
@@ -278,11 +287,12 @@ def detect(
         detail = "; ".join(t.detail for t in waiting[:3]) + (f" (+{len(waiting) - 3} more)" if len(waiting) > 3 else "")
         out.append(Failure(FailureKind.COLLECTIVE_TIMEOUT, node, rank, f"{detail}; {named}"))
     # a rank's progress is seen through its node's agent: the ranks of a node silent past the floor say nothing of
-    # it, and a group with no other rank is not judged hung (its agents are silent, not necessarily its ranks)
+    # it, nor does a rank not seen lately (above), and a group with no other rank is not judged hung (its agents are
+    # silent, not necessarily its ranks)
     unheard = {n.node for n in node_list if now_s - n.last_heartbeat_s > config.heartbeat_floor_s}
     groups: dict[int | None, list[RankLike]] = {}
     for r in running:  # a fault-tolerant run's groups step on their own: each may hang alone
-        if r.node not in unheard:
+        if r.node not in unheard and r.seen_s >= unseen_s:
             groups.setdefault(rank_groups.get(r.rank) if rank_groups is not None else None, []).append(r)
     for group, members in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         hang = _hang(now_s, members, step_times_s, config, "" if group is None else f" in replica group {group}")
@@ -322,9 +332,10 @@ def _judge_silence(
 def _hang(
     now_s: float, running: list[RankLike], step_times_s: Sequence[float], config: DetectionConfig, where: str
 ) -> Failure | None:
-    """A hang of ``running`` ranks: none of them stepped for longer than the hang timeout."""
+    """A hang of ``running`` ranks: none of them stepped for longer than the hang timeout, as far as the heartbeats
+    that carried them saw (from the newest step to the oldest of their last heartbeats: none stepped in between)."""
     latest = max(r.progress_s for r in running)
-    stalled = now_s - latest
+    stalled = min(now_s, min(r.seen_s for r in running)) - latest
     # the median step time only when quiet for longer than the floor (the limit is never below it)
     limit = hang_timeout_s(step_times_s, config) if stalled > config.hang_floor_s else config.hang_floor_s
     if stalled <= limit:
