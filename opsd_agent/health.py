@@ -23,7 +23,7 @@ from opsd.errors import OpsError
 from opsd.policy.xid import WatchWindow, XidDecision, XidEvent, decide
 from opsd.protocol.gpu_files import GpuSample
 from opsd.protocol.heartbeat import HeartbeatEvent
-from opsd.protocol.xid_table import XidAction
+from opsd.protocol.xid_table import COUNTED, XidAction
 from opsd_agent.gpu import GpuSource
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class GpuHealth:
             self._history.append(event)
             self.xid_counts[(gpu, xid)] = self.xid_counts.get((gpu, xid), 0) + 1
             self._seq += 1
-            action = decision.action.value if decision else "count"
+            action = decision.action.value if decision else COUNTED
             reason = decision.reason if decision else f"xid {xid} counted ({self.window.threshold} allowed per window)"
             trace_id, span_id = ids
             health = HeartbeatEvent(

@@ -48,7 +48,6 @@ from opsd.protocol.heartbeat import (
     HeartbeatPipeline,
     HeartbeatRank,
     HeartbeatReply,
-    HeartbeatTimeout,
     decode_reply,
     encode,
 )
@@ -172,12 +171,7 @@ class Reporter:
             for r in self.state.snapshot()
         ]
         events = self.gpu.pending_events() if self.gpu else []
-        timeouts = [
-            HeartbeatTimeout(
-                run=t.run, rank=t.rank, step=t.step, time_unix_s=t.time_unix_s, dim=t.dim, op=t.op, waited_s=t.waited_s
-            )
-            for t in self.state.timeouts()
-        ]
+        timeouts = [t.wait() for t in self.state.timeouts()]
         return Heartbeat(
             v=VERSION,
             node=self.node,

@@ -20,6 +20,7 @@ from opsd.policy.detection import (
     heartbeat_timeout_s,
     witness_grace_s,
 )
+from opsd.protocol.xid_table import XidAction
 
 C = DetectionConfig(heartbeat_factor=5, heartbeat_floor_s=3, hang_factor=3, hang_floor_s=10)
 
@@ -63,11 +64,11 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
     ),
     "late but within 5x interval": ({"nodes": [node("n0", 99.5), node("n1", 95.5)]}, []),
     "fatal XID": (
-        {"events": [GpuEvent("n1", 1, 79, "cordon_and_swap", "fallen off the bus")]},
+        {"events": [GpuEvent("n1", 1, 79, XidAction.CORDON_AND_SWAP, "fallen off the bus")]},
         [(FailureKind.FATAL_XID, "n1", None)],
     ),
     "application XID": (
-        {"events": [GpuEvent("n0", 0, 13, "restart_job")]},
+        {"events": [GpuEvent("n0", 0, 13, XidAction.RESTART_JOB)]},
         [(FailureKind.APPLICATION_XID, "n0", None)],
     ),
     "rank exited": (

@@ -6,6 +6,7 @@ import json
 import re
 from typing import Any
 
+import msgspec
 import pytest
 
 from opsd.protocol.wire import (
@@ -74,6 +75,23 @@ def test_a_collective_timeout_is_a_message_of_its_own_kind() -> None:
     assert isinstance(decoded, TimeoutReport)
     assert (decoded.rank, decoded.dim, decoded.op, decoded.waited_s) == (1, "tp", "all_reduce", 301.5)
     assert decode(encode(timeout_report())) == timeout_report()
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"run": "a run"}, "$.run"), ({"run": ""}, "$.run"), ({"op": "x" * 65}, "$.op"), ({"rank": -1}, "$.rank")],
+)
+def test_a_timeout_its_agent_could_not_send_on_is_refused_at_the_agent(changes: dict[str, Any], field: str) -> None:
+    """The heartbeat carries the same struct (``CollectiveWait``): what the controller would refuse, whole heartbeat
+    and all, the agent refuses first, for this one message."""
+    with pytest.raises(WireError, match=re.escape(field)) as info:
+        decode_report(encode({**timeout_report(), **changes}))
+    assert info.value.reason == "field"
+    wait = decode_report(encode(timeout_report()))
+    assert isinstance(wait, TimeoutReport)
+    assert msgspec.to_builtins(wait.wait()) == {
+        k: v for k, v in timeout_report().items() if k not in ("v", "kind", "host")
+    }
 
 
 def test_unknown_fields_are_accepted_for_newer_senders() -> None:

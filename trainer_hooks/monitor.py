@@ -211,16 +211,16 @@ class Monitor(ReportParts):
 
     def _timeout_report(self, dim: str, op: str, waited_s: float) -> TimeoutReport:
         return TimeoutReport(
-            VERSION,
-            "collective_timeout",
-            self.config.run_id,
-            self.rank,
-            self.host,
-            self.steps,
-            time.time(),
-            dim,
-            op,
-            waited_s,
+            v=VERSION,
+            kind="collective_timeout",
+            run=self.config.run_id,
+            rank=self.rank,
+            host=self.host,
+            step=self.steps,
+            time_unix_s=time.time(),
+            dim=dim,
+            op=op,
+            waited_s=waited_s,
         )
 
     @classmethod

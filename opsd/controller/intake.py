@@ -19,15 +19,18 @@ from opsd.controller.liveness import Liveness
 from opsd.controller.rows import RunSpec
 from opsd.policy.detection import GpuEvent
 from opsd.policy.pipeline import RankBubble
-from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply, HeartbeatTimeout
+from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply
 from opsd.protocol.policy_file import EMPTY, Cadence, CheckpointCadence, Policy
 from opsd.protocol.states import NodeRole
+from opsd.protocol.wire import CollectiveWait
 from opsd.protocol.xid_table import XidAction
 
 log = logging.getLogger(__name__)
 
 #: the XID actions that open an incident (the others are acknowledged at once)
-ACTIONABLE_EVENTS = frozenset({XidAction.CORDON_AND_SWAP.value, XidAction.RESTART_JOB.value})
+#: the events that ask for a recovery, by their action on the wire (a str there: an action a newer agent adds must not
+#: refuse its heartbeat)
+ACTIONABLE_EVENTS = {a.value: a for a in (XidAction.CORDON_AND_SWAP, XidAction.RESTART_JOB)}
 
 
 class Intake(Liveness):
@@ -98,8 +101,9 @@ class Intake(Liveness):
             live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
         live.posted(now_s)
         for e in events:
-            if e.seq > acked and e.action in ACTIONABLE_EVENTS:
-                event = GpuEvent(node, e.gpu, e.xid, e.action, e.reason, e.time_s, e.trace_id, e.span_id)
+            action = ACTIONABLE_EVENTS.get(e.action)
+            if e.seq > acked and action is not None:
+                event = GpuEvent(node, e.gpu, e.xid, action, e.reason, e.time_s, e.trace_id, e.span_id)
                 live.events.setdefault(e.seq, event)
         for r in body.ranks:
             self._rank(r, node, now_s)
@@ -277,7 +281,7 @@ class Intake(Liveness):
                 run_live.checkpoints_done = run_live.checkpoints // len(run_live.ranks)
                 memory.checkpointed_s = now_s  # the last rank finished its save: the checkpoint is committed
 
-    def _timeout(self, t: HeartbeatTimeout, node: str) -> None:
+    def _timeout(self, t: CollectiveWait, node: str) -> None:
         run, rank = t.run, t.rank
         memory = self.memory.get(run)
         run_live = memory.live if memory is not None else None

@@ -47,6 +47,7 @@ from typing import Protocol
 
 from opsd.protocol.ft import EXIT_NO_QUORUM
 from opsd.protocol.states import FAILURE_KINDS, IncidentKind
+from opsd.protocol.xid_table import XidAction
 
 #: a failure's kind is an incident's (one definition: ``opsd.protocol.states.IncidentKind``), any but the warnings
 #: (``WARNING_KINDS``); ``CONTROLLER_RESTART`` and ``MANUAL_RESTART`` are not detected here (a controller that takes
@@ -124,7 +125,7 @@ class GpuEvent:
     node: str
     gpu: int
     xid: int
-    action: str  # the agent's decision: "cordon_and_swap" or "restart_job"
+    action: XidAction  # the agent's decision: a swap or a restart (an event it only counted is not one)
     reason: str = ""
     time_s: float | None = None  # when the agent saw it (Unix time, the node's clock)
     trace_id: str = ""  # the agent's span of it (W3C ids in hex; "": the agent exports no spans)
@@ -264,7 +265,7 @@ def detect(
             else:
                 down.append(AgentDown(n.node, f"{detail}; {why}"))
     for e in events:
-        kind = FailureKind.FATAL_XID if e.action == "cordon_and_swap" else FailureKind.APPLICATION_XID
+        kind = FailureKind.FATAL_XID if e.action is XidAction.CORDON_AND_SWAP else FailureKind.APPLICATION_XID
         out.append(Failure(kind, e.node, None, f"XID {e.xid} on GPU {e.gpu}: {e.reason or e.action}"))
     for r in rank_list:
         if r.exit_code is not None and r.exit_code != 0:

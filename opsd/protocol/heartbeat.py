@@ -15,7 +15,9 @@ import msgspec
 from msgspec import Meta, Struct
 
 from opsd.errors import BodyError
+from opsd.protocol.fields import Count, Label, Name, NonNegative, RankId, SpanId, TraceId
 from opsd.protocol.policy_file import Policy
+from opsd.protocol.wire import CollectiveWait
 
 VERSION: Literal[1] = 1
 PATH = "/v1/heartbeat"
@@ -23,16 +25,6 @@ PATH = "/v1/heartbeat"
 #: send it to the API's URL (421 Misdirected Request)
 SEND_TO_API = 421
 T = TypeVar("T")
-
-# ``$`` alone would let a trailing newline through (Python's re.search)
-Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$(?!\n)")]
-Count = Annotated[int, Meta(ge=0)]
-RankId = Annotated[int, Meta(ge=0, le=10_000_000)]
-NonNegative = Annotated[float, Meta(ge=0)]  # JSON has no NaN or infinity; a number out of range is refused
-Label = Annotated[str, Meta(min_length=1, max_length=64)]
-# W3C trace context ids in lower-case hex ("": none)
-TraceId = Annotated[str, Meta(pattern=r"^([0-9a-f]{32})?$(?!\n)")]
-SpanId = Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$(?!\n)")]
 
 
 class HeartbeatPipeline(Struct, kw_only=True):
@@ -93,22 +85,11 @@ class HeartbeatEvent(Struct, kw_only=True, frozen=True):
     gpu: Count
     xid: int
     time_s: float
-    action: Annotated[str, Meta(max_length=64)]  # an XID action, or "count"
+    # an ``XidAction``'s value, or ``xid_table.COUNTED`` (a str: a newer agent's action must not refuse it)
+    action: Annotated[str, Meta(max_length=64)]
     reason: Annotated[str, Meta(max_length=1000)] = ""
     trace_id: TraceId = ""  # the agent's OpenTelemetry span of the event, when it exports spans
     span_id: SpanId = ""
-
-
-class HeartbeatTimeout(Struct, kw_only=True):
-    """A rank that waits on one collective for longer than its timeout (sent until the rank steps on)."""
-
-    run: Name
-    rank: RankId
-    step: Count
-    time_unix_s: float
-    dim: Annotated[str, Meta(max_length=64)]
-    op: Annotated[str, Meta(max_length=64)]
-    waited_s: NonNegative
 
 
 #: a run's collective totals on the node, cumulative: run, phase, dimension, op, seconds, count, bytes (names are
@@ -126,7 +107,7 @@ class Heartbeat(Struct, kw_only=True):
     events: Annotated[list[HeartbeatEvent], Meta(max_length=10_000)] = []
     summaries: Annotated[list[dict[str, Any]], Meta(max_length=10_000)] = []
     summaries_dropped_total: Count = 0
-    timeouts: Annotated[list[HeartbeatTimeout], Meta(max_length=4096)] = []
+    timeouts: Annotated[list[CollectiveWait], Meta(max_length=4096)] = []
     comms: Annotated[list[CommRow], Meta(max_length=4096)] = []
 
 

@@ -15,12 +15,11 @@ import msgspec
 from msgspec import Meta, Struct
 
 from opsd.errors import PermanentError
+from opsd.protocol.fields import Count, Name, RankId, Seconds
 
 VERSION: Final = 1
 MAX_MESSAGE_BYTES = 8192
 
-Count = Annotated[int, Meta(ge=0)]
-Seconds = Annotated[float, Meta(ge=0)]
 #: the phases of training a collective is counted under
 PHASES = ("forward", "backward", "optimizer", "other")
 Phase = Literal["forward", "backward", "optimizer", "other"]
@@ -129,19 +128,29 @@ def pipeline_bubble_ratio(report: StepReport) -> float | None:
     return min(report.pipeline.bubble_s / report.step_s, 1.0)
 
 
-class TimeoutReport(Struct, frozen=True):
-    """A rank has waited on one collective for longer than its timeout (sent once per wait)."""
+class CollectiveWait(Struct, frozen=True, kw_only=True):
+    """A rank that has waited on one collective for longer than its timeout: the rank says so (``TimeoutReport``),
+    and its agent sends it on in each heartbeat with the ranks until the rank steps on."""
+
+    run: Name
+    rank: RankId
+    step: Count  # steps completed before the wait
+    time_unix_s: float
+    dim: Annotated[str, Meta(max_length=64)]  # the mesh dimension of the collective's group
+    op: Annotated[str, Meta(max_length=64)]
+    waited_s: Seconds
+
+
+class TimeoutReport(CollectiveWait, frozen=True, kw_only=True):
+    """The rank's message of a ``CollectiveWait`` (sent once per wait)."""
 
     v: Literal[1]
     kind: Literal["collective_timeout"]
-    run: str
-    rank: Count
     host: str
-    step: Count  # steps completed before the wait
-    time_unix_s: float
-    dim: str  # the mesh dimension of the collective's group
-    op: str
-    waited_s: Seconds
+
+    def wait(self) -> CollectiveWait:
+        """What its agent sends on."""
+        return CollectiveWait(**{name: getattr(self, name) for name in CollectiveWait.__struct_fields__})
 
 
 #: the required fields
@@ -216,7 +225,7 @@ def decode_report(data: bytes) -> StepReport | TimeoutReport:
         return _DECODER.decode(data)
     except msgspec.ValidationError as exc:
         reason = _reason(exc)
-        if reason == "kind":  # not a step report: a timeout report, or neither
+        if reason == "kind" and "`$.kind`" in str(exc):  # a kind, not "step": a timeout report, or neither
             try:
                 return _TIMEOUT_DECODER.decode(data)
             except msgspec.ValidationError as other:

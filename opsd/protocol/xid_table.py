@@ -18,6 +18,10 @@ class XidAction(StrEnum):
     WATCH_WINDOW = "watch_window"
 
 
+#: a GPU event's action when the agent only counted it (a ``watch_window`` XID within its budget)
+COUNTED = "count"
+
+
 def parse_table(text: str) -> dict[int, XidAction]:
     """The ``xid,meaning,default_action`` CSV as a mapping; raises ValueError naming the bad line."""
     table: dict[int, XidAction] = {}

@@ -1,0 +1,20 @@
+"""The field types the wire's structs share (``opsd.protocol.wire``: a rank to its agent; ``opsd.protocol.heartbeat``:
+an agent to the controller). Constraints (``Meta``) are checked on decoding only: a sender builds the structs without
+them, the receiver refuses what breaks them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+Count = Annotated[int, Meta(ge=0)]
+NonNegative = Annotated[float, Meta(ge=0)]  # JSON has no NaN or infinity; a number out of range is refused
+Seconds = NonNegative
+# ``$`` alone would let a trailing newline through (Python's re.search)
+Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$(?!\n)")]
+RankId = Annotated[int, Meta(ge=0, le=10_000_000)]
+Label = Annotated[str, Meta(min_length=1, max_length=64)]
+# W3C trace context ids in lower-case hex ("": none)
+TraceId = Annotated[str, Meta(pattern=r"^([0-9a-f]{32})?$(?!\n)")]
+SpanId = Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$(?!\n)")]
