@@ -17,6 +17,7 @@ from opsd.policy.recovery import (
     shrinks_without_spare,
 )
 from opsd.protocol.states import ActionKind
+from opsd.protocol.steps import step_args
 
 Steps = list[tuple[str, dict[str, Any]]]
 SWAP: Steps = [("cordon", {"node": "n1", "reason": "why"}), ("take_spare", {"for": "n1"}), ("stop", {"generation": 3})]
@@ -52,7 +53,7 @@ PLANS: dict[str, tuple[FailureKind, int | None, Steps]] = {
 def test_plan(kind: FailureKind, at_step: int | None, steps: list[tuple[str, dict[str, Any]]]) -> None:
     failure = Failure(kind, "n1", None, "why")
     plan = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=at_step)
-    assert [(s.kind, dict(s.args)) for s in plan] == steps
+    assert [(s.kind, step_args(s)) for s in plan] == steps
     assert all(isinstance(s.kind, ActionKind) for s in plan)
 
 
@@ -99,7 +100,7 @@ def test_plan_with_a_node_to_quarantine(kind: FailureKind, steps: Steps) -> None
     failure = Failure(kind, "n1", None, "why")
     quarantine = Quarantine("n0", "hung twice")
     plan = plan_recovery(failure, incident_id=7, generation=3, checkpoint_at_step=None, quarantine=quarantine)
-    assert [(s.kind, dict(s.args)) for s in plan] == steps
+    assert [(s.kind, step_args(s)) for s in plan] == steps
 
 
 HOUR = 3600.0

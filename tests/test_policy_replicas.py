@@ -11,6 +11,7 @@ from opsd.policy.detection import DetectionConfig, Failure, FailureKind, RankVie
 from opsd.policy.recovery import plan_recovery
 from opsd.policy.replicas import ReplicaGroups, failed_group, recovery_scope
 from opsd.protocol.ft import EXIT_NO_QUORUM
+from opsd.protocol.steps import step_args
 
 RANKS = {0: 0, 1: 0, 2: 1, 3: 1}  # rank -> group: 2 groups of 2 ranks
 NODES = {"n0": 0, "n1": 1}
@@ -44,7 +45,7 @@ def test_scope(
 def test_a_replica_plan_stops_and_relaunches_its_group_alone() -> None:
     failure = Failure(FailureKind.FATAL_XID, "n1", None, "why")
     plan = plan_recovery(failure, incident_id=4, generation=7, checkpoint_at_step=None, group=1)
-    steps: list[tuple[str, dict[str, Any]]] = [(s.kind, dict(s.args)) for s in plan]
+    steps: list[tuple[str, dict[str, Any]]] = [(s.kind, step_args(s)) for s in plan]
     assert steps == [
         ("cordon", {"node": "n1", "reason": "why"}),
         ("take_spare", {"for": "n1"}),

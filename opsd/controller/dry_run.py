@@ -14,6 +14,7 @@ from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure
 from opsd.policy.recovery import plan_recovery, request_id
 from opsd.protocol.states import ActionState, IncidentState
+from opsd.protocol.steps import step_args
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def record_dry_run(store: StateStore, run: RunRow, incident_id: int, failure: Fa
             incident_id=incident_id,
             seq=seq,
             kind=step.kind,
-            args=dict(step.args),
+            args=step_args(step),
             now_s=now_s,
             state=ActionState.NOT_TAKEN,
         )

@@ -35,7 +35,6 @@ from opsd.errors import OpsError
 from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     DUMP_KINDS,
-    PlannedStep,
     Quarantine,
     hang_strikes,
     plan_recovery,
@@ -44,6 +43,16 @@ from opsd.policy.recovery import (
     shrinks_without_spare,
 )
 from opsd.protocol.states import ActionKind, ActionState, NodeRole, RunState
+from opsd.protocol.steps import (
+    CheckpointStep,
+    CordonStep,
+    DumpStep,
+    LaunchStep,
+    Step,
+    StopStep,
+    TakeSpareStep,
+    step_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +176,7 @@ class Recovery(BackendCalls):
             except WaitForSpare:
                 self._stop_to_wait(run, incident_id, failure, steps, seq, now_s)
                 return  # the detection pass goes on once a node is uncordoned or added
-            quarantine = result.get("quarantine") if action.kind == ActionKind.DUMP else None
+            quarantine = result.get("quarantine") if isinstance(action.step, DumpStep) else None
             if quarantine:  # the dumps blamed a node that hung before: the rest of the plan swaps it
                 why = Quarantine(str(quarantine["node"]), str(quarantine["reason"]))
                 steps = plan_recovery(
@@ -180,7 +189,7 @@ class Recovery(BackendCalls):
                 )
 
     def _step(
-        self, run: str, incident_id: int, failure: Failure, seq: int, step: PlannedStep, now_s: float
+        self, run: str, incident_id: int, failure: Failure, seq: int, step: Step, now_s: float
     ) -> tuple[Action, dict[str, Any]]:
         """Step ``seq`` of the plan: recorded under its request id, then carried out and recorded done (skipped when
         a record says it was done); the action and its result."""
@@ -191,7 +200,7 @@ class Recovery(BackendCalls):
             incident_id=incident_id,
             seq=seq,
             kind=step.kind,
-            args=dict(step.args),
+            args=step_args(step),
             now_s=now_s,
         )
         self._passed(RECORDED, action)
@@ -204,16 +213,16 @@ class Recovery(BackendCalls):
         return action, result
 
     def _stop_to_wait(
-        self, run: str, incident_id: int, failure: Failure, steps: list[PlannedStep], seq: int, now_s: float
+        self, run: str, incident_id: int, failure: Failure, steps: list[Step], seq: int, now_s: float
     ) -> None:
         """No spare for step ``seq``: the plan's ``stop`` is done now, ahead of its turn (under its own request id,
         so that the recovery skips it when it goes on), and the run waits with no rank running: a rank on a failed
         GPU would hang or fail in its next collective, and a waiting run holds no GPUs."""
-        stop = next(i for i in range(seq + 1, len(steps)) if steps[i].kind is ActionKind.STOP)
-        _, stopped = self._step(run, incident_id, failure, stop, steps[stop], now_s)
-        group = steps[stop].args.get("group")
+        stop = next(i for i in range(seq + 1, len(steps)) if isinstance(steps[i], StopStep))
+        action, stopped = self._step(run, incident_id, failure, stop, steps[stop], now_s)
+        group = action.step.group if isinstance(action.step, StopStep) else None  # as recorded
         if group is not None:  # a replica group: the run goes on with the groups it has, elastically
-            self._mark_group(run, int(group), out=True)
+            self._mark_group(run, group, out=True)
             log.warning("run %s: no spare left; replica group %s stopped, the others train on without it", run, group)
             return
         self.core.store.update_run(run, self.core.clock(), state=RunState.WAITING_FOR_SPARE)
@@ -232,38 +241,36 @@ class Recovery(BackendCalls):
             self.on_step(point, action)
 
     def _carry_out(self, run: str, incident_id: int, failure: Failure, action: Action) -> dict[str, Any]:
-        kind, args, rid = ActionKind(action.kind), action.args, action.request_id
+        """The step as recorded (a repeat does what the first attempt recorded), carried out; its result."""
+        step, rid = action.step, action.request_id
         backend = self._backend()
-        store = self.core.store
-        if kind is ActionKind.CHECKPOINT:
-            return self._checkpoint_now(run, args.get("at_step"))
-        if kind is ActionKind.DUMP:
-            ready = self._call(lambda: backend.request_dump(run, str(args["trigger"]), rid), action)
-            named = ready.get("ranks")
-            ranks = [int(r) for r in named] if named is not None else self.core.running_ranks(run)
-            wait_s = self.core.config.flight_wait_s
-            collected = collect_dumps(self.core, run, str(args["trigger"]), ranks, wait_s)
-            return {**collected, **self._blame(run, incident_id, str(args["trigger"]), collected["ranks_expected"])}
-        if kind is ActionKind.STOP:
-            group = args.get("group")
-            if group is None:
+        match step:
+            case CheckpointStep(at_step=at_step):
+                return self._checkpoint_now(run, at_step)
+            case DumpStep(trigger=trigger):
+                ready = self._call(lambda: backend.request_dump(run, trigger, rid), action)
+                named = ready.get("ranks")
+                ranks = [int(r) for r in named] if named is not None else self.core.running_ranks(run)
+                collected = collect_dumps(self.core, run, trigger, ranks, self.core.config.flight_wait_s)
+                return {**collected, **self._blame(run, incident_id, trigger, collected["ranks_expected"])}
+            case StopStep(group=None):
                 return self._call(lambda: backend.stop_ranks(run, rid), action)
-            stopped = self._call(lambda: backend.stop_ranks(run, rid, int(group)), action)
-            self.core.forget_group(run, int(group), self.core.clock())  # its ranks leave; the others train on
-            return stopped
-        if kind is ActionKind.CORDON:
-            node, reason = str(args["node"]), str(args["reason"])
-            done = self._call(lambda: backend.quarantine_node(run, node, reason, rid), action)
-            store.upsert_node(node, self.core.clock(), role=NodeRole.CORDONED, reason=reason)
-            return {"node": node, **done}
-        if kind is ActionKind.TAKE_SPARE:
-            return self._take_spare(run, incident_id, str(args["for"]), action)
-        if kind is ActionKind.LAUNCH:
-            generation = int(args["after_generation"]) + 1  # the record's: a repeat launches the same
-            if args.get("group") is not None:
-                return self._launch_group(run, int(args["group"]), generation, rid, incident_id)
-            return self._launch(run, generation, rid, self.core.clock(), self._stopped_launch(incident_id))
-        raise StepFailedError(f"run {run}: unknown recovery step {kind!r}")
+            case StopStep(group=int(group)):
+                stopped = self._call(lambda: backend.stop_ranks(run, rid, group), action)
+                self.core.forget_group(run, group, self.core.clock())  # its ranks leave; the others train on
+                return stopped
+            case CordonStep(node=node, reason=reason):
+                done = self._call(lambda: backend.quarantine_node(run, node, reason, rid), action)
+                self.core.store.upsert_node(node, self.core.clock(), role=NodeRole.CORDONED, reason=reason)
+                return {"node": node, **done}
+            case TakeSpareStep(failed=failed):
+                return self._take_spare(run, incident_id, failed, action)
+            case LaunchStep(after_generation=after, group=None):
+                ended = self._stopped_launch(incident_id)  # a repeat launches the same generation: the record's
+                return self._launch(run, after + 1, rid, self.core.clock(), ended)
+            case LaunchStep(after_generation=after, group=int(group)):
+                return self._launch_group(run, group, after + 1, rid, incident_id)
+        raise StepFailedError(f"run {run}: unknown recovery step {step!r}")
 
     def _blame(self, run: str, incident_id: int, trigger: str, expected: list[int]) -> dict[str, Any]:
         """What a hang's dumps say of it: the culprit rank they name and its node become the incident's (the first

@@ -19,6 +19,7 @@ from opsd.policy.cadence import Cadence
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
+from opsd.protocol.steps import Step, step_of
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,11 @@ class Action:
     created_s: float
     done_s: float | None
     result: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> Step:
+        """The step its ``kind`` and ``args`` record; ``PermanentError`` when they do not make one."""
+        return step_of(self.kind, self.args)
 
 
 @dataclass(frozen=True, slots=True)

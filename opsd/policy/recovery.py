@@ -27,13 +27,13 @@ nothing of the run holds a GPU or trains on the failed node meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.states import ActionKind
+from opsd.protocol.steps import CheckpointStep, CordonStep, DumpStep, LaunchStep, Step, StopStep, TakeSpareStep
 
 #: failures whose evidence is the ranks' Flight Recorder dumps
 DUMP_KINDS = frozenset({FailureKind.HANG, FailureKind.COLLECTIVE_TIMEOUT})
@@ -47,12 +47,6 @@ class Quarantine:
     reason: str
 
 
-@dataclass(frozen=True)
-class PlannedStep:
-    kind: ActionKind
-    args: Mapping[str, Any] = field(default_factory=dict)  # JSON values: recorded with the action
-
-
 def plan_recovery(
     failure: Failure,
     *,
@@ -61,26 +55,25 @@ def plan_recovery(
     checkpoint_at_step: int | None,
     quarantine: Quarantine | None = None,
     group: int | None = None,
-) -> list[PlannedStep]:
+) -> list[Step]:
     """The steps that recover from ``failure`` (incident ``incident_id``), the ranks being at launch ``generation``;
     ``checkpoint_at_step``: the step a graceful restart's checkpoint is asked for (None: the ranks do not progress,
     the checkpoint is skipped); ``quarantine``: a node to swap all the same (a hang's dumps blamed it again);
     ``group``: the replica group the recovery is confined to (``opsd.policy.replicas.recovery_scope``; None: the
     whole job), which its ``stop`` and ``launch`` name (``generation`` is then that group's launch)."""
-    steps: list[PlannedStep] = []
+    steps: list[Step] = []
     if failure.kind is FailureKind.MANUAL_RESTART:
-        steps.append(PlannedStep(ActionKind.CHECKPOINT, {"at_step": checkpoint_at_step}))
+        steps.append(CheckpointStep(at_step=checkpoint_at_step))
     if failure.kind in DUMP_KINDS:
-        steps.append(PlannedStep(ActionKind.DUMP, {"trigger": dump_trigger(incident_id)}))
+        steps.append(DumpStep(trigger=dump_trigger(incident_id)))
     if failure.swap:  # before the stop: nothing of the run may start on the failed node again
-        steps.append(PlannedStep(ActionKind.CORDON, {"node": failure.node, "reason": failure.detail}))
-        steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": failure.node}))
+        steps.append(CordonStep(node=failure.node, reason=failure.detail))
+        steps.append(TakeSpareStep(failed=failure.node))
     elif quarantine is not None:
-        steps.append(PlannedStep(ActionKind.CORDON, {"node": quarantine.node, "reason": quarantine.reason}))
-        steps.append(PlannedStep(ActionKind.TAKE_SPARE, {"for": quarantine.node}))
-    scope = {"group": group} if group is not None else {}
-    steps.append(PlannedStep(ActionKind.STOP, {"generation": generation, **scope}))
-    steps.append(PlannedStep(ActionKind.LAUNCH, {"after_generation": generation, **scope}))
+        steps.append(CordonStep(node=quarantine.node, reason=quarantine.reason))
+        steps.append(TakeSpareStep(failed=quarantine.node))
+    steps.append(StopStep(generation=generation, group=group))
+    steps.append(LaunchStep(after_generation=generation, group=group))
     return steps
 
 

@@ -62,6 +62,7 @@ from opsd.postmortem.model import (
     XidFacts,
 )
 from opsd.protocol.states import WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
+from opsd.protocol.steps import CordonStep, StopStep
 
 _XID = re.compile(r"^XID (\d+) on GPU (\d+):\s*(.*)$", re.S)
 _EXIT = re.compile(r"exited with (-?\d+)")
@@ -112,12 +113,12 @@ def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: Fligh
 
 
 def _action_detail(a: ActionIn) -> str:
-    r, args = a.result or ResultIn(), a.args
+    r, step = a.result or ResultIn(), a.step()
     if a.kind == ActionKind.STOP:
-        text = f"stopped generation {'?' if args.generation is None else args.generation}"
+        text = f"stopped generation {step.generation if isinstance(step, StopStep) else '?'}"
         text += f": {r.killed} processes killed" if r.killed is not None else ""
     elif a.kind == ActionKind.CORDON:
-        text = f"cordoned {r.node or args.node or '?'}"
+        text = f"cordoned {r.node or (step.node if isinstance(step, CordonStep) else '?')}"
     elif a.kind == ActionKind.TAKE_SPARE:
         if r.spare:
             text = f"took spare {r.spare}"

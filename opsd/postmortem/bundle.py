@@ -13,6 +13,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from opsd.errors import PermanentError
 from opsd.postmortem.model import Checkpoint, Collective, Culprit, FlightRecorder, StuckGroup
+from opsd.protocol.steps import Step, step_of
 
 _MAX = sys.float_info.max
 _BOUNDS = (f"`float` >= {-_MAX!r}", f"`float` <= {_MAX!r}")
@@ -110,11 +111,6 @@ class IncidentIn(Struct, frozen=True, kw_only=True):
     stall_s: Finite | None = None
 
 
-class ArgsIn(Struct, frozen=True, kw_only=True):
-    generation: int | None = None  # stop, dump
-    node: str | None = None  # cordon
-
-
 class SkippedIn(Struct, frozen=True, kw_only=True):
     step: int | None = None
     problem: str | None = None
@@ -162,11 +158,18 @@ class ActionIn(Struct, frozen=True, kw_only=True):
     incident_id: int | None = None
     seq: int = 0
     kind: str
-    args: ArgsIn = ArgsIn()
+    args: dict[str, Any] = {}
     state: str = "?"
     created_s: Finite | None = None
     done_s: Finite | None = None
     result: ResultIn | None = None
+
+    def step(self) -> Step | None:
+        """The step its ``kind`` and ``args`` record (None: they make none this version knows)."""
+        try:
+            return step_of(self.kind, self.args)
+        except PermanentError:
+            return None
 
 
 class CheckpointIn(Struct, frozen=True, kw_only=True):

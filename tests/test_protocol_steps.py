@@ -1,0 +1,65 @@
+"""The recovery steps as recorded: each kind's struct and the ``args`` the state store keeps for it (the records of
+earlier versions included), and what does not make a step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from opsd.errors import PermanentError
+from opsd.postmortem.bundle import ActionIn
+from opsd.protocol.states import ActionKind
+from opsd.protocol.steps import (
+    CheckpointStep,
+    CordonStep,
+    DumpStep,
+    LaunchStep,
+    Step,
+    StopStep,
+    TakeSpareStep,
+    step_args,
+    step_of,
+)
+
+RECORDS: dict[str, tuple[Step, dict[str, Any]]] = {
+    "a graceful restart's checkpoint": (CheckpointStep(at_step=120), {"at_step": 120}),
+    "a checkpoint skipped (the ranks did not progress): said, not left out": (
+        CheckpointStep(at_step=None),
+        {"at_step": None},
+    ),
+    "a hang's dumps": (DumpStep(trigger="incident-7"), {"trigger": "incident-7"}),
+    "a cordon": (CordonStep(node="n1", reason="XID 79"), {"node": "n1", "reason": "XID 79"}),
+    "a spare for a node, 'for' in the record": (TakeSpareStep(failed="n1"), {"for": "n1"}),
+    "the whole job stopped": (StopStep(generation=3), {"generation": 3}),
+    "a replica group stopped": (StopStep(generation=3, group=1), {"generation": 3, "group": 1}),
+    "the whole job launched": (LaunchStep(after_generation=3), {"after_generation": 3}),
+    "a replica group launched": (LaunchStep(after_generation=3, group=0), {"after_generation": 3, "group": 0}),
+}
+
+
+@pytest.mark.parametrize(("step", "args"), RECORDS.values(), ids=RECORDS.keys())
+def test_a_step_is_recorded_as_its_fields_and_read_back_whole(step: Step, args: dict[str, Any]) -> None:
+    assert step_args(step) == args
+    assert step_of(step.kind, args) == step
+    assert step_of(step.kind.value, {**args, "added_by_a_newer_version": 1}) == step
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "named"),
+    [
+        ("launch", {}, "after_generation"),
+        ("stop", {"generation": "3"}, "$.generation"),
+        ("take_spare", {"node": "n1"}, "for"),
+        ("reboot", {}, "$.kind"),
+    ],
+)
+def test_a_record_that_makes_no_step_is_a_clear_error(kind: str, args: dict[str, Any], named: str) -> None:
+    with pytest.raises(PermanentError, match=named.replace("$", r"\$")):
+        step_of(kind, args)
+
+
+def test_the_post_mortem_reads_the_same_steps_and_skips_what_it_does_not_know() -> None:
+    assert ActionIn(kind="cordon", args={"node": "n1", "reason": "r"}).step() == CordonStep(node="n1", reason="r")
+    assert ActionIn(kind="reboot", args={"node": "n1"}).step() is None
+    assert {s.kind for s, _ in RECORDS.values()} == set(ActionKind)
