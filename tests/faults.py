@@ -16,4 +16,4 @@ def inject(backend: LocalBackend, kind: FaultKind, **fault: Any) -> str:
     outcome = backend.inject(backend.spec.run, Fault(kind, **fault), f"test-{uuid.uuid4().hex}")
     if not isinstance(outcome, Done):
         raise PermanentError(outcome.message)
-    return str(outcome.data["injected"])
+    return outcome.data.injected

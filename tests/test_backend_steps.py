@@ -13,7 +13,7 @@ from opsd.errors import ConfigError, NotFoundError, OpsError, TransientError
 def test_a_request_id_is_carried_out_once_and_a_repeat_answers_the_first_outcome() -> None:
     once, calls = Once(), []
 
-    def step() -> Outcome:
+    def step() -> Outcome[dict[str, int]]:
         calls.append(1)
         return Done({"n": len(calls)})
 
@@ -24,14 +24,14 @@ def test_a_request_id_is_carried_out_once_and_a_repeat_answers_the_first_outcome
 
 
 @pytest.mark.parametrize("outcome", [Pending("placing pods"), Failed(ErrorKind.TRANSIENT, "429")], ids=str)
-def test_a_step_not_done_is_carried_out_again(outcome: Outcome) -> None:
-    once, answers = Once(), [outcome, Done({})]
+def test_a_step_not_done_is_carried_out_again(outcome: Outcome[dict[str, int]]) -> None:
+    once, answers = Once(), [outcome, Done[dict[str, int]]({})]
     assert once("r-1", lambda: answers.pop(0)) == outcome
     assert once("r-1", lambda: answers.pop(0)) == Done({})
     assert answers == []
 
 
-def raising(exc: BaseException) -> Outcome:
+def raising(exc: BaseException) -> Outcome[None]:
     raise exc
 
 

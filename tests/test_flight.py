@@ -33,6 +33,7 @@ from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.protocol.heartbeat import Heartbeat
 from opsd.protocol.policy_file import EMPTY, Command
+from opsd.protocol.steps import Dumped
 from opsd_agent.flight import FlightUploader, FlightUploaderConfig, controller_base
 from opsd_agent.metrics import FlightCollector
 from tests.launch import run_module
@@ -280,9 +281,9 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
     controller.store.upsert_node("node-0", time.time(), run=RUN, role="active")
     uploader = FlightUploader(FlightUploaderConfig(str(tmp_path / "flight"), api, TOKEN, interval_s=0.1), "node-0")
     uploader.start()
-    result: dict[str, Any] = {}
+    result: list[Dumped] = []
     collecting = threading.Thread(
-        target=lambda: result.update(collect_dumps(controller, RUN, trigger, [0, 1, 2], wait_s=2.0, poll_s=0.05))
+        target=lambda: result.append(collect_dumps(controller, RUN, trigger, [0, 1, 2], wait_s=2.0, poll_s=0.05))
     )
     collecting.start()
     try:
@@ -298,8 +299,9 @@ def test_a_hangs_dumps_reach_the_controller_and_name_the_stopped_rank(
         collecting.join(timeout=10)
     finally:
         uploader.stop()
-    assert (result["ranks_expected"], result["ranks_dumped"]) == ([0, 1, 2], [0, 1])
-    assert 2.0 <= result["waited_s"] < 4.0  # rank 2 never dumps: the whole wait
+    (dumped,) = result
+    assert (dumped.ranks_expected, dumped.ranks_dumped) == ([0, 1, 2], [0, 1])
+    assert 2.0 <= dumped.waited_s < 4.0  # rank 2 never dumps: the whole wait
     assert (controller.heartbeat(heartbeat, time.time()).policy or EMPTY).commands == ()  # withdrawn: agents rewrite
     assert (uploader.ok, list((tmp_path / "flight").iterdir())) == (2, [])  # delivered: files and directories gone
 

@@ -42,6 +42,7 @@ from opsd.protocol.cluster import (
     STATE_LABEL,
 )
 from opsd.protocol.states import NodeRole, RunState
+from opsd.protocol.steps import DumpReady, Launched, NodeChanged, Stopped
 from opsd.runtime.config import ServeConfig
 from opsd.runtime.kubernetes import run_kubernetes
 from tests.backend_contract import BY_NAME, RUN, play
@@ -83,13 +84,13 @@ def pod(
     }
 
 
-def failed(outcome: Outcome, kind: ErrorKind) -> Failed:
+def failed(outcome: Outcome[object], kind: ErrorKind) -> Failed:
     assert isinstance(outcome, Failed), outcome
     assert outcome.kind is kind, outcome
     return outcome
 
 
-def pending(outcome: Outcome) -> Pending:
+def pending(outcome: Outcome[object]) -> Pending:
     assert isinstance(outcome, Pending), outcome
     return outcome
 
@@ -166,7 +167,7 @@ def test_quarantine_cordons_taints_and_labels_the_node_keeping_what_others_set(
 
     outcome = backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1")
 
-    assert outcome == Done({"changed": True})
+    assert outcome == Done(NodeChanged(changed=True))
     after = cluster.get("nodes", None, "node-1")
     assert after is not None
     assert after["spec"]["unschedulable"] is True
@@ -187,10 +188,10 @@ def test_quarantine_cordons_taints_and_labels_the_node_keeping_what_others_set(
 
 
 def test_quarantine_of_a_quarantined_node_writes_nothing(cluster: KubeEmulator, backend: KubernetesBackend) -> None:
-    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done({"changed": True})
+    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done(NodeChanged(changed=True))
     writes = puts(cluster, "node-1")
-    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-2") == Done({"changed": False})
-    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done({"changed": False})
+    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-2") == Done(NodeChanged(changed=False))
+    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done(NodeChanged(changed=False))
     assert puts(cluster, "node-1") == writes == 1
 
 
@@ -219,7 +220,7 @@ def test_a_node_changed_between_read_and_write_is_read_again_and_nothing_is_lost
     backend = KubernetesBackend(RacingApi(cluster, races=2), KubernetesConfig(namespace="opsd"), clock)
     backend.runs[RUN] = RunRef(NAMESPACE, RUN)
 
-    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done({"changed": True})
+    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done(NodeChanged(changed=True))
 
     assert set(taints(cluster, "node-1")) == {"example.com/other-1", "example.com/other-0", QUARANTINE_TAINT}
     assert puts(cluster, "node-1") == 3  # two refused with 409, the third written
@@ -243,8 +244,8 @@ def test_release_undoes_only_what_opsd_did(cluster: KubeEmulator, backend: Kuber
     backend.quarantine_node(RUN, "node-0", XID_REASON, "r-0")
     backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1")
 
-    assert backend.release_node("node-0", "r-2") == Done({"changed": True})
-    assert backend.release_node("node-1", "r-3") == Done({"changed": True})
+    assert backend.release_node("node-0", "r-2") == Done(NodeChanged(changed=True))
+    assert backend.release_node("node-1", "r-3") == Done(NodeChanged(changed=True))
 
     for name, unschedulable in (("node-0", True), ("node-1", False)):
         after = cluster.get("nodes", None, name)
@@ -254,19 +255,19 @@ def test_release_undoes_only_what_opsd_did(cluster: KubeEmulator, backend: Kuber
         assert after["metadata"]["labels"][POOL_LABEL] == "spare"
         assert CORDONED_BY_OPSD_ANNOTATION not in after["metadata"]["annotations"]
     writes = puts(cluster, "node-1")
-    assert backend.release_node("node-1", "r-4") == Done({"changed": False})
+    assert backend.release_node("node-1", "r-4") == Done(NodeChanged(changed=False))
     assert puts(cluster, "node-1") == writes
 
 
 def test_promote_takes_the_spare_into_the_run_once(cluster: KubeEmulator, backend: KubernetesBackend) -> None:
-    assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done({"changed": True})
+    assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done(NodeChanged(changed=True))
     after = cluster.get("nodes", None, "node-2")
     assert after is not None
     assert SPARE_TAINT not in taints(cluster, "node-2")
     assert POOL_LABEL not in after["metadata"]["labels"]
     assert after["metadata"]["labels"][RUN_LABEL] == RUN
     writes = puts(cluster, "node-2")
-    assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done({"changed": False})
+    assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done(NodeChanged(changed=False))
     assert puts(cluster, "node-2") == writes
     assert len(events(cluster, "OpsdPromoteSpare")) == 2  # on the node and the JobSet, told once
 
@@ -283,9 +284,9 @@ def test_the_circuit_breaker_stops_quarantines_past_its_hourly_limit_across_rest
     for i in (3, 4):
         cluster.put(node(f"node-{i}", run=RUN))
     backend = backend_on(cluster, clock, quarantines_per_hour=2)
-    assert backend.quarantine_node(RUN, "node-0", XID_REASON, "r-0") == Done({"changed": True})
+    assert backend.quarantine_node(RUN, "node-0", XID_REASON, "r-0") == Done(NodeChanged(changed=True))
     clock.now_s += 600
-    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done({"changed": True})
+    assert backend.quarantine_node(RUN, "node-1", XID_REASON, "r-1") == Done(NodeChanged(changed=True))
 
     refused = backend.quarantine_node(RUN, "node-3", XID_REASON, "r-3")
     successor = backend_on(cluster, clock, quarantines_per_hour=2)  # a new controller reads the nodes
@@ -299,7 +300,7 @@ def test_the_circuit_breaker_stops_quarantines_past_its_hourly_limit_across_rest
     assert {(e["involvedObject"]["kind"], e["type"]) for e in breaker} == {("Node", "Warning"), ("JobSet", "Warning")}
 
     clock.now_s += 3000 + 1  # node-0's quarantine is more than an hour old
-    assert successor.quarantine_node(RUN, "node-3", XID_REASON, "r-5") == Done({"changed": True})
+    assert successor.quarantine_node(RUN, "node-3", XID_REASON, "r-5") == Done(NodeChanged(changed=True))
     failed(successor.quarantine_node(RUN, "node-4", XID_REASON, "r-6"), ErrorKind.PERMANENT)
 
 
@@ -311,7 +312,7 @@ def test_stop_evicts_the_running_pods_of_the_current_attempt(cluster: KubeEmulat
 
     outcome = backend.stop_ranks(RUN, "r-1")
 
-    assert outcome == Done({"killed": 2, "restart_attempt": 0, "launch": 0})
+    assert outcome == Done(Stopped(killed=2, restart_attempt=0, launch=0))
     assert sorted(p["metadata"]["name"] for p in cluster.objects("pods", NAMESPACE)) == ["job-done"]
     path = f"/api/v1/namespaces/{NAMESPACE}/pods/job-0/eviction"
     assert cluster.count("POST", path) == 1
@@ -324,15 +325,15 @@ def test_stop_told_again_evicts_nothing_of_the_attempt_the_jobset_started_since(
     cluster: KubeEmulator, backend: KubernetesBackend
 ) -> None:
     cluster.put(pod("job-0", "node-0"))
-    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 1, "restart_attempt": 0, "launch": 0})
+    assert backend.stop_ranks(RUN, "r-1") == Done(Stopped(killed=1, restart_attempt=0, launch=0))
     found = cluster.get(JOBSETS, NAMESPACE, RUN)
     assert found is not None
     cluster.put({**found, "status": {"restarts": 1}})  # the JobSet restarted
     cluster.put(pod("job-0-new", "node-0", attempt=1))
 
-    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 0, "restart_attempt": 0, "launch": 0})
+    assert backend.stop_ranks(RUN, "r-1") == Done(Stopped(killed=0, restart_attempt=0, launch=0))
     assert cluster.get("pods", NAMESPACE, "job-0-new") is not None
-    assert backend.stop_ranks(RUN, "r-2") == Done({"killed": 1, "restart_attempt": 1, "launch": 1})  # a new stop does
+    assert backend.stop_ranks(RUN, "r-2") == Done(Stopped(killed=1, restart_attempt=1, launch=1))  # a new stop does
 
 
 def test_an_eviction_a_disruption_budget_refuses_is_a_transient_failure(
@@ -346,7 +347,7 @@ def test_an_eviction_a_disruption_budget_refuses_is_a_transient_failure(
     failed(refused, ErrorKind.TRANSIENT)
     assert "429" in failed(refused, ErrorKind.TRANSIENT).message
     assert cluster.get("pods", NAMESPACE, "job-0") is not None
-    assert backend.stop_ranks(RUN, "r-1") == Done({"killed": 1, "restart_attempt": 0, "launch": 0})
+    assert backend.stop_ranks(RUN, "r-1") == Done(Stopped(killed=1, restart_attempt=0, launch=0))
     assert len(events(cluster, "OpsdEvict")) == 1
 
 
@@ -378,7 +379,7 @@ def test_relaunch_is_pending_until_every_pod_of_the_new_attempt_is_placed(
 
     cluster.put({**unplaced, "spec": {**unplaced["spec"], "nodeName": "node-1"}})
     done = backend.relaunch(RUN, 2, ["node-0", "node-1"], "r-1")
-    assert done == Done({"restart_attempt": 1, "nodes": ["node-0", "node-1"], "pods": 2, "launch": 1})
+    assert done == Done(Launched(restart_attempt=1, nodes=["node-0", "node-1"], pods=2, launch=1))
     assert len(events(cluster, "OpsdRestarted")) == 1
 
 
@@ -433,7 +434,7 @@ def test_a_recovery_gets_past_a_pod_stuck_on_a_dead_node(kube: KubeEmulator, sto
 
 
 def test_dump_and_injection(backend: KubernetesBackend) -> None:
-    assert backend.request_dump(RUN, "incident-1", "r-1") == Done({"ranks": None})
+    assert backend.request_dump(RUN, "incident-1", "r-1") == Done(DumpReady(ranks=None))
     outcome = backend.inject(RUN, Fault(FaultKind.KILL, "node-1"), "r-2")
     failed(outcome, ErrorKind.UNSUPPORTED)
 
@@ -448,7 +449,7 @@ def test_an_event_that_cannot_be_recorded_does_not_fail_the_step(
 ) -> None:
     backend = backend_on(cluster, clock)
     backend.runs[RUN] = RunRef("gone", RUN)  # Events in a namespace that does not exist: 404
-    assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done({"changed": True})
+    assert backend.promote_spare(RUN, "node-2", "node-1", "r-1") == Done(NodeChanged(changed=True))
     assert "not recorded" in caplog.text
 
 

@@ -40,6 +40,7 @@ from opsd.policy.detection import DetectionConfig
 from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, JOBSET_NAME_LABEL, QUARANTINE_TAINT
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatEvent, HeartbeatFt, HeartbeatRank
 from opsd.protocol.states import IncidentState, NodeRole, RunState
+from opsd.protocol.steps import Launched, Stopped
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer, put_secrets_named
 from tests.kube.machines import JOBSETS, Cluster, node
@@ -318,14 +319,14 @@ def test_a_whole_stop_told_again_never_evicts_the_groups_recreated_since(
     backend = cluster.controller.backend
     assert isinstance(backend, KubernetesBackend)
     first = backend.stop_ranks(RUN, "incident-9-2-stop")
-    assert first == Done({"killed": 2, "launches": [0, 0]})
+    assert first == Done(Stopped(killed=2, launches=[0, 0]))
     wait_for("both groups recreated", lambda: {launch_of(p) for p in cluster.group_pods().values()} == {1}, 20)
     again = backend.stop_ranks(RUN, "incident-9-2-stop")
-    assert again == Done({"killed": 0, "launches": [0, 0]})
+    assert again == Done(Stopped(killed=0, launches=[0, 0]))
     (event,) = [e for e in kube.objects("events", NAMESPACE) if e["reason"] == "OpsdEvict"]  # told once
     assert event["metadata"]["annotations"]["opsd.io/job-restarts"] == "0,0"
 
-    def relaunched() -> Done | None:
+    def relaunched() -> Done[Launched] | None:
         """The relaunch, told again while it is pending, as the executor does: the groups' pods may be there before
         JobSet's status counts their Jobs' restarts, or before every one is placed."""
         outcome = backend.relaunch(RUN, 2, [], "incident-9-3-launch")
@@ -333,6 +334,6 @@ def test_a_whole_stop_told_again_never_evicts_the_groups_recreated_since(
         return outcome if isinstance(outcome, Done) else None
 
     launched = wait_for("the relaunch done", relaunched, 20)
-    assert launched.data["launches"] == [1, 1]
-    assert sorted(n for nodes in launched.data["group_nodes"] for n in nodes) == ["node-0", "node-1"]
+    assert launched.data.launches == [1, 1]
+    assert sorted(n for nodes in launched.data.group_nodes or [] for n in nodes) == ["node-0", "node-1"]
     assert cluster.player.job_restarts == 2

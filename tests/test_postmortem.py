@@ -254,7 +254,7 @@ BAD_BUNDLES = {
     "a result that is a list": (mutate("actions.0.result", [1]), "got `array` - at `$.actions[0].result`"),
     "a skipped step that is a word": (
         mutate("actions.3.result.skipped.0.step", "forty"),
-        "Expected `int | null`, got `str` - at `$.actions[3].result.skipped[0].step`",
+        "'launch' result does not fit: Expected `int`, got `str` - at `$.skipped[0].step` - at `$.actions[3]`",
     ),
     "a null checkpoint step": (
         mutate("checkpoints.0.step", None),

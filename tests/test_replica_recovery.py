@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -32,6 +33,7 @@ from opsd.postmortem.build import build
 from opsd.postmortem.render import to_markdown
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatFt, HeartbeatRank
 from opsd.protocol.states import IncidentState, NodeRole, RunState
+from opsd.protocol.steps import Launched
 from tests.rows import stored
 
 RUN = "ft"
@@ -255,4 +257,4 @@ def test_a_whole_launch_gives_each_group_the_launch_and_nodes_the_backend_names(
     done: dict[str, Any], expected: dict[int, GroupLaunch]
 ) -> None:
     spec = RunSpec(backend="kubernetes", replica_groups=2)
-    assert group_launches(spec, 3, ["a", "b", "c", "d"], done) == expected
+    assert group_launches(spec, 3, ["a", "b", "c", "d"], msgspec.convert(done, Launched)) == expected

@@ -12,10 +12,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, Outcome
 from opsd.controller.steps import Once, Step
+from opsd.protocol.steps import DumpReady, Injected, Launched, NodeChanged, Stopped
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,8 @@ class FakeBackend:
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
-        def stop() -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
+        def stop() -> Outcome[Stopped]:
             state = self.runs.setdefault(run, FakeRun())
             stopped = [r for r in state.ranks if group is None or state.groups.get(r) == group]
             for rank in stopped:
@@ -62,36 +65,36 @@ class FakeBackend:
             if stopped:
                 self._effect("stop_ranks", request_id, run=run, group=group)
             launch = state.group_launches.get(group, state.generation) if group is not None else state.generation
-            return Done({"killed": len(stopped), "launch": launch})
+            return Done(Stopped(killed=len(stopped), launch=launch))
 
         args = {"run": run, **({"group": group} if group is not None else {})}
         return self._once("stop_ranks", request_id, args, stop)
 
-    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
-        def quarantine() -> Outcome:
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
+        def quarantine() -> Outcome[NodeChanged]:
             return self._put_node(node, "quarantined", "quarantine_node", request_id)
 
         return self._once("quarantine_node", request_id, {"run": run, "node": node, "reason": reason}, quarantine)
 
-    def release_node(self, node: str, request_id: str) -> Outcome:
-        def release() -> Outcome:
+    def release_node(self, node: str, request_id: str) -> Outcome[NodeChanged]:
+        def release() -> Outcome[NodeChanged]:
             return self._put_node(node, "ready", "release_node", request_id)
 
         return self._once("release_node", request_id, {"node": node}, release)
 
-    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
-        def promote() -> Outcome:
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome[NodeChanged]:
+        def promote() -> Outcome[NodeChanged]:
             if self.nodes.get(spare) != "ready":
                 return Failed(ErrorKind.PERMANENT, f"node {spare!r} is not a ready spare")
             self._effect("promote_spare", request_id, node=spare, replaces=replaces)
-            return Done({})
+            return Done(NodeChanged(changed=True))
 
         return self._once("promote_spare", request_id, {"run": run, "spare": spare, "replaces": replaces}, promote)
 
     def relaunch(
         self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
-    ) -> Outcome:
-        def launch() -> Outcome:
+    ) -> Outcome[Launched]:
+        def launch() -> Outcome[Launched]:
             bad = [n for n in nodes if self.nodes.get(n) != "ready"]
             if bad or not nodes:
                 return Failed(ErrorKind.PERMANENT, f"cannot launch on {list(nodes)}: not ready {bad}")
@@ -108,7 +111,7 @@ class FakeBackend:
                 state.group_launches[group] = generation
             self._effect("relaunch", request_id, run=run, generation=generation, nodes=list(nodes), group=group)
             resumed = self.checkpoint_step if group is None else None
-            return Done({"resumed_from_step": resumed, "skipped": [], "launch": generation})
+            return Done(Launched(resumed_from_step=resumed, skipped=[], launch=generation))
 
         args = {
             "run": run,
@@ -118,19 +121,19 @@ class FakeBackend:
         }
         return self._once("relaunch", request_id, args, launch)
 
-    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
-        def ready() -> Outcome:
-            return Done({"ranks": sorted(self.runs.get(run, FakeRun()).ranks)})
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome[DumpReady]:
+        def ready() -> Outcome[DumpReady]:
+            return Done(DumpReady(ranks=sorted(self.runs.get(run, FakeRun()).ranks)))
 
         return self._once("request_dump", request_id, {"run": run, "trigger": trigger}, ready)
 
-    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
-        def inject() -> Outcome:
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome[Injected]:
+        def inject() -> Outcome[Injected]:
             if fault.kind is FaultKind.XID and fault.node not in self.nodes:
                 return Failed(ErrorKind.PERMANENT, f"no node {fault.node!r}")
             self.faults.append((run, fault))
             self._effect("inject", request_id, run=run, fault=fault.kind.value)
-            return Done({"injected": f"{fault.kind.value} (fake)"})
+            return Done(Injected(injected=f"{fault.kind.value} (fake)"))
 
         return self._once("inject", request_id, {"run": run, "fault": fault.kind.value}, inject)
 
@@ -145,11 +148,11 @@ class FakeBackend:
         return state.resumed_from_step if state is not None else None
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Step) -> Outcome:
+    def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Step[T]) -> Outcome[T]:
         with self._lock:
             self.calls.append(Call(step, request_id, args))
 
-            def attempt() -> Outcome:
+            def attempt() -> Outcome[T]:
                 failures = self.fail_next.get(step)
                 return failures.pop(0) if failures else carry_out()
 
@@ -158,11 +161,12 @@ class FakeBackend:
     def _effect(self, step: str, request_id: str, **args: Any) -> None:
         self.effects.append(Call(step, request_id, args))
 
-    def _put_node(self, node: str, state: str, step: str, request_id: str) -> Outcome:
+    def _put_node(self, node: str, state: str, step: str, request_id: str) -> Outcome[NodeChanged]:
         """Put ``node`` in ``state`` (``ready`` or ``quarantined``): an effect of ``step`` only where it was not."""
         if node not in self.nodes:
             return Failed(ErrorKind.NOT_FOUND, f"no node {node!r}")
-        if self.nodes[node] != state:
+        changed = self.nodes[node] != state
+        if changed:
             self.nodes[node] = state
             self._effect(step, request_id, node=node)
-        return Done({})
+        return Done(NodeChanged(changed=changed))

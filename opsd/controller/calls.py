@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.port import Backend, Done, ErrorKind, Outcome, Pending
@@ -15,6 +15,7 @@ from opsd.controller.state import Action
 from opsd.errors import OpsError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StepFailedError(OpsError):
@@ -33,7 +34,7 @@ class BackendCalls:
             raise StepFailedError("this controller has no backend to recover with")
         return backend
 
-    def _call(self, step: Callable[[], Outcome], action: Action | None) -> dict[str, Any]:
+    def _call(self, step: Callable[[], Outcome[T]], action: Action | None) -> T:
         """Call a backend step until it is done: again after a transient failure (``step_attempts`` in all), again
         while it is under way (``step_timeout_s``); its data, or ``StepFailedError``."""
         config = self.core.config
@@ -43,7 +44,7 @@ class BackendCalls:
         while True:
             outcome = step()
             if isinstance(outcome, Done):
-                return dict(outcome.data)
+                return outcome.data
             if isinstance(outcome, Pending):
                 if time.monotonic() >= deadline:
                     raise StepFailedError(f"{what}: not done within {config.step_timeout_s:.0f} s: {outcome.message}")

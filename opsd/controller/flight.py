@@ -21,6 +21,7 @@ from opsd.controller.core import ControllerCore
 from opsd.controller.rows import FlightDumpRow
 from opsd.protocol.policy_file import DUMP_COMMAND, Command
 from opsd.protocol.states import ActionKind
+from opsd.protocol.steps import Dumped
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow
         expected = set(range(world))
         if incident_id is not None:
             for action in controller.store.actions(incident_id=incident_id):
-                if action.kind == ActionKind.DUMP and action.result:
-                    expected |= {int(r) for r in action.result.get("ranks_expected", [])}
+                if action.kind == ActionKind.DUMP and isinstance(done := action.outcome, Dumped):
+                    expected |= set(done.ranks_expected)
     return analyze(dumps, sorted(expected), trigger, incident_id)
 
 
@@ -73,7 +74,7 @@ def collect_dumps(
     poll_s: float = 0.2,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> dict[str, Any]:
+) -> Dumped:
     """Ask every rank of ``run`` for a Flight Recorder dump named ``trigger`` and wait until ``ranks`` have one kept
     or ``wait_s`` passes; what happened, for the ``dump`` action's result."""
     controller.add_command(run, Command(id=trigger, name=DUMP_COMMAND))
@@ -97,4 +98,4 @@ def collect_dumps(
         waited_s,
         f"; none from ranks {silent}" if silent else "",
     )
-    return {"trigger": trigger, "ranks_expected": sorted(ranks), "ranks_dumped": sorted(dumped), "waited_s": waited_s}
+    return Dumped(trigger=trigger, ranks_expected=sorted(ranks), ranks_dumped=sorted(dumped), waited_s=waited_s)

@@ -15,6 +15,7 @@ from opsd.controller.rows import IncidentRow, NodeRow, RunRow, RunSpec
 from opsd.errors import BodyError, NotFoundError, PermanentError, TransientError
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.states import NodeRole, RunState
+from opsd.protocol.steps import NodeChanged
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Operations(ControllerCore):
         if self.backend is not None:
             request_id = f"operator-{uuid.uuid4().hex}"
             known = self.store.node(node)
-            outcome: Outcome
+            outcome: Outcome[NodeChanged]
             if role is NodeRole.CORDONED:
                 outcome = self.backend.quarantine_node((known.run if known else None) or "", node, reason, request_id)
             else:
@@ -162,6 +163,6 @@ class Operations(ControllerCore):
         if isinstance(outcome, Failed):
             raise_failed(outcome, f"inject {fault.kind}")
         assert isinstance(outcome, Done)
-        done = str(outcome.data.get("injected", ""))
+        done = outcome.data.injected
         log.warning("fault injected into run %s: %s", run, done)
         return done

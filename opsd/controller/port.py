@@ -16,7 +16,8 @@ What every method may assume, and must honour:
 - **May be called again after a crash**, of the controller or of the backend's own process: what a backend must
   remember to stay idempotent it keeps where a crash does not lose it (the cluster's objects), or it rebuilds
   it from what it finds (a local backend takes up what a dead controller left).
-- **Errors are data.** A step answers ``Done`` with what it did (JSON values: recorded as the action's result),
+- **Errors are data.** A step answers ``Done`` with what it did (a struct of ``opsd.protocol.steps``: recorded as
+  the action's result),
   ``Pending`` when it is under way and must be asked again (pods being scheduled), or ``Failed`` with the kind of
   error and a message; it raises only for a bug. ``TRANSIENT`` is retried after ``retry_after_s``; the others fail
   the recovery.
@@ -26,10 +27,14 @@ What every method may assume, and must honour:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+from opsd.protocol.steps import DumpReady, Injected, Launched, NodeChanged, Stopped
+
+T = TypeVar("T", covariant=True)
 
 
 class ErrorKind(StrEnum):
@@ -40,10 +45,11 @@ class ErrorKind(StrEnum):
 
 
 @dataclass(frozen=True)
-class Done:
-    """A step carried out (or found done already); ``data`` is what it did, in JSON values."""
+class Done(Generic[T]):
+    """A step carried out (or found done already); ``data`` is what it did (the struct of the step's kind,
+    ``opsd.protocol.steps``: recorded as the action's result)."""
 
-    data: Mapping[str, Any] = field(default_factory=dict)
+    data: T
 
     ok = True
 
@@ -80,7 +86,7 @@ class Failed(_AskedAgain):
     ok = False
 
 
-Outcome = Done | Pending | Failed
+Outcome = Done[T] | Pending | Failed
 
 
 class FaultKind(StrEnum):
@@ -119,44 +125,44 @@ class Backend(Protocol):
         """``local``, ``kubernetes``, ``fake``: recorded with the runs it starts."""
         ...
 
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
         """Stop every rank of the run's current launch, or (``group``) of one replica group of a fault-tolerant run
-        (the other groups go on). Done: ``{"killed": n}``, the ranks still running, and ``"launch"``, the launch
+        (the other groups go on). Done: ``Stopped``: ``killed``, the ranks still running, and ``launch``, the launch
         stopped, where the backend names its launches (see ``relaunch``)."""
         ...
 
-    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
         """Take a failed node out of service: nothing of the run is scheduled there again until it is released."""
         ...
 
-    def release_node(self, node: str, request_id: str) -> Outcome:
+    def release_node(self, node: str, request_id: str) -> Outcome[NodeChanged]:
         """Put a quarantined node back in service (an operator's uncordon): it may be a spare again."""
         ...
 
-    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome[NodeChanged]:
         """Make a spare node one of the run's: the next launch may place ranks there."""
         ...
 
     def relaunch(
         self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
-    ) -> Outcome:
+    ) -> Outcome[Launched]:
         """Launch ``generation`` of the run's ranks on ``nodes`` (what still runs of an earlier one is stopped
         first); the ranks resume from their newest committed checkpoint. With ``group``: launch one replica group
         of a fault-tolerant run on ``nodes`` (the others run on; it heals from them, no checkpoint read). Done:
-        ``{"generation", "nodes", "resumed_from_step", "skipped"}`` (newer checkpoints that could not be resumed
-        from, and why), and
-        ``"launch"`` where the backend tells its ranks which launch they belong to (``OPSD_LAUNCH``: their reports
-        carry it, and the controller takes the reports of that launch and no earlier one, whenever they come)."""
+        ``Launched``: ``nodes``, ``resumed_from_step``, ``skipped`` (newer checkpoints that could not be resumed
+        from, and why), and ``launch`` where the backend tells its ranks which launch they belong to
+        (``OPSD_LAUNCH``: their reports carry it, and the controller takes the reports of that launch and no earlier
+        one, whenever they come)."""
         ...
 
-    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome[DumpReady]:
         """Get the ranks ready to write Flight Recorder dumps named ``trigger`` (the controller asks them through
-        its policy and waits for the dumps). Done: ``{"ranks": [...]}``, the ranks still running, who can dump, or
-        ``{"ranks": None}``: the controller's view of the run's ranks decides."""
+        its policy and waits for the dumps). Done: ``DumpReady``: ``ranks``, the ranks still running, who can
+        dump, or None: the controller's view of the run's ranks decides."""
         ...
 
-    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
-        """Inject a fault (tests, demos, game days). Done: ``{"injected": "what was done, in words"}``."""
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome[Injected]:
+        """Inject a fault (tests, demos, game days). Done: ``Injected``, what was done, in words."""
         ...
 
     def resumed_from(self, run: str) -> int | None:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from msgspec import structs
+
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.controller.calls import BackendCalls, StepFailedError
@@ -44,13 +46,25 @@ from opsd.policy.recovery import (
 )
 from opsd.protocol.states import ActionKind, ActionState, NodeRole, RunState
 from opsd.protocol.steps import (
+    Blame,
     CheckpointStep,
+    CheckpointTaken,
+    Cordoned,
     CordonStep,
+    Culprit,
+    Dumped,
     DumpStep,
+    Launched,
     LaunchStep,
+    Result,
+    SpareTaken,
     Step,
+    Stopped,
     StopStep,
+    Swap,
     TakeSpareStep,
+    result_of,
+    result_record,
     step_args,
 )
 
@@ -148,7 +162,7 @@ class Recovery(BackendCalls):
         self.start(run.id, incident_id, failure, now_s)
         return incident_id
 
-    def launch_first(self, run: str, now_s: float) -> dict[str, Any]:
+    def launch_first(self, run: str, now_s: float) -> Launched:
         """The run's first launch (generation 1) on its active nodes: not part of any incident."""
         return self._launch(run, 1, f"{run}-launch-1", now_s)
 
@@ -172,13 +186,13 @@ class Recovery(BackendCalls):
             seq += 1
             step = steps[seq]
             try:
-                action, result = self._step(run, incident_id, failure, seq, step, now_s)
+                _, result = self._step(run, incident_id, failure, seq, step, now_s)
             except WaitForSpare:
                 self._stop_to_wait(run, incident_id, failure, steps, seq, now_s)
                 return  # the detection pass goes on once a node is uncordoned or added
-            quarantine = result.get("quarantine") if isinstance(action.step, DumpStep) else None
-            if quarantine:  # the dumps blamed a node that hung before: the rest of the plan swaps it
-                why = Quarantine(str(quarantine["node"]), str(quarantine["reason"]))
+            quarantine = result.quarantine if isinstance(result, Dumped) else None
+            if quarantine is not None:  # the dumps blamed a node that hung before: the rest of the plan swaps it
+                why = Quarantine(quarantine.node, quarantine.reason)
                 steps = plan_recovery(
                     failure,
                     incident_id=incident_id,
@@ -190,7 +204,7 @@ class Recovery(BackendCalls):
 
     def _step(
         self, run: str, incident_id: int, failure: Failure, seq: int, step: Step, now_s: float
-    ) -> tuple[Action, dict[str, Any]]:
+    ) -> tuple[Action, Result]:
         """Step ``seq`` of the plan: recorded under its request id, then carried out and recorded done (skipped when
         a record says it was done); the action and its result."""
         store = self.core.store
@@ -205,10 +219,11 @@ class Recovery(BackendCalls):
         )
         self._passed(RECORDED, action)
         if action.state == ActionState.DONE:
-            return action, action.result or {}
+            done = action.outcome
+            return action, done if done is not None else result_of(action.kind, {})
         result = self._carry_out(run, incident_id, failure, action)
         self._passed(CARRIED_OUT, action)
-        store.complete_action(action.request_id, self.core.clock(), result)
+        store.complete_action(action.request_id, self.core.clock(), result_record(result))
         self._passed(COMPLETED, action)
         return action, result
 
@@ -226,7 +241,8 @@ class Recovery(BackendCalls):
             log.warning("run %s: no spare left; replica group %s stopped, the others train on without it", run, group)
             return
         self.core.store.update_run(run, self.core.clock(), state=RunState.WAITING_FOR_SPARE)
-        log.warning("run %s: no spare left; its ranks stopped (%s), it waits for one", run, stopped.get("killed", "?"))
+        killed = stopped.killed if isinstance(stopped, Stopped) else "?"
+        log.warning("run %s: no spare left; its ranks stopped (%s), it waits for one", run, killed)
 
     def _mark_group(self, run: str, group: int, *, out: bool) -> None:
         """Record that replica group ``group`` is out of the quorum waiting for a node (or back)."""
@@ -240,7 +256,7 @@ class Recovery(BackendCalls):
         if self.on_step is not None:
             self.on_step(point, action)
 
-    def _carry_out(self, run: str, incident_id: int, failure: Failure, action: Action) -> dict[str, Any]:
+    def _carry_out(self, run: str, incident_id: int, failure: Failure, action: Action) -> Result:
         """The step as recorded (a repeat does what the first attempt recorded), carried out; its result."""
         step, rid = action.step, action.request_id
         backend = self._backend()
@@ -249,10 +265,9 @@ class Recovery(BackendCalls):
                 return self._checkpoint_now(run, at_step)
             case DumpStep(trigger=trigger):
                 ready = self._call(lambda: backend.request_dump(run, trigger, rid), action)
-                named = ready.get("ranks")
-                ranks = [int(r) for r in named] if named is not None else self.core.running_ranks(run)
+                ranks = ready.ranks if ready.ranks is not None else self.core.running_ranks(run)
                 collected = collect_dumps(self.core, run, trigger, ranks, self.core.config.flight_wait_s)
-                return {**collected, **self._blame(run, incident_id, trigger, collected["ranks_expected"])}
+                return self._blame(run, incident_id, collected)
             case StopStep(group=None):
                 return self._call(lambda: backend.stop_ranks(run, rid), action)
             case StopStep(group=int(group)):
@@ -262,7 +277,7 @@ class Recovery(BackendCalls):
             case CordonStep(node=node, reason=reason):
                 done = self._call(lambda: backend.quarantine_node(run, node, reason, rid), action)
                 self.core.store.upsert_node(node, self.core.clock(), role=NodeRole.CORDONED, reason=reason)
-                return {"node": node, **done}
+                return Cordoned(node=node, changed=done.changed)
             case TakeSpareStep(failed=failed):
                 return self._take_spare(run, incident_id, failed, action)
             case LaunchStep(after_generation=after, group=None):
@@ -272,37 +287,44 @@ class Recovery(BackendCalls):
                 return self._launch_group(run, group, after + 1, rid, incident_id)
         raise StepFailedError(f"run {run}: unknown recovery step {step!r}")
 
-    def _blame(self, run: str, incident_id: int, trigger: str, expected: list[int]) -> dict[str, Any]:
+    def _blame(self, run: str, incident_id: int, collected: Dumped) -> Dumped:
         """What a hang's dumps say of it: the culprit rank they name and its node become the incident's (the first
         guess, the rank furthest behind, is kept in the detail and the result); a node blamed for
         ``hang_quarantine_after`` hangs within ``hang_window_h`` is to be swapped (``quarantine``)."""
-        named = culprits(self.core, run, trigger, expected)
+        named = culprits(self.core, run, collected.trigger, collected.ranks_expected)
         rank = int(named[0]["rank"]) if named else None
         node = self.core.rank_node(run, rank) if rank is not None else None
         incident = self.core.store.incident(incident_id)
         if rank is None or node is None or incident is None:
-            return {"culprit": None}
-        first = {"rank": incident.rank, "node": incident.node}
-        if (first["rank"], first["node"]) != (rank, node):
+            return collected
+        first = Blame(rank=incident.rank, node=incident.node)
+        if (first.rank, first.node) != (rank, node):
             detail = (
                 f"{incident.detail}; the Flight Recorder names rank {rank} on {node} ({named[0]['reason']});"
-                f" first blamed: rank {first['rank']} on {first['node']}"
+                f" first blamed: rank {first.rank} on {first.node}"
             )
             self.core.store.update_incident(incident_id, node=node, rank=rank, detail=detail[:4000])
             log.warning(
-                "run %s: incident %d: the dumps blame rank %d on %s, not %s", run, incident_id, rank, node, first
+                "run %s: incident %d: the dumps blame rank %d on %s, not rank %s on %s",
+                run,
+                incident_id,
+                rank,
+                node,
+                first.rank,
+                first.node,
             )
         config = self.core.config
         window_s = config.hang_window_h * 3600.0
         hangs = [(i.node, float(i.detected_s)) for i in self.core.store.incidents() if i.kind in HANG_KINDS]
         strikes = hang_strikes(node, hangs, float(incident.detected_s), window_s)
-        out: dict[str, Any] = {"culprit": {"rank": rank, "node": node, "first_blamed": first}, "strikes": strikes}
+        quarantine = None
         if quarantine_after_hangs(strikes, config.hang_quarantine_after):
             reason = f"its ranks hung {strikes} times within {config.hang_window_h:g} h (the Flight Recorder's culprit)"
-            out["quarantine"] = {"node": node, "reason": reason}
-        return out
+            quarantine = Swap(node=node, reason=reason)
+        culprit = Culprit(rank=rank, node=node, first_blamed=first)
+        return structs.replace(collected, culprit=culprit, strikes=strikes, quarantine=quarantine)
 
-    def _take_spare(self, run: str, incident_id: int, failed: str, action: Action) -> dict[str, Any]:
+    def _take_spare(self, run: str, incident_id: int, failed: str, action: Action) -> SpareTaken:
         """The incident's spare: the one chosen before (a repeat) or a new one, written to the incident before the
         node becomes active, so that a repeat never takes a second."""
         store = self.core.store
@@ -316,27 +338,26 @@ class Recovery(BackendCalls):
             left = len(store.node_names(run, NodeRole.ACTIVE))
             if shrinks_without_spare(spec.on_no_spare, left, spec.min_nodes):
                 log.warning("run %s: no spare left; going on with %d nodes", run, left)
-                return {"spare": None, "shrunk_to_nodes": left}
+                return SpareTaken(spare=None, shrunk_to_nodes=left)
             raise WaitForSpare
         store.update_incident(incident_id, spare=chosen)
         self._call(lambda: self._backend().promote_spare(run, str(chosen), failed, action.request_id), action)
         store.upsert_node(chosen, self.core.clock(), role=NodeRole.ACTIVE, run=run)  # a pool spare: the run's now
         log.info("run %s: %s replaces %s", run, chosen, failed)
-        return {"spare": chosen}
+        return SpareTaken(spare=chosen)
 
     def _stopped_launch(self, incident_id: int) -> int | list[int] | None:
         """The launch the incident's ``stop`` stopped, as its record says (when the backend named it): one for the
         whole job, or one per replica group (``launches``) where the backend launches the groups apart."""
         stops = [a for a in self.core.store.actions(incident_id=incident_id) if a.kind == ActionKind.STOP]
-        result = (stops[-1].result or {}) if stops else {}
-        launch, launches = result.get("launch"), result.get("launches")
-        if isinstance(launches, list) and all(isinstance(n, int) for n in launches):
-            return [int(n) for n in launches]
-        return launch if isinstance(launch, int) else None
+        stopped = stops[-1].outcome if stops else None
+        if not isinstance(stopped, Stopped):
+            return None
+        return list(stopped.launches) if stopped.launches is not None else stopped.launch
 
     def _launch(
         self, run: str, generation: int, rid: str, now_s: float, stopped: int | list[int] | None = None
-    ) -> dict[str, Any]:
+    ) -> Launched:
         """Launch ``generation`` on the run's active nodes: the controller forgets the old launch's ranks (the
         launch ``stopped``, when the record of the stop names it), the backend starts the new one, the run is
         running again. A fault-tolerant run's groups are all launched: each at the launch and on the nodes the
@@ -347,11 +368,8 @@ class Recovery(BackendCalls):
         self.core.forget_ranks(run, now_s, stopped)
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid), None)
-        launch = done.get("launch")
-        launch = int(launch) if isinstance(launch, int) else None
-        named = done.get("launches")
-        launches = [int(n) for n in named] if isinstance(named, list) else None
-        self.core.launched(run, self.core.clock(), launch, launches)
+        launch = done.launch
+        self.core.launched(run, self.core.clock(), launch, done.launches)
         row = store.run(run)
         fields: dict[str, Any] = {"generation": generation}
         if row is not None and row.spec.replicas.fault_tolerant:
@@ -359,10 +377,10 @@ class Recovery(BackendCalls):
         if row is None or not RunState(row.state).finished:  # else it ran to its end before this controller looked
             fields["state"] = RunState.RUNNING  # detection watches
         store.update_run(run, self.core.clock(), **fields)
-        log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.get("nodes", nodes)))
-        return {"generation": generation, "nodes": nodes, **done}
+        log.info("run %s: generation %d launched on %s", run, generation, ", ".join(done.nodes or nodes))
+        return structs.replace(done, generation=generation, nodes=done.nodes or nodes)
 
-    def _launch_group(self, run: str, group: int, generation: int, rid: str, incident_id: int) -> dict[str, Any]:
+    def _launch_group(self, run: str, group: int, generation: int, rid: str, incident_id: int) -> Launched:
         """Launch replica group ``group`` again, as ``generation``, on its nodes still in service and the spare its
         incident took: the other groups train on, and it heals from them (no checkpoint is read)."""
         store = self.core.store
@@ -376,27 +394,25 @@ class Recovery(BackendCalls):
             nodes.append(incident.spare)
         backend = self._backend()
         done = self._call(lambda: backend.relaunch(run, generation, nodes, rid, group), None)
-        launch = done.get("launch")
-        launch = int(launch) if isinstance(launch, int) else None
+        launch = done.launch
         self.core.group_launched(run, group, launch)
         row = store.run(run)
         assert row is not None
-        placed = done.get("nodes")  # where a cluster's scheduler put the group's pods, when the backend says
-        if isinstance(placed, list) and placed:
-            nodes = [str(n) for n in placed]
+        if done.nodes:  # where a cluster's scheduler put the group's pods, when the backend says
+            nodes = list(done.nodes)
         groups = {**row.groups, group: GroupLaunch(generation if launch is None else launch, tuple(nodes))}
         store.update_run(run, self.core.clock(), generation=max(generation, row.generation), groups=groups)
         log.info("run %s: replica group %d launched again (%d) on %s", run, group, generation, ", ".join(nodes))
-        return {"generation": generation, "nodes": nodes, "group": group, **done}
+        return structs.replace(done, generation=generation, nodes=nodes, group=group)
 
-    def _checkpoint_now(self, run: str, at_step: int | None) -> dict[str, Any]:
+    def _checkpoint_now(self, run: str, at_step: int | None) -> CheckpointTaken:
         """Ask the ranks for a checkpoint at ``at_step`` and wait until it is committed, a rank ends, or
         ``restart_checkpoint_wait_s`` passes; what happened, for the action's result."""
         row = self.core.store.run(run)
         url = row.spec.checkpoint_url if row is not None else ""
         if at_step is None or not url:
             why = "no checkpoint store" if not url else "the ranks were not progressing"
-            return {"checkpoint_step": None, "why": why}
+            return CheckpointTaken(checkpoint_step=None, why=why)
         self.core.ask_checkpoint(run, at_step)
         start = time.monotonic()
         deadline = start + self.core.config.restart_checkpoint_wait_s
@@ -404,25 +420,26 @@ class Recovery(BackendCalls):
             while time.monotonic() < deadline:
                 newest = newest_checkpoint(url) or 0
                 if newest >= at_step:
-                    return {"checkpoint_step": newest, "asked_step": at_step, "waited_s": time.monotonic() - start}
+                    waited_s = time.monotonic() - start
+                    return CheckpointTaken(checkpoint_step=newest, asked_step=at_step, waited_s=waited_s)
                 if self.core.ranks_ended(run):
-                    return {"checkpoint_step": None, "asked_step": at_step, "why": "a rank ended meanwhile"}
+                    return CheckpointTaken(checkpoint_step=None, asked_step=at_step, why="a rank ended meanwhile")
                 self.sleep(0.5)
         finally:
             self.core.ask_checkpoint(run, None)
-        return {"checkpoint_step": None, "asked_step": at_step, "why": "not committed in time"}
+        return CheckpointTaken(checkpoint_step=None, asked_step=at_step, why="not committed in time")
 
 
-def group_launches(spec: RunSpec, launch: int, nodes: list[str], done: dict[str, Any]) -> dict[int, GroupLaunch]:
+def group_launches(spec: RunSpec, launch: int, nodes: list[str], done: Launched) -> dict[int, GroupLaunch]:
     """Every replica group of a whole launch: at the launch and on the nodes the relaunch's result ``done`` names
     for it (``launches``, ``group_nodes``), else at ``launch`` on ``nodes`` split in order."""
     groups = spec.replicas.groups
-    launches, placed = done.get("launches"), done.get("group_nodes")
+    launches, placed = done.launches, done.group_nodes
     k = len(nodes) // groups
     out = {}
     for g in range(groups):
-        at = int(launches[g]) if isinstance(launches, list) and g < len(launches) else launch
-        where = placed[g] if isinstance(placed, list) and g < len(placed) else nodes[g * k : (g + 1) * k]
+        at = launches[g] if launches is not None and g < len(launches) else launch
+        where = placed[g] if placed is not None and g < len(placed) else nodes[g * k : (g + 1) * k]
         out[g] = GroupLaunch(at, tuple(str(n) for n in where))
     return out
 

@@ -19,7 +19,7 @@ from opsd.policy.cadence import Cadence
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
-from opsd.protocol.steps import Step, step_of
+from opsd.protocol.steps import Result, Step, result_of, step_of
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,11 @@ class Action:
     def step(self) -> Step:
         """The step its ``kind`` and ``args`` record; ``PermanentError`` when they do not make one."""
         return step_of(self.kind, self.args)
+
+    @property
+    def outcome(self) -> Result | None:
+        """What it did, as its ``result`` records (None: not done); ``PermanentError`` when that does not fit."""
+        return result_of(self.kind, self.result) if self.result is not None else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from opsd.controller.port import Done, ErrorKind, Failed, Outcome
 from opsd.errors import NotFoundError, OpsError, TransientError
 
 log = logging.getLogger(__name__)
 
-Step = Callable[[], Outcome]
+T = TypeVar("T")
+Step = Callable[[], Outcome[T]]
 
 
 class Once:
@@ -26,21 +28,21 @@ class Once:
     backend's Events); a local one takes up what a dead controller left and starts afresh."""
 
     def __init__(self) -> None:
-        self._done: dict[str, Outcome] = {}
+        self._done: dict[str, Done[Any]] = {}
         self._lock = threading.RLock()
 
-    def __call__(self, request_id: str, step: Step) -> Outcome:
+    def __call__(self, request_id: str, step: Step[T]) -> Outcome[T]:
         with self._lock:
             done = self._done.get(request_id)
             if done is not None:
-                return done
+                return cast("Done[T]", done)  # the same request id is the same step, of the same kind
             outcome = step()
             if isinstance(outcome, Done):
                 self._done[request_id] = outcome
             return outcome
 
 
-def as_outcome(what: str, step: Step) -> Outcome:
+def as_outcome(what: str, step: Step[T]) -> Outcome[T]:
     """``step()``'s outcome, opsd's errors as data (the port's contract): ``NotFoundError`` as ``NOT_FOUND``, a
     ``TransientError`` as ``TRANSIENT`` with its retry delay, any other as ``PERMANENT`` (``what`` names the step in
     its message)."""

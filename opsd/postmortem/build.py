@@ -29,13 +29,11 @@ from opsd.policy.goodput import BadputBucket
 from opsd.postmortem.bundle import (
     ActionIn,
     AverageIn,
-    BlameIn,
     BlockingIn,
     IncidentIn,
     LaunchIn,
     MeasuredIn,
     MtbfIn,
-    ResultIn,
     StatusIn,
     XidIn,
     read_bundle,
@@ -62,7 +60,18 @@ from opsd.postmortem.model import (
     XidFacts,
 )
 from opsd.protocol.states import WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
-from opsd.protocol.steps import CordonStep, StopStep
+from opsd.protocol.steps import (
+    Blame,
+    CheckpointTaken,
+    Cordoned,
+    CordonStep,
+    Dumped,
+    Launched,
+    SpareTaken,
+    Stopped,
+    StopStep,
+    result_record,
+)
 
 _XID = re.compile(r"^XID (\d+) on GPU (\d+):\s*(.*)$", re.S)
 _EXIT = re.compile(r"exited with (-?\d+)")
@@ -113,35 +122,39 @@ def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: Fligh
 
 
 def _action_detail(a: ActionIn) -> str:
-    r, step = a.result or ResultIn(), a.step()
+    r, step = a.outcome(), a.step()
     if a.kind == ActionKind.STOP:
         text = f"stopped generation {step.generation if isinstance(step, StopStep) else '?'}"
-        text += f": {r.killed} processes killed" if r.killed is not None else ""
+        text += f": {r.killed} processes killed" if isinstance(r, Stopped) else ""
     elif a.kind == ActionKind.CORDON:
-        text = f"cordoned {r.node or (step.node if isinstance(step, CordonStep) else '?')}"
+        node = r.node if isinstance(r, Cordoned) and r.node else step.node if isinstance(step, CordonStep) else "?"
+        text = f"cordoned {node}"
     elif a.kind == ActionKind.TAKE_SPARE:
-        if r.spare:
+        if isinstance(r, SpareTaken) and r.spare:
             text = f"took spare {r.spare}"
-        elif r.shrunk_to_nodes is not None:
+        elif isinstance(r, SpareTaken) and r.shrunk_to_nodes is not None:
             text = f"no spare: went on with {r.shrunk_to_nodes} nodes"
         else:
             text = "waiting for a spare"
     elif a.kind == ActionKind.LAUNCH:
-        on = ", ".join(r.nodes) if r.nodes is not None else "?"
-        text = f"generation {'?' if r.generation is None else r.generation} on {on}"
-        if r.resumed_from_step is not None:
-            text += f", from the checkpoint of step {r.resumed_from_step}"
+        launched = r if isinstance(r, Launched) else Launched()
+        on = ", ".join(launched.nodes) if launched.nodes is not None else "?"
+        text = f"generation {'?' if launched.generation is None else launched.generation} on {on}"
+        if launched.resumed_from_step is not None:
+            text += f", from the checkpoint of step {launched.resumed_from_step}"
     elif a.kind == ActionKind.DUMP:
         text = "Flight Recorder dump asked of every rank"
-        if (culprit := r.culprit) is not None:
-            first = culprit.first_blamed or BlameIn()
+        if isinstance(r, Dumped) and (culprit := r.culprit) is not None:
+            first = culprit.first_blamed or Blame()
             text += f"; it names rank {culprit.rank} on {culprit.node}"
             if (first.rank, first.node) != (culprit.rank, culprit.node):
                 text += f" (first blamed: rank {first.rank} on {first.node})"
-        if r.quarantine is not None:
+        if isinstance(r, Dumped) and r.quarantine is not None:
             text += f"; {r.quarantine.node} is swapped: {r.quarantine.reason}"
+    elif isinstance(r, CheckpointTaken):  # field by field as the controller wrote it
+        text = "; ".join(f"{k}={v}" for k, v in result_record(r).items())
     else:
-        text = r.shown() or a.kind
+        text = a.kind
     return text if a.state == ActionState.DONE else f"{text} (not done)"
 
 
@@ -173,7 +186,8 @@ def _timeline(row: IncidentIn, actions: Sequence[ActionIn]) -> tuple[Phase, ...]
 
 def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[Checkpoint]) -> Resume:
     launches = [a for a in actions if a.kind == ActionKind.LAUNCH and a.state == ActionState.DONE]
-    result = (launches[-1].result if launches else None) or ResultIn()
+    done = launches[-1].outcome() if launches else None
+    result = done if isinstance(done, Launched) else Launched()
     step = result.resumed_from_step if result.resumed_from_step is not None else row.resumed_from_step
     if step is None:
         return Resume(None, "not relaunched" + (" yet" if row.state == IncidentState.OPEN else ""), ())
@@ -183,8 +197,6 @@ def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[
     skipped: list[SkippedCheckpoint] = []
     if result.skipped is not None:
         for gone in result.skipped:
-            if gone.step is None:
-                continue
             known = states.get(gone.step)
             problem = gone.problem or (known.problem if known else None) or "unusable"
             skipped.append(SkippedCheckpoint(gone.step, known.state if known else "unusable", problem))

@@ -9,11 +9,14 @@ import sys
 from typing import Annotated, Any
 
 import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import Meta, Struct
 
 from opsd.errors import PermanentError
 from opsd.postmortem.model import Checkpoint, Collective, Culprit, FlightRecorder, StuckGroup
-from opsd.protocol.steps import Step, step_of
+from opsd.protocol.states import ActionKind
+from opsd.protocol.steps import Result, Step, result_of, step_of
+
+KNOWN_KINDS = frozenset(k.value for k in ActionKind)
 
 _MAX = sys.float_info.max
 _BOUNDS = (f"`float` >= {-_MAX!r}", f"`float` <= {_MAX!r}")
@@ -111,49 +114,6 @@ class IncidentIn(Struct, frozen=True, kw_only=True):
     stall_s: Finite | None = None
 
 
-class SkippedIn(Struct, frozen=True, kw_only=True):
-    step: int | None = None
-    problem: str | None = None
-
-
-class BlameIn(Struct, frozen=True, kw_only=True):
-    rank: int | None = None
-    node: str | None = None
-
-
-class CulpritBlameIn(BlameIn, frozen=True, kw_only=True):
-    first_blamed: BlameIn | None = None  # the detection's guess, when the dumps named another rank
-
-
-class QuarantineIn(Struct, frozen=True, kw_only=True):
-    node: str | None = None
-    reason: str | None = None
-
-
-class ResultIn(Struct, frozen=True, kw_only=True):
-    """What an action's result says, by kind; a kind's other fields (a backend's own) are not read."""
-
-    killed: int | None = None  # stop
-    node: str | None = None  # cordon
-    spare: str | None = None  # take_spare: the spare taken, or none and the node count the run went on with
-    shrunk_to_nodes: int | None = None
-    generation: int | None = None  # launch
-    nodes: tuple[str, ...] | None = None
-    resumed_from_step: int | None = None
-    skipped: tuple[SkippedIn, ...] | None = None
-    culprit: CulpritBlameIn | None = None  # dump
-    quarantine: QuarantineIn | None = None
-    checkpoint_step: int | UnsetType | None = UNSET  # checkpoint: shown as it is
-    asked_step: int | UnsetType | None = UNSET
-    waited_s: Finite | UnsetType | None = UNSET
-    why: str | UnsetType | None = UNSET
-
-    def shown(self) -> str:
-        """A checkpoint action's result, field by field as the controller wrote it."""
-        fields = ("checkpoint_step", "asked_step", "waited_s", "why")
-        return "; ".join(f"{k}={v}" for k in fields if (v := getattr(self, k)) is not UNSET)
-
-
 class ActionIn(Struct, frozen=True, kw_only=True):
     incident_id: int | None = None
     seq: int = 0
@@ -162,7 +122,20 @@ class ActionIn(Struct, frozen=True, kw_only=True):
     state: str = "?"
     created_s: Finite | None = None
     done_s: Finite | None = None
-    result: ResultIn | None = None
+    result: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.result is not None and self.kind in KNOWN_KINDS:  # a newer controller's own kinds are not read
+            try:
+                result_of(self.kind, self.result)
+            except PermanentError as exc:
+                raise ValueError(str(exc)) from None
+
+    def outcome(self) -> Result | None:
+        """What it did, as its ``result`` records (None: not done, or a kind this version does not know)."""
+        if self.result is None or self.kind not in KNOWN_KINDS:
+            return None
+        return result_of(self.kind, self.result)
 
     def step(self) -> Step | None:
         """The step its ``kind`` and ``args`` record (None: they make none this version knows)."""

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from opsd.backends.kubernetes import nodes
 from opsd.backends.kubernetes.api import Json, KubeApi
@@ -61,8 +62,10 @@ from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pendin
 from opsd.controller.steps import Step, as_outcome
 from opsd.errors import NotFoundError, OpsError
 from opsd.protocol.cluster import JOBSET_NAME_LABEL, JOBSET_RESTART_JOB_RELEASE, QUARANTINE_TAINT
+from opsd.protocol.steps import DumpReady, Injected, Launched, NodeChanged, Stopped
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HOUR_S = 3600.0
 ATTEMPT_ANNOTATION = "opsd.io/restart-attempt"  # on a stop's Event: the attempt it evicts
@@ -106,43 +109,43 @@ class KubernetesBackend:
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
         if group is not None:
             return self._step(f"stop {run} group {group}", lambda: self._stop_group(run, group, request_id))
         return self._step(f"stop {run}", lambda: self._stop(run, request_id))
 
-    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
         return self._step(f"quarantine {node}", lambda: self._quarantine(run, node, reason, request_id))
 
-    def release_node(self, node: str, request_id: str) -> Outcome:
-        def release() -> Outcome:
+    def release_node(self, node: str, request_id: str) -> Outcome[NodeChanged]:
+        def release() -> Outcome[NodeChanged]:
             changed = nodes.release(self.api, node)
             if changed:
                 self._tell([Target("Node", node)], "OpsdReleased", "back in the spare pool", request_id)
-            return Done({"changed": changed})
+            return Done(NodeChanged(changed=changed))
 
         return self._step(f"release {node}", release)
 
-    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
-        def promote() -> Outcome:
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome[NodeChanged]:
+        def promote() -> Outcome[NodeChanged]:
             changed = nodes.promote(self.api, spare, run)
             message = f"spare {spare} promoted into run {run} in place of {replaces}"
             self._tell(self._node_targets(spare, run), "OpsdPromoteSpare", message, request_id)
-            return Done({"changed": changed})
+            return Done(NodeChanged(changed=changed))
 
         return self._step(f"promote {spare}", promote)
 
     def relaunch(
         self, run: str, generation: int, nodes_: Sequence[str], request_id: str, group: int | None = None
-    ) -> Outcome:
+    ) -> Outcome[Launched]:
         if group is not None:
             return self._step(f"relaunch {run} group {group}", lambda: self._verify_group(run, group, request_id))
         return self._step(f"relaunch {run}", lambda: self._verify_restart(run, request_id))
 
-    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
-        return Done({"ranks": None})  # the controller asks the ranks it hears from
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome[DumpReady]:
+        return Done(DumpReady(ranks=None))  # the controller asks the ranks it hears from
 
-    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome[Injected]:
         return Failed(ErrorKind.UNSUPPORTED, "fault injection needs the local backend (opsd run)")
 
     def node_ready(self, node: str) -> bool | None:
@@ -181,7 +184,7 @@ class KubernetesBackend:
     def _pods(self, ref: RunRef) -> list[Json]:
         return self.api.pods(ref.namespace, f"{JOBSET_NAME_LABEL}={ref.jobset}")
 
-    def _stop(self, run: str, request_id: str) -> Outcome:
+    def _stop(self, run: str, request_id: str) -> Outcome[Stopped]:
         """Evict the running pods of the run's current restart attempt. The attempt is written first, in the step's
         Event on the JobSet: a stop told again (after a controller's restart) evicts what is left of that attempt,
         never the pods of the attempt the JobSet started since. A JobSet that recreates its Jobs alone on an
@@ -209,9 +212,9 @@ class KubernetesBackend:
             self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
         running = [p for p in self._pods(ref) if attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
         self._evict(ref, running)
-        return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+        return Done(Stopped(killed=len(running), restart_attempt=attempt, launch=attempt))
 
-    def _stop_every_group(self, ref: RunRef, counts: list[int]) -> Outcome:
+    def _stop_every_group(self, ref: RunRef, counts: list[int]) -> Outcome[Stopped]:
         """Evict the running pods of every replica group's Job at its restart count ``counts[g]`` (or before): each
         Job is recreated alone, and ``launches`` are the groups' launches stopped."""
         running = [
@@ -224,9 +227,9 @@ class KubernetesBackend:
             and not finished(p)
         ]
         self._evict(ref, running)
-        return Done({"killed": len(running), "launches": counts})
+        return Done(Stopped(killed=len(running), launches=counts))
 
-    def _stop_group(self, run: str, group: int, request_id: str) -> Outcome:
+    def _stop_group(self, run: str, group: int, request_id: str) -> Outcome[Stopped]:
         """Evict the running pods of replica group ``group`` (the child Job of that index) at its current
         restart: JobSet's ``RestartJob`` failure policy recreates that Job alone; the other groups train on. The
         Job's restart attempt is written first, in the step's Event, as for a whole stop."""
@@ -242,7 +245,7 @@ class KubernetesBackend:
             self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
         running = [p for p in mine if job_attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
         self._evict(ref, running)
-        return Done({"killed": len(running), "restart_attempt": attempt, "launch": attempt})
+        return Done(Stopped(killed=len(running), restart_attempt=attempt, launch=attempt))
 
     def _evict(self, ref: RunRef, pods: list[Json]) -> None:
         for pod in pods:
@@ -269,7 +272,7 @@ class KubernetesBackend:
         placed = [(p.get("spec") or {}).get("nodeName") or "" for p in current]
         return GroupState(restarts, len(current), tuple(sorted({n for n in placed if n})), all(placed), len(old))
 
-    def _verify_group(self, run: str, group: int, request_id: str) -> Outcome:
+    def _verify_group(self, run: str, group: int, request_id: str) -> Outcome[Launched]:
         """Replica group ``group``'s Job was recreated (its restart attempt went up), every pod of it is placed, on
         no quarantined node, and none of its earlier attempt is left."""
         ref = self._ref(run)
@@ -289,12 +292,12 @@ class KubernetesBackend:
         where = list(state.nodes)
         message = f"replica group {group}, its job's restart {state.restarts}: {state.pods} pods on {', '.join(where)}"
         self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
-        return Done({"restart_attempt": state.restarts, "nodes": where, "pods": state.pods, "launch": state.restarts})
+        return Done(Launched(restart_attempt=state.restarts, nodes=where, pods=state.pods, launch=state.restarts))
 
-    def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
+    def _quarantine(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
         current = self.api.node(node)
         if nodes.has_taint(current, QUARANTINE_TAINT):
-            return Done({"changed": False})
+            return Done(NodeChanged(changed=False))
         selector = NodeSelector.parse(self.config.node_selector)
         listed = [node for node in self.api.nodes(selector.server_side)[0] if selector.matches_node(node)]
         recent = nodes.quarantined_since(listed, self.clock() - HOUR_S)
@@ -309,9 +312,9 @@ class KubernetesBackend:
         changed = nodes.quarantine(self.api, node, cause=cause, reason=reason, incident=request_id, now_s=self.clock())
         message = f"quarantined by opsd: {reason}"
         self._tell(self._node_targets(node, run), "OpsdQuarantine", message, request_id, warning=True)
-        return Done({"changed": changed})
+        return Done(NodeChanged(changed=changed))
 
-    def _verify_restart(self, run: str, request_id: str) -> Outcome:
+    def _verify_restart(self, run: str, request_id: str) -> Outcome[Launched]:
         ref = self._ref(run)
         jobset = self.api.jobset(ref.namespace, ref.jobset)
         if restarts_jobs_alone(jobset):
@@ -339,9 +342,9 @@ class KubernetesBackend:
             return Pending(why, retry_after_s=1.0)
         message = f"restart attempt {restarts}: {len(current)} pods on {', '.join(where)}"
         self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
-        return Done({"restart_attempt": restarts, "nodes": where, "pods": len(current), "launch": restarts})
+        return Done(Launched(restart_attempt=restarts, nodes=where, pods=len(current), launch=restarts))
 
-    def _verify_every_group(self, run: str, ref: RunRef, jobset: Json, request_id: str) -> Outcome:
+    def _verify_every_group(self, run: str, ref: RunRef, jobset: Json, request_id: str) -> Outcome[Launched]:
         """A whole relaunch of a JobSet that recreates its Jobs alone (``_stop_every_group``): every replica group's
         Job was recreated (none is back before it restarted once: its pods were evicted), every pod placed, on no
         quarantined node, none of an earlier restart left. ``launches`` and ``group_nodes``: each group's launch
@@ -365,12 +368,12 @@ class KubernetesBackend:
         message = f"every replica group recreated (their jobs' restarts {launches}): pods on {', '.join(where)}"
         self._tell(self._jobset_target(run), "OpsdRestarted", message, request_id)
         return Done(
-            {
-                "nodes": where,
-                "pods": sum(s.pods for s in states),
-                "launches": launches,
-                "group_nodes": [list(s.nodes) for s in states],
-            }
+            Launched(
+                nodes=where,
+                pods=sum(s.pods for s in states),
+                launches=launches,
+                group_nodes=[list(s.nodes) for s in states],
+            )
         )
 
     def _force_if_stuck(self, ref: RunRef, pod: Json, now_s: float) -> None:
@@ -400,7 +403,7 @@ class KubernetesBackend:
     ) -> None:
         tell(self.api, targets, reason, message, request_id, self.clock(), warning=warning, annotations=annotations)
 
-    def _step(self, what: str, step: Step) -> Outcome:
+    def _step(self, what: str, step: Step[T]) -> Outcome[T]:
         """A step's outcome, opsd's errors as data (the port's contract); one step at a time. Idempotent on the
         cluster's own state (the request id is in each step's Event), not in memory."""
         with self._lock:

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from opsd.backends.local import processes
 from opsd.backends.local.injection import Injector
@@ -43,8 +43,10 @@ from opsd.checkpoints.store import open_store
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
 from opsd.controller.steps import Once, Step, as_outcome
 from opsd.errors import BodyError, OpsError
+from opsd.protocol.steps import DumpReady, Injected, Launched, NodeChanged, Stopped, Unusable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LocalBackend:
@@ -58,7 +60,7 @@ class LocalBackend:
         self.lock = threading.RLock()
         self.injector = Injector(spec)
         self.resumed_from_step: int | None = None
-        self.skipped: list[dict[str, Any]] = []  # checkpoints newer than the one resumed from, and why
+        self.skipped: list[Unusable] = []  # checkpoints newer than the one resumed from, and why
         self.lock_fd: int | None = None
         self.instance = uuid.uuid4().hex[:12]  # names this backend's lines in backend.jsonl
         self.lighthouse: subprocess.Popen[bytes] | None = None  # a fault-tolerant run's
@@ -158,29 +160,29 @@ class LocalBackend:
             self.lock_fd = None
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome:
-        def stop() -> Outcome:
+    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
+        def stop() -> Outcome[Stopped]:
             launch = self.group_launches.get(group, self.generation) if group is not None else self.generation
             killed = self.kill_ranks(group)
             if killed:
                 self._effect(request_id, "stop_ranks", {"killed": killed, "generation": launch, "group": group})
-            return Done({"killed": killed, "launch": launch})
+            return Done(Stopped(killed=killed, launch=launch))
 
         return self._once(run, request_id, stop)
 
-    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome:
-        return self._once(run, request_id, lambda: self._known_node(node) or Done({}))
+    def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
+        return self._once(run, request_id, lambda: self._known_node(node) or Done(NodeChanged()))
 
-    def release_node(self, node: str, request_id: str) -> Outcome:
-        return self._once(self.spec.run, request_id, lambda: self._known_node(node) or Done({}))
+    def release_node(self, node: str, request_id: str) -> Outcome[NodeChanged]:
+        return self._once(self.spec.run, request_id, lambda: self._known_node(node) or Done(NodeChanged()))
 
-    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome:
-        return self._once(run, request_id, lambda: self._known_node(spare) or Done({}))
+    def promote_spare(self, run: str, spare: str, replaces: str, request_id: str) -> Outcome[NodeChanged]:
+        return self._once(run, request_id, lambda: self._known_node(spare) or Done(NodeChanged()))
 
     def relaunch(
         self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
-    ) -> Outcome:
-        def launch() -> Outcome:
+    ) -> Outcome[Launched]:
+        def launch() -> Outcome[Launched]:
             unknown = [n for n in nodes if n not in self.spec.node_names()]
             if unknown or not nodes:
                 return Failed(ErrorKind.PERMANENT, f"cannot launch on {list(nodes)}: no such local nodes {unknown}")
@@ -205,26 +207,26 @@ class LocalBackend:
             what = "generation" if group is None else f"replica group {group}, launch"
             log.info("run %s: %s %d started on %s (%d ranks)", run, what, generation, ", ".join(nodes), len(pids))
             resumed = self.resumed_from_step if group is None else None
-            return Done({"resumed_from_step": resumed, "skipped": self.skipped, "launch": generation})
+            return Done(Launched(resumed_from_step=resumed, skipped=list(self.skipped), launch=generation))
 
         return self._once(run, request_id, launch)
 
-    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome:
-        def ready() -> Outcome:
+    def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome[DumpReady]:
+        def ready() -> Outcome[DumpReady]:
             with self.lock:
-                return Done({"ranks": [r.rank for r in self.ranks if r.proc.poll() is None]})
+                return Done(DumpReady(ranks=[r.rank for r in self.ranks if r.proc.poll() is None]))
 
         return self._once(run, request_id, ready)
 
-    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome:
-        def inject() -> Outcome:
+    def inject(self, run: str, fault: Fault, request_id: str) -> Outcome[Injected]:
+        def inject() -> Outcome[Injected]:
             with self.lock:
                 try:
                     done = self.injector.inject(fault, set(self.agents), self.ranks)
                 except BodyError as exc:
                     return Failed(ErrorKind.PERMANENT, str(exc))
             self._effect(request_id, "inject", {"fault": fault.kind.value, "injected": done})
-            return Done({"injected": done})
+            return Done(Injected(injected=done))
 
         return self._once(run, request_id, inject)
 
@@ -241,7 +243,7 @@ class LocalBackend:
         return self.resumed_from_step if run == self.spec.run else None
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def _once(self, run: str, request_id: str, step: Step) -> Outcome:
+    def _once(self, run: str, request_id: str, step: Step[T]) -> Outcome[T]:
         """``step()`` once per request id (a repeat answers the first outcome; a failure may be tried again), opsd's
         errors as data."""
         if run != self.spec.run:
@@ -275,7 +277,7 @@ class LocalBackend:
             log.warning("run %s: cannot look at its checkpoints: %s", self.spec.run, exc)
             return None
         newest = next((c.step for c in found if c.problem is None), 0)
-        self.skipped = [{"step": c.step, "problem": c.problem} for c in found if c.step > newest]
+        self.skipped = [Unusable(step=c.step, problem=c.problem) for c in found if c.step > newest]
         return newest
 
 
