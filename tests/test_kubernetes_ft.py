@@ -120,6 +120,16 @@ class FtCluster:
     def group_pods(self) -> dict[int, Json]:
         return {int(p["metadata"]["labels"][JOB_INDEX_LABEL]): p for p in self.running().values()}
 
+    def relaunched_pods(self, launches: dict[int, int]) -> dict[int, Json]:
+        """Each group's pod running at its launch in ``launches``: the recovery's launch step is done when the pods
+        are placed, and their kubelet (the JobSet player's thread) starts them a moment later."""
+
+        def running() -> dict[int, Json] | None:
+            pods = self.group_pods()
+            return pods if {g: launch_of(p) for g, p in pods.items()} == launches else None
+
+        return wait_for(f"the groups' pods running at launches {launches}", running, 20)
+
     def sync(self) -> None:
         self.watched.reconciler.sync(time.time())
 
@@ -207,7 +217,7 @@ def test_an_xid_relaunches_its_replica_group_alone_and_the_other_never_stops(
         ("stop", 1, "done"),
         ("launch", 1, "done"),
     ]
-    now = cluster.group_pods()
+    now = cluster.relaunched_pods({0: 0, 1: 1})
     assert (now[0]["metadata"]["name"], now[0]["metadata"]["uid"]) == group0  # the same pod, never recreated
     assert now[1]["spec"]["nodeName"] == "node-2"
     assert now[1]["metadata"]["labels"][JOB_RESTART_ATTEMPT_LABEL] == "1"
@@ -268,7 +278,7 @@ def test_when_the_quorum_needs_every_group_every_group_is_relaunched(
     assert (status.get("restarts", 0), status["replicatedJobsStatus"][0]["jobRestarts"]) == (0, [1, 1])
     assert (cluster.player.restarts, cluster.player.job_restarts) == (0, 2)  # every Job recreated alone
     assert cluster.touched() == set(before.values())
-    now = cluster.group_pods()
+    now = cluster.relaunched_pods({0: 1, 1: 1})
     assert {p["metadata"]["labels"][JOB_RESTART_ATTEMPT_LABEL] for p in now.values()} == {"1"}
     assert sorted(p["spec"]["nodeName"] for p in now.values()) == ["node-0", "node-2"]
     run = stored(store.run(RUN))
