@@ -14,7 +14,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=0, help=argparse.SUPPRESS)
     # fault injection (tests): rank 0 is SIGKILLed in the save of this step, after the shards, before the manifest
     p.add_argument("--kill-before-commit-step", type=int, default=0, help=argparse.SUPPRESS)
+    # fault injection (tests): rank 0 waits this long before the manifest of that step (a slow store)
+    p.add_argument("--slow-commit-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--slow-commit-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument(
         "--ft",
         action="store_true",
@@ -286,9 +290,20 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     )
 
 
-def _kill_self(step: int) -> None:
-    log.warning("fault injection: killed in the save of step %d, before its manifest", step)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _before_commit(args: argparse.Namespace) -> Callable[[int], None] | None:
+    """Fault injection before a manifest: rank 0 killed, or held up (a slow store)."""
+    if not (args.kill_before_commit_step or args.slow_commit_step):
+        return None
+
+    def inject(step: int) -> None:
+        if step == args.kill_before_commit_step:
+            log.warning("fault injection: killed in the save of step %d, before its manifest", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.slow_commit_step:
+            log.warning("fault injection: the manifest of step %d held up %.1f s", step, args.slow_commit_s)
+            time.sleep(args.slow_commit_s)
+
+    return inject
 
 
 def make_checkpointer(
@@ -308,14 +323,14 @@ def make_checkpointer(
     policy = PolicyReader(source) if source else None
     on_saved = monitor.record_checkpoint if monitor is not None else None
     on_skipped = monitor.record_checkpoint_skipped if monitor is not None else None
-    kill_step = args.kill_before_commit_step
     checkpointer = Checkpointer(
         checkpoint_config(args),
         world_layout=spec.degrees(),
         policy=policy,
         on_saved=on_saved,
         on_skipped=on_skipped,
-        before_commit=(lambda step: _kill_self(step) if step == kill_step else None) if kill_step else None,
+        on_busy=monitor.activity if monitor is not None else None,
+        before_commit=_before_commit(args),
     )
     return checkpointer, TrainState(model, optimizer, **extra)
 

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from opsd.policy.xid import WatchWindow
 from opsd.protocol.rank_auth import MAX_DATAGRAM_BYTES, RankAuth, split_signed
-from opsd.protocol.wire import MAX_MESSAGE_BYTES, TimeoutReport, WireError, decode_report
+from opsd.protocol.wire import MAX_MESSAGE_BYTES, ActivityReport, TimeoutReport, WireError, decode_report
 from opsd.protocol.xid_table import load_xid_table
 from opsd_agent.endpoints import DumpIntake, DumpIntakeCollector, handler
 from opsd_agent.flight import FlightUploader, FlightUploaderConfig, controller_base
@@ -182,6 +182,9 @@ class Agent:
                 report.dim,
             )
             self.state.ingest_timeout(report)
+        elif isinstance(report, ActivityReport):
+            log.info("rank %d of run %s: %s", report.rank, report.run, report.activity or "training again")
+            self.state.ingest_activity(report, time.time() if now_s is None else now_s)
         else:
             self.state.ingest(report, time.time() if now_s is None else now_s)
         self.stats.count(None)

@@ -145,6 +145,7 @@ class Reporter:
             self.summaries_dropped += 1
 
     def heartbeat(self, now_s: float) -> Heartbeat:
+        activities = self.state.activities()
         ranks = [
             HeartbeatRank(
                 run=r.run,
@@ -167,8 +168,11 @@ class Reporter:
                 launch=r.last.launch,
                 ft=_ft(r),
                 world_size=r.last.world_size,
+                activity=activity,
+                activity_s=max(0.0, now_s - since_s),
             )
             for r in self.state.snapshot()
+            for activity, since_s in (activities.get((r.run, r.rank), ("", now_s)),)
         ]
         events = self.gpu.pending_events() if self.gpu else []
         timeouts = [t.wait() for t in self.state.timeouts()]

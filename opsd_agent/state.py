@@ -14,11 +14,12 @@ dimension or op that is not a plain label (letters, digits, ``_.-``, at most 64)
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass, field, replace
 
-from opsd.protocol.wire import PHASES, StepReport, TimeoutReport
+from opsd.protocol.wire import PHASES, ActivityReport, StepReport, TimeoutReport
 
 OVERFLOW = ("other", "other")
 RUN_OVERFLOW = ("other", "other", "other")
@@ -111,12 +112,30 @@ class NodeState:
         self._ranks: dict[tuple[str, int], RankState] = {}
         self._run_comms: dict[str, dict[tuple[str, str, str], CommTotals]] = {}  # run -> (phase, dim, op) -> totals
         self._timeouts: dict[tuple[str, int], TimeoutReport] = {}  # cleared by the rank's next step report
+        # what a rank said it does instead of stepping, since when (this agent's clock) and when it said it (the
+        # rank's): cleared by a step it ended after that (a step sent late, once its GPU work completed, is older)
+        self._activities: dict[tuple[str, int], tuple[str, float, float]] = {}
         self._lock = threading.Lock()
 
     def ingest_timeout(self, report: TimeoutReport) -> None:
         """A rank waits on a collective past its timeout: kept until the rank reports a step after it."""
         with self._lock:
             self._timeouts[(report.run, report.rank)] = report
+
+    def ingest_activity(self, report: ActivityReport, now_s: float) -> None:
+        """A rank says what it does instead of stepping (a checkpoint it waits for, its end), or that it trains
+        again (``""``); kept, with when it said it, until its next step report or activity."""
+        key = (report.run, report.rank)
+        with self._lock:
+            if not report.activity:
+                self._activities.pop(key, None)
+            elif self._activities.get(key, ("",))[0] != report.activity:
+                self._activities[key] = (report.activity, now_s, report.time_unix_s)
+
+    def activities(self) -> dict[tuple[str, int], tuple[str, float]]:
+        """(run, rank) -> (what it said it does, since when), for the ranks that said one and did not step since."""
+        with self._lock:
+            return {k: (what, since_s) for k, (what, since_s, _) in self._activities.items()}
 
     def timeouts(self) -> list[TimeoutReport]:
         """The collective timeouts outstanding, by (run, rank)."""
@@ -134,6 +153,8 @@ class NodeState:
             timeout = self._timeouts.get(key)
             if timeout is not None and report.step > timeout.step:
                 del self._timeouts[key]  # the wait is over
+            if self._activities and report.time_unix_s > self._activities.get(key, ("", 0.0, math.inf))[2]:
+                del self._activities[key]  # it steps again
             state.steps_total += 1
             state.tokens_total += report.tokens
             state.compute_total_s += report.compute_s

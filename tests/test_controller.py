@@ -191,6 +191,28 @@ def test_a_hang_is_detected_after_the_floor(controller: Controller) -> None:
     assert 9.0 + 5.0 < t <= 9.0 + 5.0 + 1.0  # 5 s floor (3 x 0.6 s steps is less) after the last progress
 
 
+def test_ranks_that_say_they_wait_for_a_checkpoint_are_not_hung_until_they_train_again(controller: Controller) -> None:
+    """Steps 1..9 at 0..8 s, then a synchronous save of 30 s that rank 0 says it waits for (its peers wait for it in
+    their next collective): no hang while it says so, against the 5 s floor; once it says it trains again and
+    nobody steps, the hang is found after the floor, from then."""
+    healthy(controller, 9)
+    t = 9.0
+    while t < 40.0:  # the save, said by rank 0 at 9 s; heartbeats carry it with how long it has lasted
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            said: dict[str, Any] = {"activity": "checkpoint", "activity_s": t - 9.0}
+            controller.heartbeat(beat(n, [rank(r, 9, **(said if r == 0 else {})) for r in ranks]), t)
+        assert controller.tick(t) == [], t
+        t += 0.5
+    failures: list[Failure] = []
+    while not failures:  # rank 0 trains again (it says so) but nobody steps
+        for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+            controller.heartbeat(beat(n, [rank(r, 9) for r in ranks]), t)
+        failures = controller.tick(t)
+        t += 0.5
+    assert [f.kind.value for f in failures] == ["hang"]
+    assert 40.0 + 5.0 < t <= 40.0 + 5.0 + 1.0, t
+
+
 def test_a_slow_rank_is_flagged_and_recorded_once(controller: Controller) -> None:
     healthy(controller, 20, slow={2: 1.3})
     status = controller.status("job", 20)

@@ -112,6 +112,30 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
         {"ranks": [rank(0, "n0", 40, 80.0, seen=90.0), rank(1, "n0", 49, 84.0), rank(2, "n1", 50, 85.0)]},
         [(FailureKind.HANG, "n0", 1)],
     ),
+    # a rank that says what it does instead of stepping holds its peers in their next collective: not hung, for up
+    # to busy_limit_s (1,800 s)
+    "a rank that says it waits for a checkpoint: no hang": (
+        {
+            "ranks": [
+                replace(rank(0, "n0", 50, 85.0), activity="checkpoint", activity_since_s=85.5),
+                rank(1, "n1", 50, 85.0),
+            ]
+        },
+        [],
+    ),
+    "ranks that say they end: no hang": (
+        {"ranks": [replace(rank(r, "n0", 50, 85.0), activity="closing", activity_since_s=86.0) for r in range(2)]},
+        [],
+    ),
+    "a checkpoint said longer ago than the limit: a hang": (
+        {
+            "ranks": [
+                replace(rank(0, "n0", 50, 85.0), activity="checkpoint", activity_since_s=-1800.5),
+                rank(1, "n1", 49, 84.0),
+            ]
+        },
+        [(FailureKind.HANG, "n1", 1)],
+    ),
     "collective timeout: the rank that does not wait is the suspect": (
         {
             "ranks": [*HEALTHY_RANKS[:2], rank(2, "n1", 49, 98.0), HEALTHY_RANKS[3]],
@@ -203,6 +227,14 @@ SILENCES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str]], list
         [(FailureKind.HEARTBEAT_LOSS, "n1")],
         [],
     ),
+    "the peers say they wait for a checkpoint: they witness nothing, the backend decides": (
+        silence(
+            ranks=[replace(r, activity="checkpoint", activity_since_s=94.5) for r in STALLED_RANKS],
+            node_ready={"n1": True},
+        ),
+        [],
+        ["n1"],
+    ),
     "a single-node run: the backend says its ranks run": (
         silence(ranks=[rank(2, "n1", 48, 93.9), rank(3, "n1", 48, 93.9)], node_ready={"n1": True}),
         [],
@@ -273,3 +305,11 @@ def test_the_grace_counts_a_beat_a_step_a_report_and_the_margin() -> None:
 def test_config_validates_itself(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DetectionConfig(**kwargs)
+
+
+def test_a_hang_past_the_busy_limit_says_what_the_rank_had_said() -> None:
+    ranks = [replace(rank(0, "n0", 50, 85.0), activity="checkpoint", activity_since_s=50.0), rank(1, "n1", 50, 85.0)]
+    config = DetectionConfig(heartbeat_floor_s=3, hang_floor_s=10, busy_limit_s=30)
+    (hang,) = detect_failures(now_s=100.0, nodes=HEALTHY_NODES, ranks=ranks, config=config)
+    assert hang.kind is FailureKind.HANG
+    assert "rank 0 said 'checkpoint' 50 s ago (> 30 s)" in hang.detail

@@ -47,6 +47,7 @@ FROZEN_KEYS = [
     "controller.detection.hang_factor",
     "controller.detection.hang_floor_s",
     "controller.detection.witness_margin_s",
+    "controller.detection.busy_limit_s",
     "controller.stragglers.threshold_ratio",
     "controller.stragglers.window",
     "controller.stragglers.min_samples",

@@ -13,6 +13,8 @@ from opsd.protocol.wire import (
     MAX_MESSAGE_BYTES,
     STEP_FIELDS,
     VERSION,
+    ActivityReport,
+    StepReport,
     TimeoutReport,
     WireError,
     decode,
@@ -94,6 +96,31 @@ def test_a_timeout_its_agent_could_not_send_on_is_refused_at_the_agent(changes: 
     }
 
 
+@pytest.mark.parametrize("what", ["checkpoint", "closing", ""])
+def test_an_activity_is_a_message_of_its_own_kind(what: str) -> None:
+    sent = {"v": VERSION, "kind": "activity", "run": "r", "rank": 3, "host": "node-0", "time_unix_s": 1.5e9}
+    decoded = decode_report(encode({**sent, "activity": what}))
+    assert isinstance(decoded, ActivityReport)
+    assert (decoded.rank, decoded.activity) == (3, what)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason", "named"),
+    [
+        ({"activity": "sleeping"}, "field", "$.activity"),
+        ({"rank": "3"}, "field", "$.rank"),
+        ({"v": 2}, "version", "$.v"),
+        ({"kind": "gossip"}, "kind", "$.kind"),
+        ({"kind": 7}, "kind", "$.kind"),
+    ],
+)
+def test_a_bad_activity_is_refused_naming_the_rule(changes: dict[str, Any], reason: str, named: str) -> None:
+    sent = {"v": VERSION, "kind": "activity", "run": "r", "rank": 3, "host": "h", "time_unix_s": 1.0, "activity": ""}
+    with pytest.raises(WireError, match=re.escape(named)) as info:
+        decode_report(encode({**sent, **changes}))
+    assert info.value.reason == reason
+
+
 def test_unknown_fields_are_accepted_for_newer_senders() -> None:
     assert decode(raw(report(gpu_uuid="GPU-1")))["gpu_uuid"] == "GPU-1"
     assert decode_report(raw(report(gpu_uuid="GPU-1"))).rank == 3
@@ -154,16 +181,16 @@ def test_every_field_is_required() -> None:
 def test_a_pipeline_stage_reports_its_bubble_and_schedule_and_older_receivers_ignore_it() -> None:
     sent = report(pipeline={"bubble_s": 0.05, "schedule": "1f1b", "stages": 4, "microbatches": 8})
     decoded = decode_report(encode(sent))
-    assert not isinstance(decoded, TimeoutReport)
+    assert isinstance(decoded, StepReport)
     assert decoded.pipeline is not None
     assert (decoded.pipeline.bubble_s, decoded.pipeline.schedule, decoded.pipeline.stages) == (0.05, "1f1b", 4)
     assert pipeline_bubble_ratio(decoded) == pytest.approx(0.25)
     bare = decode_report(encode(report(pipeline={"bubble_s": 0.01})))  # a trainer that did not name its schedule
-    assert not isinstance(bare, TimeoutReport)
+    assert isinstance(bare, StepReport)
     assert bare.pipeline is not None
     assert (bare.pipeline.schedule, bare.pipeline.stages, bare.pipeline.microbatches) == ("", 0, 0)
     without = decode_report(encode(report()))
-    assert not isinstance(without, TimeoutReport)
+    assert isinstance(without, StepReport)
     assert without.pipeline is None
     assert pipeline_bubble_ratio(without) is None
 
@@ -192,16 +219,16 @@ FT = {
 
 def test_a_replica_group_rank_reports_its_quorum_and_older_receivers_ignore_it() -> None:
     decoded = decode_report(encode(report(ft=FT)))
-    assert not isinstance(decoded, TimeoutReport)
+    assert isinstance(decoded, StepReport)
     assert decoded.ft is not None
     assert (decoded.ft.replica_group, decoded.ft.quorum_replicas, decoded.ft.participants) == (1, 2, 1)
     assert (decoded.ft.healing_s, decoded.ft.quorum_wait_s, decoded.ft.committed) == (0.03, 0.5, True)
     bare = decode_report(encode(report(ft={k: v for k, v in FT.items() if k not in ("committed", "healing_s")})))
-    assert not isinstance(bare, TimeoutReport)
+    assert isinstance(bare, StepReport)
     assert bare.ft is not None
     assert (bare.ft.committed, bare.ft.healing_s, bare.ft.quorum_wait_s) == (True, 0.0, 0.5)
     without = decode_report(encode(report()))
-    assert not isinstance(without, TimeoutReport)
+    assert isinstance(without, StepReport)
     assert without.ft is None
 
 

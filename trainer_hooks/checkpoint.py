@@ -26,12 +26,13 @@ never interleave with the training's collectives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from opsd.checkpoints.store import open_store
 from opsd.errors import ConfigError, OpsError, PermanentError
 from opsd.policy.retention import Retention, select_deletions
 from opsd.protocol.manifest import Manifest, ManifestFile, encode_manifest, parse_manifest
+from opsd.protocol.wire import CHECKPOINT, Activity
 from trainer_hooks.checkpoint_io import (
     DCP_METADATA,
     CachedStager,
@@ -147,12 +149,14 @@ class Checkpointer:
         on_saved: Callable[..., None] | None = None,
         before_commit: Callable[[int], None] | None = None,
         on_skipped: Callable[[int], None] | None = None,
+        on_busy: Callable[[Activity], None] | None = None,
     ) -> None:
         """``on_saved(step=, blocking_s=, staging_s=, total_s=, nbytes=)`` runs when a save this rank took part in is
         committed (e.g. ``Monitor.record_checkpoint``); ``on_skipped(step)`` when a save is skipped because the
-        previous one is still writing (``Monitor.record_checkpoint_skipped``). ``before_commit(step)`` runs on rank
-        0 just before the manifest is written (fault injection). Collective: every rank constructs it (it creates
-        process groups)."""
+        previous one is still writing (``Monitor.record_checkpoint_skipped``); ``on_busy("checkpoint")`` when
+        training waits for a save and ``on_busy("")`` when it goes on (``Monitor.activity``: no hang meanwhile).
+        ``before_commit(step)`` runs on rank 0 just before the manifest is written (fault injection). Collective:
+        every rank constructs it (it creates process groups)."""
         self.config = config
         try:
             self.store: CheckpointStore = open_store(config.url, config.s3)
@@ -162,6 +166,7 @@ class Checkpointer:
         self.policy = policy
         self.on_saved = on_saved
         self.on_skipped = on_skipped
+        self.on_busy = on_busy
         self.before_commit = before_commit
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -177,6 +182,7 @@ class Checkpointer:
         self._stager = CachedStager(cache_staged_state_dict=True) if config.async_save else None
         self._lock = threading.Lock()
         self._reader = f"rank{self.rank}-{os.getpid()}"
+        self._busy_depth = 0
 
     # -- cadence -------------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -212,6 +218,10 @@ class Checkpointer:
                     self.on_skipped(step)
                 return 0.0
             self.waits += 1
+        with self._busy():
+            return self._save(step, state, start)
+
+    def _save(self, step: int, state: TrainState, start: float) -> float:
         self.wait()
         state_dict = state.state_dict(self.rank)
         writer = StoreWriter(self.store, step, self.rank)
@@ -329,9 +339,27 @@ class Checkpointer:
         """Block until the save in flight, if any, is written and committed."""
         with self._lock:
             inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            _, committed = inflight
-            committed.wait()  # written, and committed on rank 0 (failures are logged by _written)
+        if inflight is not None and not inflight[1].is_set():
+            with self._busy():
+                inflight[1].wait()  # written, and committed on rank 0 (failures are logged by _written)
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Training waits for a save: said through ``on_busy`` (nested: said once)."""
+        if self.on_busy is None or self._busy_depth:
+            self._busy_depth += 1
+            try:
+                yield
+            finally:
+                self._busy_depth -= 1
+            return
+        self._busy_depth = 1
+        self.on_busy(CHECKPOINT)
+        try:
+            yield
+        finally:
+            self._busy_depth = 0
+            self.on_busy("")
 
     def close(self) -> None:
         self.wait()

@@ -52,12 +52,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opsd.protocol.env import LAUNCH_ENV, RUN_ENV
 from opsd.protocol.wire import (
+    CLOSING,
     VERSION,
+    Activity,
     CommEntry,
     Phase,
     PipelineReport,
     StepReport,
-    TimeoutReport,
     encode,
 )
 from trainer_hooks.collectives import TRACER, CollectiveTracer, PhaseMark
@@ -67,6 +68,7 @@ from trainer_hooks.deferred import EventFactory, PendingStep, PendingSteps, cuda
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
+from trainer_hooks.notices import activity_report, timeout_report
 from trainer_hooks.report_parts import ReportParts
 from trainer_hooks.sinks import JsonlSink, Sink, agent_sink
 
@@ -202,26 +204,13 @@ class Monitor(ReportParts):
                     continue
                 reported = blocked.since
                 self.timeouts_reported += 1
-                data = encode(self._timeout_report(blocked.dim, blocked.op, blocked.waited_s))
+                run, host, waited_s = self.config.run_id, self.host, blocked.waited_s
+                data = encode(timeout_report(run, self.rank, host, self.steps, blocked.dim, blocked.op, waited_s))
                 for sink in self.sinks:
                     sink.send(data)
                 self.flight.dump(f"timeout-{self.rank}-{self.steps}")
             except Exception as exc:
                 self._error(exc)
-
-    def _timeout_report(self, dim: str, op: str, waited_s: float) -> TimeoutReport:
-        return TimeoutReport(
-            v=VERSION,
-            kind="collective_timeout",
-            run=self.config.run_id,
-            rank=self.rank,
-            host=self.host,
-            step=self.steps,
-            time_unix_s=time.time(),
-            dim=dim,
-            op=op,
-            waited_s=waited_s,
-        )
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, shape: ModelShape | None, config: MonitorConfig, **kwargs: Any) -> Monitor:
@@ -281,6 +270,27 @@ class Monitor(ReportParts):
         if not self._warned:
             self._warned = True
             log.warning("monitor failed (counted, not raised): %r", exc)
+
+    def activity(self, what: Activity) -> None:
+        """Tell the agent this rank stops stepping for a reason it knows (``"checkpoint"``: a save it waits for;
+        ``"closing"``: its training loop is over), or trains again (``""``; its next step says so too): the
+        controller judges no hang meanwhile (up to ``detection.busy_limit_s``). Never raises."""
+        try:
+            data = encode(activity_report(self.config.run_id, self.rank, self.host, what))
+            for sink in self.sinks:
+                if getattr(sink, "to_agent", True):  # a sink of the user's that does not say: taken as one
+                    sink.send(data)
+        except Exception as exc:
+            self._error(exc)
+
+    @contextlib.contextmanager
+    def busy(self, what: Activity) -> Iterator[None]:
+        """``activity(what)`` for the block, ``activity("")`` after it."""
+        self.activity(what)
+        try:
+            yield
+        finally:
+            self.activity("")
 
     @contextlib.contextmanager
     def step(self, tokens: int) -> Iterator[None]:
@@ -431,9 +441,11 @@ class Monitor(ReportParts):
         )
 
     def close(self) -> None:
-        """Report the steps still waiting (``flush``), stop the watchdog, close the sinks, and take the tracer out of
+        """Report the steps still waiting (``flush``), say the rank ends (``activity("closing")``: what it does
+        before it exits is no hang), stop the watchdog, close the sinks, and take the tracer out of
         ``torch.distributed`` if this monitor put it there."""
         self.flush()
+        self.activity(CLOSING)
         self._closing.set()
         for sink in self.sinks:
             sink.close()

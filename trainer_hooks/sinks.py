@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 class Sink(Protocol):
     dropped: int
+    to_agent: bool  # it reaches the node's agent (a file of the reports does not: activities are not sent to it)
 
     def send(self, data: bytes) -> None: ...
 
@@ -30,6 +31,8 @@ class Sink(Protocol):
 
 class DatagramSink:
     """Non-blocking ``AF_UNIX`` / ``SOCK_DGRAM`` sender to ``path`` (no listener, full buffer: dropped, counted)."""
+
+    to_agent = True
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -55,6 +58,8 @@ class UdpSink:
     """Non-blocking UDP sender to the agent at ``host:port``. The socket is connected (no handshake: it only fixes the
     destination), so that the ICMP "port unreachable" of an address where no agent listens is reported at the next
     send, and counted; a full send buffer, an unreachable network, a name that does not resolve: dropped, counted."""
+
+    to_agent = True
 
     def __init__(self, host: str, port: int, key: str | None = None) -> None:
         """``key``: the run's key (``$OPSD_RANK_KEY``), which signs every datagram (``opsd.protocol.rank_auth``)."""
@@ -123,6 +128,8 @@ def agent_sink(socket_path: str | None = None, environ: Mapping[str, str] = os.e
 
 class JsonlSink:
     """Appends each report as one line of ``path``."""
+
+    to_agent = False
 
     def __init__(self, path: str | Path) -> None:
         self.dropped = 0

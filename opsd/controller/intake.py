@@ -234,6 +234,11 @@ class Intake(Liveness):
             live = RankLive(rank, node, -1, now_s, now_s, Window(self.config.history))
             run_live.place(live)
         live.seen_s = now_s
+        if r.activity != live.activity:
+            if live.activity and not r.activity:  # it trains again: its stall (a hang) is counted from now
+                live.progress_s = now_s
+                run_live.latest_progress_s = max(run_live.latest_progress_s, now_s)
+            live.activity, live.activity_since_s = r.activity, now_s - r.activity_s
         if r.world_size and r.world_size != run_live.world_size:
             run_live.world_size = r.world_size
             self.telemetry_due_s = -math.inf  # the interval planned again at once, for the job's size

@@ -159,6 +159,8 @@ class RankLive:
     checkpoint_total_s: float = 0.0
     exit_code: int | None = None
     timeout: str = ""  # a collective timeout it reported and has not stepped past: what it waits on
+    activity: str = ""  # what it said it does instead of stepping (a checkpoint it waits for, its end)
+    activity_since_s: float = 0.0  # since when (controller time)
     resumed_from_step: int | None = None  # the checkpoint its launch resumed from, as its reports say
     bubble: RankBubble | None = None  # a pipeline stage's last bubble and schedule, as its reports say
     launch: int | None = None  # the launch of the run it belongs to, as its reports say (OPSD_LAUNCH)

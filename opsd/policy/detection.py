@@ -65,6 +65,7 @@ class DetectionConfig:
     hang_factor: float = 3.0
     hang_floor_s: float = 60.0
     witness_margin_s: float = 1.0  # added to the time a peer's step may take to be seen (a pass, jitter)
+    busy_limit_s: float = 1800.0  # the longest a rank may say it waits for a checkpoint or ends, unjudged
 
     def __post_init__(self) -> None:
         if self.heartbeat_factor < 1 or self.hang_factor < 1:
@@ -73,6 +74,8 @@ class DetectionConfig:
             raise ValueError("detection.heartbeat_floor_s and detection.hang_floor_s must be > 0")
         if self.witness_margin_s < 0:
             raise ValueError("detection.witness_margin_s must be >= 0")
+        if self.busy_limit_s <= 0:
+            raise ValueError("detection.busy_limit_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class RankView:
     progress_s: float  # when its step last advanced (or when it started)
     exit_code: int | None = None  # set when its process has exited
     seen_s: float = math.inf  # when a heartbeat last carried it (inf: now, its step is as of now)
+    activity: str = ""  # what it said it does instead of stepping (``opsd.protocol.wire.ActivityReport``)
+    activity_since_s: float = 0.0  # since when
 
 
 class NodeLike(Protocol):
@@ -118,6 +123,10 @@ class RankLike(Protocol):
     def exit_code(self) -> int | None: ...
     @property
     def seen_s(self) -> float: ...
+    @property
+    def activity(self) -> str: ...
+    @property
+    def activity_since_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -241,19 +250,22 @@ def detect(
         silent_nodes = {n.node for n, _ in late}
         own: dict[str, list[RankLike]] = {}
         latest: dict[int | None, float] = {}
+        busy: set[int | None] = set()  # groups a peer of which says it does not step (a save): no witness either way
         for r in rank_list:
             if r.exit_code is not None:
                 continue
             group = rank_groups.get(r.rank) if rank_groups is not None else None
             if r.node in silent_nodes:
                 own.setdefault(r.node, []).append(r)
+            elif _busy(r, now_s, config):
+                busy.add(group)
             elif r.seen_s >= unseen_s and r.progress_s > latest.get(group, -math.inf):
                 latest[group] = r.progress_s
         for n, detail in late:
             grace_s = witness_grace_s(n.intervals_s, step_times_s, report_interval_s, config)
             mine = own.get(n.node, [])
             of_mine = {rank_groups.get(r.rank) if rank_groups is not None else None for r in mine}
-            seen = [latest[g] for g in of_mine if g in latest]
+            seen = [latest[g] for g in of_mine if g in latest and g not in busy]
             peers_s = min(seen) if mine and len(seen) == len(of_mine) else None  # every group's peers must step
             ready = node_ready.get(n.node) if node_ready is not None else None
             verdict = _judge_silence(n, now_s, bool(mine), peers_s, ready, grace_s, report_interval_s)
@@ -339,9 +351,18 @@ def _hang(
     stalled = min(now_s, min(r.seen_s for r in running)) - latest
     # the median step time only when quiet for longer than the floor (the limit is never below it)
     limit = hang_timeout_s(step_times_s, config) if stalled > config.hang_floor_s else config.hang_floor_s
-    if stalled <= limit:
-        return None
+    if stalled <= limit or any(_busy(r, now_s, config) for r in running):
+        return None  # a rank that says it waits for a checkpoint or ends holds its peers in their next collective
     # the culprit is most likely the rank furthest behind (the others wait for it in a collective)
     behind = min(running, key=lambda r: (r.step, r.progress_s, r.rank))
     detail = f"no step progress{where} for {stalled:.1f} s > {limit:.1f} s; furthest behind: rank {behind.rank}"
+    said = next((r for r in running if r.activity), None)
+    if said is not None:
+        age_s = now_s - said.activity_since_s
+        detail += f"; rank {said.rank} said {said.activity!r} {age_s:.0f} s ago (> {config.busy_limit_s:.0f} s)"
     return Failure(FailureKind.HANG, behind.node, behind.rank, detail)
+
+
+def _busy(r: RankLike, now_s: float, config: DetectionConfig) -> bool:
+    """Whether ``r`` said it does not step for a reason it knows (a checkpoint it waits for, its end), lately."""
+    return bool(r.activity) and now_s - r.activity_since_s <= config.busy_limit_s

@@ -76,6 +76,10 @@ class HeartbeatRank(Struct, kw_only=True):
     launch: Count | None = None  # the launch of the run the rank belongs to, when its step reports say
     ft: HeartbeatFt | None = None  # a rank of a fault-tolerant replica group: its quorum (its step reports say)
     world_size: Count = 0  # the job's ranks, as the rank's step reports say (0: not said)
+    # what the rank said it does instead of stepping (``opsd.protocol.wire.ActivityReport``; "": it steps), and for
+    # how long it has, by the agent's clock
+    activity: Annotated[str, Meta(max_length=64)] = ""
+    activity_s: NonNegative = 0.0
 
 
 class HeartbeatEvent(Struct, kw_only=True, frozen=True):

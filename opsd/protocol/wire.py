@@ -2,7 +2,8 @@
 
 One JSON object per step and rank (``kind: "step"``), UTF-8, at most ``MAX_MESSAGE_BYTES``; never one message
 per collective. Besides, one ``kind: "collective_timeout"`` message when a rank has waited on a collective for
-longer than its timeout.
+longer than its timeout, and one ``kind: "activity"`` message when a rank stops stepping for a reason it knows (a
+checkpoint it waits for, its end) and when it trains again.
 Decoding parses and validates in one pass (msgspec, against ``StepReport``): a few microseconds a datagram.
 """
 
@@ -153,6 +154,30 @@ class TimeoutReport(CollectiveWait, frozen=True, kw_only=True):
         return CollectiveWait(**{name: getattr(self, name) for name in CollectiveWait.__struct_fields__})
 
 
+#: what a rank does when it does not step for a reason it knows ("": it trains again)
+Activity = Literal["", "checkpoint", "closing"]
+CHECKPOINT: Activity = "checkpoint"
+CLOSING: Activity = "closing"
+
+
+class ActivityReport(Struct, frozen=True, kw_only=True):
+    """A rank that stops stepping for a reason it knows says so (``checkpoint``: a save it waits for; ``closing``:
+    its training loop is over, it ends), and says again when it trains again (``""``); a step report ends it too.
+    The controller judges no hang of ranks that say it, for at most ``detection.busy_limit_s``."""
+
+    v: Literal[1]
+    kind: Literal["activity"]
+    run: Name
+    rank: RankId
+    host: str
+    time_unix_s: float
+    activity: Activity
+
+
+class _Kind(Struct):
+    kind: str
+
+
 #: the required fields
 OPTIONAL_FIELDS = (
     "truncated",
@@ -172,7 +197,11 @@ STEP_FIELDS = tuple(f for f in StepReport.__struct_fields__ if f not in OPTIONAL
 REASONS = ("too_large", "not_json", "not_object", "version", "field", "kind", "comms")
 
 _DECODER = msgspec.json.Decoder(StepReport)
-_TIMEOUT_DECODER = msgspec.json.Decoder(TimeoutReport)
+_OTHER_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    "collective_timeout": msgspec.json.Decoder(TimeoutReport),
+    "activity": msgspec.json.Decoder(ActivityReport),
+}
+_KIND_DECODER = msgspec.json.Decoder(_Kind)
 
 
 class WireError(PermanentError, ValueError):
@@ -184,7 +213,7 @@ class WireError(PermanentError, ValueError):
         self.reason = reason
 
 
-def encode(report: StepReport | TimeoutReport | dict[str, Any]) -> bytes:
+def encode(report: StepReport | TimeoutReport | ActivityReport | dict[str, Any]) -> bytes:
     """Serialise a report (or a message as a dict, as tests write them). Rather than exceed the bound it drops the
     comms' phases (entries merged per dimension and op), then the comms detail, flagging ``truncated``; a value
     that is not a finite number raises ``ValueError``."""
@@ -217,7 +246,7 @@ def _reason(error: msgspec.ValidationError) -> str:
     return "field"
 
 
-def decode_report(data: bytes) -> StepReport | TimeoutReport:
+def decode_report(data: bytes) -> StepReport | TimeoutReport | ActivityReport:
     """Parse and validate one datagram; raises :class:`WireError` naming the broken rule."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}", "too_large")
@@ -225,17 +254,27 @@ def decode_report(data: bytes) -> StepReport | TimeoutReport:
         return _DECODER.decode(data)
     except msgspec.ValidationError as exc:
         reason = _reason(exc)
-        if reason == "kind" and "`$.kind`" in str(exc):  # a kind, not "step": a timeout report, or neither
-            try:
-                return _TIMEOUT_DECODER.decode(data)
-            except msgspec.ValidationError as other:
-                if _reason(other) != "kind":
-                    raise WireError(str(other), _reason(other)) from None
+        if reason == "kind" and "`$.kind`" in str(exc):  # a kind, not "step": a timeout or an activity, or neither
+            other = _other_decoder(data)
+            if other is not None:
+                try:
+                    report: TimeoutReport | ActivityReport = other.decode(data)
+                except msgspec.ValidationError as broken:
+                    raise WireError(str(broken), _reason(broken)) from None
+                return report
         if reason == "version":
             raise WireError(f"unsupported version ({exc}; this side speaks {VERSION})", reason) from None
         raise WireError(str(exc), reason) from None
     except msgspec.DecodeError as exc:
         raise WireError(f"not JSON: {exc}", "not_json") from None
+
+
+def _other_decoder(data: bytes) -> msgspec.json.Decoder[Any] | None:
+    """The decoder of a message whose kind is not ``step`` (None: a kind this side does not know)."""
+    try:
+        return _OTHER_DECODERS.get(_KIND_DECODER.decode(data).kind)
+    except msgspec.ValidationError:
+        return None
 
 
 def decode(data: bytes) -> dict[str, Any]:

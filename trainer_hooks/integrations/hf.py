@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from opsd.protocol.wire import CHECKPOINT
 from trainer_hooks.flops import ModelShape, shape_from_module
 from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy_reader import PolicyReader, policy_source
@@ -108,7 +109,13 @@ class OpsdCallback(TrainerCallback):  # type: ignore[misc]
                 control.should_save = True
         except Exception as exc:  # the cadence is advice: training goes on with the Trainer's own
             log.warning("opsd: the checkpoint cadence could not be read: %s", exc)
+        if control.should_save and self.monitor is not None:
+            self.monitor.activity(CHECKPOINT)  # the Trainer saves next, synchronously: no hang until ``on_save``
         return control
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.activity("")
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
