@@ -33,6 +33,7 @@ import io
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -132,11 +133,15 @@ class _PeerTransport(HTTPTransport):  # type: ignore[misc]
     this rank spends fetching a peer's state (on the Manager's quorum thread), and can read slowly on purpose
     (``read_bytes_per_s``: fault injection)."""
 
-    def __init__(self, timeout: timedelta, read_bytes_per_s: float | None = None) -> None:
+    def __init__(self, timeout: timedelta, host: str, read_bytes_per_s: float | None = None) -> None:
+        self.host = host  # where the other groups reach it (torchft's own: the bare host name); its server says it
         super().__init__(timeout=timeout, num_chunks=0)
         self._checkpoint_lock = _Gate(timeout.total_seconds())  # closed: nothing is allowed before the first send
         self.read_bytes_per_s = read_bytes_per_s
         self.fetch_s = 0.0
+
+    def address(self) -> str:
+        return f"http://{self.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         super().send_checkpoint(dst_ranks, step, _snapshot(state_dict), timeout)
@@ -243,7 +248,8 @@ class FaultTolerance:
         t = replica.timeouts
         backend = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
         self.pg = backend(timeout=timedelta(seconds=t.timeout_s))
-        self.transport = _PeerTransport(timedelta(seconds=t.timeout_s), heal_read_bytes_per_s)
+        host = replica.url_host(socket.gethostname())  # its pod's IP on Kubernetes, where names do not resolve
+        self.transport = _PeerTransport(timedelta(seconds=t.timeout_s), host, heal_read_bytes_per_s)
         self._store = None
         store_addr = os.environ.get("MASTER_ADDR")
         store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
@@ -263,6 +269,7 @@ class FaultTolerance:
             store_addr=store_addr,
             store_port=store_port,
             lighthouse_addr=replica.lighthouse,
+            hostname=host,
             replica_id=f"replica_group_{replica.group}",
             checkpoint_transport=self.transport,
             # every group builds the same initial weights from the seed (and a resumed one loads them): no copy

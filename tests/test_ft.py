@@ -26,6 +26,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -336,3 +337,16 @@ def test_a_group_relaunched_to_heal_that_finds_no_peer_exits_75_without_training
         assert reports, f"group 1 reported no step: see {j.root}"
         assert not any(ft.committed for ft in reports)  # every step it took alone discarded
         print(f"group 1 discarded {len(reports)} steps alone and gave up {gave_up_s:.1f} s after its start")
+
+
+@pytest.mark.parametrize(("host", "url"), [("10.1.2.3", "http://10.1.2.3:"), ("[fd00::12]", "http://[fd00::12]:")])
+def test_a_groups_state_server_says_the_address_it_is_reached_at(host: str, url: str) -> None:
+    """What the Manager hands a healer (``metadata``): the advertised address (a pod's IP), not the host name."""
+    from examples.ft import _PeerTransport
+
+    transport = _PeerTransport(timedelta(seconds=5), host)
+    try:
+        assert transport.metadata().startswith(url)
+        assert transport.metadata().endswith("/checkpoint/")
+    finally:
+        transport.shutdown()

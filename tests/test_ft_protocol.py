@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from opsd.protocol.ft import (
+    ADVERTISE_HOST_ENV,
     HEAL_FROM_PEER_ENV,
     LIGHTHOUSE_ENV,
     MIN_REPLICAS_ENV,
@@ -35,6 +36,22 @@ def test_a_group_reads_back_what_its_launcher_set() -> None:
     relaunched = ReplicaGroupEnv(1, 3, "http://10.0.0.5:29510", heal_from_peer=True)
     assert relaunched.env()[HEAL_FROM_PEER_ENV] == "1"
     assert ReplicaGroupEnv.from_env(relaunched.env()) == relaunched
+    in_a_pod = ReplicaGroupEnv(1, 3, "http://10.0.0.5:29510", advertise_host="10.1.2.3")
+    assert ReplicaGroupEnv.from_env(in_a_pod.env()) == in_a_pod
+    assert ADVERTISE_HOST_ENV not in relaunched.env()  # unset: the host's own name
+
+
+@pytest.mark.parametrize(
+    ("advertised", "url_host"),
+    [
+        ("", "node-7"),
+        ("10.1.2.3", "10.1.2.3"),
+        ("fd00::12", "[fd00::12]"),
+        ("ranks-0.run.ns.svc", "ranks-0.run.ns.svc"),
+    ],
+)
+def test_a_rank_is_reached_where_it_says(advertised: str, url_host: str) -> None:
+    assert ReplicaGroupEnv(0, 2, "http://l:1", advertise_host=advertised).url_host("node-7") == url_host
 
 
 def test_what_a_launcher_may_leave_out_has_defaults() -> None:
@@ -59,6 +76,10 @@ BAD_ENV: dict[str, tuple[dict[str, str], str]] = {
     "zero timeout": ({**GOOD, TIMEOUT_ENV: "0"}, "ft.timeout_s must be a whole number of seconds >= 1"),
     "negative retries": ({**GOOD, QUORUM_RETRIES_ENV: "-1"}, "ft.quorum_retries must be >= 0"),
     "heal flag not 0 or 1": ({**GOOD, HEAL_FROM_PEER_ENV: "yes"}, "OPSD_FT_HEAL_FROM_PEER must be 0 or 1, got 'yes'"),
+    "advertised host with a scheme": (
+        {**GOOD, ADVERTISE_HOST_ENV: "http://10.1.2.3"},
+        "OPSD_FT_ADVERTISE_HOST must be a host name or an IP address, got 'http://10.1.2.3'",
+    ),
 }
 
 

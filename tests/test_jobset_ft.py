@@ -24,7 +24,7 @@ from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.jobsets import RESTART_JOB_ACTIONS, fault_tolerance, restarts_jobs_alone
 from opsd.controller.state import StateStore
 from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL
-from opsd.protocol.ft import ReplicaGroupEnv, group_layout
+from opsd.protocol.ft import ADVERTISE_HOST_ENV, ReplicaGroupEnv, group_layout
 from opsd.protocol.mesh import MeshSpec
 from tests.helm_chart import CHART, KUBE_VERSIONS, crd_errors, env
 from tests.kube.emulator import KubeEmulator
@@ -105,6 +105,7 @@ def test_each_group_is_a_world_of_its_own_in_one_quorum() -> None:
     assert field("NUM_REPLICA_GROUPS") == "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"
     assert field("OPSD_LAUNCH") == f"metadata.labels['{JOB_RESTART_ATTEMPT_LABEL}']"
     assert field("NODE_RANK") == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert field(ADVERTISE_HOST_ENV) == "status.podIP"  # a pod's bare host name resolves in no other pod
     assert variables["OPSD_FT_MIN_REPLICAS"]["value"] == annotations["opsd.io/min-replicas"]
     # the chart's Lighthouse, released as the docs install it: release opsd in namespace opsd, its default port
     values = yaml.safe_load((CHART / "values.yaml").read_text())

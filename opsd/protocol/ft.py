@@ -9,12 +9,14 @@ groups agree on a quorum at every step through one Lighthouse (docs/ft.md). What
 | ``REPLICA_GROUP_ID`` | every rank | this group's id, ``0 .. NUM_REPLICA_GROUPS - 1`` |
 | ``NUM_REPLICA_GROUPS`` | every rank | the replica groups the job is laid out for (``dp_replicate``) |
 | ``OPSD_FT_MIN_REPLICAS`` | every rank | the fewest groups a step commits with (the Lighthouse's ``--min_replicas``) |
+| ``OPSD_FT_ADVERTISE_HOST`` | every rank | where other groups reach its Manager and state server (unset: host name) |
 | ``TORCHFT_TIMEOUT_SEC`` | torchft's Manager | a collective, a commit vote, fetching a peer's state |
 | ``TORCHFT_QUORUM_TIMEOUT_SEC`` | torchft's Manager | how long a group waits for a quorum before it gives up |
 | ``TORCHFT_CONNECT_TIMEOUT_SEC`` | torchft's Manager | reaching the Lighthouse and the other groups' managers |
 | ``TORCHFT_QUORUM_RETRIES`` | torchft's Manager | failed quorum requests tried again (a Lighthouse restarting) |
 
-The launcher (a backend, ``examples.ft_launch``) sets them all.
+The launcher (a backend, ``examples.ft_launch``) sets them all. On Kubernetes a pod's bare host name does not resolve
+in other pods: the JobSet gives ``OPSD_FT_ADVERTISE_HOST`` its pod's IP (docs/examples/jobset-ft.yaml).
 The ``TORCHFT_*`` timeouts are torchft's own variables (its Manager reads them, and they win over its arguments),
 which is why they are whole seconds. A rank that finds no quorum within the quorum timeout exits with
 ``EXIT_NO_QUORUM``: fewer groups than the minimum are alive, and only a restart of the whole job can go on.
@@ -25,6 +27,7 @@ group's environment, ``ReplicaGroupEnv.from_env`` their validation on the traine
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -36,10 +39,14 @@ REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
 MIN_REPLICAS_ENV = "OPSD_FT_MIN_REPLICAS"
 #: "1": the group is relaunched while its peers train: it heals from a live peer and reads no checkpoint
 HEAL_FROM_PEER_ENV = "OPSD_FT_HEAL_FROM_PEER"
+ADVERTISE_HOST_ENV = "OPSD_FT_ADVERTISE_HOST"
 TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+#: a DNS name (RFC 1123 labels) or an IPv4 or IPv6 address, nothing else (no scheme, port or path)
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST = re.compile(rf"{_LABEL}(\.{_LABEL})*|[0-9A-Fa-f:.]+")
 
 #: a rank's exit status when no quorum of ``min_replicas`` groups formed within the quorum timeout (sysexits'
 #: EX_TEMPFAIL): the job cannot go on with the groups it has; the controller restarts it whole
@@ -135,6 +142,7 @@ class ReplicaGroupEnv:
     min_replicas: int = 1
     timeouts: ManagerTimeouts = field(default_factory=ManagerTimeouts)
     heal_from_peer: bool = False
+    advertise_host: str = ""  # the name or address other groups reach this rank at ("": the host's own name)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -145,6 +153,14 @@ class ReplicaGroupEnv:
             raise ValueError(f"{LIGHTHOUSE_ENV} must be an http:// address, got {self.lighthouse!r}")
         if not 1 <= self.min_replicas <= self.groups:
             raise ValueError(f"{MIN_REPLICAS_ENV}={self.min_replicas} must be in [1, {self.groups}]")
+        if self.advertise_host and not _HOST.fullmatch(self.advertise_host):
+            raise ValueError(f"{ADVERTISE_HOST_ENV} must be a host name or an IP address, got {self.advertise_host!r}")
+
+    def url_host(self, own_name: str) -> str:
+        """The host part of a URL for this rank's servers: the advertised one, else ``own_name`` (an IPv6 address
+        in brackets)."""
+        host = self.advertise_host or own_name
+        return f"[{host}]" if ":" in host else host
 
     def env(self) -> dict[str, str]:
         """The variables a launcher sets for every rank of this group (besides torchrun's own)."""
@@ -154,6 +170,7 @@ class ReplicaGroupEnv:
             REPLICA_GROUPS_ENV: str(self.groups),
             MIN_REPLICAS_ENV: str(self.min_replicas),
             HEAL_FROM_PEER_ENV: "1" if self.heal_from_peer else "0",
+            **({ADVERTISE_HOST_ENV: self.advertise_host} if self.advertise_host else {}),
             **self.timeouts.env(),
         }
 
@@ -195,6 +212,7 @@ class ReplicaGroupEnv:
             min_replicas=number(MIN_REPLICAS_ENV, 1),
             timeouts=timeouts,
             heal_from_peer=flag(HEAL_FROM_PEER_ENV),
+            advertise_host=environ.get(ADVERTISE_HOST_ENV, "").strip(),
         )
 
 
