@@ -77,8 +77,19 @@ class AgentCollector(Collector):
         self.clock = clock
 
     def collect(self) -> Iterator[Metric]:
-        ranks = audible(self.state.snapshot(), self.clock(), self.quiet_after_s)
+        now_s = self.clock()
+        ranks = audible(self.state.snapshot(), now_s, self.quiet_after_s)
         yield from _rank_metrics(ranks)
+        activity = GaugeMetricFamily(
+            "opsd_rank_activity_seconds",
+            "How long the rank has said it does this instead of stepping (a checkpoint it waits for, its end).",
+            labels=[*RANK, "activity"],
+        )
+        heard = {(r.run, r.rank) for r in ranks}
+        for (run, rank), (what, since_s) in sorted(self.state.activities().items()):
+            if (run, rank) in heard:
+                activity.add_metric([run, str(rank), what], max(0.0, now_s - since_s))
+        yield activity
         received = CounterMetricFamily("opsd_agent_datagrams", "Datagrams received from ranks.", labels=["node"])
         received.add_metric([self.node], self.stats.received)
         yield received

@@ -215,6 +215,7 @@ class NodeState:
             for k in gone:
                 del self._ranks[k]
                 self._timeouts.pop(k, None)
+                self._activities.pop(k, None)
             if gone:
                 running = {run for run, _ in self._ranks}
                 for run in [r for r in self._run_comms if r not in running]:

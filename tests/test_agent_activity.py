@@ -4,11 +4,14 @@ completed) for a step that ended before does not end it."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from opsd.protocol.wire import VERSION, Activity, ActivityReport
-from tests.test_agent import step
+from opsd.protocol.wire import VERSION, Activity, ActivityReport, encode
+from opsd_agent.daemon import Agent, AgentConfig
+from tests.test_agent import samples_of, step
 from tests.test_reporter import reporter
+from tests.test_wire import report
 
 
 def said(what: Activity, at_unix_s: float, rank: int = 0) -> ActivityReport:
@@ -47,3 +50,15 @@ def test_a_step_sent_late_for_a_step_that_ended_before_keeps_it(tmp_path: Path) 
 def test_the_same_activity_said_again_keeps_its_start(tmp_path: Path) -> None:
     again = (said("closing", 100.0), 100.0), (said("closing", 105.0), 105.0)
     assert activities(tmp_path, *again, now_s=120.0)[0] == ("closing", 20.0)
+
+
+def test_the_agent_exports_what_a_rank_says_it_does_until_it_steps(tmp_path: Path) -> None:
+    agent = Agent(AgentConfig(socket=str(tmp_path / "a.sock"), metrics_port=0, node="n1"))
+    now = time.time()
+    assert agent.handle(encode(report(rank=3, step=9, time_unix_s=now - 1.0))) is None
+    assert agent.handle(encode(said("checkpoint", now, rank=3))) is None
+    samples = samples_of(agent.metrics_text().decode())
+    key = ("opsd_rank_activity_seconds", (("activity", "checkpoint"), ("rank", "3"), ("run", "r")))
+    assert 0.0 <= samples[key] < 60.0
+    assert agent.handle(encode(report(rank=3, step=10, time_unix_s=now + 1.0))) is None  # it steps again
+    assert not [k for k in samples_of(agent.metrics_text().decode()) if k[0] == "opsd_rank_activity_seconds"]
