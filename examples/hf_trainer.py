@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+from examples.integration_cli import common_options
 from trainer_hooks.integrations.hf import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
 
@@ -58,16 +59,9 @@ class KillAt(TrainerCallback):  # type: ignore[misc]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--kill-at-step", type=int, default=0)
-    p.add_argument("--losses-out")
-    p.add_argument("--opsd-jsonl", help="the step reports also to this file ({rank}: the rank)")
     args = p.parse_args(argv)
     config = LlamaConfig(
         vocab_size=VOCAB,

@@ -14,24 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from opsd.protocol.env import AGENT_SOCKET_ENV, POLICY_FILE_ENV
-from opsd.protocol.policy_file import CheckpointCadence, Policy, encode_policy
-from opsd.protocol.wire import StepReport, decode_report
-from opsd_agent.daemon import Agent, AgentConfig
+from opsd.protocol.env import POLICY_FILE_ENV
+from tests.integration_runs import STEPS, cadence_every_3, check_the_agents_series, reports, run_with_agent
 from tests.launch import ROOT, run_module
 from tests.test_docs import blocks
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
-
-STEPS = 12
-
-
-def reports(path: Path) -> list[StepReport]:
-    found = [decode_report(line) for line in path.read_bytes().splitlines()]
-    return [r for r in found if isinstance(r, StepReport)]
 
 
 def train(out: Path, policy: Path, *extra: str, env: dict[str, str] | None = None) -> int:
@@ -44,25 +33,14 @@ def train(out: Path, policy: Path, *extra: str, env: dict[str, str] | None = Non
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The controller's cadence, as the agent writes it: a save every 3 steps from step 3."""
-    path = tmp_path_factory.mktemp("policy") / "policy.json"
-    path.write_bytes(encode_policy(Policy(checkpoint=CheckpointCadence(every_steps=3, from_step=3))))
-    return path
+    return cadence_every_3(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
-    """The run that is never killed, its ranks reporting to a node agent too (its /metrics in ``metrics.txt``)."""
+    """The run that is never killed, its ranks reporting to a node agent too."""
     out = tmp_path_factory.mktemp("hf-straight")
-    agent = Agent(AgentConfig(socket=str(out / "agent.sock"), metrics_port=0, node="local"))
-    agent.start()
-    try:
-        env = {AGENT_SOCKET_ENV: agent.config.socket}
-        assert train(out, policy, "--losses-out", str(out / "losses.json"), env=env) == 0
-        wait_for("every report at the agent", lambda: agent.stats.received >= 2 * STEPS, 10, interval_s=0.05)
-        (out / "metrics.txt").write_bytes(agent.metrics_text())
-    finally:
-        agent.stop()
+    run_with_agent(out, lambda env: train(out, policy, "--losses-out", str(out / "losses.json"), env=env))
     return out
 
 
@@ -80,15 +58,7 @@ def test_every_optimizer_step_is_reported_with_its_tokens_mfu_and_ddp_all_reduce
 
 
 def test_the_agent_exports_the_same_series_as_for_the_reference_trainer(straight: Path) -> None:
-    samples = {
-        (s.name, s.labels.get("rank"), s.labels.get("dimension")): s.value
-        for family in text_string_to_metric_families((straight / "metrics.txt").read_text())
-        for s in family.samples
-    }
-    for rank in ("0", "1"):
-        assert samples[("opsd_steps_total", rank, None)] == STEPS
-        assert 0 < samples[("opsd_mfu_ratio", rank, None)] < 1
-        assert samples[("opsd_collectives_total", rank, "dp_replicate")] == STEPS  # one bucket a step
+    check_the_agents_series(straight / "metrics.txt")
 
 
 def test_the_controllers_cadence_makes_the_trainer_save_at_its_steps(straight: Path) -> None:
@@ -110,7 +80,7 @@ def test_killed_and_resumed_from_the_trainers_checkpoint_it_trains_the_same_loss
 
 
 def test_the_docs_lines_are_those_of_the_tested_script() -> None:
-    (snippet,) = blocks("docs/integrations.md", "python")
+    snippet = blocks("docs/integrations.md", "python")[0]  # the first page's: Hugging Face
     script = (ROOT / "examples" / "hf_trainer.py").read_text()
     for line in snippet.strip().splitlines():
         assert line.strip() in script, line

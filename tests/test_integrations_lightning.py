@@ -1,0 +1,92 @@
+"""opsd inside Lightning's ``Trainer`` (docs/integrations.md): the reference script ``examples/lightning_trainer.py``
+(the reference model in a ``LightningModule``, DDP on gloo, 2 ranks under torchrun) with ``OpsdCallback``.
+
+- every optimizer step is a step report: tokens, step time, MFU, the loss, and DDP's gradient all-reduces as
+  ``dp_replicate``; the agent exports them as for the reference trainer;
+- the controller's cadence (a policy file: every 3 steps) makes every rank save a Lightning checkpoint at its steps;
+- killed at step 7 and started again with ``--resume``, it resumes from the newest of them (step 6), its reports say
+  so, and its losses from step 7 on are those of the run that was never killed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opsd.protocol.env import POLICY_FILE_ENV
+from tests.integration_runs import STEPS, cadence_every_3, check_the_agents_series, reports, run_with_agent
+from tests.launch import ROOT, run_module
+from tests.test_docs import blocks
+
+pytestmark = pytest.mark.slow
+
+
+def train(out: Path, policy: Path, *extra: str, env: dict[str, str] | None = None) -> int:
+    argv = ["--checkpoint-dir", str(out / "ckpt"), "--steps", str(STEPS), "--opsd-jsonl", str(out / "rank{rank}.jsonl")]
+    proc = run_module(
+        "examples.lightning_trainer", [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy), **(env or {})}
+    )
+    assert proc.returncode == 0 or "--kill-at-step" in extra, proc.stderr[-3000:]
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cadence_every_3(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
+    """The run that is never killed, its ranks reporting to a node agent too."""
+    out = tmp_path_factory.mktemp("lightning-straight")
+    run_with_agent(out, lambda env: train(out, policy, "--losses-out", str(out / "losses.json"), env=env))
+    return out
+
+
+def test_every_optimizer_step_is_reported_with_its_tokens_mfu_loss_and_ddp_all_reduces(straight: Path) -> None:
+    losses = json.loads((straight / "losses.json").read_text())
+    for rank in (0, 1):
+        steps = reports(straight / f"rank{rank}.jsonl")
+        assert [r.step for r in steps] == list(range(1, STEPS + 1))
+        for r in steps:
+            assert (r.world_size, r.tokens, r.coords) == (2, 4 * 32, {"dp_replicate": rank})  # batch 4 x 32 tokens
+            assert r.step_s > 0
+            assert 0 < r.mfu_ratio < 1
+            (comm,) = [c for c in r.comms if c.dimension == "dp_replicate"]
+            assert (comm.op, comm.count) == ("all_reduce", 1)  # one bucket: the small model's gradients
+            assert comm.bytes > 0
+            assert r.loss is not None
+            assert r.loss > 0
+        if rank == 0:  # the loss each step returned, as the module kept it
+            assert {str(r.step): r.loss for r in steps} == pytest.approx(losses)
+
+
+def test_the_agent_exports_the_same_series_as_for_the_reference_trainer(straight: Path) -> None:
+    check_the_agents_series(straight / "metrics.txt")
+
+
+def test_the_controllers_cadence_makes_every_rank_save_at_its_steps(straight: Path) -> None:
+    saved = sorted(int(p.name.removeprefix("step=").removesuffix(".ckpt")) for p in (straight / "ckpt").iterdir())
+    assert saved == [3, 6, 9, 12]
+
+
+def test_killed_and_resumed_from_lightnings_checkpoint_it_trains_the_same_losses(
+    straight: Path, policy: Path, tmp_path: Path
+) -> None:
+    assert train(tmp_path, policy, "--kill-at-step", "7") != 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=3.ckpt", "step=6.ckpt"]
+    assert train(tmp_path, policy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
+    after = [r for r in reports(tmp_path / "rank0.jsonl") if r.resumed_from_step == 6]
+    assert [r.step for r in after] == list(range(7, STEPS + 1))
+    expected = json.loads((straight / "losses.json").read_text())
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert got == {s: expected[s] for s in map(str, range(7, STEPS + 1))}  # bit for bit
+
+
+def test_the_docs_lines_are_those_of_the_tested_script() -> None:
+    snippet = blocks("docs/integrations.md", "python")[1]  # the second page's: Lightning
+    script = (ROOT / "examples" / "lightning_trainer.py").read_text()
+    for line in snippet.strip().splitlines():
+        assert line.strip() in script, line

@@ -1,0 +1,128 @@
+"""opsd inside Lightning's ``Trainer`` (docs/integrations.md): one callback, ``OpsdCallback``.
+
+    trainer = Trainer(..., callbacks=[OpsdCallback(seq_len=1024, checkpoint_dir="ckpt")])
+    trainer.fit(model, data, ckpt_path=last_checkpoint("ckpt"))
+
+- **Each optimizer step is a step report** (``trainer_hooks.monitor``): from the first batch of the step to the batch
+  after which ``trainer.global_step`` advanced (gradient accumulation counted once), with this rank's tokens
+  (``tokens_per_step``, or the batch's first dimension x ``accumulate_grad_batches`` x ``seq_len``), MFU from
+  ``shape`` (``trainer_hooks.flops``; none: no MFU), the loss the step returned, and DDP's gradient all-reduces as the
+  ``dp_replicate`` dimension's collectives.
+- **The checkpoint cadence** the controller publishes (``trainer_hooks.policy_reader``) makes it save
+  ``checkpoint_dir/step=N.ckpt`` with ``trainer.save_checkpoint`` at the policy's steps (every rank calls it, as
+  Lightning asks); training waits for it, and the rank says so (``Monitor.activity``: no hang meanwhile). A run
+  resumes from Lightning's own newest checkpoint there (``last_checkpoint``).
+- It never raises into training: what fails is counted by the monitor or logged, and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
+
+from opsd.protocol.wire import CHECKPOINT
+from trainer_hooks.flops import ModelShape
+from trainer_hooks.monitor import Monitor, MonitorConfig
+from trainer_hooks.policy_reader import PolicyReader, policy_source
+
+log = logging.getLogger(__name__)
+
+_SAVED = re.compile(r"^step=(\d+)\.ckpt$")
+
+
+def last_checkpoint(checkpoint_dir: str) -> str | None:
+    """The newest ``step=N.ckpt`` the callback saved in ``checkpoint_dir`` (None: none): where to resume."""
+    try:
+        found = [(int(m.group(1)), name) for name in os.listdir(checkpoint_dir) if (m := _SAVED.match(name))]
+    except OSError:
+        return None
+    return os.path.join(checkpoint_dir, max(found)[1]) if found else None
+
+
+class OpsdCallback(Callback):
+    """Step reports to the node's agent and the controller's checkpoint cadence, for a Lightning ``Trainer``."""
+
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        checkpoint_dir: str | None = None,
+        shape: ModelShape | None = None,
+        tokens_per_step: int | None = None,
+        config: MonitorConfig | None = None,
+        policy: PolicyReader | None = None,
+    ) -> None:
+        self.seq_len = seq_len
+        self.checkpoint_dir = checkpoint_dir
+        self.shape = shape
+        self.tokens_per_step = tokens_per_step
+        self.config = config or MonitorConfig()
+        self.policy = policy if policy is not None else PolicyReader(policy_source())
+        self.monitor: Monitor | None = None
+        self._from_step: int | None = None  # the global step when the step in progress began
+        self._tokens = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        rank, world = trainer.global_rank, trainer.world_size
+        self.monitor = Monitor(self.shape, self.config, coords={"dp_replicate": rank}, batch_shards=world)
+        wrapped = trainer.strategy.model
+        if isinstance(wrapped, DistributedDataParallel):
+            self.monitor.watch_ddp(wrapped)
+        if trainer.global_step:
+            self.monitor.resume_at(trainer.global_step)  # resumed from the checkpoint of that step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.monitor is None or self._from_step is not None:
+            return  # no monitor, or a batch accumulated into the step in progress
+        self._from_step, self._tokens = trainer.global_step, 0
+        self.monitor.begin_step()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.monitor is None or self._from_step is None:
+            return
+        self._tokens += _batch_rows(batch) * self.seq_len
+        if trainer.global_step == self._from_step:
+            return  # accumulating: the optimizer has not stepped
+        self._from_step = None
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.monitor.record_loss(loss)  # the step's (the last batch's, when it accumulates)
+        self.monitor.end_step(self.tokens_per_step if self.tokens_per_step is not None else self._tokens)
+        self._save_if_due(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+        self.policy.close()
+
+    def _save_if_due(self, trainer: Trainer) -> None:
+        step = trainer.global_step
+        try:
+            due = self.checkpoint_dir is not None and self.policy.current().checkpoint_due(step)
+        except Exception as exc:  # the cadence is advice: training goes on without it
+            log.warning("opsd: the checkpoint cadence could not be read: %s", exc)
+            return
+        if not due or self.checkpoint_dir is None or self.monitor is None:
+            return
+        with self.monitor.busy(CHECKPOINT):  # every rank saves with Lightning (its barriers): no hang meanwhile
+            trainer.save_checkpoint(os.path.join(self.checkpoint_dir, f"step={step}.ckpt"))
+
+
+def _batch_rows(batch: Any) -> int:
+    """The sequences in a batch: the first dimension of its first tensor (0: none found)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 0
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        return next((n for item in batch if (n := _batch_rows(item))), 0)
+    return 0
