@@ -1,5 +1,6 @@
-"""opsd inside Lightning's ``Trainer`` (docs/integrations.md): the reference script ``examples/lightning_trainer.py``
-(the reference model in a ``LightningModule``, DDP on gloo, 2 ranks under torchrun) with ``OpsdCallback``.
+"""opsd inside Lightning (docs/integrations.md): the reference model trained by Lightning's ``Trainer`` with
+``OpsdCallback`` (``examples/lightning_trainer.py``) and in a Fabric loop with ``fabric_monitor``
+(``examples/fabric_loop.py``), DDP on gloo, 2 ranks under torchrun; each example goes through every test:
 
 - every optimizer step is a step report: tokens, step time, MFU, the loss, and DDP's gradient all-reduces as
   ``dp_replicate``; the agent exports them as for the reference trainer;
@@ -23,11 +24,12 @@ from tests.test_docs import blocks
 pytestmark = pytest.mark.slow
 
 
-def train(out: Path, policy: Path, *extra: str, env: dict[str, str] | None = None) -> int:
+EXAMPLES = ("examples.lightning_trainer", "examples.fabric_loop")
+
+
+def train(example: str, out: Path, policy: Path, *extra: str, env: dict[str, str] | None = None) -> int:
     argv = ["--checkpoint-dir", str(out / "ckpt"), "--steps", str(STEPS), "--opsd-jsonl", str(out / "rank{rank}.jsonl")]
-    proc = run_module(
-        "examples.lightning_trainer", [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy), **(env or {})}
-    )
+    proc = run_module(example, [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy), **(env or {})})
     assert proc.returncode == 0 or "--kill-at-step" in extra, proc.stderr[-3000:]
     return proc.returncode
 
@@ -37,11 +39,16 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cadence_every_3(tmp_path_factory)
 
 
+@pytest.fixture(scope="module", params=EXAMPLES)
+def example(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
+def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path, example: str) -> Path:
     """The run that is never killed, its ranks reporting to a node agent too."""
     out = tmp_path_factory.mktemp("lightning-straight")
-    run_with_agent(out, lambda env: train(out, policy, "--losses-out", str(out / "losses.json"), env=env))
+    run_with_agent(out, lambda env: train(example, out, policy, "--losses-out", str(out / "losses.json"), env=env))
     return out
 
 
@@ -73,11 +80,11 @@ def test_the_controllers_cadence_makes_every_rank_save_at_its_steps(straight: Pa
 
 
 def test_killed_and_resumed_from_lightnings_checkpoint_it_trains_the_same_losses(
-    straight: Path, policy: Path, tmp_path: Path
+    straight: Path, policy: Path, example: str, tmp_path: Path
 ) -> None:
-    assert train(tmp_path, policy, "--kill-at-step", "7") != 0
+    assert train(example, tmp_path, policy, "--kill-at-step", "7") != 0
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=3.ckpt", "step=6.ckpt"]
-    assert train(tmp_path, policy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
+    assert train(example, tmp_path, policy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
     after = [r for r in reports(tmp_path / "rank0.jsonl") if r.resumed_from_step == 6]
     assert [r.step for r in after] == list(range(7, STEPS + 1))
     expected = json.loads((straight / "losses.json").read_text())
@@ -85,8 +92,9 @@ def test_killed_and_resumed_from_lightnings_checkpoint_it_trains_the_same_losses
     assert got == {s: expected[s] for s in map(str, range(7, STEPS + 1))}  # bit for bit
 
 
-def test_the_docs_lines_are_those_of_the_tested_script() -> None:
-    snippet = blocks("docs/integrations.md", "python")[1]  # the second page's: Lightning
-    script = (ROOT / "examples" / "lightning_trainer.py").read_text()
+@pytest.mark.parametrize(("block", "script"), [(1, "lightning_trainer.py"), (2, "fabric_loop.py")])
+def test_the_docs_lines_are_those_of_the_tested_scripts(block: int, script: str) -> None:
+    snippet = blocks("docs/integrations.md", "python")[block]  # after Hugging Face's: the Trainer's, Fabric's
+    text = (ROOT / "examples" / script).read_text()
     for line in snippet.strip().splitlines():
-        assert line.strip() in script, line
+        assert line.strip() in text, line

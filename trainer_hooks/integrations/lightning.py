@@ -1,4 +1,5 @@
-"""opsd inside Lightning's ``Trainer`` (docs/integrations.md): one callback, ``OpsdCallback``.
+"""opsd inside Lightning's ``Trainer`` (docs/integrations.md): one callback, ``OpsdCallback``; and in a Fabric loop,
+``fabric_monitor``.
 
     trainer = Trainer(..., callbacks=[OpsdCallback(seq_len=1024, checkpoint_dir="ckpt")])
     trainer.fit(model, data, ckpt_path=last_checkpoint("ckpt"))
@@ -13,6 +14,10 @@
   Lightning asks); training waits for it, and the rank says so (``Monitor.activity``: no hang meanwhile). A run
   resumes from Lightning's own newest checkpoint there (``last_checkpoint``).
 - It never raises into training: what fails is counted by the monitor or logged, and training goes on.
+
+A Fabric loop is the user's own: ``fabric_monitor(fabric, model)`` is the ``Monitor`` of its rank (its place in
+the job, DDP's gradient all-reduces watched), used as in any loop (``with monitor.step(tokens=...)``), and the
+controller's cadence is the policy's (``PolicyReader(policy_source()).current().checkpoint_due(step)``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import re
 from typing import Any
 
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,6 +40,20 @@ from trainer_hooks.policy_reader import PolicyReader, policy_source
 log = logging.getLogger(__name__)
 
 _SAVED = re.compile(r"^step=(\d+)\.ckpt$")
+
+
+def fabric_monitor(
+    fabric: Fabric, model: torch.nn.Module, *, shape: ModelShape | None = None, config: MonitorConfig | None = None
+) -> Monitor:
+    """The ``Monitor`` of this rank of a Fabric loop, ``model`` being what ``fabric.setup`` returned: each rank a
+    data-parallel replica (``dp_replicate``), DDP's gradient all-reduces watched when the strategy wrapped it."""
+    monitor = Monitor(
+        shape, config or MonitorConfig(), coords={"dp_replicate": fabric.global_rank}, batch_shards=fabric.world_size
+    )
+    inner = getattr(model, "_forward_module", model)  # a _FabricModule wraps the strategy's module
+    if isinstance(inner, DistributedDataParallel):
+        monitor.watch_ddp(inner)
+    return monitor
 
 
 def last_checkpoint(checkpoint_dir: str) -> str | None:

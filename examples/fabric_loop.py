@@ -1,0 +1,80 @@
+"""The reference model trained in a Lightning Fabric loop with opsd's monitor (docs/integrations.md): DDP on gloo
+under torchrun on CPU (``torchrun --nproc-per-node 2 -m examples.fabric_loop --checkpoint-dir DIR``), each rank its
+own shard of synthetic token sequences (seeded), one batch a step.
+
+At the steps of the controller's cadence (``$OPSD_POLICY_FILE``) it saves ``DIR/step=N.ckpt`` with ``fabric.save``;
+``--resume`` loads the newest and goes on from the next step; ``--kill-at-step`` SIGKILLs rank 0 after that step
+(fault injection); ``--losses-out`` gets each step's loss (rank 0)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+
+from examples.config import ModelConfig
+from examples.integration_cli import common_options
+from examples.model import Transformer, model_shape
+from opsd.protocol.wire import CHECKPOINT
+from trainer_hooks.integrations.lightning import fabric_monitor, last_checkpoint
+from trainer_hooks.monitor import MonitorConfig
+from trainer_hooks.policy_reader import PolicyReader, policy_source
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--checkpoint-dir", required=True)
+    args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    fabric.launch()  # under torchrun: joins its ranks (it starts no process)
+    cfg = ModelConfig(seq_len=args.seq_len)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    shape = model_shape(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    resume = last_checkpoint(args.checkpoint_dir) if args.resume else None
+    if resume is not None:
+        fabric.load(resume, state)
+    generator = torch.Generator().manual_seed(fabric.global_rank)  # this rank's shard
+    tokens = torch.randint(0, cfg.vocab_size, (args.steps, args.batch_size, args.seq_len + 1), generator=generator)
+    jsonl = args.opsd_jsonl.replace("{rank}", str(fabric.global_rank)) if args.opsd_jsonl else None
+    monitor = fabric_monitor(fabric, model, shape=shape, config=MonitorConfig(jsonl_path=jsonl))
+    policy = PolicyReader(policy_source())
+    if state["step"]:
+        monitor.resume_at(state["step"])
+    losses: dict[str, float] = {}
+    while state["step"] < args.steps:
+        batch = tokens[state["step"]]
+        with monitor.step(tokens=args.batch_size * args.seq_len):
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            monitor.record_loss(loss)
+        state["step"] += 1
+        losses[str(state["step"])] = float(loss.detach())
+        if policy.current().checkpoint_due(state["step"]):
+            with monitor.busy(CHECKPOINT):
+                fabric.save(os.path.join(args.checkpoint_dir, f"step={state['step']}.ckpt"), state)
+        if state["step"] == args.kill_at_step and fabric.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    monitor.close()
+    policy.close()
+    if args.losses_out and fabric.global_rank == 0:
+        Path(args.losses_out).write_text(json.dumps(losses))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
