@@ -25,15 +25,13 @@ from typing import Any
 
 from msgspec import structs
 
-from opsd.checkpoints.layout import inspect_checkpoints
-from opsd.checkpoints.store import open_store
+from opsd.checkpoints.store import newest_checkpoint
 from opsd.controller.calls import BackendCalls, StepFailedError
 from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import Action
-from opsd.errors import OpsError
 from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     DUMP_KINDS,
@@ -442,13 +440,3 @@ def group_launches(spec: RunSpec, launch: int, nodes: list[str], done: Launched)
         where = placed[g] if placed is not None and g < len(placed) else nodes[g * k : (g + 1) * k]
         out[g] = GroupLaunch(at, tuple(str(n) for n in where))
     return out
-
-
-def newest_checkpoint(url: str) -> int | None:
-    """The newest committed checkpoint step at ``url`` (None: none, or the store cannot be read)."""
-    try:
-        found = inspect_checkpoints(open_store(url))
-    except OpsError as exc:
-        log.warning("cannot look at the checkpoints at %s: %s", url, exc)
-        return None
-    return next((c.step for c in found if c.problem is None), None)
