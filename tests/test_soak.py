@@ -3,6 +3,7 @@ read per test, and the table, whose last line counts every failed test run."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from tests.launch import NO_RELAUNCH_ENV, ROOT
@@ -60,3 +61,21 @@ def test_the_soak_selects_the_modules_that_start_processes_and_retries_nothing()
     assert "tests/test_agent_down.py" in modules  # opsd run through subprocess
     assert "tests/test_policy_detection.py" not in modules  # pure
     assert soak.NO_RELAUNCH_ENV == NO_RELAUNCH_ENV  # the variable tests.launch reads
+
+
+def test_a_failed_runs_files_are_kept_for_the_diagnosis(tmp_path: Path) -> None:
+    """With ``--keep``: each run's output, and the files of a run that failed (its tests' temporary directories)."""
+    module = tmp_path / "test_soaked.py"
+    module.write_text(
+        "def test_writes_then_fails(tmp_path):\n"
+        "    (tmp_path / 'rank0.log').write_text('what the rank said')\n"
+        "    assert False\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:kmock\n")  # as the project's settings have it
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    outcomes = soak.soak_run(sys.executable, [str(module)], 1, False, keep)
+    assert [failed for failed, _ in outcomes.values()] == [True]
+    assert (keep / "run-1.log").exists()
+    (kept,) = (keep / "run-1-files").rglob("rank0.log")
+    assert kept.read_text() == "what the rank said"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,7 +151,11 @@ def soak_run(python: str, tests: Sequence[str], run: int, burn: bool, keep: Path
             (keep / f"run-{run}.log").write_text(proc.stdout + proc.stderr)
         if not report.exists():
             raise SystemExit(f"soak: run {run} wrote no report:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        return junit_outcomes(report)
+        outcomes = junit_outcomes(report)
+        if keep is not None and any(failed for failed, _ in outcomes.values()):
+            # the failed run's files (its ranks' and agents' logs, the controllers' state) for the diagnosis
+            shutil.copytree(base / "pytest", keep / f"run-{run}-files", symlinks=True, ignore_dangling_symlinks=True)
+        return outcomes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs of every test (K)")
     parser.add_argument("-k", dest="keyword", default="", help="only the tests pytest's -k selects")
     parser.add_argument("--list", action="store_true", help="print the tests soaked and stop")
-    parser.add_argument("--keep", type=Path, help="keep each run's pytest output in this folder")
+    parser.add_argument(
+        "--keep", type=Path, help="keep each run's pytest output in this folder, and a failed run's files"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be >= 1")
