@@ -156,7 +156,8 @@ def test_the_hooks_sign_with_the_key_their_pod_was_given(required: Agent, monkey
                 pass
         wait_for("three steps", lambda: required.stats.received == 3, 10, interval_s=0.01)
     finally:
-        monitor.close()
+        monitor.close()  # it says the rank ends: one datagram more
+    wait_for("the steps and the rank's end", lambda: required.stats.received == 4, 10, interval_s=0.01)
     assert [(r.run, r.steps_total) for r in required.state.snapshot()] == [("llm", 3)]
     reader = PolicyReader(policy_source(), check_every_s=3600)
     reader.fetch_once()
@@ -167,7 +168,7 @@ def test_the_hooks_sign_with_the_key_their_pod_was_given(required: Agent, monkey
     unsigned = agent_sink()
     assert isinstance(unsigned, UdpSink)
     unsigned.send(encode(report(run="llm", step=4)))
-    wait_for("the unsigned report", lambda: required.stats.received == 4, 10, interval_s=0.01)
+    wait_for("the unsigned report", lambda: required.stats.received == 5, 10, interval_s=0.01)
     unsigned.close()
     assert required.stats.rejected["unsigned"] == 1
     without = PolicyReader(policy_source(), check_every_s=3600)  # its thread reads once at start too
