@@ -53,3 +53,18 @@ def check_the_agents_series(metrics: Path) -> None:
         assert samples[("opsd_steps_total", rank, None)] == STEPS
         assert 0 < samples[("opsd_mfu_ratio", rank, None)] < 1
         assert samples[("opsd_collectives_total", rank, "dp_replicate")] == STEPS  # one bucket a step
+
+
+def check_each_steps_report(path: Path, rank: int) -> list[StepReport]:
+    """Rank ``rank`` of a 2-rank DDP run reported every optimizer step: 4 x 32 tokens, its place, a step time, an MFU,
+    and one gradient all-reduce (the model's one bucket) as ``dp_replicate``; the reports."""
+    steps = reports(path)
+    assert [r.step for r in steps] == list(range(1, STEPS + 1))
+    for r in steps:
+        assert (r.world_size, r.tokens, r.coords) == (2, 4 * 32, {"dp_replicate": rank})  # batch 4 x 32 tokens
+        assert r.step_s > 0
+        assert 0 < r.mfu_ratio < 1
+        (comm,) = [c for c in r.comms if c.dimension == "dp_replicate"]
+        assert (comm.op, comm.count) == ("all_reduce", 1)
+        assert comm.bytes > 0
+    return steps

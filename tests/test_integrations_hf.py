@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from opsd.protocol.env import POLICY_FILE_ENV
-from tests.integration_runs import STEPS, cadence_every_3, check_the_agents_series, reports, run_with_agent
+from tests.integration_runs import (
+    STEPS,
+    cadence_every_3,
+    check_each_steps_report,
+    check_the_agents_series,
+    reports,
+    run_with_agent,
+)
 from tests.launch import ROOT, run_module
 from tests.test_docs import blocks
 
@@ -46,15 +53,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
 
 def test_every_optimizer_step_is_reported_with_its_tokens_mfu_and_ddp_all_reduces(straight: Path) -> None:
     for rank in (0, 1):
-        steps = reports(straight / f"rank{rank}.jsonl")
-        assert [r.step for r in steps] == list(range(1, STEPS + 1))
-        for r in steps:
-            assert (r.world_size, r.tokens, r.coords) == (2, 4 * 32, {"dp_replicate": rank})  # batch 4 x 32 tokens
-            assert r.step_s > 0
-            assert 0 < r.mfu_ratio < 1
-            (comm,) = [c for c in r.comms if c.dimension == "dp_replicate"]
-            assert (comm.op, comm.count) == ("all_reduce", 1)  # one bucket: the tiny model's gradients
-            assert comm.bytes > 0
+        check_each_steps_report(straight / f"rank{rank}.jsonl", rank)
 
 
 def test_the_agent_exports_the_same_series_as_for_the_reference_trainer(straight: Path) -> None:
