@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema  # type: ignore[import-untyped]
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +24,10 @@ from opsd.api.auth import Credentials
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
+from opsd.errors import PermanentError
 from opsd.policy.cadence import Cadence
 from opsd.policy.stragglers import StragglerScore
+from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools, decode_answer
 from tests.spares import implied_pool
 
 TOKEN = "s3cret-token"
@@ -421,3 +425,40 @@ def samples_with(client: TestClient, headers: dict[str, str]) -> dict[str, float
         for s in f.samples
         if s.name == "opsd_controller_rejected_requests_total"
     }
+
+
+TYPED_READS: dict[str, type[msgspec.Struct]] = {  # a read of the API -> the answer the CLI decodes it as
+    "/v1/runs/job": RunStatus,
+    "/v1/spares": SparePools,
+    "/v1/runs/job/checkpoints": Checkpoints,
+    "/v1/runs/job/cadence": CadenceView,
+}
+
+
+def standalone(schema: dict[str, Any], components: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` of the API's document with its components, as a schema of its own (``$defs``)."""
+    text = json.dumps({**schema, "$defs": components}).replace("#/components/schemas/", "#/$defs/")
+    found: dict[str, Any] = json.loads(text)
+    return found
+
+
+def test_the_document_describes_every_read_and_the_answers_fit_it(client: TestClient) -> None:
+    client.post("/v1/heartbeat", json=heartbeat(), headers=AUTH)
+    document = client.get("/openapi.json").json()
+    components = document["components"]["schemas"]
+    for path, methods in document["paths"].items():
+        if "get" in methods:
+            for kind, content in methods["get"]["responses"]["200"]["content"].items():
+                assert content["schema"], f"GET {path} answers an undocumented shape of {kind}"
+    for path, kind in TYPED_READS.items():
+        documented = document["paths"][path.replace("/job", "/{run}")]["get"]["responses"]["200"]["content"]
+        schema = standalone(documented["application/json"]["schema"], components)
+        answer = client.get(path).json()
+        jsonschema.Draft202012Validator(schema).validate(answer)  # the answer is what the document says
+        assert isinstance(decode_answer(answer, kind, path), kind)  # ... and what the CLI decodes
+    # the document refuses what the struct refuses: a status whose step is a word
+    wrong = {**client.get("/v1/runs/job").json(), "step": "forty"}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(standalone(components["RunStatus"], components)).validate(wrong)
+    with pytest.raises(PermanentError, match=r"run status: Expected `int`, got `str` - at `\$.step`"):
+        decode_answer(wrong, RunStatus, "run status")

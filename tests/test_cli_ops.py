@@ -4,8 +4,10 @@ the token come from (flag, environment, config file), tables and JSON, exit code
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -218,3 +220,37 @@ def test_an_80_column_terminal_keeps_key_columns_whole(url: str, incident: int) 
     status = opsd("status", "--url", url, env={"COLUMNS": "80"}).stdout
     assert widest(status) <= 80
     assert any(line.split()[:2] == ["beta", "running"] for line in status.splitlines()), status
+
+
+def test_an_answer_that_does_not_fit_fails_the_command_naming_the_field() -> None:
+    """A controller (here a stand-in) whose status has a step that is a word: the CLI decodes the answer as the
+    struct the controller builds (opsd.protocol.answers) and says which field is wrong, rather than a traceback."""
+    answers = {
+        "/v1/runs/x": {"run": "x", "state": "running", "step": "forty"},
+        "/v1/runs/x/cadence": {"run": "x", "node_mtbf_h": 5000.0, "failures": "3"},
+    }
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(answers[self.path]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        status = opsd("status", "x", "--url", base)
+        assert status.exit_code == 1, status.output
+        assert "run status (GET /v1/runs/x): Expected `int`, got `str` - at `$.step`" in status.output
+        cadence = opsd("cadence", "x", "--url", base)
+        assert cadence.exit_code == 1, cadence.output
+        assert "Expected `int`, got `str` - at `$.failures`" in cadence.output
+    finally:
+        server.shutdown()

@@ -8,13 +8,14 @@ import io
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from rich.console import Console, RenderableType
 
 from opsd.cli import tables
 from opsd.cli.columns import echo
+from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools, decode_answer
 
 RUN = "llama-3-405b-pretrain-stage2"
 OTHER = "mixtral-8x22b-sft-v3"
@@ -40,6 +41,14 @@ RUNS = [
     },
     {"id": OTHER, "state": "running", "generation": 1, "last_step": 4410, "created_s": T0 + 100, "updated_s": T0 + 200},
 ]
+
+
+A = TypeVar("A")
+
+
+def typed(body: Any, kind: type[A] = RunStatus) -> A:  # type: ignore[assignment]
+    """An answer shaped as the API's, decoded as the CLI decodes it."""
+    return decode_answer(body, kind, "answer")
 
 
 def status(run: str, state: str, step: int) -> dict[str, Any]:
@@ -174,7 +183,7 @@ CHECKPOINTS = {
             "step": 1234750,
             "state": "torn",
             "problem": TORN,
-            "bytes": 2.1e12,
+            "bytes": 2_100_000_000_000,
             "time_unix_s": None,
             "blocking_s": None,
             "save_s": None,
@@ -183,7 +192,7 @@ CHECKPOINTS = {
             "step": 1234500,
             "state": "committed",
             "problem": None,
-            "bytes": 5.2e12,
+            "bytes": 5_200_000_000_000,
             "time_unix_s": T0,
             "blocking_s": 2.3456,
             "save_s": 41.234,
@@ -233,14 +242,14 @@ CASES = {
     ),
     "statuses": Case(
         lambda wide: tables.statuses_table(
-            [status(RUN, "waiting_for_spare", 1234567), status(OTHER, "running", 4410)], wide
+            [typed(status(RUN, "waiting_for_spare", 1234567)), typed(status(OTHER, "running", 4410))], wide
         ),
         [[RUN, "waiting_for_spare", "1234567", "0.931", "1"], [OTHER, "running", "4410", "0.931", "1"]],
         [[RUN, "waiting_for_spare", "1234567", "16384", "0.412", "2345678", "0.931", "3", "1", "1"]],
         ["MFU", "tokens/s", "stragglers"],
     ),
     "status": Case(
-        lambda wide: tables.status_table(status(RUN, "waiting_for_spare", 1234567), wide),
+        lambda wide: tables.status_table(typed(status(RUN, "waiting_for_spare", 1234567)), wide),
         [*STATUS, ["nodes", "1 active, 1 spare, 1 cordoned"]],
         [*STATUS, ["nodes", f"{SPARE} (active)"], [f"{DOWN} (spare)"], [NODE], ["run MTBF (s)", "10800"]],
         [NODE, "badput (s)", "run MTBF (s)"],
@@ -264,7 +273,7 @@ CASES = {
         ["incident-1041-1-cordon", "started (UTC)"],
     ),
     "spares": Case(
-        lambda wide: tables.spares_table(SPARES, wide),
+        lambda wide: tables.spares_table(typed(SPARES, SparePools), wide),
         [
             [RUN, "1 healthy", "1", "12", "1"],
             ["1 unreachable"],
@@ -279,13 +288,13 @@ CASES = {
         [SPARE, SHARED, "active nodes", "P(more than"],
     ),
     "checkpoints": Case(
-        lambda wide: tables.checkpoints_table(CHECKPOINTS, wide),
+        lambda wide: tables.checkpoints_table(typed(CHECKPOINTS, Checkpoints), wide),
         [["1234750", "torn", "1.9 TiB", "-"], ["1234500", "committed", "4.7 TiB", "2025-10-09 08:53:20"]],
         [["1234500", "committed", "4.7 TiB", "2025-10-09 08:53:20", "2.346", "41.23"]],
         ["blocking s", "save s"],
     ),
     "cadence": Case(
-        lambda wide: tables.cadence_table(CADENCE, wide),
+        lambda wide: tables.cadence_table(typed(CADENCE, CadenceView), wide),
         CADENCE_ROWS,
         [*CADENCE_ROWS, ["interval (s)", "1030.0"], ["previous cadence", "every 300 steps from step 1200000"]],
         ["previous cadence", "newest step"],
@@ -341,7 +350,7 @@ def test_free_text_wraps_and_gives_way() -> None:
     assert "all_reduce" not in every
     assert "detail: left out for want of room: opsd incidents RUN ID shows it" in " ".join(every.split())
     assert TIMEOUT in " ".join(render(tables.incidents_table(INCIDENTS), 200).split())
-    torn = render(tables.checkpoints_table(CHECKPOINTS), 80)
+    torn = render(tables.checkpoints_table(typed(CHECKPOINTS, Checkpoints)), 80)
     assert TORN in " ".join(torn.split())
     assert not on_one_line(torn, [TORN])  # it wrapped; the key columns did not
 
@@ -367,12 +376,14 @@ def test_a_finished_run_shows_its_last_measured_figures_labelled_and_its_average
         "last_measured": {"launch": 3, "mfu_ratio": 0.412, "tokens_per_s": 51234.0, "at_unix_s": 1.0},
         "run_average": {"mfu_ratio": 0.398, "tokens_per_s": 49000.0, "samples": 40},
     }
-    out = render(tables.status_table(finished), 200)
+    out = render(tables.status_table(typed(finished)), 200)
     assert "0.412 (last measured, launch 3); run average 0.398" in out
     assert "51234 (last measured, launch 3); run average 49000" in out
-    listed = render(tables.statuses_table([finished], wide=True), 200)
+    listed = render(tables.statuses_table([typed(finished)], wide=True), 200)
     assert on_one_line(listed, [RUN, "completed", "1234567", "0", "0.412 (last)", "51234 (last)"])
-    live = render(tables.status_table({**status(RUN, "running", 5), "run_average": finished["run_average"]}), 200)
+    live = render(
+        tables.status_table(typed({**status(RUN, "running", 5), "run_average": finished["run_average"]})), 200
+    )
     assert "0.412; run average 0.398" in live  # the ranks report: their figure, not the last recorded
 
 
@@ -389,7 +400,7 @@ PIPELINE = {
 
 
 def test_the_status_says_what_is_held_and_which_agents_are_down() -> None:
-    quiet = render(tables.status_table(status(RUN, "running", 5)), 200)
+    quiet = render(tables.status_table(typed(status(RUN, "running", 5))), 200)
     assert "maintenance" not in quiet
     assert "agents down" not in quiet
     body = {
@@ -397,7 +408,7 @@ def test_the_status_says_what_is_held_and_which_agents_are_down() -> None:
         "maintenance": {"every_run": True, "reason": "switch firmware", "since_s": 1700000000.0},
         "agents_down": [{"node": NODE, "detail": "no heartbeat for 12.0 s > 10.0 s; its ranks' peers stepped"}],
     }
-    out = render(tables.status_table(body), 200)
+    out = render(tables.status_table(typed(body)), 200)
     assert "recoveries held (every run)" in out
     assert "switch firmware" in out
     assert f"{NODE} (their ranks train: nothing recovered)" in out
@@ -423,8 +434,8 @@ def test_the_status_says_what_is_held_and_which_agents_are_down() -> None:
 def test_the_status_shows_the_pipeline_bubble_beside_its_theory(
     pipeline: dict[str, Any], wide: bool, expected: str
 ) -> None:
-    out = render(tables.status_table({**status(RUN, "running", 5), "pipeline": pipeline}, wide), 200)
+    out = render(tables.status_table(typed({**status(RUN, "running", 5), "pipeline": pipeline}), wide), 200)
     assert expected in out
     if not pipeline["over_theory"]:
         assert "margin" not in out
-    assert "pipeline bubble" not in render(tables.status_table(status(RUN, "running", 5)), 200)
+    assert "pipeline bubble" not in render(tables.status_table(typed(status(RUN, "running", 5))), 200)

@@ -73,7 +73,7 @@ def test_a_healthy_run_has_no_incident(controller: Controller) -> None:
     assert controller.store.incidents() == []
     status = controller.status("job", 30)
     assert status is not None
-    assert (status["state"], status["step"], status["ranks"], status["stragglers"]) == ("running", 30, 4, [])
+    assert (status.state, status.step, status.ranks, status.stragglers) == ("running", 30, 4, ())
 
 
 def test_a_runs_launch_and_initialisation_are_startup_badput(tmp_path: Path) -> None:
@@ -86,17 +86,17 @@ def test_a_runs_launch_and_initialisation_are_startup_badput(tmp_path: Path) -> 
         controller.tick(float(t))
     starting = controller.status("job", 5.0)
     assert starting is not None
-    assert (starting["ettr"], starting["badput_s"]["startup"]) == (0.0, 5.0)
+    assert (starting.ettr, starting.badput_s["startup"]) == (0.0, 5.0)
 
     healthy(controller, 30, start_s=7.0)
 
     status = controller.status("job", 30.0)
     assert status is not None
-    assert status["badput_s"]["startup"] == pytest.approx(7.0)
-    assert status["ettr"] == pytest.approx((30.0 - 7.0) / 30.0)
+    assert status.badput_s["startup"] == pytest.approx(7.0)
+    assert status.ettr == pytest.approx((30.0 - 7.0) / 30.0)
     again = Controller(StateStore.open(url), CONFIG).status("job", 30.0)
     assert again is not None
-    assert again["badput_s"]["startup"] == pytest.approx(7.0)
+    assert again.badput_s["startup"] == pytest.approx(7.0)
 
 
 def test_a_fatal_xid_opens_one_incident_and_is_acknowledged_after(controller: Controller) -> None:
@@ -147,17 +147,17 @@ def test_a_silent_agent_whose_ranks_peers_step_on_is_a_warning_not_a_failure(con
     assert "peers stepped" in incident.detail
     status = controller.status("job", 24.0)
     assert status is not None
-    assert status["state"] == "running"
-    (down,) = status["agents_down"]
-    assert down["node"] == "n1"
-    assert down["detail"].startswith("no heartbeat for 15.0 s")
-    assert "peers stepped" in down["detail"]
+    assert status.state == "running"
+    (down,) = status.agents_down
+    assert down.node == "n1"
+    assert down.detail.startswith("no heartbeat for 15.0 s")
+    assert "peers stepped" in down.detail
     controller.heartbeat(beat("n1", [rank(2, 26), rank(3, 26)]), 25.0)  # back
     controller.heartbeat(beat("n0", [rank(0, 26), rank(1, 26)]), 25.0)
     assert controller.tick(25.0) == []
     status = controller.status("job", 25.0)
     assert status is not None
-    assert status["agents_down"] == []
+    assert status.agents_down == ()
     assert [i.kind for i in controller.store.incidents("job")] == ["agent_down"]  # one per silence
 
 
@@ -217,8 +217,8 @@ def test_a_slow_rank_is_flagged_and_recorded_once(controller: Controller) -> Non
     healthy(controller, 20, slow={2: 1.3})
     status = controller.status("job", 20)
     assert status is not None
-    assert [(s["rank"], s["node"]) for s in status["stragglers"]] == [(2, "n1")]
-    assert status["stragglers"][0]["slowdown_ratio"] == pytest.approx(1.3)
+    assert [(s.rank, s.node) for s in status.stragglers] == [(2, "n1")]
+    assert status.stragglers[0].slowdown_ratio == pytest.approx(1.3)
     (incident,) = controller.store.incidents("job")
     assert (incident.kind, incident.rank, incident.state) == ("straggler", 2, "warned")
 
@@ -262,8 +262,8 @@ def test_stragglers_are_scored_on_the_mean_compute_between_heartbeats(controller
         controller.tick(float(t))
     status = controller.status("job", 20)
     assert status is not None
-    assert [s["rank"] for s in status["stragglers"]] == [2]
-    assert status["stragglers"][0]["slowdown_ratio"] == pytest.approx(1.4)
+    assert [s.rank for s in status.stragglers] == [2]
+    assert status.stragglers[0].slowdown_ratio == pytest.approx(1.4)
 
 
 def saves_measured(c: Controller, **sums: float) -> None:
@@ -300,7 +300,8 @@ def test_the_cadence_is_published_once_checkpoints_are_measured(controller: Cont
     assert start >= 6 + 2  # ahead of the current step by the lead
     status = controller.status("job", 6.0)
     assert status is not None
-    assert "Daly interval" in status["cadence"]["reason"]
+    assert status.cadence is not None
+    assert "Daly interval" in status.cadence.reason
 
 
 def test_a_cadence_is_replaced_only_once_every_rank_is_past_its_first_step(controller: Controller) -> None:
@@ -353,8 +354,9 @@ def test_the_cadence_is_never_shorter_than_the_measured_write(controller: Contro
     saves_measured(controller, checkpoint_blocking_s=0.1, checkpoint_total_s=3000.0)
     status = controller.status("job", 6.0)
     assert status is not None
-    assert status["cadence"]["every_steps"] == 5000  # steps of 0.6 s
-    assert "no sooner" in status["cadence"]["reason"]
+    assert status.cadence is not None
+    assert status.cadence.every_steps == 5000  # steps of 0.6 s
+    assert "no sooner" in status.cadence.reason
 
 
 @pytest.mark.parametrize(
@@ -394,7 +396,8 @@ def test_scoring_apart_from_the_detection_passes_flags_the_same_rank(controller:
         controller.score(t)
     status = controller.status("job", 20)
     assert status is not None
-    assert [(s["rank"], s["slowdown_ratio"]) for s in status["stragglers"]] == [(2, pytest.approx(1.3))]
+    assert [s.rank for s in status.stragglers] == [2]
+    assert status.stragglers[0].slowdown_ratio == pytest.approx(1.3)
 
 
 def test_a_long_scoring_pass_holds_no_detection_pass_up(tmp_path: Path) -> None:
@@ -464,7 +467,7 @@ def test_the_last_reports_heard_after_a_run_completed_raise_its_final_step(contr
     controller.tick(33.0)
     status = controller.status("job", 40)
     assert status is not None
-    assert (status["state"], status["step"]) == ("completed", 31)
+    assert (status.state, status.step) == ("completed", 31)
     row = controller.store.run("job")
     assert row is not None
     assert (row.final_step, row.updated_s) == (31, 30.5)

@@ -30,6 +30,7 @@ from opsd.controller.rows import RunSpec
 from opsd.controller.state import StateStore
 from opsd.controller.views import flame_stacks
 from opsd.errors import BodyError, PermanentError
+from opsd.protocol.answers import LastMeasured
 from opsd.protocol.heartbeat import Heartbeat, decode_heartbeat
 from opsd.protocol.heartbeat import encode as encode_heartbeat
 from opsd.protocol.wire import MAX_MESSAGE_BYTES, StepReport, WireError, decode, decode_report, encode
@@ -460,17 +461,18 @@ def test_each_launch_keeps_its_collective_time_and_figures_after_the_run_and_a_r
     assert flame_stacks(restarted, "r", 3) == {}
     status = restarted.status("r", 60.0)
     assert status is not None
-    assert (status["mfu_ratio"], status["ranks"]) == (0.0, 0)  # nothing live
-    assert status["last_measured"] == {
-        "launch": 2,
-        "mfu_ratio": 0.3,
-        "tokens_per_s": 1e3,
-        "at_unix_s": 50.5,
-        "pipeline": None,  # no stage reported a bubble
-        "pipeline_launch": None,
-    }
-    assert status["run_average"]["samples"] == 3
-    assert status["run_average"]["mfu_ratio"] == pytest.approx((0.4 + 0.5 + 0.3) / 3)
+    assert (status.mfu_ratio, status.ranks) == (0.0, 0)  # nothing live
+    assert status.last_measured == LastMeasured(
+        launch=2,
+        mfu_ratio=0.3,
+        tokens_per_s=1e3,
+        at_unix_s=50.5,
+        pipeline=None,  # no stage reported a bubble
+        pipeline_launch=None,
+    )
+    assert status.run_average is not None
+    assert status.run_average.samples == 3
+    assert status.run_average.mfu_ratio == pytest.approx((0.4 + 0.5 + 0.3) / 3)
     (one, two) = store.launches("r")
     assert (one.first_step, one.last_step, two.first_step, two.last_step) == (5, 9, 8, 8)
     client = TestClient(create_app(restarted, TOKEN), headers={"Authorization": f"Bearer {TOKEN}"})

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
@@ -52,6 +53,11 @@ def write_command(policy: Path, command_id: str) -> None:
     tmp = policy.with_name(f".{policy.name}.tmp")
     tmp.write_text(json.dumps({"v": 1, "commands": [{"id": command_id, "name": "dump_flight_recorder"}]}))
     os.replace(tmp, policy)
+
+
+def analyzed(*args: Any) -> Any:
+    """The analysis as JSON values, as the API answers it."""
+    return json.loads(msgspec.json.encode(analyze(*args)))
 
 
 def job() -> None:
@@ -228,7 +234,7 @@ CASES: dict[str, tuple[Callable[[Dumps], dict[int, dict[str, Any]]], list[int], 
 @pytest.mark.parametrize("case", list(CASES))
 def test_analysis_names_the_culprit(recorded: Dumps, case: str) -> None:
     make, expected, groups, culprits, reason = CASES[case]
-    analysis = analyze(make(recorded), expected, "incident-7", 7)
+    analysis = analyzed(make(recorded), expected, "incident-7", 7)
     assert (analysis["trigger"], analysis["incident_id"], analysis["ranks_expected"]) == ("incident-7", 7, expected)
     assert stuck(analysis) == groups, analysis
     assert [c["rank"] for c in analysis["culprits"]] == culprits, analysis["culprits"]
@@ -240,7 +246,7 @@ def test_analysis_names_the_culprit(recorded: Dumps, case: str) -> None:
 
 @pytest.mark.slow
 def test_analysis_places_a_silent_rank_from_its_peers_view(recorded: Dumps) -> None:
-    analysis = analyze({k: v for k, v in recorded["cmd-2"].items() if k != 2}, [0, 1, 2], "incident-7", 7)
+    analysis = analyzed({k: v for k, v in recorded["cmd-2"].items() if k != 2}, [0, 1, 2], "incident-7", 7)
     world = seq_of(recorded["cmd-2"][0], "dp_shard")
     (group,) = analysis["groups"]
     assert (group["stuck_seq"], group["op"], group["ranks"]) == (world, "all_reduce", [0, 1, 2])
@@ -253,7 +259,7 @@ def test_analysis_places_a_silent_rank_from_its_peers_view(recorded: Dumps) -> N
         analysis["summary"]
         == f"rank 2 never joined all_reduce #{world} on dp_shard: ranks 0, 1 wait for it (it sent no dump)"
     )
-    lagging = analyze(recorded["cmd-2"], [0, 1, 2], "cmd-2", None)["culprits"][0]
+    lagging = analyzed(recorded["cmd-2"], [0, 1, 2], "cmd-2", None)["culprits"][0]
     assert lagging["last_collective"]["seq"] == world - 1
     assert "wait_for" in lagging["stack"]
 

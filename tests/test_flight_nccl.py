@@ -19,10 +19,16 @@ import pytest
 from opsd.analysis.flight_recorder import analyze, load_trace, read_dump
 from opsd.api.flight import FlightDumpIn
 from opsd.errors import BodyError
-from opsd.postmortem.bundle import AnalysisIn
+from opsd.postmortem.model import describe
+from opsd.protocol.flight_analysis import FlightAnalysis
 from trainer_hooks.flight import FlightRecorder
 
 DATA = Path(__file__).parent / "data" / "flight_recorder_nccl_h100.json"
+
+
+def analyzed(*args: Any) -> Any:
+    """The analysis as JSON values, as the API answers it."""
+    return json.loads(msgspec.json.encode(analyze(*args)))
 
 
 def nccl_trace() -> dict[str, Any]:
@@ -65,7 +71,7 @@ def test_the_nccl_trace_of_a_rank_is_read_per_group_with_durations() -> None:
     assert seen.last_entry["record_id"] == 6  # the newest entry of either group
     assert seen.stack is not None
     assert "part_frcapture" in seen.stack  # its frames: where the probe issued it
-    report = analyze({0: dump(0, 1, nccl_trace())}, [0], "probe", None)
+    report = analyzed({0: dump(0, 1, nccl_trace())}, [0], "probe", None)
     assert report["groups"] == []  # a world of one waits on nobody
     assert report["culprits"] == []
 
@@ -106,7 +112,7 @@ def hung_world() -> dict[int, dict[str, Any]]:
 
 
 def test_a_hang_on_nccl_names_the_rank_that_never_joined_and_the_post_mortem_reads_it() -> None:
-    report = analyze(hung_world(), [0, 1], "incident-1", 1)
+    report = analyzed(hung_world(), [0, 1], "incident-1", 1)
     (stuck,) = report["groups"]  # the gloo group is in step: only NCCL's default group is stuck
     assert (stuck["group"], stuck["stuck_seq"], stuck["op"]) == ("default_pg", 6, "all_reduce")
     assert (stuck["joined"], stuck["missing"]) == ([0], [1])
@@ -117,9 +123,9 @@ def test_a_hang_on_nccl_names_the_rank_that_never_joined_and_the_post_mortem_rea
     assert (last["group"], last["seq"], last["op"], last["state"]) == ("pg 1", 1, "all_reduce", "completed")
     assert last["duration_s"] == pytest.approx(1.3696e-5)
     assert report["summary"] == "rank 1 never joined all_reduce #6 on default_pg: ranks 0 wait for it"
-    read = msgspec.json.decode(json.dumps(report), type=AnalysisIn).model("incident-1")
+    read = msgspec.json.decode(json.dumps(report), type=FlightAnalysis)
     assert read.culprits[0].last_collective is not None
-    assert "in 0.0137 ms on the GPU" in read.culprits[0].last_collective.describe()
+    assert "in 0.0137 ms on the GPU" in describe(read.culprits[0].last_collective)
 
 
 def test_a_rank_dumps_what_each_backend_recorded(tmp_path: Path) -> None:

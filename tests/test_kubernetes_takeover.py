@@ -157,7 +157,7 @@ def test_the_new_launch_reported_before_the_successor_confirmed_it(kube: KubeEmu
         (incident,) = store.incidents(RUN)
         check_recovered(store, int(incident.id))
         assert status is not None
-        assert (status["state"], status["step"], status["generation"]) == ("running", 31, 2)
+        assert (status.state, status.step, status.generation) == ("running", 31, 2)
         assert controller.rank_node(RUN, 1) == "node-2"
     finally:
         machines.player.stop()

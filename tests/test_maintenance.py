@@ -12,6 +12,7 @@ from opsd.api.app import create_app
 from opsd.api.auth import Credentials
 from opsd.controller.holds import EVERY_RUN, Holds
 from opsd.controller.state import StateStore
+from opsd.protocol.answers import Maintenance
 from tests.test_dry_run import controller_of, fail
 
 TOKEN, READER = "operator-token", "reader-token"
@@ -29,7 +30,7 @@ def test_a_window_holds_the_recovery_and_its_end_starts_it(tmp_path: Path) -> No
     assert run.state == "running"
     status = controller.status("job", 6.0)
     assert status is not None
-    assert status["maintenance"] == {"every_run": True, "reason": "switch firmware", "since_s": 1.0}
+    assert status.maintenance == Maintenance(every_run=True, reason="switch firmware", since_s=1.0)
     controller.tick(6.5)
     assert backend.calls == []  # still held
     assert controller.holds.stop(None)
@@ -37,7 +38,7 @@ def test_a_window_holds_the_recovery_and_its_end_starts_it(tmp_path: Path) -> No
     assert {"quarantine_node", "promote_spare", "stop_ranks", "relaunch"} <= {c.step for c in backend.calls}
     status = controller.status("job", 7.0)
     assert status is not None
-    assert status["maintenance"] is None
+    assert status.maintenance is None
 
 
 def test_a_runs_window_or_the_one_over_every_run_holds_it(tmp_path: Path) -> None:

@@ -507,19 +507,20 @@ def test_a_finished_pipelined_run_keeps_its_last_bubble_for_status_and_post_mort
     from opsd.controller.rows import LaunchSample
     from opsd.controller.state import StateStore
     from opsd.controller.views import postmortem_bundle
+    from opsd.protocol.answers import PipelineBubble
     from tests.test_cli_tables import render as render_table
 
-    def piped(bubble: float) -> dict[str, Any]:
-        return {
-            "bubble_ratio": bubble,
-            "theoretical_ratio": 0.273,
-            "margin_ratio": 0.1,
-            "over_theory": bubble - 0.273 > 0.1,
-            "schedule": "1f1b",
-            "stages": 4,
-            "microbatches": 8,
-            "stage_ratios": {"0": bubble},
-        }
+    def piped(bubble: float) -> PipelineBubble:
+        return PipelineBubble(
+            bubble_ratio=bubble,
+            theoretical_ratio=0.273,
+            margin_ratio=0.1,
+            over_theory=bubble - 0.273 > 0.1,
+            schedule="1f1b",
+            stages=4,
+            microbatches=8,
+            stage_ratios={"0": bubble},
+        )
 
     t0 = 1_800_000_000.0
     store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
@@ -534,10 +535,12 @@ def test_a_finished_pipelined_run_keeps_its_last_bubble_for_status_and_post_mort
 
     status = controller.status("job", t0 + 70)
     assert status is not None
-    assert status["pipeline"] is None  # no rank reports any more
-    assert status["last_measured"]["pipeline"] == piped(0.40)
-    assert status["last_measured"]["pipeline_launch"] == 2
-    assert status["run_average"]["bubble_ratio"] == pytest.approx((0.30 + 0.32 + 0.40) / 3)
+    assert status.pipeline is None  # no rank reports any more
+    assert status.last_measured is not None
+    assert status.run_average is not None
+    assert status.last_measured.pipeline == piped(0.40)
+    assert status.last_measured.pipeline_launch == 2
+    assert status.run_average.bubble_ratio == pytest.approx((0.30 + 0.32 + 0.40) / 3)
     shown = render_table(status_table(status), 200)
     assert "0.40 measured, theory 0.27 (1f1b, 4 stages x 8 micro-batches), 0.13 over" in shown
     assert "(last measured, launch 2)" in shown

@@ -71,10 +71,10 @@ class Scenario:
         assert status is not None
         incidents = controller.store.incidents(RUN)
         if self.phase == "clean":
-            if status["step"] > 0:
+            if status.step > 0:
                 self.times.setdefault("clean", now_s)
-            self.clean_flags += status["stragglers"] + [i for i in incidents if i.kind == "straggler"]
-            if not self.cli and status["step"] >= 45:  # past the second checkpoint
+            self.clean_flags += [*status.stragglers, *[i for i in incidents if i.kind == "straggler"]]
+            if not self.cli and status.step >= 45:  # past the second checkpoint
                 self.cli = operator_reads(self.url, self.state_dir)
             if now_s - self.times.get("clean", now_s) >= CLEAN_S:
                 self._next("slow", now_s, lambda: inject(backend, FaultKind.SLOW, rank=1, factor=1.3))
@@ -257,7 +257,7 @@ def test_a_collective_timeout_names_the_rank_its_peers_wait_for(tmp_path: Path) 
     def on_poll(controller: Controller, backend: LocalBackend, now_s: float) -> None:
         status = controller.status(RUN, now_s)
         assert status is not None
-        if "hang" not in stopped_at and status["step"] >= 20:
+        if "hang" not in stopped_at and status.step >= 20:
             inject(backend, FaultKind.HANG, rank=0)
             stopped_at["hang"] = now_s
         if (
@@ -299,9 +299,9 @@ def test_a_cadence_republished_often_never_makes_ranks_disagree(tmp_path: Path) 
         first_poll_s[:] = first_poll_s or [now_s]
         status = controller.status(RUN, now_s)
         assert status is not None
-        if status["cadence"] is not None:
-            seen.setdefault((status["cadence"]["every_steps"], status["cadence"]["from_step"]), status["step"])
-            steps.append(status["step"])
+        if status.cadence is not None:
+            seen.setdefault((status.cadence.every_steps, status.cadence.from_step), status.step)
+            steps.append(status.step)
         if controller.store.incidents(RUN) or (seen and steps[-1] - min(seen.values()) >= REPUBLISHED_STEPS):
             stop.set()
         elif now_s - first_poll_s[0] > 2 * PHASE_LIMIT_S:  # a deadline, not a duration: the steps end it

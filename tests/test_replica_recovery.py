@@ -205,7 +205,8 @@ def test_the_checkpoint_cadence_plans_for_the_failures_that_restore_one(
         c.tick(T0 + t)
     status = c.status(RUN, T0 + 12)
     assert status is not None
-    assert f"({counted} in " in status["cadence"]["reason"]
+    assert status.cadence is not None
+    assert f"({counted} in " in status.cadence.reason
 
 
 def test_the_quorum_and_the_missed_steps_are_exported(tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ class XidOnce:
 
     def __call__(self, controller: Controller, backend: LocalBackend, now_s: float) -> None:
         status = controller.status("job", now_s)
-        if not self.injected and status is not None and past_a_checkpoint(self.ckpt, status["step"]):
+        if not self.injected and status is not None and past_a_checkpoint(self.ckpt, status.step):
             inject(backend, FaultKind.XID, node="node-1", gpu=0, xid=79)
             self.injected = True
 

@@ -89,7 +89,7 @@ def test_a_run_whose_last_launch_resumed_from_its_last_step_ended_there(tmp_path
     c.store.update_run(RUN, 1e10 + 3, state=RunState.COMPLETED, final_step=c.final_step(RUN))
     status = c.status(RUN, 1e10 + 3)
     assert status is not None
-    assert (status["state"], status["step"]) == ("completed", 60)
+    assert (status.state, status.step) == ("completed", 60)
 
 
 def test_a_finished_run_ends_at_its_last_launchs_newest_step(tmp_path: Path) -> None:
@@ -125,7 +125,7 @@ def test_a_finished_runs_memory_is_dropped_a_while_after_it_settled(tmp_path: Pa
     c.tick(1e10 + 1)  # settled: kept for reads a while
     status = c.status(RUN, 1e10 + 1)
     assert status is not None
-    assert (RUN in c.memory, status["ranks"]) == (True, 2)
+    assert (RUN in c.memory, status.ranks) == (True, 2)
 
     c.tick(1e10 + 1 + c.config.forget_finished_s)
     beat(c, 30, 1e10 + 2 + c.config.forget_finished_s)  # an agent still remembers the run's ranks
@@ -133,4 +133,4 @@ def test_a_finished_runs_memory_is_dropped_a_while_after_it_settled(tmp_path: Pa
     assert RUN not in c.memory
     status = c.status(RUN, 1e10 + 3 + c.config.forget_finished_s)
     assert status is not None
-    assert (status["state"], status["step"], status["ranks"]) == ("completed", 30, 0)
+    assert (status.state, status.step, status.ranks) == ("completed", 30, 0)

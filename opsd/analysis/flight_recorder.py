@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opsd.errors import BodyError
+from opsd.protocol.flight_analysis import Collective, Culprit, FlightAnalysis, StuckGroup
 
 NS_PER_S = 1e9
 MS_PER_S = 1e3
@@ -213,22 +214,22 @@ def _created(entry: dict[str, Any]) -> int:
     return _int(entry.get("time_created_ns"), 0) or 0
 
 
-def _collective(g: GroupSeen, seq: int, entry: dict[str, Any], completed: int | None) -> dict[str, Any]:
+def _collective(g: GroupSeen, seq: int, entry: dict[str, Any], completed: int | None) -> Collective:
     state = "completed" if completed is not None and seq <= completed else str(entry.get("state", "scheduled"))
     created = _int(entry.get("time_created_ns"))
     duration_ms = entry.get("duration_ms")  # NCCL's, once the collective completed on the GPU (gloo has none)
     duration_s = None
     if isinstance(duration_ms, int | float) and not isinstance(duration_ms, bool) and duration_ms >= 0:
         duration_s = duration_ms / MS_PER_S
-    return {
-        "group": g.label,
-        "pg_id": g.name,
-        "seq": seq,
-        "op": _op(entry),
-        "state": state,
-        "time_unix_s": created / NS_PER_S if created else None,
-        "duration_s": duration_s,
-    }
+    return Collective(
+        group=g.label,
+        pg_id=g.name,
+        seq=seq,
+        op=_op(entry),
+        state=state,
+        time_unix_s=created / NS_PER_S if created else None,
+        duration_s=duration_s,
+    )
 
 
 def _waiting(seen: RankSeen, done: dict[tuple[str, tuple[int, ...]], int]) -> list[tuple[GroupSeen, int]]:
@@ -247,7 +248,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def analyze(
     dumps: dict[int, dict[str, Any]], ranks_expected: list[int], trigger: str, incident_id: int | None
-) -> dict[str, Any]:
+) -> FlightAnalysis:
     """The analysis of one trigger's dumps (docs/flight-recorder.md): the process groups stuck, and the culprits."""
     world = tuple(sorted(set(ranks_expected) | set(dumps)))
     seen = {rank: read_dump(rank, dump, world) for rank, dump in sorted(dumps.items())}
@@ -258,8 +259,8 @@ def analyze(
         for key, g in s.groups.items():
             views.setdefault(key, {})[rank] = g
 
-    groups_out: list[dict[str, Any]] = []
-    missing_from: dict[int, list[dict[str, Any]]] = {}  # rank -> the stuck groups it is missing from
+    groups_out: list[StuckGroup] = []
+    missing_from: dict[int, list[StuckGroup]] = {}  # rank -> the stuck groups it is missing from
     peer_view: dict[int, list[tuple[GroupSeen, int, dict[str, Any]]]] = {}  # not dumped: (group, seq, entry)
     for (name, members), by_rank in sorted(views.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if len(members) < 2:
@@ -288,16 +289,16 @@ def analyze(
             continue
         holder = next(g for r, g in by_rank.items() if r in joined)
         entry = holder.entries.get(top, {})
-        record = {
-            "group": holder.label,
-            "pg_id": name,
-            "ranks": list(members),
-            "stuck_seq": top,
-            "op": _op(entry) if entry else "unknown",
-            "joined": joined,
-            "missing": missing,
-            "last_seq_by_rank": {str(r): last_seq[r] for r in sorted(last_seq)},
-        }
+        record = StuckGroup(
+            group=holder.label,
+            pg_id=name,
+            ranks=tuple(members),
+            stuck_seq=top,
+            op=_op(entry) if entry else "unknown",
+            joined=tuple(joined),
+            missing=tuple(missing),
+            last_seq_by_rank={str(r): last_seq[r] for r in sorted(last_seq)},
+        )
         groups_out.append(record)
         for r in missing:
             missing_from.setdefault(r, []).append(record)
@@ -306,7 +307,7 @@ def analyze(
         key: max((g.completed for g in by_rank.values() if g.completed is not None), default=0)
         for key, by_rank in views.items()
     }
-    groups_out.sort(key=lambda g: (g["group"], g["pg_id"]))
+    groups_out.sort(key=lambda g: (g.group, g.pg_id or ""))
     waiting = {rank: _waiting(s, done_by_group) for rank, s in seen.items()}
     suspects = sorted(missing_from)
     culprits_ranks = [r for r in suspects if r not in seen or not waiting[r]]
@@ -322,36 +323,41 @@ def analyze(
             _culprit(r, seen.get(r), missing_from.get(r, []), peer_view.get(r, []), waiting, r in ranks_expected, cycle)
         )
     summary = _summary(culprits_ranks, missing_from, groups_out, seen, ranks_expected, cycle, waiting)
-    return {
-        "trigger": trigger,
-        "incident_id": incident_id,
-        "ranks_expected": sorted(ranks_expected),
-        "ranks_dumped": sorted(seen),
-        "culprits": culprits,
-        "groups": groups_out,
-        "summary": summary,
-    }
+    return FlightAnalysis(
+        trigger=trigger,
+        incident_id=incident_id,
+        ranks_expected=tuple(sorted(ranks_expected)),
+        ranks_dumped=tuple(sorted(seen)),
+        culprits=tuple(culprits),
+        groups=tuple(groups_out),
+        summary=summary,
+    )
 
 
-def _main_group(records: list[dict[str, Any]]) -> dict[str, Any]:
+def _by_waiting(g: StuckGroup) -> tuple[int, str, str]:
+    """The order of stuck groups: the one most ranks wait in first."""
+    return (-len(g.joined), g.group, g.pg_id or "")
+
+
+def _main_group(records: list[StuckGroup]) -> StuckGroup:
     """Of the stuck groups a rank is missing from, the one most ranks wait in."""
-    return sorted(records, key=lambda g: (-len(g["joined"]), g["group"], g["pg_id"]))[0]
+    return sorted(records, key=_by_waiting)[0]
 
 
 def _culprit(
     rank: int,
     s: RankSeen | None,
-    records: list[dict[str, Any]],
+    records: list[StuckGroup],
     peers: list[tuple[GroupSeen, int, dict[str, Any]]],
     waiting: dict[int, list[tuple[GroupSeen, int]]],
     expected: bool,
     cycle: bool,
-) -> dict[str, Any]:
+) -> Culprit:
     what = "; ".join(
-        f"never joined {r['op']} #{r['stuck_seq']} of group {r['group']} (pg {r['pg_id']})"
-        for r in sorted(records, key=lambda r: (-len(r["joined"]), r["group"], r["pg_id"]))
+        f"never joined {r.op} #{r.stuck_seq} of group {r.group} (pg {r.pg_id})"
+        for r in sorted(records, key=_by_waiting)
     )
-    last: dict[str, Any] | None = None
+    last: Collective | None = None
     if s is None:
         if peers:
             g, seq, entry = max(peers, key=lambda p: _int(p[2].get("time_created_ns"), 0) or 0)
@@ -376,13 +382,13 @@ def _culprit(
             reason = f"{what}: it waits in {op} #{seq} of group {g.label} (pg {g.name}) itself (a cycle)"
         else:
             reason = f"{what}: it waits on no collective" if what else "waits on no collective"
-    return {"rank": rank, "reason": reason, "last_collective": last, "stack": s.stack if s is not None else None}
+    return Culprit(rank=rank, reason=reason, last_collective=last, stack=s.stack if s is not None else None)
 
 
 def _summary(
     culprits: list[int],
-    missing_from: dict[int, list[dict[str, Any]]],
-    groups: list[dict[str, Any]],
+    missing_from: dict[int, list[StuckGroup]],
+    groups: list[StuckGroup],
     seen: dict[int, RankSeen],
     expected: list[int],
     cycle: bool,
@@ -407,8 +413,8 @@ def _summary(
             texts.append(f"rank {r} sent no dump")
             continue
         g = _main_group(records)
-        who = _ranks_text(g["joined"])
-        text = f"rank {r} never joined {g['op']} #{g['stuck_seq']} on {g['group']}: ranks {who} wait for it"
+        who = _ranks_text(list(g.joined))
+        text = f"rank {r} never joined {g.op} #{g.stuck_seq} on {g.group}: ranks {who} wait for it"
         if r not in seen:
             text += " (it sent no dump)"
         texts.append(text)

@@ -28,9 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
 from opsd.analysis.flamegraph import fold, to_folded
+from opsd.api.answers import SCHEMAS as ANSWER_SCHEMAS
+from opsd.api.answers import documented, reply
 from opsd.api.auth import Credentials, requirement
 from opsd.api.flight import flight_router
-from opsd.api.heartbeat import OPENAPI_PATH, SCHEMAS, HeartbeatEndpoint
+from opsd.api.heartbeat import OPENAPI_PATH, HeartbeatEndpoint
+from opsd.api.heartbeat import SCHEMAS as HEARTBEAT_SCHEMAS
 from opsd.api.heartbeat_ingest import HeartbeatPort, close_heartbeats, open_heartbeats
 from opsd.api.liveness import close_liveness, open_liveness
 from opsd.api.maintenance import maintenance_router
@@ -41,6 +44,7 @@ from opsd.controller.port import Fault, FaultKind
 from opsd.controller.rows import Action, IncidentRow, NodeRow, RunRow
 from opsd.controller.views import cadence_view, checkpoints_view, flame_stacks, postmortem_bundle, spares_view
 from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
+from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
 from opsd.protocol.heartbeat import PATH
 from opsd.protocol.states import ApiRole, NodeRole
 
@@ -161,12 +165,12 @@ def create_app(
     def runs() -> list[RunRow]:
         return controller.store.runs()
 
-    @app.get("/v1/runs/{run}", dependencies=reads)
-    def run_status(run: str) -> dict[str, Any]:
+    @app.get("/v1/runs/{run}", dependencies=reads, **documented(RunStatus, "The run's status"))
+    def run_status(run: str) -> Response:
         status = controller.status(run, clock())
         if status is None:
             raise HTTPException(404, f"no run {run!r}")
-        return status
+        return reply(status)
 
     @app.get("/v1/runs/{run}/incidents", dependencies=reads)
     def incidents(run: str) -> list[IncidentRow]:
@@ -209,21 +213,21 @@ def create_app(
         node quarantined, a spare taken, the run relaunched), its detail saying it is a drill."""
         return _answer(lambda: controller.drill_xid(run, body.node, body.gpu, body.xid, clock()))
 
-    @app.get("/v1/runs/{run}/checkpoints", dependencies=reads)
-    def checkpoints(run: str) -> dict[str, Any]:
-        return _answer(lambda: checkpoints_view(controller, run), refused=400)
+    @app.get("/v1/runs/{run}/checkpoints", dependencies=reads, **documented(Checkpoints, "The run's checkpoints"))
+    def checkpoints(run: str) -> Response:
+        return reply(_answer(lambda: checkpoints_view(controller, run), refused=400))
 
-    @app.get("/v1/runs/{run}/cadence", dependencies=reads)
-    def cadence(run: str) -> dict[str, Any]:
-        return _answer(lambda: cadence_view(controller, run, clock()), refused=400)
+    @app.get("/v1/runs/{run}/cadence", dependencies=reads, **documented(CadenceView, "The run's checkpoint cadence"))
+    def cadence(run: str) -> Response:
+        return reply(_answer(lambda: cadence_view(controller, run, clock()), refused=400))
 
     @app.get("/v1/runs/{run}/postmortem", dependencies=reads)
     def postmortem(run: str) -> dict[str, Any]:
         return _answer(lambda: postmortem_bundle(controller, run, clock()), refused=400)
 
-    @app.get("/v1/spares", dependencies=reads)
-    def spares() -> dict[str, Any]:
-        return spares_view(controller, clock())
+    @app.get("/v1/spares", dependencies=reads, **documented(SparePools, "The spare pools"))
+    def spares() -> Response:
+        return reply(spares_view(controller, clock()))
 
     @app.get("/v1/nodes", dependencies=reads)
     def nodes() -> list[NodeRow]:
@@ -242,7 +246,7 @@ def create_app(
         fault = Fault(body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor)
         return {"injected": _answer(lambda: controller.inject(run, fault))}
 
-    @app.get("/metrics", dependencies=[allow(ApiRole.READER, ApiRole.METRICS)])
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=[allow(ApiRole.READER, ApiRole.METRICS)])
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -257,7 +261,8 @@ def create_app(
         if app.openapi_schema is None:
             document = generated()
             document["paths"] = {PATH: OPENAPI_PATH, **document.get("paths", {})}
-            document.setdefault("components", {}).setdefault("schemas", {}).update(SCHEMAS)
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            components.update({**HEARTBEAT_SCHEMAS, **ANSWER_SCHEMAS})
         assert app.openapi_schema is not None
         return app.openapi_schema
 

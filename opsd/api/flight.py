@@ -24,12 +24,17 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from opsd.api.answers import documented, reply
 from opsd.controller.controller import Controller
 from opsd.controller.flight import INCIDENT_TRIGGER, analyses
+from opsd.protocol.flight_analysis import FlightAnalyses
 
 log = logging.getLogger(__name__)
 
 MAX_DUMP_BYTES = 64 << 20
+
+#: a kept dump, answered as the rank's agent sent it: a ``FlightDumpIn`` and the fields of torch's it does not read
+RAW_DUMP = {"schema": {"type": "object", "description": "A rank's Flight Recorder dump (docs/flight-recorder.md)"}}
 
 Count = Annotated[int, Field(ge=0)]
 Text = Annotated[str, Field(max_length=1000)]
@@ -159,12 +164,21 @@ def flight_router(
         )
         return {"run": run, "trigger": dump.trigger, "rank": dump.rank, "stored": stored}
 
-    @router.get("/v1/runs/{run}/flight-recorder", dependencies=[read])
-    def run_analyses(run: str) -> dict[str, Any]:
+    @router.get(
+        "/v1/runs/{run}/flight-recorder",
+        dependencies=[read],
+        **documented(FlightAnalyses, "The analyses of the run's dumps, by trigger"),
+    )
+    def run_analyses(run: str) -> Response:
         known(run)
-        return analyses(controller, run)
+        return reply(analyses(controller, run))
 
-    @router.get("/v1/runs/{run}/flight-recorder/{trigger}/{rank}", dependencies=[read])
+    @router.get(
+        "/v1/runs/{run}/flight-recorder/{trigger}/{rank}",
+        dependencies=[read],
+        response_model=None,
+        responses={200: {"description": "The rank's dump as it sent it", "content": {"application/json": RAW_DUMP}}},
+    )
     def raw_dump(run: str, trigger: str, rank: int) -> Response:
         row = store.flight_dump(run, trigger, rank)
         if row is None:

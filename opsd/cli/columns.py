@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from rich import box
 from rich.cells import cell_len
@@ -35,21 +35,24 @@ class Fit(Enum):
     TEXT = "text"  # free text: wrapped and folded, the first to give way
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class Col:
+class Col(Generic[T]):
     """A column: its header, its cell of an item of the API's answer, its kind, and when it is shown."""
 
     header: str
-    cell: Callable[[dict[str, Any]], str]
+    cell: Callable[[T], str]
     fit: Fit = Fit.KEY
     shown: Literal["always", "narrow", "wide"] = "always"
     elsewhere: str = "left out for want of room (--wide shows it)"  # a free-text column's, when it is left out
 
 
-PAIR = (Col("name", lambda p: p["name"]), Col("value", lambda p: p["value"], Fit.WORDS))
+PAIR: tuple[Col[tuple[str, str]], ...] = (Col("name", lambda p: p[0]), Col("value", lambda p: p[1], Fit.WORDS))
 
 
-def listing(title: str, columns: Sequence[Col], items: Iterable[dict[str, Any]], *, wide: bool) -> Grid:
+def listing(title: str, columns: Sequence[Col[T]], items: Iterable[T], *, wide: bool) -> Grid:
     """A table of ``items``, one row each, with the columns of ``wide`` or of the narrow (default) form."""
     chosen = tuple(c for c in columns if c.shown == "always" or (c.shown == "wide") == wide)
     return Grid(title, chosen, [[c.cell(item) for c in chosen] for item in items], wide)
@@ -65,7 +68,7 @@ class Grid:
     """A table laid out when it is printed, for the width it is printed at."""
 
     title: str
-    columns: tuple[Col, ...]
+    columns: tuple[Col[Any], ...]
     rows: list[list[str]]
     wide: bool
     header: bool = True

@@ -27,8 +27,10 @@ import typer
 
 from opsd.cli.client import ApiClient, HttpClient
 from opsd.errors import OpsError
+from opsd.protocol.answers import decode_answer
 from opsd.protocol.env import CLIENT_CONFIG_ENV, STATE_DIR_ENV, STATE_URL_ENV, TOKEN_ENV, URL_ENV
 
+A = TypeVar("A")
 DEFAULT_URL = "http://127.0.0.1:8470"
 EXIT_ERROR, EXIT_USAGE, EXIT_TIMEOUT = 1, 2, 3
 
@@ -135,6 +137,15 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
 def call(api: ApiClient, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
     try:
         return api.post(path, body) if method == "POST" else api.get(path)
+    except OpsError as exc:
+        fail(str(exc))
+
+
+def read(api: ApiClient, path: str, kind: type[A], what: str) -> A:
+    """The answer to ``GET path`` as ``kind`` (``opsd.protocol.answers``); one that does not fit fails the command,
+    naming the field."""
+    try:
+        return decode_answer(api.get(path), kind, f"{what} (GET {path})")
     except OpsError as exc:
         fail(str(exc))
 

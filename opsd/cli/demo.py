@@ -68,13 +68,13 @@ class Injector:
             return
         status = controller.status(RUN, now_s)
         committed = [c.step for c in inspect_checkpoints(self.store) if c.problem is None]
-        if status and committed and max(committed) >= self.after_checkpoint and status["step"] >= max(committed) + 3:
-            print(f"injecting XID 79 on {self.node} GPU 0 at step {status['step']}", flush=True)
+        if status and committed and max(committed) >= self.after_checkpoint and status.step >= max(committed) + 3:
+            print(f"injecting XID 79 on {self.node} GPU 0 at step {status.step}", flush=True)
             outcome = backend.inject(RUN, Fault(FaultKind.XID, node=self.node, gpu=0, xid=79), "demo-xid")
             if not outcome.ok:
                 return  # the node is not there yet: again at the next poll
             self.injected_s = time.time()
-            self.step_at_injection = int(status["step"])
+            self.step_at_injection = status.step
 
 
 def summary(status: dict[str, Any], injector: Injector) -> dict[str, Any]:

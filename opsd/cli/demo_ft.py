@@ -79,14 +79,14 @@ class Scenario:
             return
         if self.injected_s is None:
             groups = set(controller.rank_groups(RUN).values())
-            if groups == {0, 1} and status["step"] >= self.inject_at:
-                print(f"injecting XID 79 on node-1 (replica group 1) at step {status['step']}", flush=True)
+            if groups == {0, 1} and status.step >= self.inject_at:
+                print(f"injecting XID 79 on node-1 (replica group 1) at step {status.step}", flush=True)
                 if backend.inject(RUN, Fault(FaultKind.XID, node="node-1", gpu=0, xid=79), "demo-ft-xid").ok:
-                    self.injected_s, self.step_at_injection = time.time(), int(status["step"])
+                    self.injected_s, self.step_at_injection = time.time(), status.step
             return
         recovered = [i for i in controller.store.incidents(RUN) if i.replica_group == 1 and i.resumed_s is not None]
         if self.last_step is None and recovered and recovered[0].resumed_from_step is not None:
-            self.last_step = int(status["step"]) + self.after_heal
+            self.last_step = status.step + self.after_heal
             self.steps_file.write_text(str(self.last_step))
             print(f"replica group 1 is back: the run ends at step {self.last_step}", flush=True)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Annotated, Any
 
+import msgspec
 import typer
 from rich.console import Console, RenderableType
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -16,9 +17,10 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from opsd.cli import tables
 from opsd.cli.client import ApiClient
 from opsd.cli.columns import echo
-from opsd.cli.connection import EXIT_TIMEOUT, EXIT_USAGE, AsJson, RunName, Wide, call, connected, fail, write
+from opsd.cli.connection import EXIT_TIMEOUT, EXIT_USAGE, AsJson, RunName, Wide, call, connected, fail, read, write
 from opsd.controller.port import FaultKind
 from opsd.errors import OpsError
+from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
 from opsd.protocol.states import ActionKind, IncidentState
 
 Run = Annotated[str, typer.Argument(help="the run")]
@@ -31,7 +33,7 @@ IncidentId = Annotated[int | None, typer.Argument(help="one incident's id: it in
 def display(body: Any, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
     """The API's answer as JSON, or rendered as a table."""
     if as_json:
-        typer.echo(json.dumps(body))
+        typer.echo(msgspec.json.encode(body).decode())
     else:
         echo(render(body))
 
@@ -74,9 +76,9 @@ def runs_attach(
 def status(run: AnyRun = None, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """A run's state: step, MFU, tokens/s, ETTR, cadence, nodes, spares, stragglers (every run's without RUN)."""
     if run is not None:
-        display(call(api, "GET", f"/v1/runs/{run}"), as_json, partial(tables.status_table, wide=wide))
+        display(read(api, f"/v1/runs/{run}", RunStatus, "run status"), as_json, partial(tables.status_table, wide=wide))
         return
-    every = [call(api, "GET", f"/v1/runs/{r['id']}") for r in call(api, "GET", "/v1/runs")]
+    every = [read(api, f"/v1/runs/{r['id']}", RunStatus, "run status") for r in call(api, "GET", "/v1/runs")]
     display(every, as_json, partial(tables.statuses_table, wide=wide))
 
 
@@ -176,20 +178,22 @@ def uncordon(node: Node, *, api: ApiClient) -> None:
 def spares(as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """Each run's spare pool: its spares by health, usable and recommended counts (--wide: each spare, the cordoned
     nodes, and why that many)."""
-    display(call(api, "GET", "/v1/spares"), as_json, partial(tables.spares_table, wide=wide))
+    display(read(api, "/v1/spares", SparePools, "spare pools"), as_json, partial(tables.spares_table, wide=wide))
 
 
 @connected
 def checkpoints(run: Run, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """A run's checkpoints, newest first: committed or torn (and why), size, commit time (--wide: blocking and save
     seconds)."""
-    display(call(api, "GET", f"/v1/runs/{run}/checkpoints"), as_json, partial(tables.checkpoints_table, wide=wide))
+    answer = read(api, f"/v1/runs/{run}/checkpoints", Checkpoints, "checkpoints")
+    display(answer, as_json, partial(tables.checkpoints_table, wide=wide))
 
 
 @connected
 def cadence(run: Run, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """A run's checkpoint cadence and why: MTBF estimate, checkpoint cost, step time, Young's and Daly's interval."""
-    display(call(api, "GET", f"/v1/runs/{run}/cadence"), as_json, partial(tables.cadence_table, wide=wide))
+    answer = read(api, f"/v1/runs/{run}/cadence", CadenceView, "checkpoint cadence")
+    display(answer, as_json, partial(tables.cadence_table, wide=wide))
 
 
 @connected

@@ -6,18 +6,36 @@ them. ``opsd incidents RUN ID`` shows one incident in full, with its actions."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
+import msgspec
 from rich.console import Group
 from rich.text import Text
 
 from opsd.cli.columns import Col, Fit, Grid, fields, lines, listing, number, pairs, seconds, size, when
+from opsd.protocol.answers import (
+    CadencePlan,
+    CadenceView,
+    CheckpointEntry,
+    Checkpoints,
+    NodeEntry,
+    PipelineBubble,
+    PlannedCadence,
+    PoolNode,
+    PreviousCadence,
+    RunPool,
+    RunStatus,
+    SparePools,
+)
 from opsd.protocol.states import NodeRole
 
 ROLES = tuple(NodeRole)  # the order of the nodes' roles in a run's status
 IN_FULL = "left out for want of room: opsd incidents RUN ID shows it"
 
-RUNS = (
+Row = dict[str, Any]  # a store's row as the API answers it (runs, incidents, actions)
+
+RUNS: tuple[Col[Row], ...] = (
     Col("run", lambda r: r["id"]),
     Col("state", lambda r: r["state"]),
     Col("launch", lambda r: str(r["generation"]), shown="wide"),
@@ -26,20 +44,20 @@ RUNS = (
     Col("updated (UTC)", lambda r: when(r["updated_s"])),
 )
 
-STATUSES = (
-    Col("run", lambda s: s["run"]),
-    Col("state", lambda s: s["state"]),
-    Col("step", lambda s: str(s["step"])),
-    Col("ranks", lambda s: str(s["ranks"]), shown="wide"),
+STATUSES: tuple[Col[RunStatus], ...] = (
+    Col("run", lambda s: s.run),
+    Col("state", lambda s: s.state),
+    Col("step", lambda s: str(s.step)),
+    Col("ranks", lambda s: str(s.ranks), shown="wide"),
     Col("MFU", lambda s: measured(s, "mfu_ratio", ".3f", short=True), shown="wide"),
     Col("tokens/s", lambda s: measured(s, "tokens_per_s", ".0f", short=True), shown="wide"),
-    Col("ETTR", lambda s: f"{s['ettr']:.3f}"),
-    Col("spares", lambda s: str(s["spares_available"]), shown="wide"),
-    Col("stragglers", lambda s: str(len(s["stragglers"])), shown="wide"),
-    Col("open", lambda s: str(s["open_incidents"])),
+    Col("ETTR", lambda s: _ratio(s.ettr)),
+    Col("spares", lambda s: str(s.spares_available), shown="wide"),
+    Col("stragglers", lambda s: str(len(s.stragglers)), shown="wide"),
+    Col("open", lambda s: str(s.open_incidents)),
 )
 
-INCIDENTS = (
+INCIDENTS: tuple[Col[Row], ...] = (
     Col("id", lambda i: str(i["id"])),
     Col("run", lambda i: i["run"]),
     Col("kind", lambda i: i["kind"]),
@@ -52,7 +70,7 @@ INCIDENTS = (
     Col("detail", lambda i: i["detail"], Fit.TEXT, elsewhere=IN_FULL),
 )
 
-ACTIONS = (
+ACTIONS: tuple[Col[Row], ...] = (
     Col("#", lambda a: str(a["seq"])),
     Col("kind", lambda a: a["kind"]),
     Col("state", lambda a: a["state"]),
@@ -62,179 +80,186 @@ ACTIONS = (
     Col("args → result", lambda a: _args_result(a), Fit.WORDS),
 )
 
-SPARES = (
-    Col("run", lambda r: r["run"]),
-    Col("state", lambda r: r["state"], shown="wide"),
-    Col("active nodes", lambda r: str(r["active_nodes"]), shown="wide"),
-    Col("spares", lambda r: _by_health(r["spares"]), shown="narrow"),
-    Col("spares (health)", lambda r: lines(f"{s['name']} ({s['health']})" for s in r["spares"]), shown="wide"),
-    Col("usable", lambda r: str(r["available"])),
-    Col("recommended", lambda r: str(r["recommended"])),
-    Col("cordoned", lambda r: str(len(r["cordoned"])), shown="narrow"),
-    Col("cordoned", lambda r: lines(c["name"] for c in r["cordoned"]), shown="wide"),
-    Col("why", lambda r: r["why"], Fit.TEXT, shown="wide"),
+SPARES: tuple[Col[RunPool], ...] = (
+    Col("run", lambda r: r.run),
+    Col("state", lambda r: r.state, shown="wide"),
+    Col("active nodes", lambda r: str(r.active_nodes), shown="wide"),
+    Col("spares", lambda r: _by_health(r.spares), shown="narrow"),
+    Col("spares (health)", lambda r: lines(f"{s.name} ({s.health})" for s in r.spares), shown="wide"),
+    Col("usable", lambda r: str(r.available)),
+    Col("recommended", lambda r: str(r.recommended)),
+    Col("cordoned", lambda r: str(len(r.cordoned)), shown="narrow"),
+    Col("cordoned", lambda r: lines(c.name for c in r.cordoned), shown="wide"),
+    Col("why", lambda r: r.why, Fit.TEXT, shown="wide"),
 )
 
-CHECKPOINTS = (
-    Col("step", lambda c: str(c["step"])),
-    Col("state", lambda c: c["state"]),
-    Col("size", lambda c: size(c["bytes"])),
-    Col("committed (UTC)", lambda c: when(c["time_unix_s"])),
-    Col("blocking s", lambda c: seconds(c["blocking_s"], 3), shown="wide"),
-    Col("save s", lambda c: seconds(c["save_s"], 2), shown="wide"),
-    Col("problem", lambda c: c["problem"] or "", Fit.TEXT),
+CHECKPOINTS: tuple[Col[CheckpointEntry], ...] = (
+    Col("step", lambda c: str(c.step)),
+    Col("state", lambda c: c.state),
+    Col("size", lambda c: size(c.bytes)),
+    Col("committed (UTC)", lambda c: when(c.time_unix_s)),
+    Col("blocking s", lambda c: seconds(c.blocking_s, 3), shown="wide"),
+    Col("save s", lambda c: seconds(c.save_s, 2), shown="wide"),
+    Col("problem", lambda c: c.problem or "", Fit.TEXT),
 )
 
 
-def _args_result(action: dict[str, Any]) -> str:
+def _args_result(action: Row) -> str:
     result = action["result"]
     return fields(action["args"]) + (f"\n→ {fields(result)}" if result else "")
 
 
-def _by_health(spares: list[dict[str, Any]]) -> str:
-    return lines(f"{n} {health}" for health, n in Counter(s["health"] for s in spares).items())
+def _by_health(spares: Sequence[PoolNode]) -> str:
+    return lines(f"{n} {health}" for health, n in Counter(s.health for s in spares).items())
 
 
-def _nodes(nodes: list[dict[str, Any]], wide: bool) -> str:
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _nodes(nodes: Sequence[NodeEntry], wide: bool) -> str:
     """A run's nodes: how many of each role, or (wide) each node, its role, and why it is cordoned."""
     if wide:
-        return lines(f"{n['name']} ({n['role']}{': ' + n['reason'] if n.get('reason') else ''})" for n in nodes)
-    roles = Counter(n["role"] for n in nodes)
+        return lines(f"{n.name} ({n.role}{': ' + n.reason if n.reason else ''})" for n in nodes)
+    roles = Counter(n.role or "?" for n in nodes)
     order = sorted(roles, key=lambda role: ROLES.index(role) if role in ROLES else len(ROLES))
     return ", ".join(f"{roles[role]} {role}" for role in order) or "-"
 
 
-def bubble_text(pipeline: dict[str, Any], wide: bool = False) -> str:
+def bubble_text(pipeline: PipelineBubble, wide: bool = False) -> str:
     """A run's pipeline bubble beside the theory of its schedule (docs/pipeline.md): ``0.31 measured, theory 0.27
     (1f1b, 4 stages x 8 micro-batches), 0.04 over``; ``wide`` adds each stage's."""
-    text = f"{pipeline['bubble_ratio']:.2f} measured"
-    theory = pipeline.get("theoretical_ratio")
+    text = f"{pipeline.bubble_ratio:.2f} measured"
+    theory = pipeline.theoretical_ratio
     if theory is not None:
-        shape = f"{pipeline['schedule']}, {pipeline['stages']} stages x {pipeline['microbatches']} micro-batches"
-        excess = pipeline["bubble_ratio"] - theory
+        shape = f"{pipeline.schedule}, {pipeline.stages} stages x {pipeline.microbatches} micro-batches"
+        excess = pipeline.bubble_ratio - theory
         text += f", theory {theory:.2f} ({shape}), {abs(excess):.2f} {'over' if excess > 0 else 'under'}"
-        if pipeline.get("over_theory"):
-            text += f" (more than the margin {pipeline['margin_ratio']:.2f})"
-    if wide and pipeline.get("stage_ratios"):
-        text += "; by stage " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(pipeline["stage_ratios"].items()))
+        if pipeline.over_theory and pipeline.margin_ratio is not None:
+            text += f" (more than the margin {pipeline.margin_ratio:.2f})"
+    if wide and pipeline.stage_ratios:
+        text += "; by stage " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(pipeline.stage_ratios.items()))
     return text
 
 
-def _every(cadence: dict[str, Any] | None) -> str:
-    return f"every {cadence['every_steps']} steps from step {cadence['from_step']}" if cadence else "-"
+def _every(cadence: PlannedCadence | CadencePlan | PreviousCadence | None) -> str:
+    return f"every {cadence.every_steps} steps from step {cadence.from_step}" if cadence else "-"
 
 
-def _recovered_after(incident: dict[str, Any]) -> str:
+def _recovered_after(incident: Row) -> str:
     resumed = incident["resumed_s"]
     return f"{resumed - incident['detected_s']:.1f}" if resumed else "-"
 
 
 # -- listings ----------------------------------------------------------------------------------------------------
-def runs_table(body: list[dict[str, Any]], wide: bool = False) -> Grid:
+def runs_table(body: list[Row], wide: bool = False) -> Grid:
     return listing("runs", RUNS, body, wide=wide)
 
 
-def statuses_table(body: list[dict[str, Any]], wide: bool = False) -> Grid:
+def statuses_table(body: Sequence[RunStatus], wide: bool = False) -> Grid:
     return listing("runs", STATUSES, body, wide=wide)
 
 
-def incidents_table(body: list[dict[str, Any]], wide: bool = False, run: str | None = None) -> Grid:
+def incidents_table(body: list[Row], wide: bool = False, run: str | None = None) -> Grid:
     """Every run's incidents, or those of ``run`` (then without the run column)."""
     if run is None:
         return listing("incidents", INCIDENTS, body, wide=wide)
     return listing(f"incidents of {run}", [c for c in INCIDENTS if c.header != "run"], body, wide=wide)
 
 
-def spares_table(body: dict[str, Any], wide: bool = False) -> Grid:
-    pools = list(body["runs"])
-    shared = body.get("shared")
+def spares_table(body: SparePools, wide: bool = False) -> Grid:
+    pools = list(body.runs)
+    shared = body.shared
     if shared is not None:
-        pools.append({**shared, "run": "(shared pool)", "state": "-", "cordoned": []})
+        pools.append(RunPool(**msgspec.structs.asdict(shared), run="(shared pool)", state="-"))
     return listing("spare pools", SPARES, pools, wide=wide)
 
 
-def checkpoints_table(body: dict[str, Any], wide: bool = False) -> Grid:
-    return listing(
-        f"checkpoints of {body['run']} ({body['url'] or 'no store'})", CHECKPOINTS, body["checkpoints"], wide=wide
-    )
+def checkpoints_table(body: Checkpoints, wide: bool = False) -> Grid:
+    return listing(f"checkpoints of {body.run} ({body.url or 'no store'})", CHECKPOINTS, body.checkpoints, wide=wide)
 
 
-def measured(status: dict[str, Any], key: str, fmt: str, *, short: bool = False) -> str:
+def measured(status: RunStatus, key: Literal["mfu_ratio", "tokens_per_s"], fmt: str, *, short: bool = False) -> str:
     """A job figure (``mfu_ratio``, ``tokens_per_s``) of a run's status: live while its ranks report, else the last
     one recorded, labelled so, with the run's average beside it (``short``: without)."""
-    last, average = status.get("last_measured"), status.get("run_average")
-    if status["ranks"] or not last:
-        text = format(status[key], fmt)
+    last, average = status.last_measured, status.run_average
+
+    def shown(value: float | None) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    if status.ranks or not last:
+        text = shown(getattr(status, key))
     elif short:
-        text = f"{format(last[key], fmt)} (last)"
+        text = f"{shown(getattr(last, key))} (last)"
     else:
-        text = f"{format(last[key], fmt)} (last measured, launch {last['launch']})"
+        text = f"{shown(getattr(last, key))} (last measured, launch {last.launch})"
     if average and not short:
-        text += f"; run average {format(average[key], fmt)}"
+        text += f"; run average {shown(getattr(average, key))}"
     return text
 
 
 # -- one thing in full -------------------------------------------------------------------------------------------
-def status_table(body: dict[str, Any], wide: bool = False) -> Grid:
+def status_table(body: RunStatus, wide: bool = False) -> Grid:
     rows = [
-        ("state", f"{body['state']} (launch {body['generation']})"),
-        ("step", str(body["step"])),
-        ("ranks", str(body["ranks"])),
+        ("state", f"{body.state} (launch {body.generation})"),
+        ("step", str(body.step)),
+        ("ranks", str(body.ranks)),
         ("MFU", measured(body, "mfu_ratio", ".3f")),
         ("tokens/s", measured(body, "tokens_per_s", ".0f")),
-        ("ETTR", f"{body['ettr']:.3f}"),
-        ("checkpoint cadence", _every(body["cadence"])),
-        ("nodes", _nodes(body["nodes"], wide)),
-        ("spares available", str(body["spares_available"])),
-        ("stragglers", ", ".join(f"rank {s['rank']} {s['slowdown_ratio']:.2f}x" for s in body["stragglers"]) or "none"),
-        ("open incidents", str(body["open_incidents"])),
+        ("ETTR", _ratio(body.ettr)),
+        ("checkpoint cadence", _every(body.cadence)),
+        ("nodes", _nodes(body.nodes, wide)),
+        ("spares available", str(body.spares_available)),
+        ("stragglers", ", ".join(f"rank {s.rank} {s.slowdown_ratio:.2f}x" for s in body.stragglers) or "none"),
+        ("open incidents", str(body.open_incidents)),
     ]
-    hold = body.get("maintenance")  # absent from an older controller's answer
+    hold = body.maintenance
     if hold:
-        held = "every run" if hold["every_run"] else "this run"
-        rows.append(("maintenance", f"recoveries held ({held}) since {seconds(hold['since_s'], 0)}: {hold['reason']}"))
-    down = body.get("agents_down") or []
-    if down:
-        rows.append(("agents down", ", ".join(d["node"] for d in down) + " (their ranks train: nothing recovered)"))
-    last = body.get("last_measured") or {}
-    if body.get("pipeline"):
-        rows.append(("pipeline bubble", bubble_text(body["pipeline"], wide)))
-    elif last.get("pipeline"):  # the ranks are gone: the last recorded
-        text = bubble_text(last["pipeline"], wide) + f" (last measured, launch {last['pipeline_launch']})"
+        held = "every run" if hold.every_run else "this run"
+        rows.append(("maintenance", f"recoveries held ({held}) since {seconds(hold.since_s, 0)}: {hold.reason}"))
+    if body.agents_down:
+        rows.append(
+            ("agents down", ", ".join(d.node for d in body.agents_down) + " (their ranks train: nothing recovered)")
+        )
+    last = body.last_measured
+    if body.pipeline:
+        rows.append(("pipeline bubble", bubble_text(body.pipeline, wide)))
+    elif last is not None and last.pipeline:  # the ranks are gone: the last recorded
+        text = bubble_text(last.pipeline, wide) + f" (last measured, launch {last.pipeline_launch})"
         rows.append(("pipeline bubble", text))
     if wide:
-        badput = body.get("badput_s") or {}
+        badput = body.badput_s
         rows += [
-            ("run MTBF (s)", seconds(body.get("mtbf_s"), 0)),
+            ("run MTBF (s)", seconds(body.mtbf_s, 0)),
             ("badput (s)", ", ".join(f"{bucket} {s:.1f}" for bucket, s in badput.items()) or "-"),
         ]
-    return pairs(f"run {body['run']}", rows)
+    return pairs(f"run {body.run}", rows)
 
 
-def cadence_table(body: dict[str, Any], wide: bool = False) -> Grid:
-    cadence = body["cadence"]
+def cadence_table(body: CadenceView, wide: bool = False) -> Grid:
+    cadence = body.cadence
     rows = [
         ("cadence", _every(cadence)),
-        ("every (s)", seconds(cadence["every_s"]) if cadence else "-"),
-        ("run MTBF (s)", seconds(body["mtbf_s"], 0)),
-        ("node MTBF (h)", f"{body['node_mtbf_h']:,.0f}"),
-        ("failures / node-hours", f"{body['failures']} / {body['node_hours']:,.2f}"),
-        ("checkpoint cost (s)", seconds(body["checkpoint_cost_s"], 3)),
-        ("step time (s)", seconds(body["step_s"], 3)),
-        ("Young / Daly interval (s)", f"{seconds(body['young_interval_s'])} / {seconds(body['daly_interval_s'])}"),
-        ("why", body["why"]),
+        ("every (s)", seconds(cadence.every_s) if cadence else "-"),
+        ("run MTBF (s)", seconds(body.mtbf_s, 0)),
+        ("node MTBF (h)", f"{body.node_mtbf_h:,.0f}"),
+        ("failures / node-hours", f"{body.failures} / {body.node_hours:,.2f}"),
+        ("checkpoint cost (s)", seconds(body.checkpoint_cost_s, 3)),
+        ("step time (s)", seconds(body.step_s, 3)),
+        ("Young / Daly interval (s)", f"{seconds(body.young_interval_s)} / {seconds(body.daly_interval_s)}"),
+        ("why", body.why),
     ]
     if wide:
-        rows[1:1] = [("interval (s)", seconds(cadence["interval_s"]) if cadence else "-")]
+        rows[1:1] = [("interval (s)", seconds(cadence.interval_s) if cadence else "-")]
         rows += [
-            ("previous cadence", _every(body.get("previous"))),
-            ("newest step", number(body.get("step"))),
-            ("nodes", number(body.get("nodes"))),
+            ("previous cadence", _every(body.previous)),
+            ("newest step", number(body.step)),
+            ("nodes", number(body.nodes)),
         ]
-    return pairs(f"checkpoint cadence of {body['run']}", rows)
+    return pairs(f"checkpoint cadence of {body.run}", rows)
 
 
-def incident_view(incident: dict[str, Any], actions: list[dict[str, Any]], wide: bool = False) -> Group:
+def incident_view(incident: Row, actions: list[Row], wide: bool = False) -> Group:
     """One incident, every field, and its actions with their results."""
     i = incident
     rows = [

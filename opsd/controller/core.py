@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from opsd.controller.config import ControllerConfig
 from opsd.controller.holds import Holds
@@ -44,6 +44,7 @@ from opsd.policy.detection import Failure
 from opsd.policy.pipeline import RunBubble, run_bubble
 from opsd.policy.spares import Spare, select_spare
 from opsd.policy.telemetry import TelemetryPlan
+from opsd.protocol.answers import PipelineBubble
 from opsd.protocol.policy_file import Command
 from opsd.protocol.states import NodeRole
 
@@ -422,21 +423,21 @@ class ControllerCore:
         return [n for n in self.store.nodes() if n.role == NodeRole.SPARE and n.run in (run, None)]
 
 
-def pipeline_view(bubble: RunBubble | None) -> dict[str, Any] | None:
+def pipeline_view(bubble: RunBubble | None) -> PipelineBubble | None:
     """The run's pipeline bubble as ``status`` answers it: measured (the mean of the ranks' last steps, and per
     stage), the theory of its schedule and the margin the alert allows; None when no rank reports a pipeline."""
     if bubble is None:
         return None
-    return {
-        "bubble_ratio": bubble.measured_ratio,
-        "theoretical_ratio": bubble.theoretical_ratio,
-        "margin_ratio": bubble.margin_ratio,
-        "over_theory": bubble.over_theory,
-        "schedule": bubble.schedule,
-        "stages": bubble.stages,
-        "microbatches": bubble.micro_batches,
-        "stage_ratios": {str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
-    }
+    return PipelineBubble(
+        bubble_ratio=bubble.measured_ratio,
+        theoretical_ratio=bubble.theoretical_ratio,
+        margin_ratio=bubble.margin_ratio,
+        over_theory=bubble.over_theory,
+        schedule=bubble.schedule,
+        stages=bubble.stages,
+        microbatches=bubble.micro_batches,
+        stage_ratios={str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
+    )
 
 
 def _of(ended: int | Sequence[int], rank: RankLive) -> int | None:

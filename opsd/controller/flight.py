@@ -14,11 +14,11 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Any
 
 from opsd.analysis.flight_recorder import analyze
 from opsd.controller.core import ControllerCore
 from opsd.controller.rows import FlightDumpRow
+from opsd.protocol.flight_analysis import Culprit, FlightAnalyses, FlightAnalysis
 from opsd.protocol.policy_file import DUMP_COMMAND, Command
 from opsd.protocol.states import ActionKind
 from opsd.protocol.steps import Dumped
@@ -29,7 +29,7 @@ INCIDENT_TRIGGER = re.compile(r"^incident-(\d+)$")
 TIMEOUT_PREFIX = "timeout-"
 
 
-def analyses(controller: ControllerCore, run: str) -> dict[str, dict[str, Any]]:
+def analyses(controller: ControllerCore, run: str) -> FlightAnalyses:
     """``{trigger: analysis}`` of the dumps kept for ``run`` (what ``GET /v1/runs/{run}/flight-recorder`` answers)."""
     by_trigger: dict[str, list[FlightDumpRow]] = {}
     for row in controller.store.flight_dumps(run):
@@ -37,7 +37,7 @@ def analyses(controller: ControllerCore, run: str) -> dict[str, dict[str, Any]]:
     return {trigger: _analysis(controller, trigger, rows) for trigger, rows in sorted(by_trigger.items())}
 
 
-def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow]) -> dict[str, Any]:
+def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow]) -> FlightAnalysis:
     """The analysis of one trigger's kept dumps. The ranks expected: for a rank's own timeout, that rank; else every
     rank of the world the dumps name, and those the recovery's ``dump`` action asked."""
     dumps = {r.rank: json.loads(r.body) for r in rows}
@@ -54,14 +54,13 @@ def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow
     return analyze(dumps, sorted(expected), trigger, incident_id)
 
 
-def culprits(controller: ControllerCore, run: str, trigger: str, ranks_expected: list[int]) -> list[dict[str, Any]]:
-    """The culprits the analysis of ``trigger``'s kept dumps names (``rank``, ``reason``, ...), first the likeliest;
+def culprits(controller: ControllerCore, run: str, trigger: str, ranks_expected: list[int]) -> tuple[Culprit, ...]:
+    """The culprits the analysis of ``trigger``'s kept dumps names, first the likeliest;
     ``ranks_expected``: the ranks asked for a dump (with the world the dumps name)."""
     dumps = {r.rank: json.loads(r.body) for r in controller.store.flight_dumps(run, trigger)}
     world = max((int(d.get("world_size", 0)) for d in dumps.values()), default=0)
     expected = sorted(set(ranks_expected) | set(range(world)))
-    found: list[dict[str, Any]] = analyze(dumps, expected, trigger, None)["culprits"]
-    return found
+    return analyze(dumps, expected, trigger, None).culprits
 
 
 def collect_dumps(

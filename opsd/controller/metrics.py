@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from opsd.controller.controller import Controller
 from opsd.controller.views import cadence_interval_s, recommended_spares, shared_pool
+from opsd.protocol.answers import SharedPool
 from opsd.protocol.states import NodeRole, RunState
 
 # fine where recoveries are (a swap in seconds, a relaunch in tens of seconds): a quantile is interpolated within a
@@ -154,13 +154,13 @@ class ControllerCollector(Collector):
             if status is None:
                 continue
             for key, family in gauges.items():
-                family.add_metric([run_id], float(status[key]))
+                family.add_metric([run_id], float(getattr(status, key) or 0.0))
             for name in RunState:
                 state.add_metric([run_id, name], 1.0 if run.state == name else 0.0)
-            if status["mtbf_s"] is not None:
-                mtbf.add_metric([run_id], float(status["mtbf_s"]))
-            if status["cadence"] is not None:
-                every.add_metric([run_id], float(status["cadence"]["every_steps"]))
+            if status.mtbf_s is not None:
+                mtbf.add_metric([run_id], float(status.mtbf_s))
+            if status.cadence is not None:
+                every.add_metric([run_id], float(status.cadence.every_steps))
             seconds = cadence_interval_s(controller, run_id)
             if seconds is not None:
                 every_s.add_metric([run_id], seconds)
@@ -174,28 +174,29 @@ class ControllerCollector(Collector):
             if committed_s is not None:
                 last_commit.add_metric([run_id], committed_s)
             progress.add_metric([run_id], progressed_s if progressed_s is not None else float(run.created_s))
-            active = sum(1 for n in status["nodes"] if n["role"] == NodeRole.ACTIVE)
+            active = sum(1 for n in status.nodes if n.role == NodeRole.ACTIVE)
             run_incidents = controller.store.incidents(run_id)
             recommended.add_metric([run_id], recommended_spares(controller, run, active, now, run_incidents)[0])
-            stragglers.add_metric([run_id], float(len(status["stragglers"])))
-            agents_down.add_metric([run_id], float(len(status["agents_down"])))
-            maintenance.add_metric([run_id], 0.0 if status["maintenance"] is None else 1.0)
-            pipeline = status["pipeline"]
+            stragglers.add_metric([run_id], float(len(status.stragglers)))
+            agents_down.add_metric([run_id], float(len(status.agents_down)))
+            maintenance.add_metric([run_id], 0.0 if status.maintenance is None else 1.0)
+            pipeline = status.pipeline
             if pipeline is not None:
-                bubble.add_metric([run_id], pipeline["bubble_ratio"])
-                margin.add_metric([run_id], pipeline["margin_ratio"])
-                if pipeline["theoretical_ratio"] is not None:
-                    theory.add_metric([run_id], pipeline["theoretical_ratio"])
-            for s in status["stragglers"]:
-                slowdown.add_metric([run_id, str(s["rank"]), s["node"]], float(s["slowdown_ratio"]))
-            replicas = status["replicas"]
+                bubble.add_metric([run_id], pipeline.bubble_ratio)
+                if pipeline.margin_ratio is not None:
+                    margin.add_metric([run_id], pipeline.margin_ratio)
+                if pipeline.theoretical_ratio is not None:
+                    theory.add_metric([run_id], pipeline.theoretical_ratio)
+            for s in status.stragglers:
+                slowdown.add_metric([run_id, str(s.rank), s.node], float(s.slowdown_ratio))
+            replicas = status.replicas
             if replicas is not None:
-                replica_groups.add_metric([run_id], float(replicas["groups"]))
-                out.add_metric([run_id], float(len(replicas["out"])))
-                if replicas["quorum_replica_groups"] is not None:
-                    quorum.add_metric([run_id], float(replicas["quorum_replica_groups"]))
-                for group in range(replicas["groups"]):
-                    missed.add_metric([run_id, str(group)], float(replicas["missed_steps"].get(str(group), 0)))
+                replica_groups.add_metric([run_id], float(replicas.groups))
+                out.add_metric([run_id], float(len(replicas.out)))
+                if replicas.quorum_replica_groups is not None:
+                    quorum.add_metric([run_id], float(replicas.quorum_replica_groups))
+                for group in range(replicas.groups):
+                    missed.add_metric([run_id, str(group)], float(replicas.missed_steps.get(str(group), 0)))
             causes: dict[str, int] = {}
             recovered: list[float] = []
             for i in run_incidents:
@@ -249,18 +250,18 @@ def _le(bound: float) -> str:
     return f"{bound:g}" if bound != int(bound) else f"{int(bound)}.0"
 
 
-def pool_metrics(shared: dict[str, Any] | None) -> list[GaugeMetricFamily]:
+def pool_metrics(shared: SharedPool | None) -> list[GaugeMetricFamily]:
     """The cluster's shared spare pool (none without one): its usable spares and its recommended size."""
     if shared is None:
         return []
     available = GaugeMetricFamily(
         "opsd_spare_pool_available", "Usable spares of the cluster's shared pool.", labels=["pool"]
     )
-    available.add_metric(["shared"], float(shared["available"]))
+    available.add_metric(["shared"], float(shared.available))
     recommended = GaugeMetricFamily(
         "opsd_spare_pool_recommended", "Recommended size of the cluster's shared spare pool.", labels=["pool"]
     )
-    recommended.add_metric(["shared"], float(shared["recommended"]))
+    recommended.add_metric(["shared"], float(shared.recommended))
     return [available, recommended]
 
 

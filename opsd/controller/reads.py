@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
 
 from opsd.controller.core import ControllerCore, pipeline_view
 from opsd.controller.live import RankLive
 from opsd.controller.rows import IncidentRow, LaunchRow, RunRow
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
+from opsd.protocol.answers import (
+    AgentDown,
+    LastMeasured,
+    Maintenance,
+    NodeEntry,
+    PlannedCadence,
+    ReplicaGroups,
+    RunAverage,
+    RunStatus,
+    Straggler,
+)
 from opsd.protocol.states import WARNING_KINDS, IncidentState, RunState
 
 
@@ -47,7 +57,7 @@ class Reads(ControllerCore):
         startup = Startup(float(run.created_s), run.first_productive_s)
         return account(max(0.0, end - startup.started_s), blocking, interruptions, startup)
 
-    def status(self, run_id: str, now_s: float) -> dict[str, Any] | None:
+    def status(self, run_id: str, now_s: float) -> RunStatus | None:
         """The run's state, step, MFU, tokens/s, ETTR and badput, cadence, nodes, spares, stragglers and the nodes
         whose agent is down while their ranks train; None when there is no such run."""
         run = self.store.run(run_id)
@@ -70,40 +80,38 @@ class Reads(ControllerCore):
             bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
         if run.final_step is not None and RunState(run.state).finished:
             step = int(run.final_step)  # where it ended, whatever its last launch reported
-        return {
-            "run": run_id,
-            "state": run.state,
-            "generation": run.generation,
-            "step": step,
-            "ranks": len(ranks),
-            "mfu_ratio": mfu_ratio,
-            "tokens_per_s": tokens_per_s,
-            "ettr": goodput.ettr,
-            "badput_s": {k: v for k, v in goodput.buckets().items() if k != BadputBucket.PRODUCTIVE},
-            "mtbf_s": cadence.mtbf_s if cadence else None,
-            "cadence": {
-                "every_steps": cadence.every_steps,
-                "from_step": cadence.from_step,
-                "reason": cadence.reason,
-            }
+        last, average = measured(self.store.launches(run_id))
+        return RunStatus(
+            run=run_id,
+            state=run.state,
+            generation=run.generation,
+            step=step,
+            ranks=len(ranks),
+            mfu_ratio=mfu_ratio,
+            tokens_per_s=tokens_per_s,
+            ettr=goodput.ettr,
+            badput_s={k: v for k, v in goodput.buckets().items() if k != BadputBucket.PRODUCTIVE},
+            mtbf_s=cadence.mtbf_s if cadence else None,
+            cadence=PlannedCadence(every_steps=cadence.every_steps, from_step=cadence.from_step, reason=cadence.reason)
             if cadence
             else None,
-            "nodes": [{"name": n.name, "role": n.role, "reason": n.reason} for n in nodes],
-            "spares_available": len(self.spare_pool(run_id)),  # its own and the shared pool's
-            "stragglers": [
-                {"rank": s.rank, "node": s.node, "slowdown_ratio": s.slowdown_ratio} for s in stragglers if s.flagged
-            ],
-            "agents_down": [{"node": d.node, "detail": d.detail} for d in agents_down],
-            "maintenance": None
+            nodes=tuple(NodeEntry(name=n.name, role=n.role, reason=n.reason) for n in nodes),
+            spares_available=len(self.spare_pool(run_id)),  # its own and the shared pool's
+            stragglers=tuple(
+                Straggler(rank=s.rank, node=s.node, slowdown_ratio=s.slowdown_ratio) for s in stragglers if s.flagged
+            ),
+            agents_down=tuple(AgentDown(node=d.node, detail=d.detail) for d in agents_down),
+            maintenance=None
             if hold is None
-            else {"every_run": hold.run is None, "reason": hold.reason, "since_s": hold.since_s},
-            "open_incidents": sum(1 for i in incidents if i.state == IncidentState.OPEN),
-            "pipeline": pipeline_view(bubble),
-            "replicas": self._replicas_view(run, incidents, ranks),
-            **measured(self.store.launches(run_id)),
-        }
+            else Maintenance(every_run=hold.run is None, reason=hold.reason, since_s=hold.since_s),
+            open_incidents=sum(1 for i in incidents if i.state == IncidentState.OPEN),
+            pipeline=pipeline_view(bubble),
+            replicas=self._replicas_view(run, incidents, ranks),
+            last_measured=last,
+            run_average=average,
+        )
 
-    def _replicas_view(self, run: RunRow, incidents: list[IncidentRow], ranks: list[RankLive]) -> dict[str, Any] | None:
+    def _replicas_view(self, run: RunRow, incidents: list[IncidentRow], ranks: list[RankLive]) -> ReplicaGroups | None:
         """A fault-tolerant run's replica groups (None for another run): how many, the quorum's minimum, those in
         service and those out (stopped by a recovery, or waiting for a node), the groups in the newest quorum its
         ranks reported, and the steps each group missed while it was out (over its replica recoveries)."""
@@ -118,44 +126,43 @@ class Reads(ControllerCore):
         for i in incidents:
             if i.replica_group is not None and i.missed_steps:
                 missed[str(i.replica_group)] = missed.get(str(i.replica_group), 0) + i.missed_steps
-        return {
-            "groups": layout.groups,
-            "min_replicas": layout.min_replicas,
-            "in_service": [g for g in range(layout.groups) if g not in out],
-            "out": out,
-            "quorum_replica_groups": max((r.quorum_replicas for r in ranks), default=None),
-            "missed_steps": missed,
-        }
+        return ReplicaGroups(
+            groups=layout.groups,
+            min_replicas=layout.min_replicas,
+            in_service=tuple(g for g in range(layout.groups) if g not in out),
+            out=tuple(out),
+            quorum_replica_groups=max((r.quorum_replicas for r in ranks), default=None),
+            missed_steps=missed,
+        )
 
 
-def measured(launches: list[LaunchRow]) -> dict[str, Any]:
-    """What the run's launches measured, as recorded: the last sample of the job's MFU and tokens/s
-    (``last_measured``: of which launch, and when), and their averages over every sample taken while the ranks
-    progressed (``run_average``); None before any sample (a finished run keeps them)."""
+def measured(launches: list[LaunchRow]) -> tuple[LastMeasured | None, RunAverage | None]:
+    """What the run's launches measured, as recorded: the last sample of the job's MFU and tokens/s (of which launch,
+    and when), and their averages over every sample taken while the ranks progressed; None before any sample (a
+    finished run keeps them)."""
     last = next((row for row in reversed(launches) if row.mfu_ratio_last is not None), None)
     samples = sum(int(row.samples) for row in launches)
     piped = next((row for row in reversed(launches) if row.pipeline is not None), None)
     bubble_samples = sum(int(row.bubble_samples or 0) for row in launches)
-    return {
-        "last_measured": {
-            "launch": last.generation,
-            "mfu_ratio": last.mfu_ratio_last,
-            "tokens_per_s": last.tokens_per_s_last,
-            "at_unix_s": last.updated_s,
+    last_measured = None
+    if last is not None:
+        last_measured = LastMeasured(
+            launch=last.generation,
+            mfu_ratio=last.mfu_ratio_last,
+            tokens_per_s=last.tokens_per_s_last,
+            at_unix_s=last.updated_s,
             # the pipeline bubble of the last launch that had one (its launch: ``pipeline_launch``)
-            "pipeline": piped.pipeline if piped is not None else None,
-            "pipeline_launch": piped.generation if piped is not None else None,
-        }
-        if last is not None
+            pipeline=piped.pipeline if piped is not None else None,
+            pipeline_launch=piped.generation if piped is not None else None,
+        )
+    if not samples:
+        return last_measured, None
+    average = RunAverage(
+        mfu_ratio=math.fsum(row.mfu_ratio_sum for row in launches) / samples,
+        tokens_per_s=math.fsum(row.tokens_per_s_sum for row in launches) / samples,
+        samples=samples,
+        bubble_ratio=math.fsum(row.bubble_ratio_sum or 0.0 for row in launches) / bubble_samples
+        if bubble_samples
         else None,
-        "run_average": {
-            "mfu_ratio": math.fsum(row.mfu_ratio_sum for row in launches) / samples,
-            "tokens_per_s": math.fsum(row.tokens_per_s_sum for row in launches) / samples,
-            "samples": samples,
-            "bubble_ratio": math.fsum(row.bubble_ratio_sum or 0.0 for row in launches) / bubble_samples
-            if bubble_samples
-            else None,
-        }
-        if samples
-        else None,
-    }
+    )
+    return last_measured, average

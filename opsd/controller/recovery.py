@@ -290,7 +290,7 @@ class Recovery(BackendCalls):
         guess, the rank furthest behind, is kept in the detail and the result); a node blamed for
         ``hang_quarantine_after`` hangs within ``hang_window_h`` is to be swapped (``quarantine``)."""
         named = culprits(self.core, run, collected.trigger, collected.ranks_expected)
-        rank = int(named[0]["rank"]) if named else None
+        rank = named[0].rank if named else None
         node = self.core.rank_node(run, rank) if rank is not None else None
         incident = self.core.store.incident(incident_id)
         if rank is None or node is None or incident is None:
@@ -298,7 +298,7 @@ class Recovery(BackendCalls):
         first = Blame(rank=incident.rank, node=incident.node)
         if (first.rank, first.node) != (rank, node):
             detail = (
-                f"{incident.detail}; the Flight Recorder names rank {rank} on {node} ({named[0]['reason']});"
+                f"{incident.detail}; the Flight Recorder names rank {rank} on {node} ({named[0].reason});"
                 f" first blamed: rank {first.rank} on {first.node}"
             )
             self.core.store.update_incident(incident_id, node=node, rank=rank, detail=detail[:4000])

@@ -18,6 +18,7 @@ import msgspec
 from opsd.policy.cadence import Cadence
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
+from opsd.protocol.answers import PipelineBubble
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 from opsd.protocol.steps import Result, Step, result_of, step_of
 
@@ -110,7 +111,7 @@ class LaunchSample:
     mfu_ratio: float = 0.0
     tokens_per_s: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds of this launch
-    pipeline: dict[str, Any] | None = None  # its pipeline bubble now (``pipeline_view``), when its ranks report one
+    pipeline: PipelineBubble | None = None  # its pipeline bubble now (``pipeline_view``), when its ranks report one
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,20 @@ def decode_cadence(data: str | bytes | None) -> PublishedCadence | None:
 
 def encode_cadence(cadence: PublishedCadence) -> str:
     return msgspec.json.encode(cadence).decode()
+
+
+_BUBBLE_DECODER = msgspec.json.Decoder(PipelineBubble)
+
+
+def decode_bubble(data: str | bytes | None) -> PipelineBubble | None:
+    """A launch's last pipeline bubble as the store keeps it (None: none, or one that does not fit)."""
+    if not data:
+        return None
+    try:
+        return _BUBBLE_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        log.warning("a launch's pipeline bubble in the state store does not fit (%r): read as none", data[:200])
+        return None
 
 
 def as_json(value: Any) -> Any:
@@ -247,7 +262,7 @@ class LaunchRow:
     mfu_ratio_last: float | None
     tokens_per_s_last: float | None
     comm: dict[str, float] = field(default_factory=dict)  # "phase;dimension;op" -> seconds: its collectives
-    pipeline: dict[str, Any] | None = None  # its last pipeline bubble, as the run's status has it
+    pipeline: PipelineBubble | None = None  # its last pipeline bubble, as the run's status has it
     bubble_ratio_sum: float | None = None
     bubble_samples: int | None = None
 

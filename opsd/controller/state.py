@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import Any
 
+import msgspec
 from sqlalchemy import (
     ColumnElement,
     Connection,
@@ -46,6 +47,7 @@ from opsd.controller.rows import (
     PublishedCadence,
     RunRow,
     RunSpec,
+    decode_bubble,
     decode_cadence,
     decode_groups,
     decode_spec,
@@ -346,9 +348,9 @@ class StateStore:
                 fields["tokens_per_s_sum"] = (row["tokens_per_s_sum"] if row else 0.0) + sample.tokens_per_s
                 fields["mfu_ratio_last"], fields["tokens_per_s_last"] = sample.mfu_ratio, sample.tokens_per_s
                 if sample.pipeline is not None:
-                    fields["pipeline"] = json.dumps(sample.pipeline, sort_keys=True)
+                    fields["pipeline"] = msgspec.json.encode(sample.pipeline).decode()
                     sums = (row["bubble_ratio_sum"] or 0.0, row["bubble_samples"] or 0) if row else (0.0, 0)
-                    fields["bubble_ratio_sum"] = sums[0] + float(sample.pipeline["bubble_ratio"])
+                    fields["bubble_ratio_sum"] = sums[0] + sample.pipeline.bubble_ratio
                     fields["bubble_samples"] = sums[1] + 1
             if row is None:
                 c.execute(insert(launches).values(run=run, generation=generation, started_s=now_s, **fields))
@@ -365,7 +367,7 @@ class StateStore:
                 **{
                     **r,
                     "comm": json.loads(r["comm"]),
-                    "pipeline": json.loads(r["pipeline"]) if r["pipeline"] else None,
+                    "pipeline": decode_bubble(r["pipeline"]),
                 }
             )
             for r in rows

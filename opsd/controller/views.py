@@ -9,6 +9,8 @@ import math
 import statistics
 from typing import Any
 
+import msgspec
+
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
 from opsd.controller.controller import Controller
@@ -18,6 +20,19 @@ from opsd.controller.rows import IncidentRow, NodeRow, RunRow, as_json
 from opsd.errors import NotFoundError, OpsError
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
 from opsd.policy.spares import spare_pool_size
+from opsd.protocol.answers import (
+    CadencePlan,
+    CadenceView,
+    CheckpointEntry,
+    Checkpoints,
+    Cordoned,
+    PoolNode,
+    PreviousCadence,
+    Prior,
+    RunPool,
+    SharedPool,
+    SparePools,
+)
 from opsd.protocol.manifest import ManifestError, parse_manifest
 from opsd.protocol.states import NodeRole, RunState
 from opsd.protocol.xid_table import xid_meanings
@@ -83,12 +98,12 @@ def recommended_spares(
     return size, why
 
 
-def pool_entry(controller: Controller, node: NodeRow, now_s: float) -> dict[str, Any]:
+def pool_entry(controller: Controller, node: NodeRow, now_s: float) -> PoolNode:
     health, why = node_health(controller, node.name, now_s)
-    return {"name": node.name, "domain": node.domain, "health": health, "why": why}
+    return PoolNode(name=node.name, domain=node.domain, health=health, why=why)
 
 
-def shared_pool(controller: Controller, now_s: float) -> dict[str, Any] | None:
+def shared_pool(controller: Controller, now_s: float) -> SharedPool | None:
     """The cluster's spare pool (spares of no run, as on Kubernetes: ``opsd.io/pool=spare``) with each node's
     health, and its recommended size: the binomial rule over every active node of the runs still going, at the
     node MTBF of their failures and node-hours together. None when no run draws from such a pool."""
@@ -107,64 +122,58 @@ def shared_pool(controller: Controller, now_s: float) -> dict[str, Any] | None:
     config = controller.config
     mtbf_h = 1.0 / node_failure_rate_per_h(failures, node_hours, config.cadence)
     size = spare_pool_size(active, config.spare_window_h, mtbf_h, config.spare_risk)
-    pool = [pool_entry(controller, n, now_s) for n in spares]
-    return {
-        "active_nodes": active,
-        "spares": pool,
-        "available": sum(1 for s in pool if s["health"] in USABLE),
-        "recommended": size,
-        "why": (
+    pool = tuple(pool_entry(controller, n, now_s) for n in spares)
+    return SharedPool(
+        active_nodes=active,
+        spares=pool,
+        available=sum(1 for s in pool if s.health in USABLE),
+        recommended=size,
+        why=(
             f"P(more than {size} of {active} nodes of {len(going)} runs fail within {config.spare_window_h:g} h)"
             f" <= {config.spare_risk:g} at a node MTBF of {mtbf_h:,.0f} h"
             f" ({failures} failures in {node_hours:,.1f} node-hours, with the prior)"
         ),
-    }
+    )
 
 
-def spares_view(controller: Controller, now_s: float) -> dict[str, Any]:
+def spares_view(controller: Controller, now_s: float) -> SparePools:
     """Per run: its own spare pool with each node's health, and the recommended pool size with the reason; and the
     cluster's shared pool, when runs draw from one (``shared``: None otherwise)."""
     out = []
     for run in controller.store.runs():
         nodes = controller.store.nodes(run.id)
         active = [n for n in nodes if n.role == NodeRole.ACTIVE]
-        pool = [pool_entry(controller, n, now_s) for n in nodes if n.role == NodeRole.SPARE]
+        pool = tuple(pool_entry(controller, n, now_s) for n in nodes if n.role == NodeRole.SPARE)
         recommended, why = recommended_spares(controller, run, len(active), now_s)
         out.append(
-            {
-                "run": run.id,
-                "state": run.state,
-                "active_nodes": len(active),
-                "spares": pool,
-                "available": sum(1 for s in pool if s["health"] in USABLE),
-                "recommended": recommended,
-                "why": why,
-                "cordoned": [{"name": n.name, "reason": n.reason} for n in nodes if n.role == NodeRole.CORDONED],
-            }
+            RunPool(
+                run=run.id,
+                state=run.state,
+                active_nodes=len(active),
+                spares=pool,
+                available=sum(1 for s in pool if s.health in USABLE),
+                recommended=recommended,
+                why=why,
+                cordoned=tuple(Cordoned(name=n.name, reason=n.reason) for n in nodes if n.role == NodeRole.CORDONED),
+            )
         )
-    return {"runs": out, "shared": shared_pool(controller, now_s)}
+    return SparePools(runs=tuple(out), shared=shared_pool(controller, now_s))
 
 
-def checkpoints_view(controller: Controller, run_id: str) -> dict[str, Any]:
+def checkpoints_view(controller: Controller, run_id: str) -> Checkpoints:
     """The run's checkpoints, newest first: committed or torn (and why), bytes, commit time, blocking seconds."""
     run = controller.store.run(run_id)
     if run is None:
         raise NotFoundError(f"no run {run_id!r}")
     url = run.spec.checkpoint_url
     if not url:
-        return {"run": run_id, "url": None, "checkpoints": [], "why": "the run has no checkpoint store"}
+        return Checkpoints(run=run_id, why="the run has no checkpoint store")
     store = open_store(url)
     rows = []
     for c in inspect_checkpoints(store):
-        row: dict[str, Any] = {
-            "step": c.step,
-            "state": "committed" if c.problem is None else "torn",
-            "problem": c.problem,
-            "bytes": c.total_bytes,
-            "time_unix_s": None,
-            "blocking_s": None,
-            "save_s": None,
-        }
+        row = CheckpointEntry(
+            step=c.step, state="committed" if c.problem is None else "torn", problem=c.problem, bytes=c.total_bytes
+        )
         if c.problem is None:
             try:
                 data = store.read_manifest(c.step)
@@ -173,12 +182,14 @@ def checkpoints_view(controller: Controller, run_id: str) -> dict[str, Any]:
                 log.warning("run %s: manifest of step %d unreadable: %s", run_id, c.step, exc)
                 manifest = None
             if manifest is not None:
-                row.update(time_unix_s=manifest.time_unix_s, blocking_s=manifest.blocking_s, save_s=manifest.save_s)
+                row = msgspec.structs.replace(
+                    row, time_unix_s=manifest.time_unix_s, blocking_s=manifest.blocking_s, save_s=manifest.save_s
+                )
         rows.append(row)
-    return {"run": run_id, "url": url, "checkpoints": rows}
+    return Checkpoints(run=run_id, url=url, checkpoints=tuple(rows))
 
 
-def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str, Any]:
+def cadence_view(controller: Controller, run_id: str, now_s: float) -> CadenceView:
     """The checkpoint cadence of a run and its inputs: MTBF estimate, checkpoint cost, step time, the interval by
     Young's and Daly's rules, and the cadence published (or why there is none yet)."""
     run = controller.store.run(run_id)
@@ -198,41 +209,42 @@ def cadence_view(controller: Controller, run_id: str, now_s: float) -> dict[str,
         nodes = len(controller.store.node_names(run_id, NodeRole.ACTIVE))
     mtbf_h, failures, node_hours = node_mtbf_h(controller, run, nodes, now_s)
     config = controller.config.cadence
-    out: dict[str, Any] = {
-        "run": run_id,
-        "step": newest,
-        "nodes": nodes,
-        "prior": {"node_mtbf_h": config.prior_mtbf_node_h, "node_hours": config.prior_node_hours},
-        "failures": failures,
-        "node_hours": node_hours,
-        "node_mtbf_h": mtbf_h,
-        "mtbf_s": run_mtbf_s(failures, node_hours, nodes, controller.config.cadence) if nodes else None,
-        "checkpoint_cost_s": cost_s,
-        "step_s": step_s,
-        "young_interval_s": None,
-        "daly_interval_s": None,
-        "cadence": None,
-        "previous": None,
-        "why": "",
-    }
-    if out["mtbf_s"] is not None and cost_s is not None:
-        out["young_interval_s"] = young_interval_s(cost_s, out["mtbf_s"])
-        out["daly_interval_s"] = daly_interval_s(cost_s, out["mtbf_s"])
+    mtbf_s = run_mtbf_s(failures, node_hours, nodes, controller.config.cadence) if nodes else None
+    young_s = daly_s = None
+    if mtbf_s is not None and cost_s is not None:
+        young_s, daly_s = young_interval_s(cost_s, mtbf_s), daly_interval_s(cost_s, mtbf_s)
     if cadence is None:
         missing = [name for name, v in (("step times", step_s), ("a checkpoint's cost", cost_s)) if v is None]
-        out["why"] = "not planned yet: no " + " and no ".join(missing) if missing else "not planned yet"
-        return out
-    out["cadence"] = {
-        "every_steps": cadence.every_steps,
-        "from_step": cadence.from_step,
-        "interval_s": cadence.interval_s,
-        "every_s": cadence.every_steps * step_s if step_s else None,
-        "mtbf_s": cadence.mtbf_s,
-    }
-    if previous is not None:
-        out["previous"] = {"every_steps": previous.every_steps, "from_step": previous.from_step}
-    out["why"] = cadence.reason
-    return out
+        why = "not planned yet: no " + " and no ".join(missing) if missing else "not planned yet"
+    else:
+        why = cadence.reason
+    return CadenceView(
+        run=run_id,
+        step=newest,
+        nodes=nodes,
+        prior=Prior(node_mtbf_h=config.prior_mtbf_node_h, node_hours=config.prior_node_hours),
+        failures=failures,
+        node_hours=node_hours,
+        node_mtbf_h=mtbf_h,
+        mtbf_s=mtbf_s,
+        checkpoint_cost_s=cost_s,
+        step_s=step_s,
+        young_interval_s=young_s,
+        daly_interval_s=daly_s,
+        cadence=None
+        if cadence is None
+        else CadencePlan(
+            every_steps=cadence.every_steps,
+            from_step=cadence.from_step,
+            interval_s=cadence.interval_s,
+            every_s=cadence.every_steps * step_s if step_s else None,
+            mtbf_s=cadence.mtbf_s,
+        ),
+        previous=None
+        if cadence is None or previous is None
+        else PreviousCadence(every_steps=previous.every_steps, from_step=previous.from_step),
+        why=why,
+    )
 
 
 def cadence_interval_s(controller: Controller, run_id: str) -> float | None:
@@ -256,29 +268,29 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
         raise NotFoundError(f"no run {run_id!r}")
     incidents = controller.store.incidents(run_id)
     try:
-        checkpoints = checkpoints_view(controller, run_id)["checkpoints"]
+        checkpoints = checkpoints_view(controller, run_id).checkpoints
     except OpsError as exc:
         log.warning("run %s: checkpoints unavailable for the post-mortem: %s", run_id, exc)
-        checkpoints = []
-    blocking = [c["blocking_s"] for c in checkpoints if c["blocking_s"] is not None]
+        checkpoints = ()
+    blocking = [c.blocking_s for c in checkpoints if c.blocking_s is not None]
     per_launch = launch_stacks(controller, run_id)
     codes = {int(word) for i in incidents for word in _xid_codes(i.detail)}
     table = xid_meanings()
     return {
         "generated_unix_s": now_s,
         "run": as_json(run),
-        "status": status,
+        "status": as_json(status),
         "incidents": as_json(incidents),
         "actions": as_json(controller.store.actions(run=run_id)),
-        "checkpoints": checkpoints,
+        "checkpoints": as_json(checkpoints),
         "checkpoint_blocking_s": {
             "count": len(blocking),
             "mean_s": math.fsum(blocking) / len(blocking) if blocking else None,
             "max_s": max(blocking, default=None),
         },
-        "flight_recorder": analyses(controller, run_id),
+        "flight_recorder": as_json(analyses(controller, run_id)),
         "xid_table": {str(code): table[code] for code in sorted(codes) if code in table},
-        "mtbf": {k: v for k, v in cadence_view(controller, run_id, now_s).items() if k in MTBF_KEYS},
+        "mtbf": as_json(cadence_view(controller, run_id, now_s).mtbf()),
         "launches": [
             {**{k: getattr(row, k) for k in LAUNCH_KEYS}, "comm": dict(top_stacks(per_launch.get(row.generation, {})))}
             for row in controller.store.launches(run_id)
@@ -286,8 +298,7 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
     }
 
 
-#: what the post-mortem takes of the cadence (the MTBF estimate and its inputs) and of each launch's record
-MTBF_KEYS = ("mtbf_s", "node_mtbf_h", "failures", "node_hours", "nodes", "prior")
+#: what the post-mortem takes of each launch's record
 LAUNCH_KEYS = ("generation", "started_s", "updated_s", "first_step", "last_step", "ranks", "samples")
 TOP_STACKS = 12  # the post-mortem's collective stacks of a launch, the longest first
 

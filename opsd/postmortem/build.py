@@ -24,17 +24,15 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from opsd.errors import PermanentError
 from opsd.policy.goodput import BadputBucket
 from opsd.postmortem.bundle import (
     ActionIn,
-    AverageIn,
     BlockingIn,
     IncidentIn,
     LaunchIn,
-    MeasuredIn,
-    MtbfIn,
-    StatusIn,
     XidIn,
     read_bundle,
 )
@@ -43,12 +41,9 @@ from opsd.postmortem.model import (
     KIND_WORDS,
     PHASE_NAMES,
     XID_ACTION_WORDS,
-    Checkpoint,
     ExitFacts,
-    FlightRecorder,
     Goodput,
     IncidentReport,
-    Mtbf,
     Phase,
     PipelineBubble,
     Report,
@@ -59,6 +54,8 @@ from opsd.postmortem.model import (
     Totals,
     XidFacts,
 )
+from opsd.protocol.answers import CheckpointEntry, LastMeasured, Mtbf, RunAverage, RunStatus
+from opsd.protocol.flight_analysis import FlightAnalysis
 from opsd.protocol.states import WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
 from opsd.protocol.steps import (
     Blame,
@@ -90,7 +87,7 @@ def signal_name(exit_code: int) -> str | None:
         return f"signal {number}"
 
 
-def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: FlightRecorder | None) -> RootCause:
+def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: FlightAnalysis | None) -> RootCause:
     kind, node, rank, detail = row.kind, row.node, row.rank, row.detail
     words = KIND_WORDS.get(kind, kind.replace("_", " "))
     where = f"{node}" + (f" (rank {rank})" if rank is not None else "")
@@ -184,7 +181,7 @@ def _timeline(row: IncidentIn, actions: Sequence[ActionIn]) -> tuple[Phase, ...]
     return tuple(phases)
 
 
-def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[Checkpoint]) -> Resume:
+def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[CheckpointEntry]) -> Resume:
     launches = [a for a in actions if a.kind == ActionKind.LAUNCH and a.state == ActionState.DONE]
     done = launches[-1].outcome() if launches else None
     result = done if isinstance(done, Launched) else Launched()
@@ -224,23 +221,27 @@ def build(raw: Any, incident_id: int | None = None) -> Report:
     decoded JSON. Raises PermanentError naming the field's path when the bundle does not follow docs/postmortem.md,
     or when the run has no such incident."""
     bundle = read_bundle(raw)
-    now_s, run, status = bundle.generated_unix_s, bundle.run, bundle.status or StatusIn()
+    now_s, run, status = bundle.generated_unix_s, bundle.run, bundle.status or RunStatus()
     rows, actions = bundle.incidents or (), bundle.actions or ()
-    checkpoints = sorted((c.model() for c in bundle.checkpoints or ()), key=lambda c: c.step)
-    analyses = [a.model(trigger) for trigger, a in (bundle.flight_recorder or {}).items()]
+    checkpoints = sorted(bundle.checkpoints or (), key=lambda c: c.step)
+    # an analysis names its trigger; one that does not (an older bundle's) is named by its key
+    analyses = [
+        a if a.trigger else msgspec.structs.replace(a, trigger=trigger)
+        for trigger, a in (bundle.flight_recorder or {}).items()
+    ]
     if incident_id is not None and (isinstance(incident_id, bool) or not isinstance(incident_id, int)):
         raise PermanentError(f"incident id must be an integer, not {incident_id!r}")
     if incident_id is not None and incident_id not in {r.id for r in rows}:
         known = ", ".join(str(r.id) for r in rows) or "none"
         raise PermanentError(f"run {run.id!r} has no incident {incident_id} (its incidents: {known})")
 
-    mtbf = bundle.mtbf or MtbfIn(mtbf_s=status.mtbf_s)  # older bundles: the status's MTBF alone
+    mtbf = bundle.mtbf or Mtbf(mtbf_s=status.mtbf_s)  # older bundles: the status's MTBF alone
     goodput = _goodput(status, bundle.checkpoint_blocking_s or BlockingIn(), mtbf)
     collectives = _collectives(bundle.launches or ())
     recompute_total = dict(goodput.badput_s).get(BadputBucket.RECOMPUTE)
     lost_total = sum(r.lost_steps or 0 for r in rows if r.kind not in WARNING_KINDS)
 
-    def analysis_of(ident: int) -> FlightRecorder | None:
+    def analysis_of(ident: int) -> FlightAnalysis | None:
         for a in analyses:
             if a.incident_id == ident or a.trigger == f"incident-{ident}":
                 return a
@@ -342,11 +343,10 @@ def _collectives(launches: Sequence[LaunchIn]) -> dict[int, tuple[tuple[str, flo
     return out
 
 
-def _goodput(status: StatusIn, blocking: BlockingIn, m: MtbfIn) -> Goodput:
-    badput = {k: v for k, v in (status.badput_s or {}).items() if v is not None}
+def _goodput(status: RunStatus, blocking: BlockingIn, mtbf: Mtbf) -> Goodput:
+    badput = dict(status.badput_s)
     order = [b for b in BADPUT_BUCKETS if b in badput] + sorted(k for k in badput if k not in BADPUT_BUCKETS)
-    last, average = status.last_measured or MeasuredIn(), status.run_average or AverageIn()
-    mtbf = Mtbf(m.mtbf_s, m.node_mtbf_h, m.failures, m.node_hours, m.nodes, m.prior.node_mtbf_h, m.prior.node_hours)
+    last, average = status.last_measured or LastMeasured(), status.run_average or RunAverage()
     return Goodput(
         ettr=status.ettr,
         badput_s=tuple((k, badput[k]) for k in order),
@@ -365,7 +365,7 @@ def _goodput(status: StatusIn, blocking: BlockingIn, m: MtbfIn) -> Goodput:
     )
 
 
-def _pipeline(status: StatusIn, last: MeasuredIn, average: AverageIn) -> PipelineBubble | None:
+def _pipeline(status: RunStatus, last: LastMeasured, average: RunAverage) -> PipelineBubble | None:
     """The run's pipeline bubble: live while its ranks report, else the last one recorded; None for no pipeline."""
     p = status.pipeline or last.pipeline
     if p is None:

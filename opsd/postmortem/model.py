@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from opsd.policy.goodput import BADPUT
+from opsd.protocol.answers import CheckpointEntry, Mtbf
+from opsd.protocol.flight_analysis import Collective, FlightAnalysis
 from opsd.protocol.states import WARNING_KINDS, ActionKind
 
 KIND_WORDS = {
@@ -67,54 +69,13 @@ class ExitFacts:
     signal_name: str | None  # -9 (or 137 = 128 + 9, as shells report it): SIGKILL
 
 
-@dataclass(frozen=True)
-class Collective:
-    group: str | None
-    pg_id: str | None
-    seq: int | None
-    op: str | None
-    state: str | None
-    time_unix_s: float | None
-    duration_s: float | None = None  # its time on the GPU (NCCL's Flight Recorder), once it completed
-
-    def describe(self) -> str:
-        where = f"{self.op or 'collective'} #{self.seq if self.seq is not None else '?'} on {self.group or '?'}"
-        where += f" (pg {self.pg_id})" if self.pg_id is not None else ""
-        when = f" at {clock(self.time_unix_s)}" if self.time_unix_s is not None else ""
-        took = f" in {self.duration_s * 1e3:.3g} ms on the GPU" if self.duration_s is not None else ""
-        return f"{where}, {self.state or 'state unknown'}{took}{when}"
-
-
-@dataclass(frozen=True)
-class Culprit:
-    rank: int | None
-    reason: str
-    last_collective: Collective | None
-    stack: str | None
-
-
-@dataclass(frozen=True)
-class StuckGroup:
-    group: str
-    pg_id: str | None
-    ranks: tuple[int, ...]
-    stuck_seq: int | None
-    op: str | None
-    joined: tuple[int, ...]
-    missing: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class FlightRecorder:
-    """The analysis of one Flight Recorder dump (docs/postmortem.md)."""
-
-    trigger: str
-    incident_id: int | None
-    ranks_expected: tuple[int, ...]
-    ranks_dumped: tuple[int, ...]
-    culprits: tuple[Culprit, ...]
-    groups: tuple[StuckGroup, ...]
-    summary: str
+def describe(c: Collective) -> str:
+    """A collective in words: ``all_gather #41 on dp_shard (pg 1), completed at 2026-11-21 13:51:59.8 UTC``."""
+    where = f"{c.op or 'collective'} #{c.seq if c.seq is not None else '?'} on {c.group or '?'}"
+    where += f" (pg {c.pg_id})" if c.pg_id is not None else ""
+    when = f" at {clock(c.time_unix_s)}" if c.time_unix_s is not None else ""
+    took = f" in {c.duration_s * 1e3:.3g} ms on the GPU" if c.duration_s is not None else ""
+    return f"{where}, {c.state or 'state unknown'}{took}{when}"
 
 
 @dataclass(frozen=True)
@@ -126,7 +87,7 @@ class RootCause:
     summary: str  # one sentence
     xid: XidFacts | None = None
     exit: ExitFacts | None = None
-    flight_recorder: FlightRecorder | None = None
+    flight_recorder: FlightAnalysis | None = None
 
 
 @dataclass(frozen=True)
@@ -186,28 +147,6 @@ class StragglerWarning:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    step: int
-    state: str  # committed | torn
-    problem: str | None
-    size_bytes: int | None
-    time_unix_s: float | None
-
-
-@dataclass(frozen=True)
-class Mtbf:
-    """The run's MTBF estimate and what it is made of (the cadence's Gamma-Poisson posterior)."""
-
-    mtbf_s: float | None
-    node_mtbf_h: float | None
-    failures: int | None
-    node_hours: float | None
-    nodes: int | None
-    prior_node_mtbf_h: float | None
-    prior_node_hours: float | None
-
-
-@dataclass(frozen=True)
 class PipelineBubble:
     """A pipelined run's bubble (docs/pipeline.md): measured, and the theory of its schedule when known."""
 
@@ -264,9 +203,9 @@ class Report:
     totals: Totals | None  # the whole run only
     goodput: Goodput
     stragglers: tuple[StragglerWarning, ...]
-    checkpoints: tuple[Checkpoint, ...]  # oldest first
+    checkpoints: tuple[CheckpointEntry, ...]  # oldest first
     cordoned: tuple[tuple[str, str], ...]  # (node, why)
-    dumps: tuple[FlightRecorder, ...]  # Flight Recorder analyses not tied to an incident reported on
+    dumps: tuple[FlightAnalysis, ...]  # Flight Recorder analyses not tied to an incident reported on
 
     @property
     def detailed(self) -> tuple[IncidentReport, ...]:

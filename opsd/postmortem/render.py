@@ -13,14 +13,15 @@ from dataclasses import dataclass
 
 from opsd.postmortem.model import (
     XID_ACTION_WORDS,
-    FlightRecorder,
     IncidentReport,
-    Mtbf,
     PipelineBubble,
     Report,
     clock,
+    describe,
     seconds,
 )
+from opsd.protocol.answers import Mtbf
+from opsd.protocol.flight_analysis import FlightAnalysis
 
 
 def _offset(value: float | None) -> str:
@@ -172,7 +173,7 @@ def _sections(report: Report) -> list[_Section]:
             str(c.step),
             c.state,
             c.problem or "",
-            "?" if c.size_bytes is None else f"{c.size_bytes:,}",
+            "?" if c.bytes is None else f"{c.bytes:,}",
             clock(c.time_unix_s),
         )
         for c in report.checkpoints
@@ -206,8 +207,9 @@ def _mtbf(m: Mtbf) -> str:
         inputs.append(f"{m.nodes} nodes")
     if m.node_mtbf_h is not None:
         inputs.append(f"a node MTBF of {m.node_mtbf_h:,.0f} h")
-    if m.prior_node_mtbf_h is not None and m.prior_node_hours is not None:
-        inputs.append(f"prior: {m.prior_node_mtbf_h:,.0f} h per node, worth {m.prior_node_hours:,.0f} node-hours")
+    prior = m.prior
+    if prior.node_mtbf_h is not None and prior.node_hours is not None:
+        inputs.append(f"prior: {prior.node_mtbf_h:,.0f} h per node, worth {prior.node_hours:,.0f} node-hours")
     return seconds(m.mtbf_s) + (f" ({'; '.join(inputs)})" if inputs else "")
 
 
@@ -240,7 +242,7 @@ def _ratio(value: float | None) -> str:
     return "?" if value is None else f"{value:.2f}x"
 
 
-def _fr_blocks(d: FlightRecorder) -> tuple[_Block, ...]:
+def _fr_blocks(d: FlightAnalysis) -> tuple[_Block, ...]:
     blocks: list[_Block] = [
         _Facts(
             (
@@ -255,7 +257,7 @@ def _fr_blocks(d: FlightRecorder) -> tuple[_Block, ...]:
     ]
     if d.culprits:
         rows: tuple[tuple[str, ...], ...] = tuple(
-            (_opt(c.rank), c.reason, c.last_collective.describe() if c.last_collective else "?") for c in d.culprits
+            (_opt(c.rank), c.reason, describe(c.last_collective) if c.last_collective else "?") for c in d.culprits
         )
         blocks.append(_Table(("culprit rank", "why", "last collective"), rows))
     if d.groups:

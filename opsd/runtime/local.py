@@ -89,9 +89,11 @@ def run_local(
         controller.record_launch(spec.run, int(ended.generation), time.time())  # what it measured, kept
         status = controller.status(spec.run, time.time())
         assert status is not None
-        status["incidents"] = as_json(controller.store.incidents(spec.run))
-        status["actions"] = as_json(controller.store.actions(run=spec.run))
-        return status
+        return {
+            **as_json(status),
+            "incidents": as_json(controller.store.incidents(spec.run)),
+            "actions": as_json(controller.store.actions(run=spec.run)),
+        }
     finally:
         serving.stop.set()  # no detection pass from here on
         controller.recovery.join(spec.run, timeout_s=60)  # a recovery under way would launch after the stop otherwise
