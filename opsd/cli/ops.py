@@ -33,7 +33,7 @@ IncidentId = Annotated[int | None, typer.Argument(help="one incident's id: it in
 def display(body: Any, as_json: bool, render: Callable[[Any], RenderableType]) -> None:
     """The API's answer as JSON, or rendered as a table."""
     if as_json:
-        typer.echo(msgspec.json.encode(body).decode())
+        typer.echo(json.dumps(msgspec.to_builtins(body)))
     else:
         echo(render(body))
 
