@@ -29,10 +29,10 @@ from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
 from opsd.controller.recovery import CARRIED_OUT, COMPLETED, RECORDED
-from opsd.controller.rows import IncidentRow
 from opsd.controller.state import Action, StateStore
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatRank
+from opsd.protocol.records import IncidentRow
 from opsd.protocol.states import ActionState, IncidentState, NodeRole, RunState
 from tests.rows import stored
 

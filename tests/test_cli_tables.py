@@ -16,6 +16,8 @@ from rich.console import Console, RenderableType
 from opsd.cli import tables
 from opsd.cli.columns import echo
 from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools, decode_answer
+from opsd.protocol.bundle import RunSummary
+from opsd.protocol.records import Action, IncidentRow
 
 RUN = "llama-3-405b-pretrain-stage2"
 OTHER = "mixtral-8x22b-sft-v3"
@@ -44,6 +46,7 @@ RUNS = [
 
 
 A = TypeVar("A")
+RunsAnswer, Incidents, Actions = tuple[RunSummary, ...], tuple[IncidentRow, ...], tuple[Action, ...]
 
 
 def typed(body: Any, kind: type[A] = RunStatus) -> A:  # type: ignore[assignment]
@@ -235,7 +238,7 @@ CADENCE_ROWS = [
 ]
 CASES = {
     "runs": Case(
-        lambda wide: tables.runs_table(RUNS, wide),
+        lambda wide: tables.runs_table(typed(RUNS, RunsAnswer), wide),
         [[RUN, "waiting_for_spare", "1234567", "2025-10-10 08:53:20"], [OTHER, "running", "4410"]],
         [[RUN, "waiting_for_spare", "12", "1234567", "2025-10-09 08:53:20", "2025-10-10 08:53:20"]],
         ["launch", "started (UTC)"],
@@ -255,19 +258,19 @@ CASES = {
         [NODE, "badput (s)", "run MTBF (s)"],
     ),
     "incidents": Case(
-        lambda wide: tables.incidents_table(INCIDENTS, wide),
+        lambda wide: tables.incidents_table(typed(INCIDENTS, Incidents), wide),
         [["1041", RUN, "collective_timeout", "recovered"], ["1042", OTHER, "heartbeat_loss", "open"]],
         [["1041", RUN, "collective_timeout", NODE, "4021", "recovered", "12.5", "327.8", "567"]],
         [NODE, "detected after s", "lost steps"],
     ),
     "incidents of a run": Case(
-        lambda wide: tables.incidents_table(INCIDENTS[:1], wide, run=RUN),
+        lambda wide: tables.incidents_table(typed(INCIDENTS[:1], Incidents), wide, run=RUN),
         [["1041", "collective_timeout", "recovered"]],
         [["1041", "collective_timeout", NODE, "4021", "recovered", "12.5", "327.8", "567"]],
         [NODE, "recovered after s"],
     ),
     "incident": Case(
-        lambda wide: tables.incident_view(INCIDENTS[0], ACTIONS, wide),
+        lambda wide: tables.incident_view(typed(INCIDENTS[0], IncidentRow), typed(ACTIONS, Actions), wide),
         [*INCIDENT, ["0", "dump", "done", "30.0"], ["3", "launch", "pending", "-"], [f"→ spare: {SPARE}"]],
         [*INCIDENT, ["1", "cordon", "done", "2025-10-09 08:53:43", "1.0", "incident-1041-1-cordon"]],
         ["incident-1041-1-cordon", "started (UTC)"],
@@ -342,14 +345,16 @@ def test_wide_shows_the_extra_columns_and_keeps_every_key_cell_whole(name: str, 
 
 
 def test_free_text_wraps_and_gives_way() -> None:
-    of_run = render(tables.incidents_table(INCIDENTS[:1], run=RUN), 80)
+    of_run = render(tables.incidents_table(typed(INCIDENTS[:1], Incidents), run=RUN), 80)
     assert widest(of_run) <= 80
     assert TIMEOUT in " ".join(of_run.split())  # wrapped over several lines, every word of it there
     assert len(of_run.splitlines()) > 5
-    every = render(tables.incidents_table(INCIDENTS), 80)  # the run column leaves the detail too little room
+    every = render(
+        tables.incidents_table(typed(INCIDENTS, Incidents)), 80
+    )  # the run column leaves the detail too little room
     assert "all_reduce" not in every
     assert "detail: left out for want of room: opsd incidents RUN ID shows it" in " ".join(every.split())
-    assert TIMEOUT in " ".join(render(tables.incidents_table(INCIDENTS), 200).split())
+    assert TIMEOUT in " ".join(render(tables.incidents_table(typed(INCIDENTS, Incidents)), 200).split())
     torn = render(tables.checkpoints_table(typed(CHECKPOINTS, Checkpoints)), 80)
     assert TORN in " ".join(torn.split())
     assert not on_one_line(torn, [TORN])  # it wrapped; the key columns did not
@@ -357,14 +362,16 @@ def test_free_text_wraps_and_gives_way() -> None:
 
 def test_names_wider_than_the_terminal_make_lines_longer_not_shorter() -> None:
     long_run = "a-very-long-run-name-" * 4 + "stage2"
-    out = render(tables.runs_table([{**RUNS[0], "id": long_run}]), 80)
+    out = render(tables.runs_table(typed([{**RUNS[0], "id": long_run}], RunsAnswer)), 80)
     assert on_one_line(out, [long_run, "waiting_for_spare", "1234567", "2025-10-10 08:53:20"]), out
     assert widest(out) > 80
 
 
 def test_cells_are_not_read_as_markup() -> None:
     body = [{**INCIDENTS[1], "detail": "[bold]rank 3[/bold] waits [rank 4]"}]
-    assert "[bold]rank 3[/bold] waits [rank 4]" in render(tables.incidents_table(body, run=OTHER), 200)
+    assert "[bold]rank 3[/bold] waits [rank 4]" in render(
+        tables.incidents_table(typed(body, Incidents), run=OTHER), 200
+    )
 
 
 def test_a_finished_run_shows_its_last_measured_figures_labelled_and_its_averages() -> None:

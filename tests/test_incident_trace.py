@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 
@@ -161,7 +162,8 @@ def test_an_xid_incident_is_one_trace_from_detection_to_the_first_productive_ste
 
     # the post-mortem names the trace (Markdown, and the bundle's JSON)
     bundle = postmortem_bundle(controller, RUN, time.time())
-    assert [i["trace_id"] for i in bundle["incidents"]] == [root.trace_id]
+    assert [i.trace_id for i in bundle.incidents or ()] == [root.trace_id]
+    assert [i["trace_id"] for i in json.loads(msgspec.json.encode(bundle))["incidents"]] == [root.trace_id]
     assert f"- **trace id**: {root.trace_id}" in to_markdown(build(bundle, incident_id))
     assert controller.tracing.errors == {"build": 0, "export": 0}
 

@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 
 from opsd.errors import PermanentError
-from opsd.postmortem.bundle import ActionIn
+from opsd.protocol.answers import decode_answer
+from opsd.protocol.records import Action
 from opsd.protocol.states import ActionKind
 from opsd.protocol.steps import (
     CheckpointStep,
+    Cordoned,
     CordonStep,
     DumpStep,
     LaunchStep,
@@ -59,7 +61,11 @@ def test_a_record_that_makes_no_step_is_a_clear_error(kind: str, args: dict[str,
         step_of(kind, args)
 
 
-def test_the_post_mortem_reads_the_same_steps_and_skips_what_it_does_not_know() -> None:
-    assert ActionIn(kind="cordon", args={"node": "n1", "reason": "r"}).step() == CordonStep(node="n1", reason="r")
-    assert ActionIn(kind="reboot", args={"node": "n1"}).step() is None
+def test_the_post_mortem_reads_the_same_steps_and_refuses_what_does_not_fit() -> None:
     assert {s.kind for s, _ in RECORDS.values()} == set(ActionKind)
+    action = {"request_id": "r", "incident_id": 1, "run": "job", "seq": 0, "kind": "cordon", "state": "done"}
+    action |= {"args": {"node": "n1", "reason": "r"}, "created_s": 1.0, "done_s": 2.0, "result": {"node": "n1"}}
+    (read,) = decode_answer([action], tuple[Action, ...], "actions")
+    assert (read.step, read.outcome) == (CordonStep(node="n1", reason="r"), Cordoned(node="n1"))
+    with pytest.raises(PermanentError, match=r"Invalid enum value 'reboot' - at `\$\[0\].kind`"):
+        decode_answer([{**action, "kind": "reboot"}], tuple[Action, ...], "actions")

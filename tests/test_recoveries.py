@@ -34,9 +34,9 @@ from opsd.cli.demo_run import checkpoint_url, run_spec, serve_config
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.port import FaultKind
-from opsd.controller.rows import IncidentRow
 from opsd.errors import PermanentError
 from opsd.policy.cadence import CadenceConfig
+from opsd.protocol.records import IncidentRow
 from opsd.runtime.config import ServeConfig
 from opsd.runtime.local import run_local
 from tests.faults import inject

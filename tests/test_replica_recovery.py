@@ -134,7 +134,7 @@ def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Pat
     assert goodput.recompute_s == pytest.approx(2 * 0.1 / 2)  # group 0's 2 discarded steps, at its share
 
     # the post-mortem tells a replica recovery from a restart: no checkpoint read, no step lost, the steps it missed
-    bundle = json.loads(json.dumps(postmortem_bundle(c, RUN, T0 + 100), default=str))
+    bundle = json.loads(msgspec.json.encode(postmortem_bundle(c, RUN, T0 + 100)))
     (report,) = build(bundle, incident).incidents
     assert (report.replica_group, report.missed_steps, report.stall_s, report.lost_steps) == (1, 15, 2.5, 2)
     assert report.resume.reason == "step 55: healed from a live replica group, no checkpoint read"

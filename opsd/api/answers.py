@@ -9,7 +9,12 @@ from typing import Any
 import msgspec
 from fastapi import Response
 
-from opsd.protocol.answers import ANSWERS
+from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
+from opsd.protocol.bundle import Bundle
+from opsd.protocol.flight_analysis import FlightAnalyses
+
+#: every answer a read of the API sends as a msgspec struct, documented in ``/openapi.json``
+ANSWERS: tuple[object, ...] = (RunStatus, SparePools, Checkpoints, CadenceView, FlightAnalyses, Bundle)
 
 REF = "#/components/schemas/{name}"
 _REFS, SCHEMAS = msgspec.json.schema_components(ANSWERS, ref_template=REF)

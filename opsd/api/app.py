@@ -41,11 +41,13 @@ from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
 from opsd.controller.port import Fault, FaultKind
-from opsd.controller.rows import Action, IncidentRow, NodeRow, RunRow
+from opsd.controller.rows import RunRow
 from opsd.controller.views import cadence_view, checkpoints_view, flame_stacks, postmortem_bundle, spares_view
 from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
 from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
+from opsd.protocol.bundle import Bundle
 from opsd.protocol.heartbeat import PATH
+from opsd.protocol.records import Action, IncidentRow, NodeRow
 from opsd.protocol.states import ApiRole, NodeRole
 
 log = logging.getLogger(__name__)
@@ -221,9 +223,9 @@ def create_app(
     def cadence(run: str) -> Response:
         return reply(_answer(lambda: cadence_view(controller, run, clock()), refused=400))
 
-    @app.get("/v1/runs/{run}/postmortem", dependencies=reads)
-    def postmortem(run: str) -> dict[str, Any]:
-        return _answer(lambda: postmortem_bundle(controller, run, clock()), refused=400)
+    @app.get("/v1/runs/{run}/postmortem", dependencies=reads, **documented(Bundle, "The run's post-mortem bundle"))
+    def postmortem(run: str) -> Response:
+        return reply(_answer(lambda: postmortem_bundle(controller, run, clock()), refused=400))
 
     @app.get("/v1/spares", dependencies=reads, **documented(SparePools, "The spare pools"))
     def spares() -> Response:

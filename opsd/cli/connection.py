@@ -142,10 +142,15 @@ def call(api: ApiClient, method: str, path: str, body: dict[str, Any] | None = N
 
 
 def read(api: ApiClient, path: str, kind: type[A], what: str) -> A:
-    """The answer to ``GET path`` as ``kind`` (``opsd.protocol.answers``); one that does not fit fails the command,
-    naming the field."""
+    """The answer to ``GET path`` as ``kind`` (``opsd.protocol.answers``, ``records``, ...); one that does not fit
+    fails the command, naming the field."""
+    return typed(call(api, "GET", path), kind, f"{what} (GET {path})")
+
+
+def typed(answer: Any, kind: type[A], what: str) -> A:
+    """An answer (decoded JSON) as ``kind``; one that does not fit fails the command, naming ``what`` and the field."""
     try:
-        return decode_answer(api.get(path), kind, f"{what} (GET {path})")
+        return decode_answer(answer, kind, what)
     except OpsError as exc:
         fail(str(exc))
 

@@ -17,11 +17,26 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from opsd.cli import tables
 from opsd.cli.client import ApiClient
 from opsd.cli.columns import echo
-from opsd.cli.connection import EXIT_TIMEOUT, EXIT_USAGE, AsJson, RunName, Wide, call, connected, fail, read, write
+from opsd.cli.connection import (
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+    AsJson,
+    RunName,
+    Wide,
+    call,
+    connected,
+    fail,
+    read,
+    typed,
+    write,
+)
 from opsd.controller.port import FaultKind
 from opsd.errors import OpsError
 from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
+from opsd.protocol.bundle import RunSummary
+from opsd.protocol.records import Action, IncidentRow
 from opsd.protocol.states import ActionKind, IncidentState
+from opsd.protocol.steps import CheckpointTaken
 
 Run = Annotated[str, typer.Argument(help="the run")]
 AnyRun = Annotated[str | None, typer.Argument(help="the run (default: every run)")]
@@ -46,7 +61,7 @@ runs_app = typer.Typer(help="The runs the controller knows; `opsd runs attach` m
 def runs(ctx: typer.Context, as_json: AsJson = False, wide: Wide = False, *, api: ApiClient) -> None:
     """The runs the controller knows."""
     if ctx.invoked_subcommand is None:
-        display(call(api, "GET", "/v1/runs"), as_json, partial(tables.runs_table, wide=wide))
+        display(read(api, "/v1/runs", RUNS, "runs"), as_json, partial(tables.runs_table, wide=wide))
 
 
 @runs_app.command("attach")
@@ -78,7 +93,7 @@ def status(run: AnyRun = None, as_json: AsJson = False, wide: Wide = False, *, a
     if run is not None:
         display(read(api, f"/v1/runs/{run}", RunStatus, "run status"), as_json, partial(tables.status_table, wide=wide))
         return
-    every = [read(api, f"/v1/runs/{r['id']}", RunStatus, "run status") for r in call(api, "GET", "/v1/runs")]
+    every = [read(api, f"/v1/runs/{r.id}", RunStatus, "run status") for r in read(api, "/v1/runs", RUNS, "runs")]
     display(every, as_json, partial(tables.statuses_table, wide=wide))
 
 
@@ -89,18 +104,26 @@ def incidents(
     """Incidents, oldest first: kind, state, detail (--wide: node, rank, detection and recovery times, lost steps).
     With RUN and ID: that incident in full, with its actions and their results."""
     if run is None:
-        display(call(api, "GET", "/v1/incidents"), as_json, partial(tables.incidents_table, wide=wide))
+        display(read(api, "/v1/incidents", INCIDENTS, "incidents"), as_json, partial(tables.incidents_table, wide=wide))
         return
-    found = call(api, "GET", f"/v1/runs/{run}/incidents")
+    found = read(api, f"/v1/runs/{run}/incidents", INCIDENTS, "incidents")
     if incident is None:
         display(found, as_json, partial(tables.incidents_table, wide=wide, run=run))
         return
-    chosen = next((i for i in found if i["id"] == incident), None)
+    chosen = next((i for i in found if i.id == incident), None)
     if chosen is None:
         fail(f"run {run} has no incident {incident} (`opsd incidents {run}` lists them)")
-    actions = [a for a in call(api, "GET", f"/v1/runs/{run}/actions") if a["incident_id"] == incident]
+    actions = _actions_of(api, run, incident)
     body = {"incident": chosen, "actions": actions}
-    display(body, as_json, lambda b: tables.incident_view(b["incident"], b["actions"], wide=wide))
+    display(body, as_json, lambda _: tables.incident_view(chosen, actions, wide=wide))
+
+
+RUNS, INCIDENTS, ACTIONS = tuple[RunSummary, ...], tuple[IncidentRow, ...], tuple[Action, ...]
+
+
+def _actions_of(api: ApiClient, run: str, incident_id: int) -> list[Action]:
+    """The actions of one incident of ``run``, in their order."""
+    return [a for a in read(api, f"/v1/runs/{run}/actions", ACTIONS, "actions") if a.incident_id == incident_id]
 
 
 @connected
@@ -115,39 +138,40 @@ def restart(
 ) -> None:
     """Restart every rank of a running run, gracefully: a checkpoint first when the ranks progress, then stop and
     relaunch from the newest checkpoint. Exit 3: still restarting after --timeout-s."""
-    incident = call(api, "POST", f"/v1/runs/{run}/restart", {"reason": reason})
-    if wait:
-        incident = _follow(api, run, int(incident["id"]), timeout_s, quiet=as_json)
-    actions = [a for a in call(api, "GET", f"/v1/runs/{run}/actions") if a["incident_id"] == incident["id"]]
+    asked = typed(
+        call(api, "POST", f"/v1/runs/{run}/restart", {"reason": reason}), IncidentRow, "the restart's incident"
+    )
+    incident = _follow(api, run, asked.id, timeout_s, quiet=as_json) if wait else asked
+    actions = _actions_of(api, run, incident.id)
     if as_json:
-        typer.echo(json.dumps({"incident": incident, "actions": actions}))
+        typer.echo(json.dumps(msgspec.to_builtins({"incident": incident, "actions": actions})))
     else:
-        saved: dict[str, Any] = next(
-            (a["result"] for a in actions if a["kind"] == ActionKind.CHECKPOINT and a["result"]), {}
-        )
-        step = saved.get("checkpoint_step")
+        saved = next((a.outcome for a in actions if a.kind == ActionKind.CHECKPOINT and a.result), None)
+        taken = saved if isinstance(saved, CheckpointTaken) else CheckpointTaken(checkpoint_step=None, why="-")
+        step = taken.checkpoint_step
+        resumed = incident.resumed_from_step
         typer.echo(
-            f"run {run}: incident {incident['id']} {incident['state']};"
-            f" checkpoint {'at step ' + str(step) if step is not None else 'skipped (' + saved.get('why', '-') + ')'};"
-            f" resumed from step {incident['resumed_from_step'] if incident['resumed_from_step'] is not None else '-'}"
+            f"run {run}: incident {incident.id} {incident.state};"
+            f" checkpoint {'at step ' + str(step) if step is not None else 'skipped (' + (taken.why or '-') + ')'};"
+            f" resumed from step {resumed if resumed is not None else '-'}"
         )
-    if wait and incident["state"] == IncidentState.OPEN:
+    if wait and incident.state == IncidentState.OPEN:
         raise typer.Exit(EXIT_TIMEOUT)
 
 
-def _follow(api: ApiClient, run: str, incident_id: int, timeout_s: float, quiet: bool) -> dict[str, Any]:
+def _follow(api: ApiClient, run: str, incident_id: int, timeout_s: float, quiet: bool) -> IncidentRow:
     """Poll the incident and its actions until the ranks train again (or ``timeout_s``), with a progress display."""
     deadline = time.monotonic() + timeout_s
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), disable=quiet, transient=False) as progress:
         task = progress.add_task(f"restarting {run}", total=None)
         while True:
-            found = [i for i in call(api, "GET", f"/v1/runs/{run}/incidents") if i["id"] == incident_id]
+            found = [i for i in read(api, f"/v1/runs/{run}/incidents", INCIDENTS, "incidents") if i.id == incident_id]
             if not found:
                 fail(f"incident {incident_id} of run {run} disappeared")
-            incident: dict[str, Any] = found[0]
-            done = [a["kind"] for a in call(api, "GET", f"/v1/runs/{run}/actions") if a["incident_id"] == incident_id]
-            open_ = incident["state"] == IncidentState.OPEN
+            incident = found[0]
+            done = [a.kind for a in _actions_of(api, run, incident_id)]
+            open_ = incident.state == IncidentState.OPEN
             state = "training again" if not open_ else (f"done: {', '.join(done)}" if done else "")
             progress.update(task, description=f"restarting {run}: {state or 'asked'}")
             if not open_ or time.monotonic() >= deadline:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from rich.console import Group
@@ -28,20 +28,20 @@ from opsd.protocol.answers import (
     RunStatus,
     SparePools,
 )
+from opsd.protocol.bundle import RunSummary
+from opsd.protocol.records import Action, IncidentRow
 from opsd.protocol.states import NodeRole
 
 ROLES = tuple(NodeRole)  # the order of the nodes' roles in a run's status
 IN_FULL = "left out for want of room: opsd incidents RUN ID shows it"
 
-Row = dict[str, Any]  # a store's row as the API answers it (runs, incidents, actions)
-
-RUNS: tuple[Col[Row], ...] = (
-    Col("run", lambda r: r["id"]),
-    Col("state", lambda r: r["state"]),
-    Col("launch", lambda r: str(r["generation"]), shown="wide"),
-    Col("step", lambda r: str(r["last_step"])),
-    Col("started (UTC)", lambda r: when(r["created_s"]), shown="wide"),
-    Col("updated (UTC)", lambda r: when(r["updated_s"])),
+RUNS: tuple[Col[RunSummary], ...] = (
+    Col("run", lambda r: r.id),
+    Col("state", lambda r: r.state or "-"),
+    Col("launch", lambda r: number(r.generation), shown="wide"),
+    Col("step", lambda r: number(r.last_step)),
+    Col("started (UTC)", lambda r: when(r.created_s), shown="wide"),
+    Col("updated (UTC)", lambda r: when(r.updated_s)),
 )
 
 STATUSES: tuple[Col[RunStatus], ...] = (
@@ -57,26 +57,26 @@ STATUSES: tuple[Col[RunStatus], ...] = (
     Col("open", lambda s: str(s.open_incidents)),
 )
 
-INCIDENTS: tuple[Col[Row], ...] = (
-    Col("id", lambda i: str(i["id"])),
-    Col("run", lambda i: i["run"]),
-    Col("kind", lambda i: i["kind"]),
-    Col("node", lambda i: i["node"] or "-", shown="wide"),
-    Col("rank", lambda i: number(i["rank"]), shown="wide"),
-    Col("state", lambda i: i["state"]),
-    Col("detected after s", lambda i: f"{i['detected_s'] - i['failed_s']:.1f}", shown="wide"),
+INCIDENTS: tuple[Col[IncidentRow], ...] = (
+    Col("id", lambda i: str(i.id)),
+    Col("run", lambda i: i.run),
+    Col("kind", lambda i: i.kind),
+    Col("node", lambda i: i.node or "-", shown="wide"),
+    Col("rank", lambda i: number(i.rank), shown="wide"),
+    Col("state", lambda i: i.state),
+    Col("detected after s", lambda i: f"{i.detected_s - i.failed_s:.1f}", shown="wide"),
     Col("recovered after s", lambda i: _recovered_after(i), shown="wide"),
-    Col("lost steps", lambda i: number(i["lost_steps"]), shown="wide"),
-    Col("detail", lambda i: i["detail"], Fit.TEXT, elsewhere=IN_FULL),
+    Col("lost steps", lambda i: number(i.lost_steps), shown="wide"),
+    Col("detail", lambda i: i.detail, Fit.TEXT, elsewhere=IN_FULL),
 )
 
-ACTIONS: tuple[Col[Row], ...] = (
-    Col("#", lambda a: str(a["seq"])),
-    Col("kind", lambda a: a["kind"]),
-    Col("state", lambda a: a["state"]),
-    Col("started (UTC)", lambda a: when(a["created_s"]), shown="wide"),
-    Col("took s", lambda a: "-" if a["done_s"] is None else f"{a['done_s'] - a['created_s']:.1f}"),
-    Col("request", lambda a: a["request_id"], shown="wide"),
+ACTIONS: tuple[Col[Action], ...] = (
+    Col("#", lambda a: str(a.seq)),
+    Col("kind", lambda a: a.kind),
+    Col("state", lambda a: a.state),
+    Col("started (UTC)", lambda a: when(a.created_s), shown="wide"),
+    Col("took s", lambda a: "-" if a.done_s is None else f"{a.done_s - a.created_s:.1f}"),
+    Col("request", lambda a: a.request_id, shown="wide"),
     Col("args → result", lambda a: _args_result(a), Fit.WORDS),
 )
 
@@ -104,9 +104,9 @@ CHECKPOINTS: tuple[Col[CheckpointEntry], ...] = (
 )
 
 
-def _args_result(action: Row) -> str:
-    result = action["result"]
-    return fields(action["args"]) + (f"\n→ {fields(result)}" if result else "")
+def _args_result(action: Action) -> str:
+    result = action.result
+    return fields(action.args) + (f"\n→ {fields(result)}" if result else "")
 
 
 def _by_health(spares: Sequence[PoolNode]) -> str:
@@ -146,13 +146,13 @@ def _every(cadence: PlannedCadence | CadencePlan | PreviousCadence | None) -> st
     return f"every {cadence.every_steps} steps from step {cadence.from_step}" if cadence else "-"
 
 
-def _recovered_after(incident: Row) -> str:
-    resumed = incident["resumed_s"]
-    return f"{resumed - incident['detected_s']:.1f}" if resumed else "-"
+def _recovered_after(incident: IncidentRow) -> str:
+    resumed = incident.resumed_s
+    return f"{resumed - incident.detected_s:.1f}" if resumed else "-"
 
 
 # -- listings ----------------------------------------------------------------------------------------------------
-def runs_table(body: list[Row], wide: bool = False) -> Grid:
+def runs_table(body: Sequence[RunSummary], wide: bool = False) -> Grid:
     return listing("runs", RUNS, body, wide=wide)
 
 
@@ -160,7 +160,7 @@ def statuses_table(body: Sequence[RunStatus], wide: bool = False) -> Grid:
     return listing("runs", STATUSES, body, wide=wide)
 
 
-def incidents_table(body: list[Row], wide: bool = False, run: str | None = None) -> Grid:
+def incidents_table(body: Sequence[IncidentRow], wide: bool = False, run: str | None = None) -> Grid:
     """Every run's incidents, or those of ``run`` (then without the run column)."""
     if run is None:
         return listing("incidents", INCIDENTS, body, wide=wide)
@@ -259,26 +259,26 @@ def cadence_table(body: CadenceView, wide: bool = False) -> Grid:
     return pairs(f"checkpoint cadence of {body.run}", rows)
 
 
-def incident_view(incident: Row, actions: list[Row], wide: bool = False) -> Group:
+def incident_view(incident: IncidentRow, actions: Sequence[Action], wide: bool = False) -> Group:
     """One incident, every field, and its actions with their results."""
     i = incident
     rows = [
-        ("run", i["run"]),
-        ("kind", i["kind"]),
-        ("state", i["state"]),
-        ("node", i["node"] or "-"),
-        ("rank", number(i["rank"])),
-        ("failed (UTC)", when(i["failed_s"])),
-        ("detected (UTC)", f"{when(i['detected_s'])} (after {i['detected_s'] - i['failed_s']:.1f} s)"),
-        ("resumed (UTC)", f"{when(i['resumed_s'])} (after {_recovered_after(i)} s)" if i["resumed_s"] else "-"),
-        ("resumed from step", number(i["resumed_from_step"])),
-        ("lost steps", number(i["lost_steps"])),
-        ("spare", i.get("spare") or "-"),
-        ("key", str(i.get("key") or "-")),
-        ("trace id", str(i.get("trace_id") or "-")),
-        ("detail", i["detail"] or "-"),
+        ("run", i.run),
+        ("kind", i.kind),
+        ("state", i.state),
+        ("node", i.node or "-"),
+        ("rank", number(i.rank)),
+        ("failed (UTC)", when(i.failed_s)),
+        ("detected (UTC)", f"{when(i.detected_s)} (after {i.detected_s - i.failed_s:.1f} s)"),
+        ("resumed (UTC)", f"{when(i.resumed_s)} (after {_recovered_after(i)} s)" if i.resumed_s else "-"),
+        ("resumed from step", number(i.resumed_from_step)),
+        ("lost steps", number(i.lost_steps)),
+        ("spare", i.spare or "-"),
+        ("key", i.key or "-"),
+        ("trace id", i.trace_id or "-"),
+        ("detail", i.detail or "-"),
     ]
-    shown = pairs(f"incident {i['id']}", rows)
+    shown = pairs(f"incident {i.id}", rows)
     if not actions:
         return Group(shown, Text("no actions"))
-    return Group(shown, listing(f"actions of incident {i['id']}", ACTIONS, actions, wide=wide))
+    return Group(shown, listing(f"actions of incident {i.id}", ACTIONS, actions, wide=wide))

@@ -37,7 +37,7 @@ from opsd.controller.live import (
     comm_totals,
 )
 from opsd.controller.port import Backend
-from opsd.controller.rows import LaunchSample, NodeRow, RunRow
+from opsd.controller.rows import LaunchSample, RunRow
 from opsd.controller.state import StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.policy.detection import Failure
@@ -46,6 +46,7 @@ from opsd.policy.spares import Spare, select_spare
 from opsd.policy.telemetry import TelemetryPlan
 from opsd.protocol.answers import PipelineBubble
 from opsd.protocol.policy_file import Command
+from opsd.protocol.records import NodeRow
 from opsd.protocol.states import NodeRole
 
 LAUNCH_RECORD_S = 10.0  # a launch's record is written at most this often while it progresses (6x: while it does not)

@@ -20,10 +20,11 @@ from opsd.controller.incidents import (
     unfinished_incident,
 )
 from opsd.controller.live import RankLive
-from opsd.controller.rows import IncidentRow, RunRow
+from opsd.controller.rows import RunRow
 from opsd.controller.schedule import Schedule
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, Findings, detect
 from opsd.policy.replicas import Scope, failed_group, recovery_scope
+from opsd.protocol.records import IncidentRow
 from opsd.protocol.states import ActionKind, IncidentState, NodeRole, RunState
 from opsd.protocol.xid_table import XidAction
 

@@ -8,9 +8,9 @@ rank and launch (``run/genN/straggler/R``).
 
 from __future__ import annotations
 
-from opsd.controller.rows import IncidentRow
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure
+from opsd.protocol.records import IncidentRow
 from opsd.protocol.states import FAILURE_KINDS, WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState
 
 #: incident kinds that are no failure of the machines (the MTBF estimate leaves them out)

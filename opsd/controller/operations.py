@@ -11,9 +11,10 @@ from opsd.controller.core import ControllerCore
 from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import failure_key
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
-from opsd.controller.rows import IncidentRow, NodeRow, RunRow, RunSpec
+from opsd.controller.rows import RunRow, RunSpec
 from opsd.errors import BodyError, NotFoundError, PermanentError, TransientError
 from opsd.policy.detection import Failure, FailureKind
+from opsd.protocol.records import IncidentRow, NodeRow
 from opsd.protocol.states import NodeRole, RunState
 from opsd.protocol.steps import NodeChanged
 

@@ -9,7 +9,7 @@ import statistics
 
 from opsd.controller.core import ControllerCore, pipeline_view
 from opsd.controller.live import RankLive
-from opsd.controller.rows import IncidentRow, LaunchRow, RunRow
+from opsd.controller.rows import LaunchRow, RunRow
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
 from opsd.protocol.answers import (
@@ -23,6 +23,7 @@ from opsd.protocol.answers import (
     RunStatus,
     Straggler,
 )
+from opsd.protocol.records import IncidentRow
 from opsd.protocol.states import WARNING_KINDS, IncidentState, RunState
 
 

@@ -1,5 +1,6 @@
-"""The rows of the controller's state store, typed: a run and its spec, a node, an incident, a recovery action, a
-launch's record and what it measured, a run's published cadence, a Flight Recorder dump. The store
+"""The rows of the controller's state store, typed: a run and its spec, a launch's record and what it measured, a
+run's published cadence, a Flight Recorder dump (a node, an incident and a recovery's action are the API's records
+too, which the CLI and the post-mortem decode: ``opsd.protocol.records``). The store
 (``opsd.controller.state``) reads and writes them; the controller, the backends' runners and the API take them as
 they are (the API answers them as JSON: every field is a JSON value, enums as their strings).
 
@@ -19,8 +20,7 @@ from opsd.policy.cadence import Cadence
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.answers import PipelineBubble
-from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
-from opsd.protocol.steps import Result, Step, result_of, step_of
+from opsd.protocol.states import RunState
 
 log = logging.getLogger(__name__)
 
@@ -182,67 +182,6 @@ class RunRow:
     def group_of(self, node: str) -> int | None:
         """The replica group ``node`` was last launched in, if any."""
         return next((g for g, launch in self.groups.items() if node in launch.nodes), None)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeRow:
-    name: str
-    run: str | None  # the run it serves (active or spare), or None (a shared spare, or no run's)
-    role: NodeRole
-    domain: str
-    reason: str  # why it was cordoned
-    events_acked: int  # GPU events handled, up to this seq
-    updated_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class IncidentRow:
-    id: int
-    key: str  # unique: the same failure reported again finds it (``opsd.controller.incidents``)
-    run: str
-    kind: IncidentKind
-    node: str
-    rank: int | None
-    detail: str
-    state: IncidentState
-    failed_s: float
-    detected_s: float
-    resumed_s: float | None = None
-    resumed_from_step: int | None = None
-    lost_steps: int | None = None
-    spare: str | None = None
-    trace_id: str | None = None  # its OpenTelemetry trace (W3C hex), when the controller exports traces
-    gpu_trace_id: str | None = None  # the agent's span of the GPU event that caused it, which the trace links to
-    gpu_span_id: str | None = None
-    replica_group: int | None = None  # a replica recovery's group (the others trained on); None: the whole job
-    missed_steps: int | None = None  # a replica recovery's: the steps the other groups made while the group was out
-    stall_s: float | None = None  # a replica recovery's: the longest the other groups waited for a quorum meanwhile
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """A step of a recovery, recorded before it is carried out (``opsd.controller.recovery``)."""
-
-    request_id: str
-    incident_id: int | None
-    run: str
-    seq: int
-    kind: ActionKind
-    args: dict[str, Any]
-    state: ActionState
-    created_s: float
-    done_s: float | None
-    result: dict[str, Any] | None = None
-
-    @property
-    def step(self) -> Step:
-        """The step its ``kind`` and ``args`` record; ``PermanentError`` when they do not make one."""
-        return step_of(self.kind, self.args)
-
-    @property
-    def outcome(self) -> Result | None:
-        """What it did, as its ``result`` records (None: not done); ``PermanentError`` when that does not fit."""
-        return result_of(self.kind, self.result) if self.result is not None else None
 
 
 @dataclass(frozen=True, slots=True)

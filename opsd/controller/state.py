@@ -38,12 +38,9 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from opsd.controller.rows import (
-    Action,
     FlightDumpRow,
-    IncidentRow,
     LaunchRow,
     LaunchSample,
-    NodeRow,
     PublishedCadence,
     RunRow,
     RunSpec,
@@ -57,6 +54,7 @@ from opsd.controller.rows import (
 )
 from opsd.controller.schema import actions, flight_dumps, incidents, launches, nodes, open_engine, runs
 from opsd.errors import TransientError
+from opsd.protocol.records import Action, IncidentRow, NodeRow
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole, RunState
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
 
-from opsd.controller.rows import Action, IncidentRow
 from opsd.controller.state import StateStore
+from opsd.protocol.records import Action, IncidentRow
 from opsd.protocol.states import ActionKind, ActionState
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ import itertools
 import logging
 import math
 import statistics
-from typing import Any
 
 import msgspec
 
@@ -16,7 +15,7 @@ from opsd.checkpoints.store import open_store
 from opsd.controller.controller import Controller
 from opsd.controller.flight import analyses
 from opsd.controller.incidents import NOT_FAILURES
-from opsd.controller.rows import IncidentRow, NodeRow, RunRow, as_json
+from opsd.controller.rows import RunRow
 from opsd.errors import NotFoundError, OpsError
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
 from opsd.policy.spares import spare_pool_size
@@ -33,7 +32,9 @@ from opsd.protocol.answers import (
     SharedPool,
     SparePools,
 )
+from opsd.protocol.bundle import Blocking, Bundle, LaunchRecord, RunSummary, XidMeaning
 from opsd.protocol.manifest import ManifestError, parse_manifest
+from opsd.protocol.records import IncidentRow, NodeRow
 from opsd.protocol.states import NodeRole, RunState
 from opsd.protocol.xid_table import xid_meanings
 
@@ -260,7 +261,7 @@ def cadence_interval_s(controller: Controller, run_id: str) -> float | None:
         return cadence.interval_s
 
 
-def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict[str, Any]:
+def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> Bundle:
     """Everything a post-mortem of ``run_id`` is made of (docs/postmortem.md); rendered by ``opsd.postmortem``."""
     run = controller.store.run(run_id)
     status = controller.status(run_id, now_s)
@@ -276,30 +277,45 @@ def postmortem_bundle(controller: Controller, run_id: str, now_s: float) -> dict
     per_launch = launch_stacks(controller, run_id)
     codes = {int(word) for i in incidents for word in _xid_codes(i.detail)}
     table = xid_meanings()
-    return {
-        "generated_unix_s": now_s,
-        "run": as_json(run),
-        "status": as_json(status),
-        "incidents": as_json(incidents),
-        "actions": as_json(controller.store.actions(run=run_id)),
-        "checkpoints": as_json(checkpoints),
-        "checkpoint_blocking_s": {
-            "count": len(blocking),
-            "mean_s": math.fsum(blocking) / len(blocking) if blocking else None,
-            "max_s": max(blocking, default=None),
-        },
-        "flight_recorder": as_json(analyses(controller, run_id)),
-        "xid_table": {str(code): table[code] for code in sorted(codes) if code in table},
-        "mtbf": as_json(cadence_view(controller, run_id, now_s).mtbf()),
-        "launches": [
-            {**{k: getattr(row, k) for k in LAUNCH_KEYS}, "comm": dict(top_stacks(per_launch.get(row.generation, {})))}
+    return Bundle(
+        generated_unix_s=now_s,
+        run=RunSummary(
+            id=run.id,
+            state=run.state,
+            created_s=run.created_s,
+            updated_s=run.updated_s,
+            generation=run.generation,
+            last_step=run.last_step,
+            final_step=run.final_step,
+        ),
+        status=status,
+        incidents=tuple(incidents),
+        actions=tuple(controller.store.actions(run=run_id)),
+        checkpoints=checkpoints,
+        checkpoint_blocking_s=Blocking(
+            count=len(blocking),
+            mean_s=math.fsum(blocking) / len(blocking) if blocking else None,
+            max_s=max(blocking, default=None),
+        ),
+        flight_recorder=analyses(controller, run_id),
+        xid_table={str(code): XidMeaning(**table[code]) for code in sorted(codes) if code in table},
+        mtbf=cadence_view(controller, run_id, now_s).mtbf(),
+        launches=tuple(
+            LaunchRecord(
+                generation=row.generation,
+                started_s=row.started_s,
+                updated_s=row.updated_s,
+                first_step=row.first_step,
+                last_step=row.last_step,
+                ranks=row.ranks,
+                samples=row.samples,
+                comm=dict(top_stacks(per_launch.get(row.generation, {}))),
+            )
             for row in controller.store.launches(run_id)
-        ],
-    }
+        ),
+    )
 
 
-#: what the post-mortem takes of each launch's record
-LAUNCH_KEYS = ("generation", "started_s", "updated_s", "first_step", "last_step", "ranks", "samples")
 TOP_STACKS = 12  # the post-mortem's collective stacks of a launch, the longest first
 
 

@@ -28,14 +28,6 @@ import msgspec
 
 from opsd.errors import PermanentError
 from opsd.policy.goodput import BadputBucket
-from opsd.postmortem.bundle import (
-    ActionIn,
-    BlockingIn,
-    IncidentIn,
-    LaunchIn,
-    XidIn,
-    read_bundle,
-)
 from opsd.postmortem.model import (
     BADPUT_BUCKETS,
     KIND_WORDS,
@@ -55,7 +47,9 @@ from opsd.postmortem.model import (
     XidFacts,
 )
 from opsd.protocol.answers import CheckpointEntry, LastMeasured, Mtbf, RunAverage, RunStatus
+from opsd.protocol.bundle import Blocking, Bundle, LaunchRecord, XidMeaning, read_bundle
 from opsd.protocol.flight_analysis import FlightAnalysis
+from opsd.protocol.records import Action, IncidentRow
 from opsd.protocol.states import WARNING_KINDS, ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
 from opsd.protocol.steps import (
     Blame,
@@ -65,6 +59,7 @@ from opsd.protocol.steps import (
     Dumped,
     Launched,
     SpareTaken,
+    Step,
     Stopped,
     StopStep,
     result_record,
@@ -87,14 +82,14 @@ def signal_name(exit_code: int) -> str | None:
         return f"signal {number}"
 
 
-def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: FlightAnalysis | None) -> RootCause:
+def _root_cause(row: IncidentRow, xid_table: Mapping[str, XidMeaning], analysis: FlightAnalysis | None) -> RootCause:
     kind, node, rank, detail = row.kind, row.node, row.rank, row.detail
     words = KIND_WORDS.get(kind, kind.replace("_", " "))
     where = f"{node}" + (f" (rank {rank})" if rank is not None else "")
     match = _XID.match(detail)
     if kind in (IncidentKind.FATAL_XID, IncidentKind.APPLICATION_XID) and match:
         code, gpu = int(match.group(1)), int(match.group(2))
-        entry = xid_table.get(str(code)) or XidIn()
+        entry = xid_table.get(str(code)) or XidMeaning()
         meaning, action = entry.meaning or match.group(3) or "not in the XID table", entry.action
         todo = f"; action: {action} ({XID_ACTION_WORDS.get(action, action)})" if action else ""
         summary = f"XID {code} ({meaning}) on GPU {gpu} of {node}{todo}"
@@ -118,8 +113,16 @@ def _root_cause(row: IncidentIn, xid_table: Mapping[str, XidIn], analysis: Fligh
     return RootCause(kind, words, node, rank, summary, flight_recorder=analysis)
 
 
-def _action_detail(a: ActionIn) -> str:
-    r, step = a.outcome(), a.step()
+def _step(a: Action) -> Step | None:
+    """The step an action records (None: its args make none, as a newer controller's might)."""
+    try:
+        return a.step
+    except PermanentError:
+        return None
+
+
+def _action_detail(a: Action) -> str:
+    r, step = a.outcome, _step(a)
     if a.kind == ActionKind.STOP:
         text = f"stopped generation {step.generation if isinstance(step, StopStep) else '?'}"
         text += f": {r.killed} processes killed" if isinstance(r, Stopped) else ""
@@ -155,7 +158,7 @@ def _action_detail(a: ActionIn) -> str:
     return text if a.state == ActionState.DONE else f"{text} (not done)"
 
 
-def _timeline(row: IncidentIn, actions: Sequence[ActionIn]) -> tuple[Phase, ...]:
+def _timeline(row: IncidentRow, actions: Sequence[Action]) -> tuple[Phase, ...]:
     t0 = row.failed_s
 
     def rel(t: float | None) -> float | None:
@@ -181,9 +184,9 @@ def _timeline(row: IncidentIn, actions: Sequence[ActionIn]) -> tuple[Phase, ...]
     return tuple(phases)
 
 
-def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[CheckpointEntry]) -> Resume:
+def _resume(row: IncidentRow, actions: Sequence[Action], checkpoints: Sequence[CheckpointEntry]) -> Resume:
     launches = [a for a in actions if a.kind == ActionKind.LAUNCH and a.state == ActionState.DONE]
-    done = launches[-1].outcome() if launches else None
+    done = launches[-1].outcome if launches else None
     result = done if isinstance(done, Launched) else Launched()
     step = result.resumed_from_step if result.resumed_from_step is not None else row.resumed_from_step
     if step is None:
@@ -216,11 +219,11 @@ def _resume(row: IncidentIn, actions: Sequence[ActionIn], checkpoints: Sequence[
     return Resume(step, f"{head}: {why}", tuple(skipped))
 
 
-def build(raw: Any, incident_id: int | None = None) -> Report:
-    """The post-mortem of one incident, or of the whole run when ``incident_id`` is None, from the bundle as
-    decoded JSON. Raises PermanentError naming the field's path when the bundle does not follow docs/postmortem.md,
-    or when the run has no such incident."""
-    bundle = read_bundle(raw)
+def build(raw: Bundle | Any, incident_id: int | None = None) -> Report:
+    """The post-mortem of one incident, or of the whole run when ``incident_id`` is None, from the bundle (as the
+    controller built it, or as decoded JSON). Raises PermanentError naming the field's path when the bundle does not
+    follow docs/postmortem.md, or when the run has no such incident."""
+    bundle = raw if isinstance(raw, Bundle) else read_bundle(raw)
     now_s, run, status = bundle.generated_unix_s, bundle.run, bundle.status or RunStatus()
     rows, actions = bundle.incidents or (), bundle.actions or ()
     checkpoints = sorted(bundle.checkpoints or (), key=lambda c: c.step)
@@ -236,7 +239,7 @@ def build(raw: Any, incident_id: int | None = None) -> Report:
         raise PermanentError(f"run {run.id!r} has no incident {incident_id} (its incidents: {known})")
 
     mtbf = bundle.mtbf or Mtbf(mtbf_s=status.mtbf_s)  # older bundles: the status's MTBF alone
-    goodput = _goodput(status, bundle.checkpoint_blocking_s or BlockingIn(), mtbf)
+    goodput = _goodput(status, bundle.checkpoint_blocking_s or Blocking(), mtbf)
     collectives = _collectives(bundle.launches or ())
     recompute_total = dict(goodput.badput_s).get(BadputBucket.RECOMPUTE)
     lost_total = sum(r.lost_steps or 0 for r in rows if r.kind not in WARNING_KINDS)
@@ -313,7 +316,7 @@ def build(raw: Any, incident_id: int | None = None) -> Report:
     )
 
 
-def _straggler(r: IncidentIn) -> StragglerWarning:
+def _straggler(r: IncidentRow) -> StragglerWarning:
     match = _STRAGGLER.search(r.detail)
     rank = r.rank if r.rank is not None else int(match.group(1)) if match else None
     try:
@@ -333,7 +336,7 @@ def _launch_of(key: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _collectives(launches: Sequence[LaunchIn]) -> dict[int, tuple[tuple[str, float], ...]]:
+def _collectives(launches: Sequence[LaunchRecord]) -> dict[int, tuple[tuple[str, float], ...]]:
     """Each launch's longest collective stacks, from the bundle's ``launches`` (absent from older bundles)."""
     out: dict[int, tuple[tuple[str, float], ...]] = {}
     for row in launches:
@@ -343,7 +346,7 @@ def _collectives(launches: Sequence[LaunchIn]) -> dict[int, tuple[tuple[str, flo
     return out
 
 
-def _goodput(status: RunStatus, blocking: BlockingIn, mtbf: Mtbf) -> Goodput:
+def _goodput(status: RunStatus, blocking: Blocking, mtbf: Mtbf) -> Goodput:
     badput = dict(status.badput_s)
     order = [b for b in BADPUT_BUCKETS if b in badput] + sorted(k for k in badput if k not in BADPUT_BUCKETS)
     last, average = status.last_measured or LastMeasured(), status.run_average or RunAverage()

@@ -17,7 +17,6 @@ from msgspec import Struct
 from opsd.errors import PermanentError
 from opsd.protocol.fields import FINITE_BOUNDS, Finite
 from opsd.protocol.fields import FiniteSeconds as Seconds
-from opsd.protocol.flight_analysis import FlightAnalyses
 
 A = TypeVar("A")
 
@@ -259,10 +258,6 @@ class CadenceView(Struct, frozen=True, kw_only=True):
             nodes=self.nodes,
             prior=self.prior,
         )
-
-
-#: every answer a read of the API sends, documented in ``/openapi.json``
-ANSWERS: tuple[object, ...] = (RunStatus, SparePools, Checkpoints, CadenceView, FlightAnalyses)
 
 
 def decode_answer(raw: object, kind: type[A], what: str) -> A:

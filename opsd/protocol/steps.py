@@ -78,7 +78,7 @@ def step_of(kind: str, args: dict[str, Any]) -> Step:
     try:
         step: Step = msgspec.convert({**args, "kind": str(kind)}, Step)
     except msgspec.ValidationError as exc:
-        raise PermanentError(f"a recorded {kind!r} step does not fit: {exc}") from None
+        raise PermanentError(f"a recorded '{kind}' step does not fit: {exc}") from None
     return step
 
 
@@ -212,5 +212,5 @@ def result_of(kind: str, record: dict[str, Any]) -> Result:
     try:
         result: Result = msgspec.convert(record, RESULTS[ActionKind(kind)])
     except (msgspec.ValidationError, ValueError) as exc:
-        raise PermanentError(f"a recorded {kind!r} result does not fit: {exc}") from None
+        raise PermanentError(f"a recorded '{kind}' result does not fit: {exc}") from None
     return result
