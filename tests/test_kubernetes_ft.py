@@ -94,7 +94,8 @@ class FtCluster:
         played = ft_jobset(min_replicas)
         put_secrets_named(kube, played)  # checkpoint-s3, as the docs have it made
         kube.put(played)
-        self.player = JobSetPlayer(kube, ScriptedKubelet(), restart_job_gate=restart_job_gate)
+        self.kubelet = ScriptedKubelet()
+        self.player = JobSetPlayer(kube, self.kubelet, restart_job_gate=restart_job_gate)
         self.player.start()
         wait_for("both groups running", lambda: len(self.running()) == 2, 20)
         backend = KubernetesBackend(
@@ -134,11 +135,16 @@ class FtCluster:
         self.watched.reconciler.sync(time.time())
 
     def beat(
-        self, steps: dict[int, int], *, xid_on: str = "", stale: dict[int, tuple[str, int, int]] | None = None
+        self,
+        steps: dict[int, int],
+        *,
+        xid_on: str = "",
+        xid: tuple[int, str] = (79, "cordon_and_swap"),
+        stale: dict[int, tuple[str, int, int]] | None = None,
     ) -> None:
         """Each group's rank (rank g: group g, one per pod) at ``steps[g]``, from its pod's node, of the launch its
         pod's labels give it (OPSD_LAUNCH); ``stale``: group -> (node, launch, step) of a rank its agent still
-        remembers; ``xid_on``: that node's agent also sends an XID 79."""
+        remembers; ``xid_on``: that node's agent also sends an XID (``xid``: its code and action; 79 by default)."""
         now = time.time()
         placed = {g: (p["spec"]["nodeName"], launch_of(p)) for g, p in self.group_pods().items()}
         ranks: dict[int, tuple[str, int | None, int]] = {g: (*placed[g], step) for g, step in steps.items()}
@@ -151,8 +157,9 @@ class FtCluster:
             events = []
             if where == xid_on:
                 self.seq += 1
+                code, action = xid
                 events = [
-                    HeartbeatEvent(seq=self.seq, gpu=0, xid=79, time_s=now, action="cordon_and_swap", reason="XID 79")
+                    HeartbeatEvent(seq=self.seq, gpu=0, xid=code, time_s=now, action=action, reason=f"XID {code}")
                 ]
             self.controller.heartbeat(Heartbeat(v=1, node=where, time_unix_s=now, ranks=[rank], events=events), now)
 
@@ -295,6 +302,46 @@ def test_when_the_quorum_needs_every_group_every_group_is_relaunched(
     closed = stored(store.incident(int(incident.id)))
     assert (closed.state, closed.replica_group) == (IncidentState.RECOVERED, None)
     assert closed.lost_steps == 41 - closed.resumed_from_step  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("xid", "restarts", "node_at_end"),
+    [((13, "restart_job"), 1, "node-1"), ((79, "cordon_and_swap"), 2, "node-2")],
+    ids=["an-application-error-one-restart", "a-dead-gpu-the-new-pod-leaves-the-node"],
+)
+def test_a_group_jobset_restarted_first_is_not_restarted_again(
+    kube: KubeEmulator, store: StateStore, cleanup: ExitStack, xid: tuple[int, str], restarts: int, node_at_end: str
+) -> None:
+    """Group 1's rank dies of its XID and its pod fails before opsd's recovery stops it: JobSet's RestartJob
+    recreates the Job at once. opsd's stop is of the launch the failure was seen in (0), so the Job's new pod is
+    left be and the relaunch is JobSet's: one failure, one restart. Where the XID takes the node out (79), the new
+    pod, placed on that node before opsd cordoned it, is moved off it: a second restart, to the spare."""
+    cluster = started(kube, store, cleanup, min_replicas=1)
+    before = cluster.group_pods()
+    cluster.beat({0: 41, 1: 41}, xid_on="node-1", xid=xid)  # heard; the detection pass comes below
+    cluster.kubelet.exits[before[1]["metadata"]["name"]] = 1  # the rank died of it: its pod fails
+    new = cluster.relaunched_pods({0: 0, 1: 1})  # JobSet recreated group 1's Job first, on node-1 again
+    assert new[1]["spec"]["nodeName"] == "node-1"
+
+    cluster.controller.tick(time.time())  # detected; the group's recovery runs before it returns
+
+    (incident,) = store.incidents(RUN)
+    assert (incident.key, incident.replica_group) == (f"{RUN}/gen0/group1", 1)
+    stop, launch = [a for a in store.actions(incident_id=int(incident.id)) if a.kind in ("stop", "launch")]
+    assert (stop.args["group"], stop.state, launch.state) == (1, "done", "done")
+    assert stop.outcome == Stopped(killed=restarts - 1, restart_attempt=0, launch=0)  # of the launch that failed
+    assert isinstance(launch.outcome, Launched)
+    assert launch.outcome.launch == restarts
+    now = cluster.relaunched_pods({0: 0, 1: restarts})
+    assert now[1]["spec"]["nodeName"] == node_at_end
+    assert (now[0]["metadata"]["uid"]) == before[0]["metadata"]["uid"]  # group 0 never stopped
+    assert cluster.player.job_restarts == restarts
+    assert cluster.jobset_status()["replicatedJobsStatus"][0]["jobRestarts"] == [0, restarts]
+    evictions = [r.path.split("/")[6] for r in kube.requests if r.method == "POST" and r.path.endswith("/eviction")]
+    assert evictions == ([new[1]["metadata"]["name"]] if restarts == 2 else [])  # only to leave a dead node
+    (told,) = [e for e in kube.objects("events", NAMESPACE) if e["reason"] == "OpsdEvict"]
+    assert "restarted already (1) since its failed restart 0" in told["message"]
+    assert stored(store.run(RUN)).groups[1] == GroupLaunch(restarts, (node_at_end,))
 
 
 def test_without_jobsets_restart_job_gate_the_operator_is_told(

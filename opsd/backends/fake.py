@@ -56,7 +56,10 @@ class FakeBackend:
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
+    def stop_ranks(
+        self, run: str, request_id: str, group: int | None = None, launch: int | None = None
+    ) -> Outcome[Stopped]:
+        # ``launch`` is the current one: the ranks are launched again by the controller alone
         def stop() -> Outcome[Stopped]:
             state = self.runs.setdefault(run, FakeRun())
             stopped = [r for r in state.ranks if group is None or state.groups.get(r) == group]
@@ -92,7 +95,13 @@ class FakeBackend:
         return self._once("promote_spare", request_id, {"run": run, "spare": spare, "replaces": replaces}, promote)
 
     def relaunch(
-        self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
+        self,
+        run: str,
+        generation: int,
+        nodes: Sequence[str],
+        request_id: str,
+        group: int | None = None,
+        stopped: int | None = None,
     ) -> Outcome[Launched]:
         def launch() -> Outcome[Launched]:
             bad = [n for n in nodes if self.nodes.get(n) != "ready"]

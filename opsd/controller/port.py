@@ -125,10 +125,14 @@ class Backend(Protocol):
         """``local``, ``kubernetes``, ``fake``: recorded with the runs it starts."""
         ...
 
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
+    def stop_ranks(
+        self, run: str, request_id: str, group: int | None = None, launch: int | None = None
+    ) -> Outcome[Stopped]:
         """Stop every rank of the run's current launch, or (``group``) of one replica group of a fault-tolerant run
-        (the other groups go on). Done: ``Stopped``: ``killed``, the ranks still running, and ``launch``, the launch
-        stopped, where the backend names its launches (see ``relaunch``)."""
+        (the other groups go on). ``launch``: the group's launch the failure was seen in; a backend whose cluster
+        relaunches a failed group on its own (JobSet's ``RestartJob``) stops that launch and leaves a newer one be,
+        so that one failure makes one relaunch whichever acts first. Done: ``Stopped``: ``killed``, the ranks still
+        running, and ``launch``, the launch stopped, where the backend names its launches (see ``relaunch``)."""
         ...
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
@@ -144,7 +148,13 @@ class Backend(Protocol):
         ...
 
     def relaunch(
-        self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
+        self,
+        run: str,
+        generation: int,
+        nodes: Sequence[str],
+        request_id: str,
+        group: int | None = None,
+        stopped: int | None = None,
     ) -> Outcome[Launched]:
         """Launch ``generation`` of the run's ranks on ``nodes`` (what still runs of an earlier one is stopped
         first); the ranks resume from their newest committed checkpoint. With ``group``: launch one replica group
@@ -152,7 +162,8 @@ class Backend(Protocol):
         ``Launched``: ``nodes``, ``resumed_from_step``, ``skipped`` (newer checkpoints that could not be resumed
         from, and why), and ``launch`` where the backend tells its ranks which launch they belong to
         (``OPSD_LAUNCH``: their reports carry it, and the controller takes the reports of that launch and no earlier
-        one, whenever they come)."""
+        one, whenever they come). ``stopped``: with ``group``, the group's launch its stop ended (its ``Stopped``
+        result's): the relaunch is a later one."""
         ...
 
     def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome[DumpReady]:

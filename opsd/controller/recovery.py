@@ -29,7 +29,7 @@ from opsd.checkpoints.store import newest_checkpoint
 from opsd.controller.calls import BackendCalls, StepFailedError
 from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
-from opsd.controller.incidents import failure_key, failure_of, unfinished_incident
+from opsd.controller.incidents import failure_key, failure_of, generation_of, unfinished_incident
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import Action
 from opsd.policy.detection import Failure, FailureKind
@@ -269,7 +269,8 @@ class Recovery(BackendCalls):
             case StopStep(group=None):
                 return self._call(lambda: backend.stop_ranks(run, rid), action)
             case StopStep(group=int(group)):
-                stopped = self._call(lambda: backend.stop_ranks(run, rid, group), action)
+                failed = self._failed_launch(incident_id)  # a cluster may have relaunched the group since
+                stopped = self._call(lambda: backend.stop_ranks(run, rid, group, launch=failed), action)
                 self.core.forget_group(run, group, self.core.clock())  # its ranks leave; the others train on
                 return stopped
             case CordonStep(node=node, reason=reason):
@@ -344,6 +345,12 @@ class Recovery(BackendCalls):
         log.info("run %s: %s replaces %s", run, chosen, failed)
         return SpareTaken(spare=chosen)
 
+    def _failed_launch(self, incident_id: int) -> int | None:
+        """The launch the incident's failure was seen in, as its key says (a replica group's: the group's launch)."""
+        incident = self.core.store.incident(incident_id)
+        launch = generation_of(incident.key) if incident is not None else -1
+        return launch if launch >= 0 else None
+
     def _stopped_launch(self, incident_id: int) -> int | list[int] | None:
         """The launch the incident's ``stop`` stopped, as its record says (when the backend named it): one for the
         whole job, or one per replica group (``launches``) where the backend launches the groups apart."""
@@ -391,7 +398,9 @@ class Recovery(BackendCalls):
         if incident is not None and incident.spare and incident.spare not in nodes:
             nodes.append(incident.spare)
         backend = self._backend()
-        done = self._call(lambda: backend.relaunch(run, generation, nodes, rid, group), None)
+        ended = self._stopped_launch(incident_id)  # the group's launch its stop ended
+        stopped = ended if isinstance(ended, int) else None
+        done = self._call(lambda: backend.relaunch(run, generation, nodes, rid, group, stopped), None)
         launch = done.launch
         self.core.group_launched(run, group, launch)
         row = store.run(run)

@@ -109,9 +109,11 @@ class KubernetesBackend:
         self._lock = threading.Lock()
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
+    def stop_ranks(
+        self, run: str, request_id: str, group: int | None = None, launch: int | None = None
+    ) -> Outcome[Stopped]:
         if group is not None:
-            return self._step(f"stop {run} group {group}", lambda: self._stop_group(run, group, request_id))
+            return self._step(f"stop {run} group {group}", lambda: self._stop_group(run, group, request_id, launch))
         return self._step(f"stop {run}", lambda: self._stop(run, request_id))
 
     def quarantine_node(self, run: str, node: str, reason: str, request_id: str) -> Outcome[NodeChanged]:
@@ -136,10 +138,18 @@ class KubernetesBackend:
         return self._step(f"promote {spare}", promote)
 
     def relaunch(
-        self, run: str, generation: int, nodes_: Sequence[str], request_id: str, group: int | None = None
+        self,
+        run: str,
+        generation: int,
+        nodes_: Sequence[str],
+        request_id: str,
+        group: int | None = None,
+        stopped: int | None = None,
     ) -> Outcome[Launched]:
         if group is not None:
-            return self._step(f"relaunch {run} group {group}", lambda: self._verify_group(run, group, request_id))
+            return self._step(
+                f"relaunch {run} group {group}", lambda: self._verify_group(run, group, request_id, stopped)
+            )
         return self._step(f"relaunch {run}", lambda: self._verify_restart(run, request_id))
 
     def request_dump(self, run: str, trigger: str, request_id: str) -> Outcome[DumpReady]:
@@ -229,10 +239,13 @@ class KubernetesBackend:
         self._evict(ref, running)
         return Done(Stopped(killed=len(running), launches=counts))
 
-    def _stop_group(self, run: str, group: int, request_id: str) -> Outcome[Stopped]:
-        """Evict the running pods of replica group ``group`` (the child Job of that index) at its current
-        restart: JobSet's ``RestartJob`` failure policy recreates that Job alone; the other groups train on. The
-        Job's restart attempt is written first, in the step's Event, as for a whole stop."""
+    def _stop_group(self, run: str, group: int, request_id: str, launch: int | None) -> Outcome[Stopped]:
+        """Evict the running pods of replica group ``group`` (the child Job of that index) at the restart its
+        failure was seen in (``launch``; None: its current one): JobSet's ``RestartJob`` failure policy recreates
+        that Job alone; the other groups train on. Where JobSet recreated the Job already (the failed pod's own exit
+        restarted it), the newer pods are left be: one failure, one restart. A newer pod on a node that is no longer
+        usable (quarantined by this recovery's cordon) is evicted too, so that the group leaves it. The Job's restart
+        attempt is written first, in the step's Event, as for a whole stop."""
         ref = self._ref(run)
         target = Target("JobSet", ref.jobset, ref.namespace)
         mine = [p for p in self._pods(ref) if job_index_of(p) == group]
@@ -240,12 +253,29 @@ class KubernetesBackend:
         if record is not None:
             attempt = int(((record.get("metadata") or {}).get("annotations") or {}).get(ATTEMPT_ANNOTATION, "0"))
         else:
-            attempt = job_restarts(self.api.jobset(ref.namespace, ref.jobset), group)
+            current = job_restarts(self.api.jobset(ref.namespace, ref.jobset), group)
+            attempt = current if launch is None else min(launch, current)
             message = f"evicting the pods of replica group {group} (its job's restart {attempt}): the Job restarts"
+            if current > attempt:
+                message = (
+                    f"replica group {group}'s job restarted already ({current}) since its failed restart {attempt}:"
+                    " its pods of that restart are evicted, the newer ones left be"
+                )
             self._tell([target], "OpsdEvict", message, request_id, annotations={ATTEMPT_ANNOTATION: str(attempt)})
-        running = [p for p in mine if job_attempt_of(p) <= attempt and not terminating(p) and not finished(p)]
+        live = [p for p in mine if not terminating(p) and not finished(p)]
+        running = [p for p in live if job_attempt_of(p) <= attempt or self._on_unusable_node(p)]
         self._evict(ref, running)
         return Done(Stopped(killed=len(running), restart_attempt=attempt, launch=attempt))
+
+    def _on_unusable_node(self, pod: Json) -> bool:
+        """Whether ``pod`` is placed on a node nothing may run on any more (quarantined, or gone)."""
+        name = (pod.get("spec") or {}).get("nodeName")
+        if not name:
+            return False
+        try:
+            return nodes.unusable(self.api.node(name))
+        except NotFoundError:
+            return True
 
     def _evict(self, ref: RunRef, pods: list[Json]) -> None:
         for pod in pods:
@@ -272,16 +302,17 @@ class KubernetesBackend:
         placed = [(p.get("spec") or {}).get("nodeName") or "" for p in current]
         return GroupState(restarts, len(current), tuple(sorted({n for n in placed if n})), all(placed), len(old))
 
-    def _verify_group(self, run: str, group: int, request_id: str) -> Outcome[Launched]:
-        """Replica group ``group``'s Job was recreated (its restart attempt went up), every pod of it is placed, on
-        no quarantined node, and none of its earlier attempt is left."""
+    def _verify_group(self, run: str, group: int, request_id: str, stopped: int | None) -> Outcome[Launched]:
+        """Replica group ``group``'s Job was recreated (its restart attempt went past ``stopped``, the one its stop
+        ended; None: past 0), every pod of it is placed, on no quarantined node, and none of its earlier attempt is
+        left."""
         ref = self._ref(run)
         jobset = self.api.jobset(ref.namespace, ref.jobset)
         pods = self._pods(ref)
         state = self._group_now(ref, jobset, pods, group, self.clock())
         wanted = group_pods(jobset)
         bad = [n for n in state.nodes if nodes.unusable(self.api.node(n))]
-        if state.restarts == 0 or state.old or state.pods < wanted or not state.placed or bad:
+        if state.restarts <= (stopped or 0) or state.old or state.pods < wanted or not state.placed or bad:
             why = (
                 f"replica group {group}, its job's restart {state.restarts}: {len(state.nodes)} of {wanted} pods placed"
                 + (f", {state.old} of earlier attempts still there" if state.old else "")

@@ -160,7 +160,10 @@ class LocalBackend:
             self.lock_fd = None
 
     # -- the port ----------------------------------------------------------------------------------------------
-    def stop_ranks(self, run: str, request_id: str, group: int | None = None) -> Outcome[Stopped]:
+    def stop_ranks(
+        self, run: str, request_id: str, group: int | None = None, launch: int | None = None
+    ) -> Outcome[Stopped]:
+        # ``launch`` is the current one: the ranks are launched again by the controller alone
         def stop() -> Outcome[Stopped]:
             launch = self.group_launches.get(group, self.generation) if group is not None else self.generation
             killed = self.kill_ranks(group)
@@ -180,7 +183,13 @@ class LocalBackend:
         return self._once(run, request_id, lambda: self._known_node(spare) or Done(NodeChanged()))
 
     def relaunch(
-        self, run: str, generation: int, nodes: Sequence[str], request_id: str, group: int | None = None
+        self,
+        run: str,
+        generation: int,
+        nodes: Sequence[str],
+        request_id: str,
+        group: int | None = None,
+        stopped: int | None = None,
     ) -> Outcome[Launched]:
         def launch() -> Outcome[Launched]:
             unknown = [n for n in nodes if n not in self.spec.node_names()]
