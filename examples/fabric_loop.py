@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 
 from examples.config import ModelConfig
-from examples.integration_cli import common_options
+from examples.integration_cli import common_options, launch_layout
 from examples.model import Transformer, model_shape
 from opsd.protocol.wire import CHECKPOINT
 from trainer_hooks.integrations.lightning import fabric_monitor, last_checkpoint
@@ -32,8 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--checkpoint-dir", required=True)
     args = p.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")
+    devices, nodes = launch_layout()
+    fabric = Fabric(
+        accelerator="cpu", devices=devices, num_nodes=nodes, strategy="ddp" if devices * nodes > 1 else "auto"
+    )
     fabric.launch()  # under torchrun: joins its ranks (it starts no process)
     cfg = ModelConfig(seq_len=args.seq_len)
     torch.manual_seed(0)
@@ -64,10 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             monitor.record_loss(loss)
         state["step"] += 1
         losses[str(state["step"])] = float(loss.detach())
-        if policy.current().checkpoint_due(state["step"]):
+        own = args.save_every > 0 and state["step"] % args.save_every == 0  # until the controller's cadence
+        if policy.current().checkpoint_due(state["step"], own):
             with monitor.busy(CHECKPOINT):
                 fabric.save(os.path.join(args.checkpoint_dir, f"step={state['step']}.ckpt"), state)
-        if state["step"] == args.kill_at_step and fabric.global_rank == 0:
+        if state["step"] == args.kill_at_step and resume is None and fabric.global_rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
     monitor.close()
     policy.close()

@@ -3,8 +3,8 @@ on gloo under torchrun on CPU (``torchrun --nproc-per-node 2 -m examples.hf_trai
 built from a config (no download), synthetic token sequences of a fixed seed.
 
 With ``--resume`` it resumes from the Trainer's newest checkpoint in ``--output-dir``; ``--kill-at-step`` SIGKILLs
-rank 0 after that step (fault injection); ``--losses-out`` gets each optimizer step's loss as the Trainer logged it
-(rank 0). The opsd side is ``trainer_hooks.integrations.hf`` and three lines below."""
+rank 0 after that step in a run that did not resume (fault injection); ``--losses-out`` gets each optimizer step's
+loss as the Trainer logged it (rank 0). The opsd side is ``trainer_hooks.integrations.hf`` and three lines below."""
 
 from __future__ import annotations
 
@@ -61,7 +61,6 @@ class KillAt(TrainerCallback):  # type: ignore[misc]
 def main(argv: Sequence[str] | None = None) -> int:
     p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--save-every", type=int, default=4)
     args = p.parse_args(argv)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -93,9 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     jsonl = args.opsd_jsonl.replace("{rank}", str(rank)) if args.opsd_jsonl else None
     trainer.add_callback(OpsdCallback(trainer, seq_len=args.seq_len, config=MonitorConfig(jsonl_path=jsonl)))
-    if args.kill_at_step:
+    resume = last_checkpoint(args.output_dir) if args.resume else None
+    if args.kill_at_step and resume is None:  # a relaunch that resumes is not killed again
         trainer.add_callback(KillAt(args.kill_at_step))
-    trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir) if args.resume else None)
+    trainer.train(resume_from_checkpoint=resume)
     if args.losses_out and rank == 0:
         losses = {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
         Path(args.losses_out).write_text(json.dumps(losses))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from examples.config import ModelConfig
-from examples.integration_cli import common_options
+from examples.integration_cli import common_options, launch_layout
 from examples.model import Transformer, model_shape
 from trainer_hooks.integrations.lightning import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = ModelConfig(seq_len=args.seq_len)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    devices, nodes = launch_layout()
     shard = TokenData(args.steps * args.batch_size, args.seq_len, cfg.vocab_size, seed=rank)  # this rank's
     sampler = FromStep(len(shard))
     module = LanguageModel(cfg, sampler, args.batch_size)
@@ -102,15 +103,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     opsd = OpsdCallback(
         seq_len=args.seq_len,
         checkpoint_dir=args.checkpoint_dir,
+        every_steps=args.save_every,
         shape=model_shape(module.model),
         config=MonitorConfig(jsonl_path=jsonl),
     )
+    resume = last_checkpoint(args.checkpoint_dir) if args.resume else None  # a relaunch that resumes is not killed
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=world,
+        devices=devices,
+        num_nodes=nodes,
         strategy="ddp" if world > 1 else "auto",
         max_epochs=1,
-        callbacks=[opsd, *([KillAt(args.kill_at_step)] if args.kill_at_step else [])],
+        callbacks=[opsd, *([KillAt(args.kill_at_step)] if args.kill_at_step and resume is None else [])],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -118,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         deterministic=True,
         use_distributed_sampler=False,  # each rank reads its own shard, from the step it resumed at (FromStep)
     )
-    trainer.fit(module, data, ckpt_path=last_checkpoint(args.checkpoint_dir) if args.resume else None)
+    trainer.fit(module, data, ckpt_path=resume)
     if args.losses_out and rank == 0:
         Path(args.losses_out).write_text(json.dumps({str(s): v for s, v in sorted(module.losses.items())}))
     return 0

@@ -473,3 +473,22 @@ def test_the_last_reports_heard_after_a_run_completed_raise_its_final_step(contr
     assert (row.final_step, row.updated_s) == (31, 30.5)
     controller.tick(34.0)  # nothing more to raise
     assert controller.store.run("job").updated_s == 30.5  # type: ignore[union-attr]
+
+
+def test_the_steps_an_ended_launch_made_are_counted_when_its_reports_come_after_the_stop(
+    controller: Controller,
+) -> None:
+    """A launch stopped at 2 s whose ranks stepped faster than their agents' heartbeats: the controller had heard of
+    step 4 only, and the agents' next heartbeats, after the stop, still carry the ranks' last reports (steps 6 and
+    7, reported before 2 s). Those are the ended launch's steps, counted in its newest step (a recovery's lost steps
+    are counted from it: before, 0 of the 3 steps past a checkpoint of step 4); a report from before the ended launch
+    began, or of the new launch, is not."""
+    for n, ranks in (("n0", (0, 1)), ("n1", (2, 3))):
+        controller.heartbeat(beat(n, [rank(r, 4, last_report_unix_s=1.0) for r in ranks]), 1.0)
+    controller.forget_ranks("job", 2.0)  # the stop and the relaunch
+    assert controller.ended_step("job") == 4
+    controller.heartbeat(beat("n0", [rank(0, 7, last_report_unix_s=1.9), rank(1, 6, last_report_unix_s=1.8)]), 2.5)
+    controller.heartbeat(beat("n1", [rank(2, 99, last_report_unix_s=-5.0)]), 2.5)  # a launch before the ended one
+    assert controller.ended_step("job") == 7
+    controller.heartbeat(beat("n1", [rank(2, 5, last_report_unix_s=3.0, resumed_from_step=4)]), 3.0)  # the new one
+    assert controller.ended_step("job") == 7

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,11 @@ from tests.integration_runs import (
     STEPS,
     cadence_every_3,
     check_each_steps_report,
+    check_killed_and_resumed,
     check_the_agents_series,
     reports,
     run_with_agent,
+    under_opsd_run,
 )
 from tests.launch import ROOT, run_module
 from tests.test_docs import blocks
@@ -83,3 +86,15 @@ def test_the_docs_lines_are_those_of_the_tested_script() -> None:
     script = (ROOT / "examples" / "hf_trainer.py").read_text()
     for line in snippet.strip().splitlines():
         assert line.strip() in script, line
+
+
+def test_under_opsd_run_a_killed_rank_is_relaunched_and_resumes_from_the_trainers_checkpoint(
+    straight: Path, tmp_path: Path
+) -> None:
+    """``opsd run`` supervising the Trainer on 2 local nodes: rank 0 SIGKILLed after step 7 (the process exits),
+    the controller relaunches the job, and the Trainer resumes from its own newest checkpoint (step 4, its own every
+    4: the controller's cadence asks for none this early)."""
+    trainer = [sys.executable, "-m", "examples.hf_trainer", "--output-dir", str(tmp_path / "ckpt"), "--resume"]
+    trainer += ["--steps", str(STEPS), "--kill-at-step", "7", "--opsd-jsonl", str(tmp_path / "rank{rank}.jsonl")]
+    run = under_opsd_run(tmp_path, [*trainer, "--losses-out", str(tmp_path / "losses.json")])
+    check_killed_and_resumed(run, straight / "losses.json", killed_at=7, resumed_from=4)

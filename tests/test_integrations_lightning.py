@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,11 @@ from tests.integration_runs import (
     STEPS,
     cadence_every_3,
     check_each_steps_report,
+    check_killed_and_resumed,
     check_the_agents_series,
     reports,
     run_with_agent,
+    under_opsd_run,
 )
 from tests.launch import ROOT, run_module
 from tests.test_docs import blocks
@@ -96,3 +99,15 @@ def test_the_docs_lines_are_those_of_the_tested_scripts(block: int, script: str)
     text = (ROOT / "examples" / script).read_text()
     for line in snippet.strip().splitlines():
         assert line.strip() in text, line
+
+
+def test_under_opsd_run_a_killed_rank_is_relaunched_and_resumes_from_lightnings_checkpoint(
+    straight: Path, example: str, tmp_path: Path
+) -> None:
+    """``opsd run`` supervising the loop on 2 local nodes: rank 0 SIGKILLed after step 7 (the process exits), the
+    controller relaunches the job, and it resumes from its newest checkpoint (step 4: the job's own every 4, the
+    controller having published no cadence this early)."""
+    trainer = [sys.executable, "-m", example, "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]
+    trainer += ["--steps", str(STEPS), "--kill-at-step", "7", "--opsd-jsonl", str(tmp_path / "rank{rank}.jsonl")]
+    run = under_opsd_run(tmp_path, [*trainer, "--losses-out", str(tmp_path / "losses.json")])
+    check_killed_and_resumed(run, straight / "losses.json", killed_at=7, resumed_from=4)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from opsd.protocol.wire import decode, decode_report
@@ -127,12 +128,24 @@ def test_full_agent_buffer_never_blocks(tmp_path: Path) -> None:
     assert m.dropped_reports > 0
 
 
-def test_training_errors_propagate_and_the_step_is_still_reported(tmp_path: Path) -> None:
+def test_training_errors_propagate_and_a_step_that_raised_is_no_step(tmp_path: Path) -> None:
+    """A step whose block raised (a peer died in its all-reduce, a NaN check) did not happen: it is neither reported
+    nor counted, so the controller never takes a step the rank did not finish for progress (a killed peer's survivor
+    once reported the step it died in, and a relaunch's lost steps were counted one too many)."""
     m = monitor(tmp_path)
-    with pytest.raises(RuntimeError, match="loss is nan"), m.step(tokens=1):
-        raise RuntimeError("loss is nan")
-    assert m.steps == 1
-    assert m.internal_errors == 0
+
+    def dies_in_its_all_reduce() -> None:
+        with m.step(tokens=1):
+            torch.ones(2).sum()
+            raise RuntimeError("peer closed")
+
+    with pytest.raises(RuntimeError, match="peer closed"):
+        dies_in_its_all_reduce()
+    assert (m.steps, m.internal_errors) == (0, 0)
+    with m.step(tokens=4):
+        pass
+    m.close()
+    assert [(line["step"], line["tokens"]) for line in lines(tmp_path) if line["kind"] == "step"] == [(1, 4)]
 
 
 def test_internal_failures_are_counted_not_raised(tmp_path: Path) -> None:

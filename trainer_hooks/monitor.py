@@ -41,7 +41,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
@@ -50,7 +49,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from opsd.protocol.env import LAUNCH_ENV, RUN_ENV
 from opsd.protocol.wire import (
     CLOSING,
     VERSION,
@@ -68,6 +66,7 @@ from trainer_hooks.deferred import EventFactory, PendingStep, PendingSteps, cuda
 from trainer_hooks.flight import FlightRecorder
 from trainer_hooks.flops import ModelShape, mfu_ratio, peak_flops
 from trainer_hooks.flops import flops_per_token as formula_flops_per_token
+from trainer_hooks.monitor_config import MonitorConfig as MonitorConfig  # where users import it from
 from trainer_hooks.notices import activity_report, timeout_report
 from trainer_hooks.report_parts import ReportParts
 from trainer_hooks.sinks import JsonlSink, Sink, agent_sink
@@ -75,53 +74,6 @@ from trainer_hooks.sinks import JsonlSink, Sink, agent_sink
 log = logging.getLogger(__name__)
 
 BATCH_DIMENSIONS = ("dp_replicate", "dp_shard", "ep")
-
-
-def launch_from_env() -> int | None:
-    """The launch the backend says this rank belongs to (``$OPSD_LAUNCH``, a count); None when unset or not one."""
-    value = os.environ.get(LAUNCH_ENV, "").strip()
-    return int(value) if value.isdigit() else None
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    """``run_id`` defaults to ``$OPSD_RUN`` (set by ``opsd run``), else "local"; ``socket_path`` defaults to
-    ``$OPSD_AGENT_SOCKET`` (neither: the agent's UDP port at ``$OPSD_AGENT_HOST``, if set); ``jsonl_path`` adds
-    a file sink (both may be set); ``launch``, the launch of the run the rank belongs to, defaults to
-    ``$OPSD_LAUNCH`` (set by the backend; reports carry it)."""
-
-    run_id: str = field(default_factory=lambda: os.environ.get(RUN_ENV) or "local")
-    launch: int | None = field(default_factory=launch_from_env)
-    peak_flops_per_s: float | None = None
-    cpu_peak_flops_per_s: float | None = 1e12
-    socket_path: str | None = None
-    jsonl_path: str | None = None
-    trace_collectives: bool = True
-    collective_timeout_s: float = 300.0  # a wait on one collective longer than this is reported (0: never)
-    flight_dir: str | None = None  # Flight Recorder dumps go there (default $OPSD_FLIGHT_DIR; neither: none)
-    # on CUDA, a step's report waits for its events and GPU durations: at most this long (and 4 x its host time),
-    # and while at most this many newer steps wait (trainer_hooks.deferred)
-    max_pending_s: float = 5.0
-    max_pending_steps: int = 1024
-    close_wait_s: float = 2.0  # at close, how long to wait for the last steps' collective durations
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("monitor.run_id must not be empty")
-        if self.max_pending_steps < 1:
-            raise ValueError("monitor.max_pending_steps must be >= 1")
-        if self.max_pending_s < 0:
-            raise ValueError("monitor.max_pending_s must be >= 0")
-        if self.close_wait_s < 0:
-            raise ValueError("monitor.close_wait_s must be >= 0")
-        if self.collective_timeout_s < 0:
-            raise ValueError("monitor.collective_timeout_s must be >= 0")
-        if self.launch is not None and self.launch < 0:
-            raise ValueError("monitor.launch must be >= 0")
-        for name in ("peak_flops_per_s", "cpu_peak_flops_per_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"monitor.{name} must be > 0")
 
 
 def _rss_bytes() -> int:
@@ -294,11 +246,14 @@ class Monitor(ReportParts):
 
     @contextlib.contextmanager
     def step(self, tokens: int) -> Iterator[None]:
+        """The block is one step, reported at its end; a block that raises is no step (``abandon_step``)."""
         self.begin_step()
         try:
             yield
-        finally:
-            self.end_step(tokens)
+        except BaseException:
+            self.abandon_step()
+            raise
+        self.end_step(tokens)
 
     def begin_step(self) -> None:
         self._started = time.perf_counter()
@@ -311,6 +266,16 @@ class Monitor(ReportParts):
             if self.events is not None:
                 self._begin_event = self.events()
                 self._begin_event.record()
+        except Exception as exc:
+            self._error(exc)
+
+    def abandon_step(self) -> None:
+        """The step begun raised (a peer died in its collective, say): it did not happen, and is neither reported
+        nor counted; its collectives so far are dropped."""
+        try:
+            self._started, self._begin_event, self._loss, self._quorum = None, None, None, None
+            self.tracer.default_phase = OTHER
+            self.tracer.take_step()
         except Exception as exc:
             self._error(exc)
 

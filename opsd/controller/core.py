@@ -276,6 +276,8 @@ class ControllerCore:
             memory = self.remember(run)
             memory.comms_before = memory.comms.totals() if memory.comms is not None else {}
             ended, memory.live, memory.recorded, memory.stragglers = memory.live, None, None, []
+            memory.ended_since_s = memory.launched_s
+            memory.ended_launch = ended_launch if isinstance(ended_launch, int) else memory.launch
             if ended is None:
                 memory.ended_step = -1
             elif ended_launch is None:

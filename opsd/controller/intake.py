@@ -224,10 +224,14 @@ class Intake(Liveness):
         # a fault-tolerant run's groups are launched apart: a rank is of its group's launch, or of an earlier one
         launch = memory.group_launches.get(group, memory.launch) if group is not None else memory.launch
         if r.launch is not None and launch is not None:
-            if r.launch < launch:
-                return  # a rank of an earlier launch (on a cluster: stopping, or remembered by its agent)
-        elif r.last_report_unix_s < memory.launched_s:
-            return  # the agent still remembers a rank of an earlier launch
+            if r.launch < launch:  # a rank of an earlier launch (on a cluster: stopping, or remembered by its agent)
+                if group is None and r.launch == memory.ended_launch:
+                    memory.ended_step = max(memory.ended_step, r.step)  # the ended launch's steps, heard late
+                return
+        elif r.last_report_unix_s < memory.launched_s:  # the agent still remembers a rank of an earlier launch
+            if group is None and r.last_report_unix_s >= memory.ended_since_s:
+                memory.ended_step = max(memory.ended_step, r.step)  # the ended launch's steps, heard late
+            return
         run_live = self._run_live(run)
         live = run_live.ranks.get(rank)
         if live is None or live.node != node:

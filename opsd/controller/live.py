@@ -400,7 +400,9 @@ class RunMemory:
     commands: list[Command] | None = None  # commands for its ranks (docs/protocol.md); None: never had one
     policy: Policy | None = None  # the policy its last heartbeat was told (None: none told yet)
     progressed_s: float | None = None  # when its newest step last advanced
-    ended_step: int = -1  # the newest step of its previous launch (-1: unknown)
+    ended_step: int = -1  # the newest step of its previous launch (-1: unknown), its late reports counted too
+    ended_launch: int | None = None  # the previous launch (OPSD_LAUNCH), when the backend named it
+    ended_since_s: float = 0.0  # when the previous launch had started
     checkpointed_s: float | None = None  # when every rank had finished one more checkpoint
     comms: RunComms | None = None  # its collective seconds per node and stack (the flame graph)
     comms_before: dict[tuple[str, str, str], float] = field(default_factory=dict)  # its totals when its launch began

@@ -11,13 +11,16 @@
   ``dp_replicate`` dimension's collectives.
 - **The checkpoint cadence** the controller publishes (``trainer_hooks.policy_reader``) makes it save
   ``checkpoint_dir/step=N.ckpt`` with ``trainer.save_checkpoint`` at the policy's steps (every rank calls it, as
-  Lightning asks); training waits for it, and the rank says so (``Monitor.activity``: no hang meanwhile). A run
-  resumes from Lightning's own newest checkpoint there (``last_checkpoint``).
+  Lightning asks), and ``every_steps`` (0: none) is the job's own cadence until the controller has published one (it
+  needs a checkpoint's cost, measured on the first saves); training waits for it, and the rank says so
+  (``Monitor.activity``: no hang meanwhile). A run resumes from Lightning's own newest checkpoint there
+  (``last_checkpoint``).
 - It never raises into training: what fails is counted by the monitor or logged, and training goes on.
 
 A Fabric loop is the user's own: ``fabric_monitor(fabric, model)`` is the ``Monitor`` of its rank (its place in
 the job, DDP's gradient all-reduces watched), used as in any loop (``with monitor.step(tokens=...)``), and the
-controller's cadence is the policy's (``PolicyReader(policy_source()).current().checkpoint_due(step)``).
+controller's cadence is the policy's (``PolicyReader(policy_source()).current().checkpoint_due(step, local)``,
+``local``: the loop's own cadence's answer, until the controller has published one).
 """
 
 from __future__ import annotations
@@ -77,9 +80,11 @@ class OpsdCallback(Callback):
         tokens_per_step: int | None = None,
         config: MonitorConfig | None = None,
         policy: PolicyReader | None = None,
+        every_steps: int = 0,
     ) -> None:
         self.seq_len = seq_len
         self.checkpoint_dir = checkpoint_dir
+        self.every_steps = every_steps
         self.shape = shape
         self.tokens_per_step = tokens_per_step
         self.config = config or MonitorConfig()
@@ -127,7 +132,8 @@ class OpsdCallback(Callback):
     def _save_if_due(self, trainer: Trainer) -> None:
         step = trainer.global_step
         try:
-            due = self.checkpoint_dir is not None and self.policy.current().checkpoint_due(step)
+            local = self.every_steps > 0 and step % self.every_steps == 0
+            due = self.checkpoint_dir is not None and self.policy.current().checkpoint_due(step, local)
         except Exception as exc:  # the cadence is advice: training goes on without it
             log.warning("opsd: the checkpoint cadence could not be read: %s", exc)
             return
