@@ -13,6 +13,9 @@ there the monitor's cost includes any wait for the device it would cause (a sync
 overlap of one step's GPU work with the next step's launches): ``hook_overhead_block_ratio``. And the host cost of
 one traced collective (a small all-reduce, traced and not, in turns): ``hook_cost_per_collective_us``.
 
+``--framework hf|lightning|fabric`` measures opsd inside a framework's example instead, whole runs with and without
+it in turns (``bench.framework_overhead``): ``hook_overhead_<framework>_ratio``.
+
 With ``--profile``, rank 0 also runs cProfile over the monitored steps and prints where the monitor's own time
 goes (trainer_hooks functions by total time). Last line: ``hook_overhead_ratio=<ratio>``.
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench import framework_overhead
 from bench.devices import bench_mesh, bench_ranks, synchronize
 from examples.data import TokenSource, TokenSourceConfig
 from examples.model import Transformer
@@ -187,7 +191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mesh", help="the layout (default: one that fits the ranks, bench.devices)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--framework",
+        choices=("reference", "hf", "lightning", "fabric"),
+        default="reference",
+        help="the reference trainer (steps in turns), or a framework's example (runs in turns)",
+    )
+    p.add_argument("--runs", type=int, default=6, help="--framework: runs in all, half with opsd (even)")
+    p.add_argument("--steps", type=int, default=60, help="--framework: steps per run")
     args, model = p.parse_known_args(argv)  # the rest goes to the trainer: --dim, --layers, --dtype, ...
+    if args.framework != "reference":
+        return framework_overhead.measure(args.framework, args.runs, args.steps, args.warmup)
     if args.warmup % 2 or args.pairs < 1:
         p.error("--warmup must be even and --pairs >= 1 (steps go in pairs)")
     ranks = args.ranks or bench_ranks()

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 
 from examples.config import ModelConfig
-from examples.integration_cli import common_options, launch_layout
+from examples.integration_cli import NoMonitor, StepClock, common_options, launch_layout
 from examples.model import Transformer, model_shape
 from opsd.protocol.wire import CHECKPOINT
 from trainer_hooks.integrations.lightning import fabric_monitor, last_checkpoint
-from trainer_hooks.monitor import MonitorConfig
+from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy_reader import PolicyReader, policy_source
 
 
@@ -50,13 +50,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(fabric.global_rank)  # this rank's shard
     tokens = torch.randint(0, cfg.vocab_size, (args.steps, args.batch_size, args.seq_len + 1), generator=generator)
     jsonl = args.opsd_jsonl.replace("{rank}", str(fabric.global_rank)) if args.opsd_jsonl else None
-    monitor = fabric_monitor(fabric, model, shape=shape, config=MonitorConfig(jsonl_path=jsonl))
+    monitor: Monitor | NoMonitor
+    if args.no_opsd:  # the framework alone: bench.hook_overhead's other side
+        monitor = NoMonitor()
+    else:
+        monitor = fabric_monitor(fabric, model, shape=shape, config=MonitorConfig(jsonl_path=jsonl))
+    clock = StepClock()
     policy = PolicyReader(policy_source())
     if state["step"]:
         monitor.resume_at(state["step"])
     losses: dict[str, float] = {}
     while state["step"] < args.steps:
         batch = tokens[state["step"]]
+        clock.start()
         with monitor.step(tokens=args.batch_size * args.seq_len):
             logits = model(batch[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
@@ -64,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             monitor.record_loss(loss)
+        clock.stop()
         state["step"] += 1
         losses[str(state["step"])] = float(loss.detach())
         own = args.save_every > 0 and state["step"] % args.save_every == 0  # until the controller's cadence
@@ -74,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
     monitor.close()
     policy.close()
+    clock.write(args.step_times_out)
     if args.losses_out and fabric.global_rank == 0:
         Path(args.losses_out).write_text(json.dumps(losses))
     return 0

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from examples.integration_cli import common_options
+from examples.integration_cli import StepClock, common_options
 from trainer_hooks.integrations.hf import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
 
@@ -58,6 +58,22 @@ class KillAt(TrainerCallback):  # type: ignore[misc]
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StartStep(TrainerCallback):  # type: ignore[misc]
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.clock.start()
+
+
+class EndStep(StartStep):
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        self.clock.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--output-dir", required=True)
@@ -91,11 +107,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer(model=model, args=training, train_dataset=TokenData(256, args.seq_len))
     rank = int(os.environ.get("RANK", "0"))
     jsonl = args.opsd_jsonl.replace("{rank}", str(rank)) if args.opsd_jsonl else None
-    trainer.add_callback(OpsdCallback(trainer, seq_len=args.seq_len, config=MonitorConfig(jsonl_path=jsonl)))
+    clock = StepClock()  # each step's time, for bench.hook_overhead: started before opsd's callback, stopped after
+    trainer.add_callback(StartStep(clock))
+    if not args.no_opsd:  # the framework alone: the benchmark's other side
+        trainer.add_callback(OpsdCallback(trainer, seq_len=args.seq_len, config=MonitorConfig(jsonl_path=jsonl)))
+    trainer.add_callback(EndStep(clock))
     resume = last_checkpoint(args.output_dir) if args.resume else None
     if args.kill_at_step and resume is None:  # a relaunch that resumes is not killed again
         trainer.add_callback(KillAt(args.kill_at_step))
     trainer.train(resume_from_checkpoint=resume)
+    clock.write(args.step_times_out)
     if args.losses_out and rank == 0:
         losses = {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
         Path(args.losses_out).write_text(json.dumps(losses))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from examples.config import ModelConfig
-from examples.integration_cli import common_options, launch_layout
+from examples.integration_cli import StepClock, common_options, launch_layout
 from examples.model import Transformer, model_shape
 from trainer_hooks.integrations.lightning import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
@@ -88,6 +88,22 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StartStep(pl.Callback):
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.clock.start()
+
+
+class EndStep(StartStep):
+    def on_train_batch_start(self, *args: Any) -> None:
+        pass
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.clock.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--checkpoint-dir", required=True)
@@ -108,13 +124,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config=MonitorConfig(jsonl_path=jsonl),
     )
     resume = last_checkpoint(args.checkpoint_dir) if args.resume else None  # a relaunch that resumes is not killed
+    clock = StepClock()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=nodes,
         strategy="ddp" if world > 1 else "auto",
         max_epochs=1,
-        callbacks=[opsd, *([KillAt(args.kill_at_step)] if args.kill_at_step and resume is None else [])],
+        callbacks=[
+            StartStep(clock),  # each step's time, for bench.hook_overhead: started before opsd's callback
+            *([] if args.no_opsd else [opsd]),  # the framework alone: the benchmark's other side
+            EndStep(clock),
+            *([KillAt(args.kill_at_step)] if args.kill_at_step and resume is None else []),
+        ],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -123,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_distributed_sampler=False,  # each rank reads its own shard, from the step it resumed at (FromStep)
     )
     trainer.fit(module, data, ckpt_path=resume)
+    clock.write(args.step_times_out)
     if args.losses_out and rank == 0:
         Path(args.losses_out).write_text(json.dumps({str(s): v for s, v in sorted(module.losses.items())}))
     return 0

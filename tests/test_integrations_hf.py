@@ -50,13 +50,17 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
     """The run that is never killed, its ranks reporting to a node agent too."""
     out = tmp_path_factory.mktemp("hf-straight")
-    run_with_agent(out, lambda env: train(out, policy, "--losses-out", str(out / "losses.json"), env=env))
+    extra = ("--losses-out", str(out / "losses.json"), "--step-times-out", str(out / "times.json"))
+    run_with_agent(out, lambda env: train(out, policy, *extra, env=env))
     return out
 
 
 def test_every_optimizer_step_is_reported_with_its_tokens_mfu_and_ddp_all_reduces(straight: Path) -> None:
     for rank in (0, 1):
         check_each_steps_report(straight / f"rank{rank}.jsonl", rank)
+    clocked = json.loads((straight / "times.json").read_text())  # bench.hook_overhead's clock, around opsd's callback
+    assert len(clocked) == STEPS
+    assert all(t > 0 for t in clocked)
 
 
 def test_the_agent_exports_the_same_series_as_for_the_reference_trainer(straight: Path) -> None:

@@ -58,7 +58,8 @@ def example(request: pytest.FixtureRequest) -> str:
 def straight(tmp_path_factory: pytest.TempPathFactory, policy: Path, example: str) -> Path:
     """The run that is never killed, its ranks reporting to a node agent too."""
     out = tmp_path_factory.mktemp("lightning-straight")
-    run_with_agent(out, lambda env: train(example, out, policy, "--losses-out", str(out / "losses.json"), env=env))
+    extra = ("--losses-out", str(out / "losses.json"), "--step-times-out", str(out / "times.json"))
+    run_with_agent(out, lambda env: train(example, out, policy, *extra, env=env))
     return out
 
 
@@ -69,6 +70,9 @@ def test_every_optimizer_step_is_reported_with_its_tokens_mfu_loss_and_ddp_all_r
         assert all(r.loss is not None and r.loss > 0 for r in steps)
         if rank == 0:  # the loss each step returned, as the module kept it
             assert {str(r.step): r.loss for r in steps} == pytest.approx(losses)
+            clocked = json.loads((straight / "times.json").read_text())  # bench.hook_overhead's clock
+            assert len(clocked) == STEPS
+            assert all(t > 0 for t in clocked)
 
 
 def test_the_agent_exports_the_same_series_as_for_the_reference_trainer(straight: Path) -> None:
