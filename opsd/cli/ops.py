@@ -34,7 +34,7 @@ from opsd.controller.port import FaultKind
 from opsd.errors import OpsError
 from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
 from opsd.protocol.bundle import RunSummary
-from opsd.protocol.records import Action, IncidentRow
+from opsd.protocol.records import Action, IncidentRow, NodeRow
 from opsd.protocol.states import ActionKind, IncidentState
 from opsd.protocol.steps import CheckpointTaken
 
@@ -80,11 +80,12 @@ def runs_attach(
     if not slash or not namespace or not name_of_jobset:
         fail(f"{jobset!r}: expected NAMESPACE/JOBSET", EXIT_USAGE)
     body = {"namespace": namespace, "jobset": name_of_jobset, "run": name}
-    run = call(api, "POST", "/v1/runs/attach", body)
+    answer = call(api, "POST", "/v1/runs/attach", body)
+    run = typed(answer, RunSummary, "the attached run")
     if as_json:
-        typer.echo(json.dumps(run))
+        typer.echo(json.dumps(answer))
     else:
-        typer.echo(f"run {run['id']}: JobSet {namespace}/{name_of_jobset} attached")
+        typer.echo(f"run {run.id}: JobSet {namespace}/{name_of_jobset} attached")
 
 
 @connected
@@ -187,15 +188,15 @@ def cordon(
     api: ApiClient,
 ) -> None:
     """Take a node out of service: it is neither used nor chosen as a spare until uncordoned."""
-    body = call(api, "POST", f"/v1/nodes/{node}/cordon", {"reason": reason})
-    typer.echo(f"{body['name']}: {body['role']}")
+    done = typed(call(api, "POST", f"/v1/nodes/{node}/cordon", {"reason": reason}), NodeRow, "the node")
+    typer.echo(f"{done.name}: {done.role}")
 
 
 @connected
 def uncordon(node: Node, *, api: ApiClient) -> None:
     """Put a node back in its run's spare pool (a run waiting for a spare takes it)."""
-    body = call(api, "POST", f"/v1/nodes/{node}/uncordon")
-    typer.echo(f"{body['name']}: {body['role']}")
+    done = typed(call(api, "POST", f"/v1/nodes/{node}/uncordon"), NodeRow, "the node")
+    typer.echo(f"{done.name}: {done.role}")
 
 
 @connected
@@ -244,7 +245,7 @@ def postmortem(
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=as_json) as progress:
         task = progress.add_task(f"fetching the post-mortem of {run}", total=None)
-        bundle = call(api, "GET", f"/v1/runs/{run}/postmortem")
+        bundle = call(api, "GET", f"/v1/runs/{run}/postmortem")  # decoded as opsd.protocol.bundle's, by build
         if as_json:
             typer.echo(json.dumps(bundle))
             return
@@ -403,12 +404,13 @@ def drill_xid(
     """A fatal XID on NODE of a running RUN, rehearsed: the node is quarantined, a spare takes its place and the run
     resumes from its newest checkpoint, as after a GPU that fell off the bus; the incident says "drill". Follow it
     with `opsd incidents RUN` and `opsd postmortem RUN`; give the node back with `opsd uncordon NODE`."""
-    incident = call(api, "POST", f"/v1/runs/{run}/drill", {"node": node, "gpu": gpu, "xid": xid})
+    answer = call(api, "POST", f"/v1/runs/{run}/drill", {"node": node, "gpu": gpu, "xid": xid})
+    incident = typed(answer, IncidentRow, "the drill's incident")
     if as_json:
-        typer.echo(json.dumps(incident))
+        typer.echo(json.dumps(answer))
         return
     typer.echo(
-        f"run {run}: incident {incident['id']} ({incident['kind']} on {node}, a drill): {incident['state']};"
+        f"run {run}: incident {incident.id} ({incident.kind} on {node}, a drill): {incident.state};"
         f" follow it with `opsd incidents {run}`, give {node} back with `opsd uncordon {node}` after"
     )
 
