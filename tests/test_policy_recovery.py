@@ -10,6 +10,7 @@ from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     OnNoSpare,
     Quarantine,
+    fails_at_start,
     hang_strikes,
     plan_recovery,
     quarantine_after_hangs,
@@ -120,3 +121,18 @@ def test_hang_strikes(hangs: list[tuple[str, float]], strikes: int, threshold: i
     counted = hang_strikes("n0", hangs, now_s=10 * HOUR, window_s=24 * HOUR)
     assert counted == strikes
     assert quarantine_after_hangs(counted, threshold) is swapped
+
+
+FAILS_AT_START = {  # name: (failures in a row with no step between them, the budget, whether the run is failed)
+    "a first failure": (1, 3, False),
+    "a relaunch that failed at start once": (2, 3, False),
+    "the budget spent": (3, 3, True),
+    "past it (a controller that took over)": (5, 3, True),
+    "a budget of one: the first failure is the last": (1, 1, True),
+    "no budget: relaunched for ever": (50, 0, False),
+}
+
+
+@pytest.mark.parametrize(("failures", "budget", "fails"), FAILS_AT_START.values(), ids=FAILS_AT_START.keys())
+def test_a_job_that_fails_at_start(failures: int, budget: int, fails: bool) -> None:
+    assert fails_at_start(failures, budget) is fails

@@ -82,6 +82,7 @@ FROZEN_KEYS = [
     "controller.step_timeout_s",
     "controller.forget_finished_s",
     "controller.dry_run",
+    "controller.barren_launches",
     "controller.backend",
     "controller.kubernetes.namespace",
     "controller.kubernetes.watch_namespace",

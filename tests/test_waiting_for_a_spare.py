@@ -134,3 +134,35 @@ def test_a_finished_runs_memory_is_dropped_a_while_after_it_settled(tmp_path: Pa
     status = c.status(RUN, 1e10 + 3 + c.config.forget_finished_s)
     assert status is not None
     assert (status.state, status.step, status.ranks) == ("completed", 30, 0)
+
+
+def crash_at_start(c: Controller, now_s: float) -> None:
+    """Every rank of the current launch exits 1 before its first step (a bad image, a config error)."""
+    for rank, node in enumerate(("node-0", "node-1")):
+        c.rank_exited(RUN, rank, node, 1, now_s)
+    c.tick(now_s)
+
+
+def test_a_job_that_fails_at_start_is_failed_not_relaunched_for_ever(tmp_path: Path) -> None:
+    """controller.barren_launches (3): the first launch and two relaunches exit before a step; the third failure
+    fails the run, its incidents abandoned saying why, and nothing is launched again. A relaunch that steps starts
+    the count again. (Times past the wall clock: the executor stamps its launches with it.)"""
+    c, backend = two_nodes(tmp_path)
+    t = 1e10
+    beat(c, 5, t + 1)
+    for at in (t + 2, t + 3):  # launch 1 made steps, then failed; launch 2 made none
+        crash_at_start(c, at)
+    assert stored(c.store.run(RUN)).state == RunState.RUNNING  # 2 failures in a row: relaunched (launch 3)
+    beat(c, 7, t + 4, resumed_from_step=5)  # launch 3 steps: the incidents it recovered from close
+    c.tick(t + 4)
+    assert [i.state for i in c.store.incidents(RUN)] == ["recovered", "recovered"]
+    for at in (t + 5, t + 6):
+        crash_at_start(c, at)
+    assert stored(c.store.run(RUN)).state == RunState.RUNNING  # the count started again
+    crash_at_start(c, t + 7)
+    run = stored(c.store.run(RUN))
+    assert (run.state, run.generation) == (RunState.FAILED, 5)  # launches 3, 4, 5 failed; no launch 6
+    assert backend.runs[RUN].generation == 5
+    abandoned = [i for i in c.store.incidents(RUN) if i.state == "abandoned"]
+    assert len(abandoned) == 3
+    assert all("fails at start, and is not launched again" in i.detail for i in abandoned)

@@ -35,6 +35,7 @@ class ControllerConfig:
     step_timeout_s: float = 600.0  # how long a step under way (a cluster restarting a job) is waited for
     forget_finished_s: float = 3600.0  # a finished run's memory (its ranks, cadence) is kept this long for reads
     dry_run: bool = False  # detect, decide and record every recovery step it would take, and take none
+    barren_launches: int = 3  # failures in a row whose relaunch made no step: the run fails, not relaunched (0: never)
 
     def __post_init__(self) -> None:
         if self.sample_slot_s <= 0:
@@ -53,5 +54,7 @@ class ControllerConfig:
             raise ValueError("controller.spare_window_h must be > 0 and controller.spare_risk between 0 and 1")
         if self.forget_finished_s < 0:
             raise ValueError("controller.forget_finished_s must be >= 0")
+        if self.barren_launches < 0:
+            raise ValueError("controller.barren_launches must be >= 0")
         if self.step_attempts < 1 or self.step_retry_max_s < 0 or self.step_timeout_s <= 0:
             raise ValueError("controller.step_attempts must be >= 1, step_retry_max_s >= 0 and step_timeout_s > 0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from opsd.controller.barren import give_up_at_start
 from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import (
     failure_key,
@@ -171,6 +172,8 @@ class Detection(Schedule):
             return incident
         if self.backend is not None:
             if self.held(run.id, incident, new):  # recovered from once the window ends
+                return incident
+            if new and scope.group is None and give_up_at_start(self.store, run.id, self.config.barren_launches, now_s):
                 return incident
             if scope.group is None:
                 self.store.update_run(run.id, now_s, state=RunState.RECOVERING)

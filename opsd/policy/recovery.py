@@ -106,3 +106,11 @@ def hang_strikes(node: str, hangs: Sequence[tuple[str, float]], now_s: float, wi
 def quarantine_after_hangs(strikes: int, threshold: int) -> bool:
     """Whether a node blamed for ``strikes`` hangs is swapped like a failed one (``threshold`` 0: never)."""
     return threshold > 0 and strikes >= threshold
+
+
+def fails_at_start(unresumed_failures: int, barren_launches: int) -> bool:
+    """Whether a run's job fails at start: ``unresumed_failures`` failures in a row, none of whose relaunches made a
+    step, and at least ``barren_launches`` of them (0: never judged so). A recovery cannot help such a job (a bad
+    image, a config error, a data path that is not there): launching it again would only spend the cluster, and a
+    JobSet's own ``maxRestarts`` does not count the restarts opsd's evictions make."""
+    return barren_launches > 0 and unresumed_failures >= barren_launches
