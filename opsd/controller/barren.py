@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 
-from opsd.controller.incidents import is_failure
+from opsd.controller.incidents import NOT_FAILURES
 from opsd.controller.state import StateStore
 from opsd.policy.recovery import fails_at_start
-from opsd.protocol.states import IncidentState, RunState
+from opsd.protocol.states import FAILURE_KINDS, IncidentKind, IncidentState, RunState
 
 log = logging.getLogger(__name__)
+
+#: the failures of the job or its machines: an operator's restart and a controller's are neither
+JOB_FAILURES = FAILURE_KINDS - NOT_FAILURES - {IncidentKind.CONTROLLER_RESTART}
 
 
 def give_up_at_start(store: StateStore, run: str, barren_launches: int, now_s: float) -> bool:
@@ -20,7 +23,7 @@ def give_up_at_start(store: StateStore, run: str, barren_launches: int, now_s: f
     unresumed = [
         i
         for i in store.incidents(run)
-        if is_failure(i) and i.replica_group is None and i.state == IncidentState.OPEN and i.resumed_s is None
+        if i.kind in JOB_FAILURES and i.replica_group is None and i.state == IncidentState.OPEN and i.resumed_s is None
     ]
     if not fails_at_start(len(unresumed), barren_launches):
         return False

@@ -11,8 +11,8 @@ from typing import TypeVar
 
 from opsd.controller.core import ControllerCore
 from opsd.controller.port import Backend, Done, ErrorKind, Outcome, Pending
-from opsd.controller.state import Action
 from opsd.errors import OpsError
+from opsd.protocol.records import Action
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

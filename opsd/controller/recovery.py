@@ -31,7 +31,6 @@ from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, generation_of, unfinished_incident
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
-from opsd.controller.state import Action
 from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     DUMP_KINDS,
@@ -42,6 +41,7 @@ from opsd.policy.recovery import (
     request_id,
     shrinks_without_spare,
 )
+from opsd.protocol.records import Action
 from opsd.protocol.states import ActionKind, ActionState, NodeRole, RunState
 from opsd.protocol.steps import (
     Blame,
