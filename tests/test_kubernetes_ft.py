@@ -344,6 +344,32 @@ def test_a_group_jobset_restarted_first_is_not_restarted_again(
     assert stored(store.run(RUN)).groups[1] == GroupLaunch(restarts, (node_at_end,))
 
 
+def test_a_group_jobset_restarted_on_its_own_earlier_is_stopped_at_the_launch_it_runs(
+    kube: KubeEmulator, store: StateStore, cleanup: ExitStack
+) -> None:
+    """Group 1's pod failed once with no failure opsd saw (JobSet recreated its Job: launch 1, which its rank
+    reports; opsd's record of the group still says launch 0). An application XID on it later: the incident is of the
+    launch its ranks report, the stop evicts that launch's pod, and the group restarts (launch 2) rather than being
+    taken for recovered by the restart that was there already."""
+    cluster = started(kube, store, cleanup, min_replicas=1)
+    before = cluster.group_pods()
+    cluster.kubelet.exits[before[1]["metadata"]["name"]] = 1
+    cluster.relaunched_pods({0: 0, 1: 1})
+    cluster.beat({0: 45, 1: 30})  # group 1's rank of launch 1, resumed; opsd opened nothing
+    assert store.incidents(RUN) == []
+    assert stored(store.run(RUN)).groups[1].launch == 0
+
+    cluster.beat({0: 46, 1: 31}, xid_on="node-1", xid=(13, "restart_job"))
+    cluster.controller.tick(time.time())
+
+    (incident,) = store.incidents(RUN)
+    assert incident.key == f"{RUN}/gen1/group1"
+    stop = next(a for a in store.actions(incident_id=int(incident.id)) if a.kind == "stop")
+    assert stop.outcome == Stopped(killed=1, restart_attempt=1, launch=1)
+    cluster.relaunched_pods({0: 0, 1: 2})
+    assert cluster.player.job_restarts == 2
+
+
 def test_without_jobsets_restart_job_gate_the_operator_is_told(
     kube: KubeEmulator, store: StateStore, cleanup: ExitStack, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -138,7 +138,7 @@ class Detection(Schedule):
         scope = self._scope(run, cause)
         key = failure_key(run.id, run.generation)
         if scope.group is not None:
-            key = failure_key(run.id, run.groups[scope.group].launch, scope.group)
+            key = failure_key(run.id, self._group_launch(run, scope.group, cause), scope.group)
         incident, new = self.store.open_incident(
             key=key,
             run=run.id,
@@ -179,6 +179,15 @@ class Detection(Schedule):
                 self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
             self.recovery.start(run.id, incident, cause, now_s)
         return incident
+
+    def _group_launch(self, run: RunRow, group: int, cause: Failure) -> int:
+        """The launch of replica group ``group`` that ``cause`` happened in: the one its ranks there report (a
+        cluster may have relaunched the group on its own since opsd launched it), else the one opsd launched."""
+        with self.lock:
+            live = self.live_of(run.id)
+            mine = [r for r in live.ranks.values() if r.group == group and r.launch is not None] if live else []
+        there = [r for r in mine if r.rank == cause.rank or r.node == cause.node] or mine
+        return max((int(r.launch) for r in there if r.launch is not None), default=run.groups[group].launch)
 
     def _scope(self, run: RunRow, cause: Failure) -> Scope:
         """What the recovery from ``cause`` stops: one replica group of a fault-tolerant run, or the whole job."""
