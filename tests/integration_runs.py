@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from bench.crash_rates import stop
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.protocol.env import AGENT_SOCKET_ENV
@@ -98,8 +99,15 @@ def under_opsd_run(out: Path, trainer: Sequence[str], timeout_s: float = 300.0) 
     state = out / "state"
     command = [sys.executable, "-m", "opsd", "run", "--run", "framework", "--nodes", "2", "--gpus-per-node", "1"]
     command += ["--spares", "0", "--port", str(free_port()), "--state-dir", str(state), "--", *trainer]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-6000:])
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
+    try:
+        printed, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # SIGTERM: opsd run stops its ranks and agents (each in a session of its own)
+        printed, err = stop(proc, 60.0)
+        raise AssertionError(f"opsd run ran past {timeout_s} s: {err[-6000:]}") from None
+    assert proc.returncode == 0, (printed[-2000:], err[-6000:])
     where = ("--state-dir", str(state), "--url", f"http://127.0.0.1:{free_port()}")  # no controller: the store
 
     def cli(*args: str) -> Any:

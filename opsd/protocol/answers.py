@@ -1,6 +1,6 @@
 """The controller's answers to the API's reads, typed: a run's status, the spare pools, a run's checkpoints and its
-checkpoint cadence (docs/api.md). The controller's views build them, the API sends them (each is documented in
-``/openapi.json``), and the CLI and the post-mortem decode the same structs (``decode_answer``).
+checkpoint cadence (docs/controller.md, "API"). The controller's views build them, the API sends them (each is
+documented in ``/openapi.json``), and the CLI and the post-mortem decode the same structs (``decode_answer``).
 
 Fields added after an answer's first version have defaults, so that a newer CLI reads an older controller; fields a
 newer controller adds are ignored by an older CLI. Numbers are checked on decoding: NaN, the infinities and negative
