@@ -67,8 +67,10 @@ def test_a_failed_runs_files_are_kept_for_the_diagnosis(tmp_path: Path) -> None:
     """With ``--keep``: each run's output, and the files of a run that failed (its tests' temporary directories)."""
     module = tmp_path / "test_soaked.py"
     module.write_text(
+        "import socket\n"
         "def test_writes_then_fails(tmp_path):\n"
         "    (tmp_path / 'rank0.log').write_text('what the rank said')\n"
+        "    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).bind(str(tmp_path / 'agent.sock'))  # an agent's\n"
         "    assert False\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:kmock\n")  # as the project's settings have it
@@ -79,3 +81,4 @@ def test_a_failed_runs_files_are_kept_for_the_diagnosis(tmp_path: Path) -> None:
     assert (keep / "run-1.log").exists()
     (kept,) = (keep / "run-1-files").rglob("rank0.log")
     assert kept.read_text() == "what the rank said"
+    assert not list((keep / "run-1-files").rglob("agent.sock"))  # a socket is no file to keep

@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -153,9 +154,26 @@ def soak_run(python: str, tests: Sequence[str], run: int, burn: bool, keep: Path
             raise SystemExit(f"soak: run {run} wrote no report:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         outcomes = junit_outcomes(report)
         if keep is not None and any(failed for failed, _ in outcomes.values()):
-            # the failed run's files (its ranks' and agents' logs, the controllers' state) for the diagnosis
-            shutil.copytree(base / "pytest", keep / f"run-{run}-files", symlinks=True, ignore_dangling_symlinks=True)
+            # the failed run's files (its ranks' and agents' logs, the controllers' state) for the diagnosis; sockets,
+            # pipes and the like are not files to copy (an agent's socket made copytree fail the whole soak)
+            shutil.copytree(
+                base / "pytest",
+                keep / f"run-{run}-files",
+                symlinks=True,
+                ignore_dangling_symlinks=True,
+                ignore=not_files,
+            )
         return outcomes
+
+
+def not_files(directory: str, names: list[str]) -> list[str]:
+    """What ``copytree`` leaves out of ``directory``: what is neither a file, a directory nor a link (a socket)."""
+    out = []
+    for name in names:
+        mode = os.lstat(os.path.join(directory, name)).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            out.append(name)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
