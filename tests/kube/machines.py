@@ -53,7 +53,12 @@ def node(name: str, *, spare: bool = False, run: str = "") -> Json:
         "kind": "Node",
         "metadata": {"name": name, "labels": labels},
         "spec": {"taints": taints},
-        "status": {"allocatable": {"nvidia.com/gpu": "8"}},  # the device plugin's
+        # the device plugin's allocatable, and the kubelet's Ready: it reports so while it runs (an agent's restart
+        # leaves it Ready; without the condition the controller's second witness read every node as down)
+        "status": {
+            "allocatable": {"nvidia.com/gpu": "8"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
     }
 
 
