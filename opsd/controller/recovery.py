@@ -347,8 +347,7 @@ class Recovery(BackendCalls):
 
     def _failed_launch(self, incident_id: int) -> int | None:
         """The launch the incident's failure was seen in, as its key says (a replica group's: the group's launch)."""
-        incident = self.core.store.incident(incident_id)
-        launch = generation_of(incident.key) if incident is not None else -1
+        launch = generation_of(row.key) if (row := self.core.store.incident(incident_id)) is not None else -1
         return launch if launch >= 0 else None
 
     def _stopped_launch(self, incident_id: int) -> int | list[int] | None:
