@@ -153,7 +153,8 @@ def part_mfu(tiny: bool) -> None:
     from bench.devices import synchronize
     from examples.model import Transformer, model_shape
     from examples.parallelize import build_mesh, lm_loss, parallelize
-    from examples.train import check_layout, init_distributed, model_config, parse_args
+    from examples.train import check_layout, init_distributed
+    from examples.train_options import model_config, parse_args
     from trainer_hooks.flops import measure_flops_per_token
     from trainer_hooks.monitor import Monitor, MonitorConfig
 

@@ -44,7 +44,8 @@ from bench.devices import bench_mesh, bench_ranks, synchronize
 from examples.data import TokenSource, TokenSourceConfig
 from examples.model import Transformer
 from examples.parallelize import build_mesh, parallelize
-from examples.train import DTYPES, check_layout, init_distributed, local_batch, make_monitor, parse_args
+from examples.train import check_layout, init_distributed, local_batch, make_monitor
+from examples.train_options import DTYPES, parse_args
 from opsd.protocol.env import AGENT_SOCKET_ENV
 from trainer_hooks.collectives import TRACER
 

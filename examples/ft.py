@@ -27,17 +27,13 @@ raises ``NoQuorumError`` too (then only a whole-job restart from the checkpoint 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import logging
 import os
 import signal
 import socket
-import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -47,17 +43,16 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torchft.checkpointing._serialization import _streaming_load
-from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+from torchft.process_group import ProcessGroupNCCL
 
 from examples.data import TokenSource
+from examples.ft_transport import PeerTransport
 from examples.parallelize import ParallelModel
 from opsd.protocol.ft import ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
 from trainer_hooks.collectives import TRACER
+from trainer_hooks.integrations.torchft import AbortableGloo, PeerFailures, wait_or_abort
 from trainer_hooks.monitor import Monitor
 
 log = logging.getLogger(__name__)
@@ -72,93 +67,6 @@ def in_job(model: ParallelModel, spec: MeshSpec, group: int) -> ParallelModel:
     """The group's model seen in the job's layout: its batch shards and coordinates are those of replica
     ``group`` of ``spec``."""
     return replace(model, spec=spec, coords={**model.coords, "dp_replicate": group})
-
-
-class _Gate:
-    """What the HTTP transport's request handler takes for each request, in place of torchft's read-write lock: a
-    request waits (up to the timeout) while no checkpoint is allowed, and disallowing never waits for a request
-    being served. torchft's lock made ``disallow_checkpoint`` (inside ``should_commit``, every step) wait for every
-    request being served, then raise ``TimeoutError`` into the training loop: a healer that read slowly crashed the
-    healthy group that served it. Here a request serves a snapshot the group no longer writes to
-    (``_PeerTransport.send_checkpoint``), so nothing needs to wait for it."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._open = threading.Event()
-
-    @contextlib.contextmanager
-    def r_lock(self) -> Iterator[None]:
-        if not self._open.wait(self.timeout_s):
-            raise TimeoutError(f"no checkpoint allowed within {self.timeout_s} s")
-        yield
-
-    def w_acquire(self) -> None:
-        self._open.clear()
-
-    def w_release(self) -> None:
-        self._open.set()
-
-
-def _snapshot(state: Any) -> Any:
-    """``state`` with each tensor in host memory copied: what a healer reads is not what the next optimizer step
-    writes (torchft copies a GPU tensor to the host itself; a tensor already there it would serve as it is)."""
-    values, spec = tree_flatten(state)
-    copied = [v.detach().clone() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v for v in values]
-    return tree_unflatten(copied, spec)
-
-
-class _Throttled(io.RawIOBase):
-    """A response read at most ``bytes_per_s`` (fault injection: a healer on a slow link)."""
-
-    def __init__(self, raw: Any, bytes_per_s: float) -> None:
-        self._raw = raw
-        self._bytes_per_s = bytes_per_s
-        self._start = time.monotonic()
-        self._read = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer)[:65536]
-        n = self._raw.readinto(view)
-        self._read += n
-        time.sleep(max(0.0, self._start + self._read / self._bytes_per_s - time.monotonic()))
-        return int(n)
-
-
-class _PeerTransport(HTTPTransport):  # type: ignore[misc]
-    """torchft's HTTP checkpoint transport, with what a healthy group serving a healer must never do taken out: wait
-    for the healer (``_Gate``), or let it read state the next step is writing (``_snapshot``). It also times what
-    this rank spends fetching a peer's state (on the Manager's quorum thread), and can read slowly on purpose
-    (``read_bytes_per_s``: fault injection)."""
-
-    def __init__(self, timeout: timedelta, host: str, read_bytes_per_s: float | None = None) -> None:
-        self.host = host  # where the other groups reach it (torchft's own: the bare host name); its server says it
-        super().__init__(timeout=timeout, num_chunks=0)
-        self._checkpoint_lock = _Gate(timeout.total_seconds())  # closed: nothing is allowed before the first send
-        self.read_bytes_per_s = read_bytes_per_s
-        self.fetch_s = 0.0
-
-    def address(self) -> str:
-        return f"http://{self.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        super().send_checkpoint(dst_ranks, step, _snapshot(state_dict), timeout)
-
-    def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return super().recv_checkpoint(*args, **kwargs)
-        finally:
-            self.fetch_s += time.perf_counter() - start
-
-    def _load_from_address(self, address: str, timeout: timedelta) -> object:
-        if self.read_bytes_per_s is None:
-            return super()._load_from_address(address, timeout)
-        log.warning("fault injection: reading the peer's state at %g bytes/s", self.read_bytes_per_s)
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-            return _streaming_load(io.BufferedReader(_Throttled(f, self.read_bytes_per_s)), weights_only=False)
 
 
 class _Quorums:
@@ -231,8 +139,11 @@ class FaultTolerance:
         data: TokenSource,
         *,
         monitor: Monitor | None = None,
+        peer_failures: PeerFailures | None = None,
         kill_while_healing: bool = False,
         heal_read_bytes_per_s: float | None = None,
+        wedge_at: tuple[int, int] = (0, 0),
+        wedge_file: str | None = None,
     ) -> None:
         self.replica = replica
         self.model = model
@@ -240,16 +151,18 @@ class FaultTolerance:
         self.scheduler = scheduler
         self.data = data
         self.monitor = monitor
+        self.peer_failures = peer_failures  # the groups opsd names failed: a collective with them is abandoned
         self.kill_while_healing = kill_while_healing  # fault injection (tests): die with the peer's state in hand
+        self.wedge_at, self.wedge_file = wedge_at, wedge_file  # fault injection: (step, group) that hangs
         # the sharded parameters, taken before any forward pass: FSDP swaps a module's parameters for unsharded
         # ones during forward, and the Manager reads the state on its own thread, while forward runs
         self._params = dict(model.module.named_parameters())
         self._order = [p for g in optimizer.param_groups for p in g["params"]]
         t = replica.timeouts
-        backend = ProcessGroupNCCL if torch.cuda.is_available() else ProcessGroupGloo
+        backend = ProcessGroupNCCL if torch.cuda.is_available() else AbortableGloo
         self.pg = backend(timeout=timedelta(seconds=t.timeout_s))
         host = replica.url_host(socket.gethostname())  # its pod's IP on Kubernetes, where names do not resolve
-        self.transport = _PeerTransport(timedelta(seconds=t.timeout_s), host, heal_read_bytes_per_s)
+        self.transport = PeerTransport(timedelta(seconds=t.timeout_s), host, heal_read_bytes_per_s)
         self._store = None
         store_addr = os.environ.get("MASTER_ADDR")
         store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
@@ -292,6 +205,8 @@ class FaultTolerance:
         self._quorum_ready = False
         self._no_quorum: BaseException | None = None
         self._quorum_wait_s = 0.0
+        self._quorum: tuple[int, tuple[int, ...]] = (-1, ())
+        self._quorum_since_s = 0.0  # when this rank first had the quorum it is in (time.monotonic)
         self._apply_s = 0.0
         self._fetched_s = 0.0
         self._group_loss: torch.Tensor | None = None
@@ -318,14 +233,18 @@ class FaultTolerance:
             except Exception as exc:
                 self._no_quorum = exc
             self._quorum_wait_s = time.perf_counter() - start
+            quorum = (self.quorums.quorum_id, self.quorums.groups)
+            if quorum != self._quorum:
+                self._quorum, self._quorum_since_s = quorum, time.monotonic()
         return self._no_quorum is None
 
     def _reduce_across_groups(self, grad: torch.Tensor) -> None:
         """FSDP's all-reduce hook: average this rank's reduce-scattered gradient shard over the quorum's groups (a
         group that heals contributes zeros). Errors are the Manager's to handle: the step is then not committed."""
         if self._await_quorum():
+            self._wedge_now()
             start = time.perf_counter()
-            self.manager.allreduce(grad).wait()
+            self._wait(self.manager.allreduce(grad))
             TRACER.record("dp_replicate", "all_reduce", grad.numel() * grad.element_size(), time.perf_counter() - start)
 
     def finish_step(self, local_loss: torch.Tensor | None, pp: int) -> float | None:
@@ -337,7 +256,7 @@ class FaultTolerance:
         total = torch.zeros((), device=self._device) if local_loss is None else local_loss.detach().clone()
         dist.all_reduce(total)  # the group's sum; then summed over the groups (zero from a healing one)
         start = time.perf_counter()
-        self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
+        self._wait(self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM))
         TRACER.record("dp_replicate", "all_reduce", total.element_size(), time.perf_counter() - start)
         self._hold_until_healed()
         committed = bool(self.manager.should_commit())
@@ -355,6 +274,19 @@ class FaultTolerance:
         self.data.position = self.manager.current_step()
         self._report(committed)
         return loss
+
+    def _wedge_now(self) -> None:
+        """Fault injection: wedge (``wedge``) at the step asked for, in the first launch of the group asked for."""
+        step, group = self.wedge_at
+        first_launch = not self.replica.heal_from_peer
+        if step and self.manager.current_step() == step and self.replica.group == group and first_launch:
+            wedge(2 * self.replica.timeouts.timeout_s, self.wedge_file)
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective across the quorum's groups, or abandon it at once when opsd names one of them failed
+        (``trainer_hooks.integrations.torchft``: the step is then not committed)."""
+        groups, since_s = self.quorums.groups, self._quorum_since_s
+        wait_or_abort(work, self.manager, self.pg, self.peer_failures, groups, since_s)
 
     def _hold_until_healed(self) -> None:
         """A group that is to heal from a peer and does not heal this step (alone in its quorum, or no peer ahead of
@@ -435,4 +367,23 @@ class FaultTolerance:
         log.info("healed from a peer at step %d", self.manager.current_step())
 
     def close(self) -> None:
+        if self.peer_failures is not None:
+            self.peer_failures.close()
         self.manager.shutdown(wait=False)
+
+
+def wedge(hold_s: float, marker: str | None) -> None:
+    """Fault injection: this rank hangs as on a GPU fallen off the bus, with its connections left open, as a dead NCCL
+    peer's are to its survivors (they see no error, and wait until their timeout; on gloo a killed peer's closed
+    connections would fail their collective at once). A child in a session of its own holds this process's sockets
+    for ``hold_s`` (past the survivors' timeout), after opsd's recovery kills the process too; the process stops
+    itself (SIGSTOP), having touched ``marker``."""
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(hold_s)
+        os._exit(0)
+    log.warning("fault injection: wedged at step, connections held %.0f s", hold_s)
+    if marker:
+        with open(marker, "a"):
+            pass
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -27,7 +27,6 @@ from examples.config import ModelConfig
 from examples.data import TokenSource, TokenSourceConfig
 from examples.model import Transformer, model_shape
 from examples.parallelize import (
-    SCHEDULES,
     Meshes,
     ParallelModel,
     batch_shard_index,
@@ -36,6 +35,7 @@ from examples.parallelize import (
     parallelize,
 )
 from examples.report import gather_digests, state_digest, state_hashes, write_report
+from examples.train_options import DTYPES, model_config, parse_args
 from opsd.protocol.ft import EXIT_NO_QUORUM, ReplicaGroupEnv, group_layout
 from opsd.protocol.mesh import LayoutLimits, MeshError, MeshSpec, validate_layout
 from trainer_hooks.flops import measure_flops_per_token
@@ -46,131 +46,14 @@ from trainer_hooks.process_exit import run_and_exit
 if TYPE_CHECKING:
     from examples.ft import FaultTolerance
     from trainer_hooks.checkpoint import CheckpointConfig, Checkpointer, TrainState
+    from trainer_hooks.integrations.torchft import PeerFailures
 
 log = logging.getLogger("examples.train")
 
-#: --dtype: the compute dtype (weights, gradient reduction and optimizer stay float32)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="examples.train", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--mesh",
-        default="",
-        help="e.g. dp_replicate=2,dp_shard=2,tp=1,pp=1,cp=1,ep=1 (unnamed = 1; dp_shard=-1: the rest of the world)",
-    )
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--vocab-size", type=int, default=128)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn-hidden", type=int, default=128)
-    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--shared-experts", type=int, default=0)
-    p.add_argument("--capacity-factor", type=float, default=0.0, help="0: no token dropping")
-    p.add_argument("--aux-loss-coef", type=float, default=0.01)
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="fp32",
-        help="compute dtype: bf16 (FSDP2's mixed precision where sharded, autocast elsewhere) or fp32 (the reference)",
-    )
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches (default: pp)")
-    p.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
-    p.add_argument("--opsd-monitor", action="store_true", help="report every step with trainer_hooks")
-    p.add_argument("--opsd-jsonl", help="also write the reports to this file; {rank} is replaced by the rank")
-    p.add_argument(
-        "--opsd-collective-timeout-s",
-        type=float,
-        default=300.0,
-        help="report a wait on one collective longer than this to the agent (0: never)",
-    )
-    p.add_argument(
-        "--opsd-flops",
-        choices=("formula", "measured"),
-        default="formula",
-        help="MFU's FLOPs per token: from the model shape, or counted once at start-up (FlopCounterMode)",
-    )
-    p.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device for MFU (default: device table)")
-    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear LR warm-up (part of the checkpoint)")
-    p.add_argument("--ckpt-dir", help="checkpoint location: file:///path, a path or s3://bucket/prefix (none: none)")
-    p.add_argument(
-        "--ckpt-every",
-        type=int,
-        default=0,
-        help="save every K steps (the controller's policy wins) and after the last step",
-    )
-    p.add_argument("--ckpt-sync", action="store_true", help="synchronous saves (default: asynchronous)")
-    p.add_argument(
-        "--ckpt-async",
-        choices=["thread", "process"],
-        default="thread",
-        help="where asynchronous saves write: a thread of the rank, or a helper process per rank",
-    )
-    p.add_argument(
-        "--ckpt-when-busy",
-        choices=["skip", "wait"],
-        default="skip",
-        help="a save due while the previous one is still writing: skip it (training never waits) or wait for it",
-    )
-    p.add_argument("--ckpt-s3-endpoint", help="S3-compatible endpoint URL for s3:// (default: AWS_ENDPOINT_URL*)")
-    p.add_argument("--ckpt-keep-last", type=int, default=3, help="committed checkpoints kept (newest first)")
-    p.add_argument("--ckpt-keep-every", type=int, default=0, help="also keep steps that are multiples of this")
-    p.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in --ckpt-dir")
-    p.add_argument("--kill-at-step", type=int, default=0, help=argparse.SUPPRESS)  # fault injection (tests)
-    p.add_argument("--kill-rank", type=int, default=0, help=argparse.SUPPRESS)
-    # fault injection (tests): rank 0 is SIGKILLed in the save of this step, after the shards, before the manifest
-    p.add_argument("--kill-before-commit-step", type=int, default=0, help=argparse.SUPPRESS)
-    # fault injection (tests): rank 0 waits this long before the manifest of that step (a slow store)
-    p.add_argument("--slow-commit-step", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--slow-commit-s", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--ft",
-        action="store_true",
-        help="this job is one dp_replicate replica group of a fault-tolerant job (torchft; REPLICA_GROUP_ID, "
-        "NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE set; docs/ft.md)",
-    )
-    p.add_argument("--ft-kill-while-healing", action="store_true", help=argparse.SUPPRESS)  # fault injection (tests)
-    # fault injection (tests): a healing group reads its peer's state at most this fast
-    p.add_argument("--ft-heal-read-bytes-per-s", type=float, default=None, help=argparse.SUPPRESS)
-    # tests: the hashes of each rank's state after each step, in --losses-out
-    p.add_argument("--state-digests", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--steps-file",
-        type=Path,
-        help="the last step, read from this file once it is there (a supervisor ends the run when it chooses)",
-    )
-    p.add_argument(
-        "--losses-out",
-        type=Path,
-        help="write the per-step global losses as JSON (rank 0; {replica_group} is replaced by the group with --ft)",
-    )
-    p.add_argument("--log-level", default="WARNING")
-    return p.parse_args(argv)
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=args.vocab_size,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn_hidden,
-        seq_len=args.seq_len,
-        n_experts=args.experts,
-        top_k=args.top_k,
-        n_shared_experts=args.shared_experts,
-        capacity_factor=args.capacity_factor,
-        aux_loss_coef=args.aux_loss_coef,
-    )
+#: how often a rank of a fault-tolerant job looks for a replica group opsd names failed: a stat of the policy file,
+#: or a request to its agent's /v1/policy (a pod without the host directory)
+PEER_FAILURES_EVERY_S = 0.1
+PEER_FAILURES_URL_EVERY_S = 0.5
 
 
 def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, ModelConfig, int]:
@@ -335,6 +218,18 @@ def make_checkpointer(
     return checkpointer, TrainState(model, optimizer, **extra)
 
 
+def peer_failures(args: argparse.Namespace, replica: ReplicaGroupEnv) -> PeerFailures | None:
+    """The replica groups opsd names failed, read from the policy (``--ft``; none with ``--ft-ignore-opsd`` or
+    without a policy to read)."""
+    source = policy_source()
+    if args.ft_ignore_opsd or not source:
+        return None
+    from trainer_hooks.integrations.torchft import PeerFailures
+
+    every_s = PEER_FAILURES_URL_EVERY_S if "://" in source else PEER_FAILURES_EVERY_S
+    return PeerFailures(PolicyReader(source, check_every_s=every_s), replica.group)
+
+
 def _watch_logits_dtype(model: ParallelModel) -> list[str]:
     """The dtype the output layer computes in, seen on its first forward (on the last pipeline stage; for the
     report: bf16 logits without autocast means FSDP2's mixed precision cast the weights)."""
@@ -405,8 +300,11 @@ def train(
                 scheduler,
                 data,
                 monitor=monitor,
+                peer_failures=peer_failures(args, replica),
                 kill_while_healing=args.ft_kill_while_healing,
                 heal_read_bytes_per_s=args.ft_heal_read_bytes_per_s,
+                wedge_at=(args.ft_wedge_at_step, args.ft_wedge_group),
+                wedge_file=args.ft_wedge_file,
             )
         rank0 = dist.get_rank() == 0
         if rank0:

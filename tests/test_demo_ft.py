@@ -42,7 +42,7 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
 
 
 def injected(tmp_path: Path) -> Scenario:
-    scenario = Scenario(tmp_path / "last-step", inject_at=30, after_heal=20)
+    scenario = Scenario(tmp_path / "last-step", tmp_path / "wedged", after_heal=20)
     scenario.injected_s = 100.0
     return scenario
 
@@ -60,7 +60,7 @@ def test_each_figure_can_fail_the_demo(name: str, tmp_path: Path) -> None:
 
 
 def test_no_injection_fails(tmp_path: Path) -> None:
-    assert shortfalls(GOOD, Scenario(tmp_path / "last-step", 30, 20)) == ["no fault was injected"]
+    assert shortfalls(GOOD, Scenario(tmp_path / "last-step", tmp_path / "wedged", 20)) == ["no fault was injected"]
 
 
 GAPS = {

@@ -342,9 +342,9 @@ def test_a_group_relaunched_to_heal_that_finds_no_peer_exits_75_without_training
 @pytest.mark.parametrize(("host", "url"), [("10.1.2.3", "http://10.1.2.3:"), ("[fd00::12]", "http://[fd00::12]:")])
 def test_a_groups_state_server_says_the_address_it_is_reached_at(host: str, url: str) -> None:
     """What the Manager hands a healer (``metadata``): the advertised address (a pod's IP), not the host name."""
-    from examples.ft import _PeerTransport
+    from examples.ft_transport import PeerTransport
 
-    transport = _PeerTransport(timedelta(seconds=5), host)
+    transport = PeerTransport(timedelta(seconds=5), host)
     try:
         assert transport.metadata().startswith(url)
         assert transport.metadata().endswith("/checkpoint/")

@@ -13,6 +13,7 @@ times each test gives.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from opsd.backends.fake import FakeBackend
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
-from opsd.controller.recovery import group_launches
+from opsd.controller.recovery import RECORDED, group_launches
 from opsd.controller.rows import GroupLaunch, RunSpec
 from opsd.controller.state import StateStore
 from opsd.controller.views import postmortem_bundle
@@ -32,6 +33,7 @@ from opsd.policy.detection import Failure, FailureKind
 from opsd.postmortem.build import build
 from opsd.postmortem.render import to_markdown
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatFt, HeartbeatRank
+from opsd.protocol.policy_file import FailedGroup
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from opsd.protocol.steps import Launched
 from tests.rows import stored
@@ -168,6 +170,59 @@ def test_with_no_spare_the_run_trains_on_without_the_group_until_a_node_is_back(
         IncidentState.RECOVERED,
         20,
     )
+
+
+def told(c: Controller) -> tuple[FailedGroup, ...] | None:
+    """The replica groups the run's policy names as failed now."""
+    return c.policies()[RUN].failed_groups
+
+
+def test_the_other_groups_are_told_a_group_failed_from_its_recovery_until_it_is_back(tmp_path: Path) -> None:
+    c, _ = ft_run(tmp_path)
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+    assert told(c) is None  # nothing ever failed: not said
+    seen: list[tuple[str, tuple[FailedGroup, ...] | None]] = []
+    c.recovery.on_step = lambda point, action: seen.append((action.kind, told(c))) if point == RECORDED else None
+
+    incident = c.open_failure(stored(c.store.run(RUN)), [XID], T0 + 1)
+
+    failed = (FailedGroup(group=1, incident=incident),)
+    assert seen == [("cordon", failed), ("take_spare", failed), ("stop", failed), ("launch", failed)]
+    assert told(c) == failed  # relaunched, not back yet: its peers may not have heard
+    beat(c, T0 + 3, {0: 44, 1: 40}, {0: 1, 1: 1})  # node-1's agent still remembers the old launch's rank
+    c.tick(T0 + 3)
+    assert told(c) == failed
+    beat(c, T0 + 6, {0: 50, 1: 50}, {0: 1, 1: 2})  # healed: in the quorum at the others' step
+    c.tick(T0 + 6)
+    assert stored(c.store.incident(incident)).state == IncidentState.RECOVERED
+    assert told(c) == ()  # withdrawn, and said so (an empty policy would not replace the agents' file)
+
+
+def test_a_group_out_waiting_for_a_node_is_told_failed_until_it_is_back(tmp_path: Path) -> None:
+    c, _ = ft_run(tmp_path, spare=False)
+
+    incident = fail(c)
+
+    assert told(c) == (FailedGroup(group=1, incident=incident),)
+    c.set_node_role("node-1", NodeRole.SPARE, "", T0 + 3)
+    c.tick(T0 + 3)  # relaunched on it
+    assert told(c) == (FailedGroup(group=1, incident=incident),)
+    beat(c, T0 + 9, {0: 60, 1: 60}, {0: 1, 1: 2})
+    c.tick(T0 + 9)  # back
+    assert told(c) == ()
+
+
+def test_no_group_is_told_failed_when_the_whole_job_restarts_or_nothing_is_done(tmp_path: Path) -> None:
+    c, _ = ft_run(tmp_path, min_replicas=2)  # the quorum cannot be kept without group 1: the whole job restarts
+    fail(c)
+    assert told(c) is None
+
+    dry = tmp_path / "dry"
+    dry.mkdir()
+    c, _ = ft_run(dry)
+    c.config = replace(c.config, dry_run=True)  # detects and records, does nothing: the groups are not told
+    fail(c)
+    assert told(c) is None
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,12 @@
 
 A controller with the local backend runs the reference trainer on torchft (``--ft``, docs/ft.md): 2 replica groups
 (``dp_replicate=2``) of 2 ranks (``dp_shard=2``), one node each, and a spare node; the backend runs the Lighthouse
-beside the controller. Once both groups have trained a while, an XID 79 is injected on node-1, group 1's node. The
-controller quarantines node-1, brings the spare in, stops and relaunches group 1 alone; group 0 trains on with a
-smaller quorum, and group 1 heals from it (no checkpoint is read) and joins again. Once group 1 is back, the demo
+beside the controller. At step ``--inject-at`` group 1's GPU falls off the bus: its ranks hang in the step, their
+connections left open (``examples.ft.wedge``: what a dead NCCL peer is to its survivors, who wait in their
+cross-group all-reduce until its timeout, 60 s), and an XID 79 is injected on node-1. The controller names group 1
+failed in the run's policy, and group 0 abandons the collective at once (``trainer_hooks.integrations.torchft``); it
+quarantines node-1, brings the spare in, stops and relaunches group 1 alone; group 0 trains on with a smaller quorum,
+and group 1 heals from it (no checkpoint is read) and joins again. Once group 1 is back, the demo
 lets the run train ``--after-heal`` more steps and end (``--steps-file``), and checks what the replicas hold.
 
 Printed: a summary in words, then, last, one JSON line, each figure from the trainers' own records (their
@@ -22,8 +25,9 @@ Printed: a summary in words, then, last, one JSON line, each figure from the tra
   ``final_step``, the ETTR, and the incident's record (its ``lost_steps``: group 0's discarded steps).
 
 It exits 1, saying on stderr why, when a whole-job restart happened, a group relaunched alone read a checkpoint,
-group 0's stall passed ``STALL_BOUND_S`` (the Lighthouse's heartbeat timeout and 5 s: group 0's step in flight
-fails with group 1's node, its next quorum waits until the Lighthouse counts group 1 dead, then it trains alone),
+group 0's stall passed ``STALL_BOUND_S`` (the Lighthouse's heartbeat timeout and 5 s: group 0's step in flight is
+abandoned when opsd names group 1 failed, its next quorum waits until the Lighthouse counts group 1 dead, then it
+trains alone; without opsd's word it would wait for its collective's timeout),
 the replicas differ, or the run did not complete.
 """
 
@@ -43,7 +47,7 @@ from opsd.backends.local.spec import LocalRunSpec
 from opsd.cli.demo_run import checkpoint_url, finish, fresh_workdir, run_spec, serve_config
 from opsd.controller.controller import Controller
 from opsd.controller.port import Fault, FaultKind
-from opsd.protocol.ft import LighthouseConfig
+from opsd.protocol.ft import LighthouseConfig, ManagerTimeouts
 from opsd.protocol.states import FAILURE_KINDS, IncidentKind, RunState
 from opsd.runtime.local import run_local
 
@@ -52,22 +56,23 @@ RUN = "demo-ft"
 STALL_BOUND_S = LighthouseConfig().heartbeat_timeout_ms / 1000 + 5.0
 
 
-def trainer_command(ckpt_url: str, losses: Path, steps_file: Path) -> tuple[str, ...]:
+def trainer_command(ckpt_url: str, losses: Path, steps_file: Path, wedge_at: int, wedged: Path) -> tuple[str, ...]:
     return (
         *(sys.executable, "-m", "examples.train", "--ft", "--mesh", "dp_replicate=2,dp_shard=2"),
         *("--steps", "100000", "--steps-file", str(steps_file), "--opsd-monitor"),
         *("--ckpt-dir", ckpt_url, "--ckpt-every", "25", "--resume"),
         *("--losses-out", str(losses.with_name("losses-{replica_group}.json"))),
+        *("--ft-wedge-at-step", str(wedge_at), "--ft-wedge-group", "1", "--ft-wedge-file", str(wedged)),
     )
 
 
 class Scenario:
-    """From the runner's poll loop: the XID once both groups trained ``inject_at`` steps, then the run's last step
-    once group 1 is back in the quorum (``after_heal`` steps later)."""
+    """From the runner's poll loop: the XID once group 1 wedged (its ranks touch ``wedged``), then the run's last
+    step once group 1 is back in the quorum (``after_heal`` steps later)."""
 
-    def __init__(self, steps_file: Path, inject_at: int, after_heal: int) -> None:
+    def __init__(self, steps_file: Path, wedged: Path, after_heal: int) -> None:
         self.steps_file = steps_file
-        self.inject_at = inject_at
+        self.wedged = wedged
         self.after_heal = after_heal
         self.injected_s: float | None = None
         self.step_at_injection = 0
@@ -78,9 +83,8 @@ class Scenario:
         if status is None:
             return
         if self.injected_s is None:
-            groups = set(controller.rank_groups(RUN).values())
-            if groups == {0, 1} and status.step >= self.inject_at:
-                print(f"injecting XID 79 on node-1 (replica group 1) at step {status.step}", flush=True)
+            if self.wedged.exists():
+                print(f"group 1 wedged; injecting XID 79 on node-1 at step {status.step}", flush=True)
                 if backend.inject(RUN, Fault(FaultKind.XID, node="node-1", gpu=0, xid=79), "demo-ft-xid").ok:
                     self.injected_s, self.step_at_injection = time.time(), status.step
             return
@@ -162,29 +166,45 @@ def shortfalls(result: dict[str, Any], scenario: Scenario) -> list[str]:
     return missing
 
 
+def run_demo(
+    workdir: Path,
+    inject_at: int,
+    after_heal: int,
+    timeout_s: float,
+    *,
+    trainer_args: Sequence[str] = (),
+    ft_timeouts: ManagerTimeouts | None = None,
+    hang_floor_s: float = 20.0,
+) -> tuple[dict[str, Any], Scenario]:
+    """The demo's run in ``workdir`` (empty), ``trainer_args`` added to the trainer's; its figures and scenario."""
+    ckpt_url, losses, steps_file = checkpoint_url(workdir), workdir / "losses.json", workdir / "last-step"
+    config = serve_config(workdir, heartbeat_floor_s=3.0, hang_floor_s=hang_floor_s)
+    wedged = workdir / "wedged"
+    command = (*trainer_command(ckpt_url, losses, steps_file, inject_at, wedged), *trainer_args)
+    spec = run_spec(RUN, config, workdir, command, replica_groups=2, ft_timeouts=ft_timeouts or ManagerTimeouts())
+    scenario = Scenario(steps_file, wedged, after_heal)
+    where = f"http://127.0.0.1:{config.port}"
+    print(f"opsd demo-ft: controller on {where}, 2 replica groups x 2 ranks + 1 spare", flush=True)
+    status = run_local(config, spec, timeout_s=timeout_s, on_poll=scenario)
+    return summary(status, spec, scenario, losses), scenario
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m opsd.cli.demo_ft", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=".opsd-demo-ft", help="state, checkpoints and logs (emptied first)")
-    p.add_argument("--inject-at", type=int, default=30, help="the step at which the XID is injected")
+    p.add_argument("--inject-at", type=int, default=30, help="the step in which group 1 hangs and its XID comes")
     p.add_argument("--after-heal", type=int, default=20, help="steps the run makes once group 1 is back")
     p.add_argument("--timeout-s", type=float, default=170.0)
     args = p.parse_args(argv)
     if args.inject_at < 1 or args.after_heal < 1 or args.timeout_s <= 0:
         p.error("--inject-at and --after-heal must be >= 1, --timeout-s > 0")
     workdir = fresh_workdir(args.workdir)
-    ckpt_url, losses, steps_file = checkpoint_url(workdir), workdir / "losses.json", workdir / "last-step"
-    config = serve_config(workdir, heartbeat_floor_s=3.0, hang_floor_s=20.0)
-    port = config.port
-    spec = run_spec(RUN, config, workdir, trainer_command(ckpt_url, losses, steps_file), replica_groups=2)
-    scenario = Scenario(steps_file, args.inject_at, args.after_heal)
-    print(f"opsd demo-ft: controller on http://127.0.0.1:{port}, 2 replica groups x 2 ranks + 1 spare", flush=True)
-    status = run_local(config, spec, timeout_s=args.timeout_s, on_poll=scenario)
-    result = summary(status, spec, scenario, losses)
+    result, scenario = run_demo(workdir, args.inject_at, args.after_heal, args.timeout_s)
     print()
     print(f"run {result['run']}: {result['state']} at step {result['final_step']}")
     if scenario.injected_s is not None:
         print(
-            f"  XID 79 injected on node-1 at step {scenario.step_at_injection}; replica group 1 alone swapped to"
+            f"  group 1 wedged, XID 79 on node-1 at step {scenario.step_at_injection}; replica group 1 alone swapped to"
             f" {result['spare']} and relaunched; group 0 trained on ({result['survivor_discarded_steps']} steps"
             f" discarded, {result['survivor_stall_s']} s at most between two committed steps); group 1 healed to step"
             f" {result['healed_to_step']} {result['heal_s']} s after its relaunch ({result['heal_transfer_s']} s of"

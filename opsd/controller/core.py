@@ -257,9 +257,7 @@ class ControllerCore:
             memory = self.remember(run)
             memory.live, memory.stragglers, memory.recorded = None, [], None
             memory.launched_s = now_s
-            memory.group_launches.clear()  # every replica group (if any) is of this launch now
-            memory.group_launches.update(enumerate(group_launches or ()))
-            memory.groups_down.clear()
+            memory.whole_launch(group_launches or ())
             if launch is not None:
                 memory.launch = launch
 

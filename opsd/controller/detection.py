@@ -137,8 +137,10 @@ class Detection(Schedule):
         failed_s = self._failed_at(run.id, cause, now_s)
         scope = self._scope(run, cause)
         key = failure_key(run.id, run.generation)
+        launch = None
         if scope.group is not None:
-            key = failure_key(run.id, self._group_launch(run, scope.group, cause), scope.group)
+            launch = self._group_launch(run, scope.group, cause)
+            key = failure_key(run.id, launch, scope.group)
         incident, new = self.store.open_incident(
             key=key,
             run=run.id,
@@ -177,6 +179,11 @@ class Detection(Schedule):
                 return incident
             if scope.group is None:
                 self.store.update_run(run.id, now_s, state=RunState.RECOVERING)
+            else:  # its peers stop waiting on it at once (Policy.failed_groups), until it is back
+                with self.lock:
+                    memory = self.remember(run.id)
+                    if launch is not None and memory.group_launches.get(scope.group, launch) <= launch:
+                        memory.group_failed(scope.group, incident)
             self.recovery.start(run.id, incident, cause, now_s)
         return incident
 
@@ -320,6 +327,7 @@ class Detection(Schedule):
             if not (relaunched and members) and not ended:
                 return
             memory.groups_down.pop(group, None)
+            memory.groups_back([group])
         healed_to = min((r.step for r in members), default=None)
         missed = (
             healed_to - down.ended_step if down is not None and healed_to is not None and down.ended_step >= 0 else None

@@ -20,7 +20,7 @@ from opsd.controller.rows import RunSpec
 from opsd.policy.detection import GpuEvent
 from opsd.policy.pipeline import RankBubble
 from opsd.protocol.heartbeat import CommRow, Heartbeat, HeartbeatRank, HeartbeatReply
-from opsd.protocol.policy_file import EMPTY, Cadence, CheckpointCadence, Policy
+from opsd.protocol.policy_file import EMPTY, Cadence, CheckpointCadence, FailedGroup, Policy
 from opsd.protocol.states import NodeRole
 from opsd.protocol.wire import CollectiveWait
 from opsd.protocol.xid_table import XidAction
@@ -185,7 +185,13 @@ class Intake(Liveness):
             checkpoint = CheckpointCadence(every_steps=c.every_steps, from_step=c.from_step, previous=previous)
         # once a run had a command, an empty tuple: agents then rewrite a file that held one
         commands = tuple(memory.commands) if memory.commands is not None else None
-        policy = Policy(checkpoint=checkpoint, checkpoint_at_step=memory.checkpoint_at, commands=commands)
+        failed = memory.failed_groups
+        groups = (
+            tuple(FailedGroup(group=g, incident=i) for g, i in sorted(failed.items())) if failed is not None else None
+        )
+        policy = Policy(
+            checkpoint=checkpoint, checkpoint_at_step=memory.checkpoint_at, commands=commands, failed_groups=groups
+        )
         memory.policy = policy
         return policy
 

@@ -409,7 +409,28 @@ class RunMemory:
     recorded: tuple[float, int] | None = None  # when its launch was last recorded, and its newest step then
     group_launches: dict[int, int] = field(default_factory=dict)  # a fault-tolerant run's groups' launches
     groups_down: dict[int, GroupDown] = field(default_factory=dict)  # its groups stopped, until they are back
+    # its replica groups being recovered alone -> their incident, told to the other groups' ranks until the group is
+    # back in the quorum (None: it never had one; then {}, so that a policy that named one is replaced)
+    failed_groups: dict[int, int] | None = None
     settled_s: float | None = None  # it finished with nothing left to close (forgotten some time after)
+
+    def whole_launch(self, group_launches: Sequence[int]) -> None:
+        """A launch of the whole job: every replica group (if any) is of it, at its launch in ``group_launches``."""
+        self.group_launches = dict(enumerate(group_launches))
+        self.groups_down.clear()
+        self.groups_back()
+
+    def group_failed(self, group: int, incident: int) -> None:
+        """Replica group ``group`` is recovered alone from ``incident``: the others are told (``failed_groups``)."""
+        if self.failed_groups is None:
+            self.failed_groups = {}
+        self.failed_groups[group] = incident
+
+    def groups_back(self, groups: Sequence[int] | None = None) -> None:
+        """``groups`` (None: every group) are back in the quorum, or the whole job relaunched: no longer said failed."""
+        if self.failed_groups:
+            for group in list(self.failed_groups) if groups is None else groups:
+                self.failed_groups.pop(group, None)
 
 
 @dataclass

@@ -7,7 +7,9 @@ The checkpoint cadence is "every K steps from step E": E is chosen by the contro
 every rank, whichever moment its node's file changed, saves at the same steps (a checkpoint is a collective).
 Before E, what was in force before applies: the ``previous`` cadence the policy names, else the rank's local one
 (the same on every rank, since every rank got the same command line). Commands (``dump_flight_recorder``) run once
-per id on the ranks they name.
+per id on the ranks they name. In a fault-tolerant run, ``failed_groups`` names the replica groups opsd found
+failed and is recovering: the other groups' ranks abort a cross-group collective with one of them at once, rather
+than wait for their timeout (``trainer_hooks.integrations.torchft``).
 
 The policy always says its version (``"v": 1``, a tag msgspec writes and checks); one without it (a controller
 before the tag) is read as version 1. Fields left at their default are not written.
@@ -29,6 +31,8 @@ DUMP_COMMAND = "dump_flight_recorder"
 Steps = Annotated[int, Meta(ge=1)]
 Step = Annotated[int, Meta(ge=0)]
 RankId = Annotated[int, Meta(ge=0)]
+GroupId = Annotated[int, Meta(ge=0)]
+IncidentId = Annotated[int, Meta(ge=0)]
 
 
 class PolicyError(PermanentError, ValueError):
@@ -63,12 +67,21 @@ class Command(Struct, frozen=True, kw_only=True, omit_defaults=True):
     ranks: tuple[RankId, ...] | None = None
 
 
+class FailedGroup(Struct, frozen=True, kw_only=True):
+    """Replica group ``group`` failed (incident ``incident``, recovered in that group alone): the other groups abort
+    a collective they wait on with it. Named from the start of the recovery until the group is relaunched."""
+
+    group: GroupId
+    incident: IncidentId
+
+
 class Policy(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="v", tag=VERSION):
     """The policy for a run's ranks; ``Policy()`` says nothing (the ranks keep their local cadence)."""
 
     checkpoint: CheckpointCadence | None = None
     checkpoint_at_step: Steps | None = None  # a one-off checkpoint asked for (a graceful restart), besides the cadence
     commands: tuple[Command, ...] | None = None  # None: the run never had one (an empty tuple: it had, now none)
+    failed_groups: tuple[FailedGroup, ...] | None = None  # None: no replica group is being recovered
 
     @property
     def empty(self) -> bool:
