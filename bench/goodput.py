@@ -13,10 +13,14 @@ The workload: Llama 3's 466 interruptions in 54 days on 16,384 GPUs: 419 unexpec
   extra minute of detection (every signal a detector sees), at the measured costs;
 - (c) opsd at the measured costs, the best fixed interval of a sweep (known only after the fact) at the same costs,
   and the practice at its own costs;
-- (d) fault-tolerant replica groups (docs/ft.md) beside the checkpoint restart of (c), on the same failures: the
-  survivors' stall measured by ``bench.ft_recovery`` (``bench/ft_costs.json``), and a group's relaunch and heal
-  at the scaled relaunch's cost (its start-up and communicators as the whole job's, the heal's transfer at the
-  restore's rate: no cheaper than a restart), then at the heal measured here.
+- (d) fault-tolerant replica groups (docs/ft.md) beside the checkpoint restart of (c), on the same failures, on NCCL:
+  a failed group holds the others' collective until opsd's word reaches them (its detection and ``SIGNAL_S``) or,
+  untold, until torchft's collective timeout; then the quorum without it (the stall ``bench.ft_recovery``
+  measured, ``bench/ft_costs.json``) and a new communicator (``COMMUNICATOR_REBUILD_S``, assumed); the group's
+  relaunch and heal at the scaled relaunch's cost (its start-up and communicators as the whole job's, the heal's
+  transfer at the restore's rate: no cheaper than a restart), then at the heal measured here; its return stalls
+  every group for its state's transfer (``HEAL_TRANSFER_S``) and a new communicator; a network failure takes nodes
+  of several groups (a switch serves nodes the groups do not keep together) and restarts the whole job.
 
 ``--measure`` runs ``bench.checkpoint_stall`` and the demo first (a few minutes) and rewrites the costs file.
 Last lines: ``adaptive_vs_best_fixed=<lost GPU-hours of opsd over those of the best fixed interval>``, then
@@ -43,6 +47,15 @@ PRACTICE_INTERVAL_S = 600.0
 FT_COSTS = Path(__file__).with_name("ft_costs.json")
 FT_HEARTBEAT = "heartbeat_timeout_2000ms"
 FT_GROUPS = (2, 8, 32)
+#: opsd's word to the other groups after a detection: the policy in a heartbeat's reply (the agents beat every
+#: second at scale), the rank's poll of its file (0.1 s); ``bench.ft_abort`` measured the whole stall here
+SIGNAL_S = 1.0
+#: a new NCCL communicator across the groups at each quorum change: assumed, not measured here (no GPU)
+COMMUNICATOR_REBUILD_S = 5.0
+#: a rejoining group reads its state from a peer, the others' collective waiting: Llama 3 405B's weights and AdamW
+#: state (12 bytes a parameter) over the 2,048 ranks of one of 8 groups, 2.4 GB a rank, at an assumed 1 GB/s a rank
+#: (torchft's HTTP transport, from host memory)
+HEAL_TRANSFER_S = 405e9 * 12 / 2048 / 1e9
 
 
 def ft_measured(path: Path = FT_COSTS) -> tuple[float, float, str]:
@@ -97,17 +110,28 @@ def describe(result: Result) -> str:
 def print_replica_groups(scenario: Scenario, policy: Policy, restart: Result) -> None:
     """(d): replica groups beside the checkpoint restart ``restart`` (opsd's policies), on the same failures."""
     stall_s, heal_here_s, source = ft_measured()
-    c = scenario.costs
+    c = dataclasses.replace(
+        scenario.costs,
+        quorum_stall_s=stall_s,
+        signal_s=SIGNAL_S,
+        communicator_rebuild_s=COMMUNICATOR_REBUILD_S,
+        heal_transfer_s=HEAL_TRANSFER_S,
+    )
     print(
-        f"(d) fault-tolerant replica groups, the other groups training on: a {stall_s:.2f} s stall of the survivors "
-        f"(measured: {source}); a group's relaunch and heal {c.restart_s:.0f} s (the relaunch above):"
+        f"(d) fault-tolerant replica groups on NCCL, the other groups training on: a {stall_s:.2f} s quorum stall "
+        f"(measured: {source}); opsd's word {SIGNAL_S:g} s after a detection, else a {c.collective_timeout_s:g} s "
+        f"collective timeout; a new communicator {COMMUNICATOR_REBUILD_S:g} s (assumed) at each quorum change; "
+        f"a group's relaunch and heal {c.restart_s:.0f} s (the relaunch above), its state's transfer "
+        f"{HEAL_TRANSFER_S:.1f} s; network failures restart the whole job:"
     )
     print(f"  {'checkpoint restart':>24}: {describe(restart)}")
-    rows = [(g, c.restart_s) for g in FT_GROUPS] + [(8, heal_here_s)]
-    for groups, heal_s in rows:
-        costs = dataclasses.replace(c, heal_s=heal_s, quorum_stall_s=stall_s)
-        ft = simulate(dataclasses.replace(scenario, costs=costs), dataclasses.replace(policy, replica_groups=groups))
+    rows = [(g, c.restart_s, True) for g in FT_GROUPS] + [(8, c.restart_s, False), (8, heal_here_s, True)]
+    for groups, heal_s, told in rows:
+        costs = dataclasses.replace(c, heal_s=heal_s)
+        ft_policy = dataclasses.replace(policy, replica_groups=groups, survivors_told=told)
+        ft = simulate(dataclasses.replace(scenario, costs=costs), ft_policy)
         name = f"{groups} groups" + (f", heal {heal_s:.0f} s" if heal_s != c.restart_s else "")
+        name += "" if told else ", untold"
         print(f"  {name:>24}: {describe(ft)}; {ft.replica_recoveries} of {ft.failures} failures by one group")
 
 

@@ -70,28 +70,41 @@ def in_job(model: ParallelModel, spec: MeshSpec, group: int) -> ParallelModel:
 
 
 class _Quorums:
-    """torchft's ManagerClient, keeping the Lighthouse's last quorum and handing the Manager quorum ids that also
-    name the quorum's members.
+    """torchft's ManagerClient, keeping the Lighthouse's last quorum and handing the Manager quorum ids that name one
+    quorum's life: its Lighthouse's id, its members and the step it formed at.
 
     torchft's Manager builds a new process group across the groups only when a quorum's id differs from the last
     one's, and names the new group's rendezvous keys (in the primary group's store) by that id. A Lighthouse numbers
-    its quorums from 1 when it starts: after a Lighthouse restart a quorum of other members can come with the id the
-    groups last saw, and a group keeps the process group of the old members (seen here: after the restart, one group
-    trained alone on the old group, the other waited for a quorum, both until their quorum timeout), or the new
-    group meets the old one's keys. The id the Manager gets is a hash of the Lighthouse's id and the members' ids,
-    the same in every group of the quorum: a new quorum always gets a new process group and fresh keys."""
+    its quorums from 1 when it starts, so after a Lighthouse restart its ids come again:
+    - a quorum of other members under an id the groups last saw: a group kept the process group of the old members
+      (seen: one group trained alone on the old group, the other waited for a quorum, both until their timeout);
+    - the same members under the same id as before the restart, after one group trained alone meanwhile: that group
+      built a new process group under the old keys, which the store still held, while the other, seeing its last
+      quorum again, built none; the rendezvous timed out, the heal with it, and the group behind exited 75 (seen in
+      the soak: ``tests/test_local_lighthouse.py``).
+    The id the Manager gets is a hash of the Lighthouse's id, the members' ids and the step the quorum formed at (its
+    ``max_step`` when a group first sees it): the same in every group of the quorum, and new for a quorum formed
+    again. A group sees the same quorum as long as its Lighthouse id and members stay and its step goes on by at most
+    one a request (a step committed); a group that was out of a quorum meanwhile sees a jump, or other members."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
         self.quorum_id = -1  # the Lighthouse's id of the last quorum
         self.groups: tuple[int, ...] = ()  # the replica groups in it
+        self._last: tuple[int, tuple[str, ...]] | None = None  # the last quorum's Lighthouse id and members
+        self._step = -1  # its max_step at the last request
+        self._formed_step = -1  # its max_step when it was first seen
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         result = self._client._quorum(*args, **kwargs)
-        members = sorted(result.replica_ids)
+        members = tuple(sorted(result.replica_ids))
+        quorum, step = (int(result.quorum_id), members), int(result.max_step)
+        if quorum != self._last or not self._step <= step <= self._step + 1:
+            self._formed_step = step  # a quorum formed (again)
+        self._last, self._step = quorum, step
         self.quorum_id = int(result.quorum_id)
         self.groups = tuple(sorted({int(m.split(":")[0].rsplit("_", 1)[-1]) for m in members}))
-        named = hashlib.sha256(f"{result.quorum_id}:{','.join(members)}".encode()).digest()
+        named = hashlib.sha256(f"{result.quorum_id}:{','.join(members)}:{self._formed_step}".encode()).digest()
         return _Renamed(result, int.from_bytes(named[:7], "big"))
 
     def __getattr__(self, name: str) -> Any:

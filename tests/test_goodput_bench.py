@@ -100,6 +100,13 @@ def test_the_benchmark_prints_each_comparison_and_ends_with_the_measured_ettr(
     losses = dict(re.findall(rf"^ {{4}}({units})\s+(\S+)%$", out, flags=re.M))
     assert set(losses) == {"minute of relaunch", "second of blocking save", "minute of detection"}
     assert all(float(v) > 0 for v in losses.values())
+    # (d): replica groups beat the checkpoint restart, and more when the other groups are told of a failed one
+    rows = dict(re.findall(r"^ +(checkpoint restart|\d+ groups[^:]*): ETTR (0\.\d+)", out, flags=re.M))
+    assert set(rows) == {"checkpoint restart", "2 groups", "8 groups", "32 groups", "8 groups, untold"} | {
+        k for k in rows if k.startswith("8 groups, heal")
+    }
+    told, untold, restart = (float(rows[k]) for k in ("8 groups", "8 groups, untold", "checkpoint restart"))
+    assert restart < untold < told
 
 
 @pytest.mark.slow

@@ -15,9 +15,13 @@ from opsd.analysis.simulation import Costs, Policy, Scenario, simulate
 from opsd.cli.app import app
 from opsd.policy.goodput import BadputBucket
 
-HEAL_S, STALL_S = 100.0, 3.0
+HEAL_S, STALL_S, SIGNAL_S, REBUILD_S, TRANSFER_S = 100.0, 3.0, 1.0, 0.5, 0.25
 COSTS = Costs(checkpoint_blocking_s=0.0, checkpoint_background_s=0.0, restart_s=300.0, heal_s=HEAL_S)
-COSTS = dataclasses.replace(COSTS, quorum_stall_s=STALL_S)
+COSTS = dataclasses.replace(
+    COSTS, quorum_stall_s=STALL_S, signal_s=SIGNAL_S, communicator_rebuild_s=REBUILD_S, heal_transfer_s=TRANSFER_S
+)
+#: every group's stall when a group is back: its state's transfer, then a new communicator
+BACK_S = TRANSFER_S + REBUILD_S
 
 
 def workload(failures_per_day: float, *causes: tuple[str, float]) -> Workload:
@@ -25,27 +29,40 @@ def workload(failures_per_day: float, *causes: tuple[str, float]) -> Workload:
 
 
 def test_a_group_that_exits_costs_the_stall_for_all_and_its_relaunch_for_its_share() -> None:
-    """A process exit (detected in 2 s) kills its group at once: every group stalls 3 s, inside which the detection
-    falls; the group's share (1/4) is lost for the rest of its 2 + 100 s out. Nothing is restored."""
+    """A process exit (detected in 2 s): the others wait on the group until opsd's word (2 + 1 s), and for the quorum
+    without it (3 s, meanwhile), then for a new communicator (0.5 s); the group's share (1/4) is lost for the rest
+    of its 2 + 100 s out; its return stalls every group 0.75 s. Nothing is restored."""
     result = simulate(Scenario(workload(4.0), 400, COSTS), Policy(interval_s=600.0, replica_groups=4, spares=100))
     n = result.failures
     assert n > 1400
     assert result.replica_recoveries == n
     badput = result.badput_s
-    assert badput[BadputBucket.QUORUM] == pytest.approx(n * STALL_S, rel=0.01)
+    stall_s = max(2.0 + SIGNAL_S, STALL_S) + REBUILD_S
+    assert badput[BadputBucket.QUORUM] == pytest.approx(n * (stall_s + BACK_S), rel=0.01)
     assert badput[BadputBucket.DETECTION] == pytest.approx(0.0, abs=1.0)
-    assert badput[BadputBucket.RESTART] == pytest.approx(n * (2.0 + HEAL_S - STALL_S) / 4, rel=0.01)
+    assert badput[BadputBucket.RESTART] == pytest.approx(n * (2.0 + HEAL_S - stall_s) / 4, rel=0.01)
     assert badput[BadputBucket.RECOMPUTE] == 0.0
 
 
-def test_a_gpu_error_stalls_the_others_until_opsd_stops_the_group() -> None:
-    """An XID (5 s to detect) leaves the group alive in the quorum: the others stall for the detection and the
-    heartbeat timeout after it, then the group is out for its spare's relaunch."""
-    result = simulate(Scenario(workload(4.0, ("GPU", 1.0)), 400, COSTS), Policy(replica_groups=4, spares=100))
+@pytest.mark.parametrize(("told", "held_s"), [(True, 5.0 + SIGNAL_S), (False, 60.0)], ids=["told", "untold"])
+def test_a_gpu_error_holds_the_others_until_opsd_tells_them_or_their_timeout(told: bool, held_s: float) -> None:
+    """An XID (5 s to detect) leaves the group hanging in the others' collective (NCCL): they wait until opsd names it
+    failed (its detection and the word's way), or, not told, until their collective's timeout (60 s)."""
+    policy = Policy(replica_groups=4, spares=100, survivors_told=told)
+    result = simulate(Scenario(workload(4.0, ("GPU", 1.0)), 400, COSTS), policy)
     n = result.failures
     assert result.replica_recoveries == n
-    assert result.badput_s[BadputBucket.QUORUM] == pytest.approx(n * (5.0 + STALL_S), rel=0.01)
-    assert result.badput_s[BadputBucket.RESTART] == pytest.approx(n * (HEAL_S - STALL_S) / 4, rel=0.01)
+    stall_s = held_s + REBUILD_S
+    assert result.badput_s[BadputBucket.QUORUM] == pytest.approx(n * (stall_s + BACK_S), rel=0.01)
+    assert result.badput_s[BadputBucket.RESTART] == pytest.approx(n * (HEAL_S - stall_s + 5.0) / 4, rel=0.01)
+
+
+def test_a_network_failure_spans_groups_and_restarts_the_job() -> None:
+    """A switch serves nodes of several groups: the whole job falls back to its checkpoint."""
+    result = simulate(Scenario(workload(1.0, ("network", 1.0)), 200, COSTS), Policy(replica_groups=8, spares=100))
+    assert result.failures > 150
+    assert result.replica_recoveries == 0
+    assert result.badput_s[BadputBucket.QUORUM] == 0.0
 
 
 def test_with_no_quorum_left_it_is_the_checkpoint_restart_on_the_same_failures() -> None:
@@ -92,6 +109,19 @@ def test_each_second_of_a_group_out_is_counted_once() -> None:
     assert sum(badput.values()) == pytest.approx(13.0 + 87.0 / 4)
 
 
+def test_a_group_out_rejoins_once_when_it_is_back() -> None:
+    badput = dict.fromkeys(BadputBucket, 0.0)
+    groups = ReplicaGroups(4, 1, badput)
+    assert groups.next_back_s() == float("inf")
+    groups.fail_one(100.0, 3.0, ((BadputBucket.RESTART, 50.0),), 1e9)
+    groups.fail_one(120.0, 3.0, ((BadputBucket.RESTART, 50.0),), 1e9)
+    assert groups.next_back_s() == 150.0
+    assert groups.rejoin(149.0) == 0
+    assert groups.rejoin(150.0) == 1
+    assert groups.rejoin(150.0) == 0  # once
+    assert groups.next_back_s() == 170.0
+
+
 @pytest.mark.parametrize("groups", [2, 3, 8])
 def test_the_buckets_never_go_negative_under_overlapping_failures(groups: int) -> None:
     """Failures every 20 minutes against an 8-minute outage, planned stops, no spares at times: groups out overlap
@@ -111,8 +141,10 @@ def test_the_buckets_never_go_negative_under_overlapping_failures(groups: int) -
         (lambda: Policy(replica_groups=0), "min_replicas <= replica_groups"),
         (lambda: Costs(heal_s=-1), "heal_s"),
         (lambda: Costs(quorum_stall_s=-1), "quorum_stall_s"),
+        (lambda: Costs(communicator_rebuild_s=-1), "communicator_rebuild_s"),
+        (lambda: Costs(collective_timeout_s=0), "collective_timeout_s"),
     ],
-    ids=["minimum", "groups", "heal", "stall"],
+    ids=["minimum", "groups", "heal", "stall", "rebuild", "timeout"],
 )
 def test_bad_replica_policies_are_refused(make: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -128,6 +160,12 @@ def test_opsd_simulate_takes_the_replica_groups() -> None:
     assert body["replica_recoveries"] > 0
     assert body["ettr"] > restart["ettr"]
     assert "4 replica groups (min 1)" in body["policy"]
+    untold = CliRunner().invoke(
+        app, [*args, "--replica-groups", "4", "--no-survivors-told", "--collective-timeout-s", "90"]
+    )
+    assert untold.exit_code == 0, untold.output
+    assert json.loads(untold.stdout)["ettr"] < body["ettr"]
+    assert "4 replica groups (min 1, the others not told)" in json.loads(untold.stdout)["policy"]
     bad = CliRunner().invoke(app, [*args, "--replica-groups", "2", "--min-replicas", "3"])
     assert bad.exit_code == 2
     assert "min_replicas" in bad.output

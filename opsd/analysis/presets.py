@@ -8,6 +8,8 @@ category, and a category by how it shows and whether the node must go:
   ``hang`` (ranks stop stepping: only a timeout finds it), ``silent`` (nothing shows: a silent data corruption
   is found late, from its symptoms in training, by opsd or not).
 - ``swap``: the node is taken out and a spare brought in (hardware), or the job restarts on the same nodes.
+- ``spans_groups``: the failure takes nodes of more than one replica group of a fault-tolerant job (a network switch
+  serves nodes that groups laid out by rank do not keep together); others stay within one node, so one group.
 
 A workload also has planned interruptions (maintenance, configuration or data updates): the job saves, stops and
 restarts; nothing fails, nothing is detected, no work is lost.
@@ -29,6 +31,7 @@ SIGNALS = ("xid", "node_lost", "exit", "hang", "silent")
 class Category:
     signal: str
     swap: bool
+    spans_groups: bool = False
 
     def __post_init__(self) -> None:
         if self.signal not in SIGNALS:
@@ -40,7 +43,7 @@ CATEGORIES = MappingProxyType(
         "GPU": Category("xid", swap=True),
         "host": Category("node_lost", swap=True),
         "unplanned maintenance": Category("node_lost", swap=True),
-        "network": Category("hang", swap=True),
+        "network": Category("hang", swap=True, spans_groups=True),
         "dependency": Category("exit", swap=False),
         "unknown": Category("hang", swap=False),
         "silent data corruption": Category("silent", swap=True),

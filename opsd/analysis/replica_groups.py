@@ -2,11 +2,12 @@
 are out of the quorum and until when, and what their absence costs.
 
 A failure on a node is confined to the replica group the node belongs to, and opsd recovers that group alone
-(docs/ft.md): the other groups stall until the Lighthouse stops counting the failed group alive, then train on
-without it, a smaller quorum at the same step time. The failed group is out for its detection, the wait for a spare
-and its relaunch and heal, and only its share of the job (1 / groups) is lost meanwhile. A stop of the whole job (a
-fallback to a checkpoint restart, a planned stop) relaunches every group: the shares booked past it are given back,
-so that no second of the wall time is counted twice.
+(docs/ft.md): the other groups stall (waiting on the failed group in their collective, then for a quorum without it,
+then for a new communicator), then train on without it, a smaller quorum at the same step time. The failed group is
+out for its detection, the wait for a spare and its relaunch and heal, and only its share of the job (1 / groups) is
+lost meanwhile; when it is back, every group stalls once more while it reads a peer's state and a communicator is
+built with it. A stop of the whole job (a fallback to a checkpoint restart, a planned stop) relaunches every group:
+the shares booked past it are given back, so that no second of the wall time is counted twice.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from dataclasses import dataclass, field
 
 from opsd.policy.goodput import BadputBucket
 
-#: how a failure shows when the group dies with it (its Lighthouse heartbeats stop at once); a group with a GPU error
-#: or a hang lives on, and holds up the others' collectives, until opsd stops it after the detection
-DIES_AT_ONCE = frozenset({"exit", "node_lost"})
-
 
 @dataclass
 class _Out:
@@ -26,6 +23,7 @@ class _Out:
 
     back_s: float
     booked: list[tuple[BadputBucket, float, float]] = field(default_factory=list)
+    rejoined: bool = False  # its return's stall was taken
 
 
 class ReplicaGroups:
@@ -38,6 +36,17 @@ class ReplicaGroups:
         self.badput = badput
         self.out: list[_Out] = []
         self.recoveries = 0
+
+    def next_back_s(self) -> float:
+        """When the next group out comes back (inf: none is out)."""
+        return min((o.back_s for o in self.out if not o.rejoined), default=float("inf"))
+
+    def rejoin(self, t: float) -> int:
+        """The groups back by ``t`` rejoin the quorum (each once); how many."""
+        back = [o for o in self.out if o.back_s <= t and not o.rejoined]
+        for o in back:
+            o.rejoined = True
+        return len(back)
 
     def live(self, t: float) -> int:
         """The groups in the quorum at ``t``."""

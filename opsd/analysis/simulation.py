@@ -24,141 +24,22 @@ import logging
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from opsd.analysis.presets import CATEGORIES, DETECTION, Category, Detection, Workload
-from opsd.analysis.replica_groups import DIES_AT_ONCE, ReplicaGroups
+from opsd.analysis.presets import CATEGORIES, Category, Workload
+from opsd.analysis.replica_groups import ReplicaGroups
+from opsd.analysis.scenario import BUCKETS as BUCKETS
+from opsd.analysis.scenario import Costs as Costs
+from opsd.analysis.scenario import Policy as Policy
+from opsd.analysis.scenario import Result as Result
+from opsd.analysis.scenario import Scenario as Scenario
+from opsd.analysis.scenario import survivors_stall_s
 from opsd.analysis.spare_pool import SparePool
-from opsd.analysis.stragglers import Stragglers, straggler_badput
-from opsd.policy.cadence import Cadence, CadenceConfig, plan_cadence, run_mtbf_s
+from opsd.analysis.stragglers import straggler_badput
+from opsd.policy.cadence import Cadence, plan_cadence, run_mtbf_s
 from opsd.policy.goodput import BadputBucket
 from opsd.policy.spares import spare_pool_size
 
 log = logging.getLogger(__name__)
-
-#: the simulator's badput buckets, in the order reports show them
-BUCKETS = (
-    BadputBucket.CHECKPOINT,
-    BadputBucket.RECOMPUTE,
-    BadputBucket.DETECTION,
-    BadputBucket.SPARE_WAIT,
-    BadputBucket.RESTART,
-    BadputBucket.STRAGGLER,
-    BadputBucket.MAINTENANCE,
-    BadputBucket.QUORUM,
-)
-
-
-@dataclass(frozen=True)
-class Costs:
-    checkpoint_blocking_s: float = 1.0  # training stops this long per checkpoint
-    checkpoint_background_s: float = 30.0  # then the checkpoint is durable this much later
-    restart_s: float = 120.0  # relaunch and restore, a spare in hand
-    repair_h: float = 24.0  # a failed node is back in the pool this much later
-    step_time_s: float = 5.0
-    heal_s: float = 120.0  # a replica group relaunched alone, a spare in hand, to its first step in the quorum
-    quorum_stall_s: float = 2.1  # the other groups' stall once a failed group died (1.05 x a 2 s heartbeat timeout)
-
-    def __post_init__(self) -> None:
-        if min(self.checkpoint_blocking_s, self.checkpoint_background_s, self.restart_s) < 0:
-            raise ValueError("costs: checkpoint_blocking_s, checkpoint_background_s and restart_s must be >= 0")
-        if min(self.heal_s, self.quorum_stall_s) < 0:
-            raise ValueError("costs: heal_s and quorum_stall_s must be >= 0")
-        if self.repair_h <= 0 or self.step_time_s <= 0:
-            raise ValueError("costs.repair_h and costs.step_time_s must be > 0")
-
-
-@dataclass(frozen=True)
-class Policy:
-    interval_s: float | None = None  # a fixed checkpoint interval; None: the adaptive cadence
-    spares: int | None = None  # a fixed pool; None: sized by the binomial rule
-    detection: str | Detection = "opsd"  # a detection model of opsd.analysis.presets.DETECTION, or delays
-    swap_stragglers: bool = True
-    spare_risk: float = 0.001  # the binomial rule's P(more failures than spares in one repair window)
-    cadence: CadenceConfig = field(default_factory=CadenceConfig)
-    replica_groups: int = 1  # fault-tolerant replica groups (docs/ft.md); 1: every failure restarts the whole job
-    min_replicas: int = 1  # the fewest groups a quorum has: a failure that leaves fewer restarts the whole job
-
-    def __post_init__(self) -> None:
-        if self.interval_s is not None and self.interval_s <= 0:
-            raise ValueError("policy.interval_s must be > 0")
-        if self.spares is not None and self.spares < 0:
-            raise ValueError("policy.spares must be >= 0")
-        if isinstance(self.detection, str) and self.detection not in DETECTION:
-            raise ValueError(f"policy.detection must be one of {', '.join(DETECTION)}")
-        if not 0 < self.spare_risk < 1:
-            raise ValueError("policy.spare_risk must be between 0 and 1")
-        if not 1 <= self.min_replicas <= self.replica_groups:
-            raise ValueError("policy: 1 <= min_replicas <= replica_groups")
-
-    def describe(self) -> str:
-        interval = "adaptive" if self.interval_s is None else f"every {self.interval_s:.0f} s"
-        spares = "binomial" if self.spares is None else str(self.spares)
-        detection = self.detection if isinstance(self.detection, str) else "custom"
-        groups = f", {self.replica_groups} replica groups (min {self.min_replicas})" if self.replica_groups > 1 else ""
-        return f"checkpoint {interval}, spares {spares}, detection {detection}{groups}"
-
-    @property
-    def delays(self) -> Detection:
-        return DETECTION[self.detection] if isinstance(self.detection, str) else self.detection
-
-
-@dataclass(frozen=True)
-class Scenario:
-    workload: Workload
-    days: float
-    costs: Costs = field(default_factory=Costs)
-    stragglers: Stragglers = field(default_factory=Stragglers)
-    seed: int = 0
-    replicas: int = 1  # independent runs, summed: less noise
-
-    def __post_init__(self) -> None:
-        if self.days <= 0 or self.replicas < 1:
-            raise ValueError("scenario.days must be > 0 and scenario.replicas >= 1")
-
-
-@dataclass(frozen=True)
-class Result:
-    policy: str
-    wall_s: float
-    badput_s: dict[BadputBucket, float]  # BUCKETS
-    failures: int
-    swaps: int
-    spares: int
-    mean_interval_s: float  # the checkpoint intervals used, weighted by the checkpoints taken
-    planned: int = 0  # planned interruptions
-    mtbf_estimate_s: float = math.inf  # the adaptive cadence's MTBF estimate at the end of a run, mean over runs
-    replica_recoveries: int = 0  # failures recovered by their replica group alone (the others trained on)
-
-    @property
-    def productive_s(self) -> float:
-        return self.wall_s - sum(self.badput_s.values())
-
-    @property
-    def ettr(self) -> float:
-        return self.productive_s / self.wall_s
-
-    @property
-    def lost_work_per_failure_s(self) -> float:
-        """Work done again per failure (the time since the durable checkpoint)."""
-        return self.badput_s[BadputBucket.RECOMPUTE] / self.failures if self.failures else 0.0
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "policy": self.policy,
-            "ettr": self.ettr,
-            "wall_s": self.wall_s,
-            "productive_s": self.productive_s,
-            "badput_s": dict(self.badput_s),
-            "failures": self.failures,
-            "swaps": self.swaps,
-            "spares": self.spares,
-            "mean_interval_s": self.mean_interval_s,
-            "lost_work_per_failure_s": self.lost_work_per_failure_s,
-            "planned": self.planned,
-            "mtbf_estimate_s": self.mtbf_estimate_s,
-            "replica_recoveries": self.replica_recoveries,
-        }
 
 
 def binomial_spares(workload: Workload, costs: Costs, risk: float) -> int:
@@ -320,11 +201,15 @@ class _Run:
         next_checkpoint = work + interval
         while t < self.horizon_s:
             plan_at = max(plan_t, t)  # a planned stop due during a recovery is taken when the job runs again
-            end = min(t + next_checkpoint - work, fail_t, plan_at, self.horizon_s)
+            back_at = max(self.groups.next_back_s(), t)  # a replica group back: every group waits for its heal
+            end = min(t + next_checkpoint - work, fail_t, plan_at, back_at, self.horizon_s)
             work += end - t
             t = end
             if t >= self.horizon_s:
                 break
+            if back_at <= t < min(fail_t, plan_at) and self.groups.rejoin(t):
+                t = self._stall(t, self.c.heal_transfer_s + self.c.communicator_rebuild_s, fail_t)
+                continue
             if fail_t > t and plan_at > t:  # a checkpoint: training stops, then the upload runs behind
                 # a save waits for the upload of the one before it (as an async save does)
                 behind = max(0.0, pending[1] - t) if pending is not None else 0.0
@@ -349,10 +234,11 @@ class _Run:
                 plan_t = self._next_planned(plan_t)
             else:
                 category = self._category()
-                if category.signal != "silent" and self.groups.can_recover(t):
+                alone = category.signal != "silent" and not category.spans_groups  # a silent corruption is in all
+                if alone and self.groups.can_recover(t):
                     t, fail_t = self._recover_group(t, category)
                     continue  # the others trained on: nothing restored, the checkpoints go on as planned
-                self.groups.stop_all(t)  # a silent corruption is in every replica: back to a checkpoint
+                self.groups.stop_all(t)  # back to a checkpoint, every group
                 self.badput[BadputBucket.RECOMPUTE] += work - durable
                 work = durable
                 t, fail_t = self._recover(t, category)
@@ -400,7 +286,7 @@ class _Run:
         others train again, the next failure)."""
         detection, wait = self._detect_and_swap(t, category)
         next_fail = self._next_failure(t)
-        stall = self.c.quorum_stall_s + (0.0 if category.signal in DIES_AT_ONCE else detection)
+        stall = survivors_stall_s(self.c, detection, self.p.survivors_told)
         phases = (
             (BadputBucket.DETECTION, detection),
             (BadputBucket.SPARE_WAIT, wait),
@@ -408,6 +294,12 @@ class _Run:
         )
         resume = self.groups.fail_one(t, stall, phases, self.horizon_s)
         return resume, max(next_fail, resume)  # a failure during the stall comes as it ends
+
+    def _stall(self, t: float, length_s: float, fail_t: float) -> float:
+        """Every group waits ``length_s`` from ``t`` (the ``quorum`` bucket), cut by a failure or the run's end."""
+        end = min(t + length_s, fail_t, self.horizon_s)
+        self.badput[BadputBucket.QUORUM] += end - t
+        return end
 
     def _recover(self, t: float, first: Category | None = None) -> tuple[float, float]:
         """Failures from ``t`` until the job runs again (the first of category ``first``, else drawn): (when it runs

@@ -44,6 +44,19 @@ def simulate(
         float, typer.Option(help="seconds to relaunch a replica group and heal it from a live one, a spare in hand")
     ] = 120.0,
     quorum_stall_s: Annotated[float, typer.Option(help="seconds the other groups stall once a group died")] = 2.1,
+    collective_timeout_s: Annotated[
+        float, typer.Option(help="seconds the other groups wait on a failed group in a collective, untold (torchft's)")
+    ] = 60.0,
+    survivors_told: Annotated[
+        bool, typer.Option(help="opsd names a failed group to the others, who stop waiting on it (docs/ft.md)")
+    ] = True,
+    signal_s: Annotated[float, typer.Option(help="seconds from a detection to the other groups' ranks")] = 1.0,
+    communicator_rebuild_s: Annotated[
+        float, typer.Option(help="seconds every group waits for a new communicator at each change of the quorum")
+    ] = 5.0,
+    heal_transfer_s: Annotated[
+        float, typer.Option(help="seconds every group waits while a rejoining group reads a peer's state")
+    ] = 2.4,
     straggler_episodes_per_day: Annotated[float, typer.Option(help="straggler episodes of the job per day")] = 0.0,
     straggler_duration_h: Annotated[float, typer.Option(help="mean length of a straggler episode left alone")] = 2.0,
     straggler_slowdown: Annotated[float, typer.Option(help="the job's slowdown during an episode")] = 1.3,
@@ -74,7 +87,17 @@ def simulate(
         else:
             raise ValueError(f"no preset {preset!r}: llama3-405b, bloom-176b, opt-175b or custom")
         costs = simulation.Costs(
-            checkpoint_blocking_s, checkpoint_background_s, restart_s, repair_h, step_time_s, heal_s, quorum_stall_s
+            checkpoint_blocking_s,
+            checkpoint_background_s,
+            restart_s,
+            repair_h,
+            step_time_s,
+            heal_s,
+            quorum_stall_s,
+            collective_timeout_s=collective_timeout_s,
+            signal_s=signal_s,
+            communicator_rebuild_s=communicator_rebuild_s,
+            heal_transfer_s=heal_transfer_s,
         )
         policy = simulation.Policy(
             interval_s=simulation.parse_interval(interval, step_time_s),
@@ -84,6 +107,7 @@ def simulate(
             spare_risk=spare_risk,
             replica_groups=replica_groups,
             min_replicas=min_replicas,
+            survivors_told=survivors_told,
         )
         stragglers = Stragglers(straggler_episodes_per_day, straggler_duration_h, straggler_slowdown)
         scenario = simulation.Scenario(workload, days or workload.days, costs, stragglers, seed, replicas)
