@@ -26,6 +26,7 @@ GOOD: dict[str, Any] = {
     "healed_to_step": 94,
     "replicas_equal": True,
     "final_step": 114,
+    "incidents": [["fatal_xid", 1, 94], ["process_exit", 1, 140]],
 }
 
 # name: (what differs from a good run, the words of the shortfall)
@@ -38,11 +39,15 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "both groups relaunched": ({"groups_relaunched": [0, 1]}, "groups relaunched: [0, 1]"),
     "the replicas differ": ({"replicas_equal": False}, "final states differ"),
     "the run failed": ({"state": "failed"}, "did not complete"),
+    "the killed group not back": (
+        {"incidents": [["fatal_xid", 1, 94], ["process_exit", 1, None]]},
+        "killed rank's group 1 was not recovered",
+    ),
 }
 
 
 def injected(tmp_path: Path) -> Scenario:
-    scenario = Scenario(tmp_path / "last-step", tmp_path / "wedged", after_heal=20)
+    scenario = Scenario(tmp_path / "last-step", tmp_path / "wedged", after_heal=20, then_kill=True)
     scenario.injected_s = 100.0
     return scenario
 
@@ -82,10 +87,13 @@ def test_the_survivors_stall_is_its_longest_gap_around_the_failure(
 
 @pytest.mark.slow
 def test_make_demo_ft_passes_with_every_figure_inside_its_bound(tmp_path: Path) -> None:
-    """The whole demo (controller, local backend, Lighthouse, two real torchft groups): it exits 0, and its JSON says
-    why: no whole-job restart, no checkpoint read by group 1, group 0's stall within the bound, equal replicas."""
+    """The whole demo (controller, local backend, Lighthouse, two real torchft groups), with its second failure
+    (``--then-kill``): group 1 hangs with its connections open and its node has an XID, then, once back, one of its
+    ranks is killed. It exits 0, and its JSON says why: each failure recovered in group 1 alone and healed from
+    group 0 (no whole-job restart, no checkpoint read), group 0's stall within the bound (it stopped waiting when
+    opsd named group 1 failed), equal replicas at the end."""
     proc = subprocess.run(
-        [sys.executable, "-m", "opsd.cli.demo_ft", "--workdir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "opsd.cli.demo_ft", "--workdir", str(tmp_path / "demo"), "--then-kill"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -94,9 +102,12 @@ def test_make_demo_ft_passes_with_every_figure_inside_its_bound(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print({k: result[k] for k in ("survivor_discarded_steps", "survivor_stall_s", "heal_s", "heal_transfer_s")})
+    assert [i[:2] for i in result["incidents"]] == [["fatal_xid", 1], ["process_exit", 1]]
+    assert all(i[2] is not None for i in result["incidents"])  # each healed, back in the quorum
     assert (result["whole_job_restarts"], result["checkpoint_reads"], result["groups_relaunched"]) == (0, 0, [1])
-    # group 0 discards the step in flight when its collective fails with group 1's node (none when it waited at a
-    # quorum then); the controller counts what it discarded as the incident's lost steps, and recomputed work
+    assert result["replicas_equal"] is True
+    # group 0 discards the step in flight when group 1 fails (none when it waited at a quorum then); the controller
+    # counts what it discarded as the incidents' lost steps, and recomputed work
     assert result["lost_steps"] == result["survivor_discarded_steps"]
     assert (result["badput_s"]["recompute"] > 0) == (result["lost_steps"] > 0)
     assert 0 < result["survivor_stall_s"] <= STALL_BOUND_S

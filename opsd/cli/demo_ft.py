@@ -21,8 +21,12 @@ Printed: a summary in words, then, last, one JSON line, each figure from the tra
 - ``heal_s`` (from group 1's relaunch to its first step in the quorum), split into ``heal_transfer_s`` (fetching and
   loading group 0's state) and ``heal_startup_s`` (the rest: process start, imports, the model, the quorum);
   ``recovered_s`` (from the injection to then);
+- ``incidents``: each failure's kind, replica group and the step its group healed to (None: not back);
 - ``replicas_equal`` (the two groups' final weights and optimizer states are the same, bit for bit),
-  ``final_step``, the ETTR, and the incident's record (its ``lost_steps``: group 0's discarded steps).
+  ``final_step``, the ETTR, and the incidents' records (their ``lost_steps``, summed: group 0's discarded steps).
+
+``--then-kill`` adds a second failure once group 1 is back: a rank of group 1 is killed; group 1 is relaunched alone
+once more and heals from group 0 again (``tests/test_demo_ft.py`` runs it so: a hung group and a killed group).
 
 It exits 1, saying on stderr why, when a whole-job restart happened, a group relaunched alone read a checkpoint,
 group 0's stall passed ``STALL_BOUND_S`` (the Lighthouse's heartbeat timeout and 5 s: group 0's step in flight is
@@ -52,6 +56,8 @@ from opsd.protocol.states import FAILURE_KINDS, IncidentKind, RunState
 from opsd.runtime.local import run_local
 
 RUN = "demo-ft"
+#: the rank ``--then-kill`` kills: group 1's first (its ranks are 2 and 3)
+KILLED_RANK = 2
 #: the bound on group 0's longest time between two committed steps around the failure
 STALL_BOUND_S = LighthouseConfig().heartbeat_timeout_ms / 1000 + 5.0
 
@@ -68,13 +74,16 @@ def trainer_command(ckpt_url: str, losses: Path, steps_file: Path, wedge_at: int
 
 class Scenario:
     """From the runner's poll loop: the XID once group 1 wedged (its ranks touch ``wedged``), then the run's last
-    step once group 1 is back in the quorum (``after_heal`` steps later)."""
+    step once group 1 is back in the quorum (``after_heal`` steps later). With ``then_kill``, a rank of group 1 is
+    killed (SIGKILL) once group 1 is back, and the last step is set once it is back again (healed once more)."""
 
-    def __init__(self, steps_file: Path, wedged: Path, after_heal: int) -> None:
+    def __init__(self, steps_file: Path, wedged: Path, after_heal: int, then_kill: bool = False) -> None:
         self.steps_file = steps_file
         self.wedged = wedged
         self.after_heal = after_heal
+        self.then_kill = then_kill
         self.injected_s: float | None = None
+        self.killed_s: float | None = None
         self.step_at_injection = 0
         self.last_step: int | None = None
 
@@ -88,11 +97,24 @@ class Scenario:
                 if backend.inject(RUN, Fault(FaultKind.XID, node="node-1", gpu=0, xid=79), "demo-ft-xid").ok:
                     self.injected_s, self.step_at_injection = time.time(), status.step
             return
-        recovered = [i for i in controller.store.incidents(RUN) if i.replica_group == 1 and i.resumed_s is not None]
-        if self.last_step is None and recovered and recovered[0].resumed_from_step is not None:
-            self.last_step = status.step + self.after_heal
-            self.steps_file.write_text(str(self.last_step))
-            print(f"replica group 1 is back: the run ends at step {self.last_step}", flush=True)
+        if self.last_step is not None or self._back(controller) < 1:
+            return
+        if self.then_kill and self.killed_s is None:
+            print(f"replica group 1 is back; killing its rank {KILLED_RANK} at step {status.step}", flush=True)
+            if backend.inject(RUN, Fault(FaultKind.KILL, rank=KILLED_RANK), "demo-ft-kill").ok:
+                self.killed_s = time.time()
+            return
+        if self.then_kill and self._back(controller) < 2:
+            return
+        self.last_step = status.step + self.after_heal
+        self.steps_file.write_text(str(self.last_step))
+        print(f"replica group 1 is back: the run ends at step {self.last_step}", flush=True)
+
+    @staticmethod
+    def _back(controller: Controller) -> int:
+        """How many of replica group 1's recoveries are over: the group back in the quorum."""
+        incidents = [i for i in controller.store.incidents(RUN) if i.replica_group == 1]
+        return sum(1 for i in incidents if i.resumed_s is not None and i.resumed_from_step is not None)
 
 
 def longest_gap(times_s: list[float], start_s: float, end_s: float) -> float | None:
@@ -122,13 +144,14 @@ def summary(status: dict[str, Any], spec: LocalRunSpec, scenario: Scenario, loss
         "state": status["state"],
         "incident": first["kind"] if first else None,
         "replica_group": first["replica_group"] if first else None,
+        "incidents": [[i["kind"], i["replica_group"], i["resumed_from_step"]] for i in incidents],
         "groups_relaunched": relaunched,
         "whole_job_restarts": sum(1 for e in relaunches if e.get("group") is None and e["generation"] > 1),
         "checkpoint_reads": sum(1 for r in reports if r.get("checkpoint_read")),
         "survivor_discarded_steps": survivor.get("discarded_steps"),
         "survivor_stall_s": round(stall_s, 3) if stall_s is not None else None,
         "missed_steps": first["missed_steps"] if first else None,
-        "lost_steps": first["lost_steps"] if first else None,
+        "lost_steps": sum(i["lost_steps"] or 0 for i in incidents) if first else None,
         "healed_to_step": first["resumed_from_step"] if first else None,
         "heal_s": heal_s,
         "heal_transfer_s": transfer_s,
@@ -150,6 +173,9 @@ def shortfalls(result: dict[str, Any], scenario: Scenario) -> list[str]:
         missing.append(f"the XID was not recovered in replica group 1 alone (incident: {result['incident']})")
     if result["groups_relaunched"] != [1]:
         missing.append(f"groups relaunched: {result['groups_relaunched']} (group 1 alone was to be)")
+    back = [i[:2] for i in result["incidents"] if i[2] is not None]  # (kind, group) of the recoveries healed
+    if scenario.then_kill and [IncidentKind.PROCESS_EXIT, 1] not in back:
+        missing.append(f"the killed rank's group 1 was not recovered alone and back (incidents: {result['incidents']})")
     if result["healed_to_step"] is None:
         missing.append("replica group 1 never stepped in the quorum again")
     if result["whole_job_restarts"]:
@@ -175,6 +201,7 @@ def run_demo(
     trainer_args: Sequence[str] = (),
     ft_timeouts: ManagerTimeouts | None = None,
     hang_floor_s: float = 20.0,
+    then_kill: bool = False,
 ) -> tuple[dict[str, Any], Scenario]:
     """The demo's run in ``workdir`` (empty), ``trainer_args`` added to the trainer's; its figures and scenario."""
     ckpt_url, losses, steps_file = checkpoint_url(workdir), workdir / "losses.json", workdir / "last-step"
@@ -182,7 +209,7 @@ def run_demo(
     wedged = workdir / "wedged"
     command = (*trainer_command(ckpt_url, losses, steps_file, inject_at, wedged), *trainer_args)
     spec = run_spec(RUN, config, workdir, command, replica_groups=2, ft_timeouts=ft_timeouts or ManagerTimeouts())
-    scenario = Scenario(steps_file, wedged, after_heal)
+    scenario = Scenario(steps_file, wedged, after_heal, then_kill)
     where = f"http://127.0.0.1:{config.port}"
     print(f"opsd demo-ft: controller on {where}, 2 replica groups x 2 ranks + 1 spare", flush=True)
     status = run_local(config, spec, timeout_s=timeout_s, on_poll=scenario)
@@ -194,12 +221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", default=".opsd-demo-ft", help="state, checkpoints and logs (emptied first)")
     p.add_argument("--inject-at", type=int, default=30, help="the step in which group 1 hangs and its XID comes")
     p.add_argument("--after-heal", type=int, default=20, help="steps the run makes once group 1 is back")
+    p.add_argument(
+        "--then-kill",
+        action="store_true",
+        help="then kill a rank of group 1 once it is back: it is relaunched alone once more and heals again",
+    )
     p.add_argument("--timeout-s", type=float, default=170.0)
     args = p.parse_args(argv)
     if args.inject_at < 1 or args.after_heal < 1 or args.timeout_s <= 0:
         p.error("--inject-at and --after-heal must be >= 1, --timeout-s > 0")
     workdir = fresh_workdir(args.workdir)
-    result, scenario = run_demo(workdir, args.inject_at, args.after_heal, args.timeout_s)
+    result, scenario = run_demo(workdir, args.inject_at, args.after_heal, args.timeout_s, then_kill=args.then_kill)
     print()
     print(f"run {result['run']}: {result['state']} at step {result['final_step']}")
     if scenario.injected_s is not None:
