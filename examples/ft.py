@@ -47,7 +47,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupNCCL
 
 from examples.data import TokenSource
-from examples.ft_transport import PeerTransport
+from examples.ft_transport import HEAL_MIN_BYTES_PER_S, PeerTransport
 from examples.parallelize import ParallelModel
 from opsd.protocol.ft import ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
@@ -56,6 +56,11 @@ from trainer_hooks.integrations.torchft import AbortableGloo, PeerFailures, wait
 from trainer_hooks.monitor import Monitor
 
 log = logging.getLogger(__name__)
+
+
+class HealTooSlowError(RuntimeError):
+    """This group could not read a peer's state within its deadline (``PeerTransport.read_limit_s``): it ends, rather
+    than try again in each quorum and hold its peers that long every time (opsd relaunches it)."""
 
 
 class NoQuorumError(RuntimeError):
@@ -155,6 +160,7 @@ class FaultTolerance:
         peer_failures: PeerFailures | None = None,
         kill_while_healing: bool = False,
         heal_read_bytes_per_s: float | None = None,
+        heal_min_bytes_per_s: float = HEAL_MIN_BYTES_PER_S,
         wedge_at: tuple[int, int] = (0, 0),
         wedge_file: str | None = None,
     ) -> None:
@@ -175,7 +181,11 @@ class FaultTolerance:
         backend = ProcessGroupNCCL if torch.cuda.is_available() else AbortableGloo
         self.pg = backend(timeout=timedelta(seconds=t.timeout_s))
         host = replica.url_host(socket.gethostname())  # its pod's IP on Kubernetes, where names do not resolve
-        self.transport = PeerTransport(timedelta(seconds=t.timeout_s), host, heal_read_bytes_per_s)
+        timeout = timedelta(seconds=t.timeout_s)
+        self.transport = PeerTransport(timeout, host, heal_read_bytes_per_s, heal_min_bytes_per_s)
+        # a peer's state: its shards of the weights and of AdamW's two moments (this rank's have no moments yet
+        # when it is relaunched to heal)
+        self.transport.state_bytes = 3 * sum(_local(p).numel() * p.element_size() for p in self._params.values())
         self._store = None
         store_addr = os.environ.get("MASTER_ADDR")
         store_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
@@ -263,7 +273,7 @@ class FaultTolerance:
     def finish_step(self, local_loss: torch.Tensor | None, pp: int) -> float | None:
         """After forward and backward: the step's mean loss over the quorum's groups, the commit vote, and the
         optimizer and LR steps when committed; the loss, or None when the step was discarded. Raises
-        ``NoQuorumError``."""
+        ``NoQuorumError``, or ``HealTooSlowError``."""
         if not self._await_quorum():
             raise NoQuorumError(f"no quorum within {self.replica.timeouts.quorum_timeout_s} s: {self._no_quorum}")
         total = torch.zeros((), device=self._device) if local_loss is None else local_loss.detach().clone()
@@ -272,6 +282,8 @@ class FaultTolerance:
         self._wait(self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM))
         TRACER.record("dp_replicate", "all_reduce", total.element_size(), time.perf_counter() - start)
         self._hold_until_healed()
+        if self.transport.gave_up:
+            raise HealTooSlowError(self.transport.gave_up)
         committed = bool(self.manager.should_commit())
         if self.awaiting_peer and self.heals:
             self.awaiting_peer = False

@@ -76,21 +76,61 @@ class Throttled(io.RawIOBase):
         return int(n)
 
 
+class Deadline(io.RawIOBase):
+    """A response whose reading raises ``TimeoutError`` once past ``deadline_s`` (``time.monotonic``): the socket's
+    timeout bounds each read, not the whole, and a healer on a slow link would hold its peers for as long as it
+    reads."""
+
+    def __init__(self, raw: Any, deadline_s: float, limit_s: float) -> None:
+        self._raw = raw
+        self._deadline_s = deadline_s
+        self._limit_s = limit_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if time.monotonic() > self._deadline_s:
+            raise TimeoutError(f"the peer's state not read within {self._limit_s:.1f} s")
+        return int(self._raw.readinto(buffer))
+
+
+#: the slowest read of a peer's state the healer keeps up (its deadline: its state's size at this rate, or the
+#: Manager's timeout if longer): a quarter of the 164 MB/s that ``bench.heal_transfer`` measured on loopback here
+HEAL_MIN_BYTES_PER_S = 40e6
+
+
 class PeerTransport(HTTPTransport):  # type: ignore[misc]
     """torchft's HTTP checkpoint transport, with what a healthy group serving a healer must never do taken out: wait
-    for the healer (``Gate``), or let it read state the next step is writing (``snapshot``). It also times what
+    for the healer (``Gate``), or let it read state the next step is writing (``snapshot``), or be held by a healer
+    that reads slowly for longer than its state's size calls for (``read_limit_s``: ``Deadline``). It also times what
     this rank spends fetching a peer's state (on the Manager's quorum thread), and can read slowly on purpose
     (``read_bytes_per_s``: fault injection)."""
 
-    def __init__(self, timeout: timedelta, host: str, read_bytes_per_s: float | None = None) -> None:
+    def __init__(
+        self,
+        timeout: timedelta,
+        host: str,
+        read_bytes_per_s: float | None = None,
+        min_bytes_per_s: float = HEAL_MIN_BYTES_PER_S,
+    ) -> None:
+        if min_bytes_per_s <= 0:
+            raise ValueError("the heal's minimum rate must be > 0 bytes/s")
         self.host = host  # where the other groups reach it (torchft's own: the bare host name); its server says it
         super().__init__(timeout=timeout, num_chunks=0)
         self._checkpoint_lock = Gate(timeout.total_seconds())  # closed: nothing is allowed before the first send
         self.read_bytes_per_s = read_bytes_per_s
+        self.min_bytes_per_s = min_bytes_per_s
+        self.state_bytes = 0  # the size of this rank's own state, which a peer's is (set by the trainer)
+        self.gave_up = ""  # why a read of a peer's state was given up ("": none was)
         self.fetch_s = 0.0
 
     def address(self) -> str:
         return f"http://{self.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    def read_limit_s(self, timeout: timedelta) -> float:
+        """How long a read of a peer's state may take: its size at the minimum rate, or ``timeout`` if longer."""
+        return max(timeout.total_seconds(), self.state_bytes / self.min_bytes_per_s)
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         super().send_checkpoint(dst_ranks, step, snapshot(state_dict), timeout)
@@ -103,8 +143,14 @@ class PeerTransport(HTTPTransport):  # type: ignore[misc]
             self.fetch_s += time.perf_counter() - start
 
     def _load_from_address(self, address: str, timeout: timedelta) -> object:
-        if self.read_bytes_per_s is None:
-            return super()._load_from_address(address, timeout)
-        log.warning("fault injection: reading the peer's state at %g bytes/s", self.read_bytes_per_s)
+        limit_s = self.read_limit_s(timeout)
+        deadline_s = time.monotonic() + limit_s
+        if self.read_bytes_per_s is not None:
+            log.warning("fault injection: reading the peer's state at %g bytes/s", self.read_bytes_per_s)
         with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-            return _streaming_load(io.BufferedReader(Throttled(f, self.read_bytes_per_s)), weights_only=False)
+            raw = f if self.read_bytes_per_s is None else Throttled(f, self.read_bytes_per_s)
+            try:
+                return _streaming_load(io.BufferedReader(Deadline(raw, deadline_s, limit_s)), weights_only=False)
+            except TimeoutError as exc:
+                self.gave_up = str(exc)  # the trainer ends the group: a healer too slow holds its peers at each try
+                raise

@@ -67,6 +67,8 @@ def check_layout(args: argparse.Namespace, world_size: int) -> tuple[MeshSpec, M
         raise ValueError("--microbatches must be >= 1")
     if args.lr_warmup_steps < 0 or args.ckpt_every < 0:
         raise ValueError("--lr-warmup-steps and --ckpt-every must be >= 0")
+    if args.ft_heal_min_mb_per_s <= 0:
+        raise ValueError("--ft-heal-min-mb-per-s must be > 0")
     if args.resume and not args.ckpt_dir:
         raise ValueError("--resume needs --ckpt-dir")
     if args.ckpt_dir:
@@ -303,6 +305,7 @@ def train(
                 peer_failures=peer_failures(args, replica),
                 kill_while_healing=args.ft_kill_while_healing,
                 heal_read_bytes_per_s=args.ft_heal_read_bytes_per_s,
+                heal_min_bytes_per_s=args.ft_heal_min_mb_per_s * 1e6,
                 wedge_at=(args.ft_wedge_at_step, args.ft_wedge_group),
                 wedge_file=args.ft_wedge_file,
             )
@@ -414,13 +417,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if replica is None:
         train(args, spec, cfg, microbatches)
         return 0
-    from examples.ft import NoQuorumError
+    from examples.ft import HealTooSlowError, NoQuorumError
 
     try:
         train(args, spec, cfg, microbatches, replica)
     except NoQuorumError as exc:
         print(f"examples.train: replica group {replica.group}: {exc}", file=sys.stderr)
         return EXIT_NO_QUORUM
+    except HealTooSlowError as exc:
+        print(f"examples.train: replica group {replica.group} gives up healing: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -103,6 +103,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # fault injection (tests): a healing group reads its peer's state at most this fast
     p.add_argument("--ft-heal-read-bytes-per-s", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument(
+        "--ft-heal-min-mb-per-s",
+        type=float,
+        default=40.0,
+        help="a healing group gives up reading a peer's state slower than this (its size at this rate, or torchft's "
+        "timeout if longer): its peers are held no longer (docs/ft.md)",
+    )
+    p.add_argument(
         "--ft-ignore-opsd",
         action="store_true",
         help="wait out a collective with a replica group opsd names failed (its timeout), rather than abandon it",

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ class Job:
         log = (self.root / f"group{group}.start{self.starts}.log").open("wb")
         self.groups[group] = start_group(replica, 2, argv, log=log)
         return self.groups[group]
+
+    def last_s(self, group: int) -> float | None:
+        """When the group's rank 0 last reported a step."""
+        last = self.last(group)
+        return last.time_unix_s if last is not None else None
 
     def last(self, group: int) -> StepReport | None:
         """The last report of the group's rank 0."""
@@ -304,7 +310,7 @@ def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyon
         j.wait("both groups at step 3", lambda: min(j.step(0), j.step(1)) >= 3)
         j.groups[1].kill()
         killed = time.time()
-        j.start(1, "--ft-heal-read-bytes-per-s", str(SLOW_HEAL_BYTES_PER_S))
+        j.start(1, "--ft-heal-read-bytes-per-s", str(SLOW_HEAL_BYTES_PER_S), "--ft-heal-min-mb-per-s", "1")
         j.wait("group 1 healed", lambda: j.in_quorum_of_two_since(1, killed))
         last = max(j.step(0), j.step(1)) + 3
         (j.root / "last-step").write_text(str(last))
@@ -317,6 +323,49 @@ def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyon
         print(f"group 1 read its peer's state in {fetch_s:.1f} s; group 0's longest gap {stall_s:.1f} s")
         assert fetch_s > 2 * SLOW_HEAL_TIMEOUT_S  # the read outlasted the timeouts that crashed group 0 before
         assert stall_s < fetch_s + 2 * SLOW_HEAL_TIMEOUT_S + HEARTBEAT_TIMEOUT_MS / 1000
+        assert max(r.step for r in steps_of(j.root, 0)) == last
+
+
+def test_a_healer_slower_than_its_deadline_gives_up_and_ends_and_its_peer_trains_on(tmp_path: Path) -> None:
+    """The same slow healer, whose deadline is its state's size at 4 MB/s (about 6 s; it would read for 12): it gives
+    up at its deadline and its group ends (exit 1: opsd would relaunch it), rather than try again at each quorum and
+    hold group 0 that long every time. Group 0's longest gap is bounded by the deadline, not by the read, and it trains
+    on alone."""
+    timeouts = ManagerTimeouts(
+        timeout_s=SLOW_HEAL_TIMEOUT_S,
+        quorum_timeout_s=QUORUM_TIMEOUT_S,
+        connect_timeout_s=SLOW_HEAL_TIMEOUT_S,
+        quorum_retries=20,
+    )
+    config = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    with job(tmp_path, config, timeouts) as j:
+        j.model = SLOW_HEAL_MODEL
+        j.start(0)
+        j.start(1)
+        j.wait("both groups at step 3", lambda: min(j.step(0), j.step(1)) >= 3)
+        j.groups[1].kill()
+        killed = time.time()
+        healer = j.start(1, "--ft-heal-read-bytes-per-s", str(SLOW_HEAL_BYTES_PER_S), "--ft-heal-min-mb-per-s", "4")
+        assert healer.wait(WAIT_S) == 1, f"group 1: see {j.root}"
+        ended = time.time()
+        log = "".join(f.read_text() for f in j.root.glob("group1.start*.log"))
+        assert "gives up healing: the peer's state not read within" in log
+        alive = j.groups[0]
+        wait_for(
+            "group 0 training on alone", lambda: (j.last_s(0) or 0) > ended, WAIT_S, alive=lambda: alive.poll() is None
+        )
+        last = j.step(0) + 3
+        (j.root / "last-step").write_text(str(last))
+        assert j.groups[0].wait(WAIT_S) == 0, f"group 0: see {j.root}"
+        limit_s = float(re.search(r"not read within ([\d.]+) s", log).group(1))  # type: ignore[union-attr]
+        stall_s = longest_gap(steps_of(j.root, 0), killed, ended)
+        print(
+            f"group 1 gave up after {limit_s:.1f} s, {ended - killed:.1f} s after the kill; group 0's gap {stall_s} s"
+        )
+        read_s = 25_000_000 / SLOW_HEAL_BYTES_PER_S
+        assert SLOW_HEAL_TIMEOUT_S < limit_s < read_s  # sized to the state, short of the whole read
+        assert stall_s is not None
+        assert stall_s < limit_s + 2 * SLOW_HEAL_TIMEOUT_S + HEARTBEAT_TIMEOUT_MS / 1000
         assert max(r.step for r in steps_of(j.root, 0)) == last
 
 
