@@ -42,7 +42,7 @@ def rounds(count: int) -> list[str]:
 def serve_and_heal(role: int, port: int, mb: int, transports: Sequence[str]) -> None:
     """One process: rank ``role`` (0 serves, 1 heals) of each transfer in ``transports``; the healer prints
     ``<transport> <seconds>`` per transfer."""
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.process_group import ProcessGroupGloo
 
