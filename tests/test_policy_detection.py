@@ -154,6 +154,23 @@ CASES: dict[str, tuple[dict[str, object], list[tuple[FailureKind, str, int | Non
         {"timeouts": [CollectiveTimeout(r, "n0" if r < 2 else "n1", "waited") for r in (3, 0, 1, 2)]},
         [(FailureKind.COLLECTIVE_TIMEOUT, "n1", 3)],
     ),
+    # a fault-tolerant run (C: hang floor 10 s, peer_wait_s 120 s): group 0 stalled 15 s, group 1 gone from the launch
+    "replica groups: a group stalled past the floor hangs on its own": (
+        {"ranks": [rank(0, "n0", 50, 85.0), rank(1, "n0", 50, 85.0)], "rank_groups": {0: 0, 1: 0}},
+        [(FailureKind.HANG, "n0", 0)],
+    ),
+    "replica groups: not while another group is being recovered (it may wait on it to its timeout)": (
+        {"ranks": [rank(0, "n0", 50, 85.0), rank(1, "n0", 50, 85.0)], "rank_groups": {0: 0, 1: 0}, "recovering": [1]},
+        [],
+    ),
+    "replica groups: a group stalled past the floor and the peer wait hangs, another being recovered or not": (
+        {"ranks": [rank(0, "n0", 50, -35.5), rank(1, "n0", 50, -35.5)], "rank_groups": {0: 0, 1: 0}, "recovering": [1]},
+        [(FailureKind.HANG, "n0", 0)],
+    ),
+    "replica groups: the group being recovered is no reason to wait on itself": (
+        {"ranks": [rank(0, "n0", 50, 85.0), rank(1, "n0", 50, 85.0)], "rank_groups": {0: 0, 1: 0}, "recovering": [0]},
+        [(FailureKind.HANG, "n0", 0)],
+    ),
     "swaps come first": (
         {
             "nodes": [node("n0", 99.5), node("n1", 94.0)],

@@ -125,6 +125,7 @@ class Detection(Schedule):
                 rank_groups=groups,
                 report_interval_s=self.telemetry.interval_s,
                 node_ready=ready,
+                recovering=list((m.failed_groups or {}) if (m := self.memory.get(run)) else ()),  # groups out
             )
 
     def open_failure(self, run: RunRow, failures: list[Failure], now_s: float) -> int:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +66,10 @@ class DetectionConfig:
     hang_floor_s: float = 60.0
     witness_margin_s: float = 1.0  # added to the time a peer's step may take to be seen (a pass, jitter)
     busy_limit_s: float = 1800.0  # the longest a rank may say it waits for a checkpoint or ends, unjudged
+    # more time a replica group is given before it is judged hung while another group of its run is recovered: it may
+    # be waiting on the failed group in a collective until its timeout (torchft's is 60 s), unless its ranks heard
+    # that the group failed (docs/ft.md)
+    peer_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_factor < 1 or self.hang_factor < 1:
@@ -76,6 +80,8 @@ class DetectionConfig:
             raise ValueError("detection.witness_margin_s must be >= 0")
         if self.busy_limit_s <= 0:
             raise ValueError("detection.busy_limit_s must be > 0")
+        if self.peer_wait_s < 0:
+            raise ValueError("detection.peer_wait_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -221,13 +227,15 @@ def detect(
     rank_groups: Mapping[int, int] | None = None,
     report_interval_s: float = 1.0,
     node_ready: Mapping[str, bool] | None = None,
+    recovering: Collection[int] = (),
 ) -> Findings:
     """Every failure visible now, the ones that need a swap first, and the nodes whose agent is down while their
     ranks train. ``rank_groups``: a fault-tolerant run's ranks' replica groups (rank -> group): a group that made no
     progress while others did hangs on its own, and a rank that exited with ``EXIT_NO_QUORUM`` found no quorum
     (``NO_QUORUM``); a silent node's peers are the ranks of its ranks' groups. ``report_interval_s``: how often the
     agents send their ranks' steps. ``node_ready``: the backend's view of a node (True: up, its ranks' processes
-    running; False: down), where it has one."""
+    running; False: down), where it has one. ``recovering``: the replica groups being recovered alone; while there
+    is one, the others are judged hung ``peer_wait_s`` later (they may wait on it until their collective's timeout)."""
     out: list[Failure] = []
     down: list[AgentDown] = []
     rank_list = list(ranks)
@@ -308,7 +316,10 @@ def detect(
         if r.node not in unheard and r.seen_s >= unseen_s:
             groups.setdefault(rank_groups.get(r.rank) if rank_groups is not None else None, []).append(r)
     for group, members in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        hang = _hang(now_s, members, step_times_s, config, "" if group is None else f" in replica group {group}")
+        wait_s = config.peer_wait_s if group is not None and set(recovering) - {group} else 0.0
+        hang = _hang(
+            now_s, members, step_times_s, config, "" if group is None else f" in replica group {group}", wait_s
+        )
         if hang is not None:
             out.append(hang)
     # a rank killed by a signal (the OOM killer, a crash, SIGKILL) before one that exited with an error: the peers of a
@@ -343,19 +354,28 @@ def _judge_silence(
 
 
 def _hang(
-    now_s: float, running: list[RankLike], step_times_s: Sequence[float], config: DetectionConfig, where: str
+    now_s: float,
+    running: list[RankLike],
+    step_times_s: Sequence[float],
+    config: DetectionConfig,
+    where: str,
+    wait_s: float = 0.0,
 ) -> Failure | None:
-    """A hang of ``running`` ranks: none of them stepped for longer than the hang timeout, as far as the heartbeats
-    that carried them saw (from the newest step to the oldest of their last heartbeats: none stepped in between)."""
+    """A hang of ``running`` ranks: none of them stepped for longer than the hang timeout (and ``wait_s``: a peer
+    group is being recovered), as far as the heartbeats that carried them saw (from the newest step to the oldest of
+    their last heartbeats: none stepped in between)."""
     latest = max(r.progress_s for r in running)
     stalled = min(now_s, min(r.seen_s for r in running)) - latest
     # the median step time only when quiet for longer than the floor (the limit is never below it)
     limit = hang_timeout_s(step_times_s, config) if stalled > config.hang_floor_s else config.hang_floor_s
+    limit += wait_s
     if stalled <= limit or any(_busy(r, now_s, config) for r in running):
         return None  # a rank that says it waits for a checkpoint or ends holds its peers in their next collective
     # the culprit is most likely the rank furthest behind (the others wait for it in a collective)
     behind = min(running, key=lambda r: (r.step, r.progress_s, r.rank))
     detail = f"no step progress{where} for {stalled:.1f} s > {limit:.1f} s; furthest behind: rank {behind.rank}"
+    if wait_s:
+        detail += f" (the limit {wait_s:.0f} s longer: another replica group is being recovered)"
     said = next((r for r in running if r.activity), None)
     if said is not None:
         age_s = now_s - said.activity_since_s
