@@ -407,7 +407,7 @@ def wedge(hold_s: float, marker: str | None) -> None:
         os.setsid()
         time.sleep(hold_s)
         os._exit(0)
-    log.warning("fault injection: wedged at step, connections held %.0f s", hold_s)
+    log.warning("fault injection: wedged (SIGSTOP), its connections held %.0f s", hold_s)
     if marker:
         with open(marker, "a"):
             pass

@@ -69,7 +69,7 @@ class Command(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class FailedGroup(Struct, frozen=True, kw_only=True):
     """Replica group ``group`` failed (incident ``incident``, recovered in that group alone): the other groups abort
-    a collective they wait on with it. Named from the start of the recovery until the group is relaunched."""
+    a collective they wait on with it. Named from the start of the recovery until the group is back in the quorum."""
 
     group: GroupId
     incident: IncidentId
@@ -81,7 +81,7 @@ class Policy(Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="v
     checkpoint: CheckpointCadence | None = None
     checkpoint_at_step: Steps | None = None  # a one-off checkpoint asked for (a graceful restart), besides the cadence
     commands: tuple[Command, ...] | None = None  # None: the run never had one (an empty tuple: it had, now none)
-    failed_groups: tuple[FailedGroup, ...] | None = None  # None: no replica group is being recovered
+    failed_groups: tuple[FailedGroup, ...] | None = None  # None: none ever was (an empty tuple: none is now)
 
     @property
     def empty(self) -> bool:

@@ -2,7 +2,7 @@
 
 The survivors of a replica group that hangs (a dead NCCL peer, a GPU fallen off the bus) wait in their cross-group
 collective until its timeout (torchft's, 60 s by default): nothing tells them. opsd attributes the failure to the group
-within seconds (an XID, a lost node, a hung rank), and from the start of the group's recovery until its relaunch the
+within seconds (an XID, a lost node, a hung rank), and from the start of the group's recovery until it is back the
 controller names it in the run's policy (``Policy.failed_groups``, docs/protocol.md):
 
     failures = PeerFailures(PolicyReader(policy_source(), check_every_s=0.1), own_group)
