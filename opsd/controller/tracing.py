@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -32,6 +31,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.util.types import AttributeValue
 
 from opsd.controller.state import StateStore
 from opsd.protocol.records import Action, IncidentRow
@@ -243,17 +243,17 @@ class IncidentTracing:
             log.exception("the incident traces could not be flushed")
 
 
-def _common(incident: IncidentRow) -> dict[str, Any]:
+def _common(incident: IncidentRow) -> dict[str, AttributeValue]:
     """What every span of an incident carries: the node it failed on, and its rank when one is named."""
-    out: dict[str, Any] = {"opsd.node": incident.node or ""}
+    out: dict[str, AttributeValue] = {"opsd.node": incident.node or ""}
     if incident.rank is not None:
         out["opsd.rank"] = incident.rank
     return out
 
 
-def _step_attributes(action: Action) -> dict[str, Any]:
+def _step_attributes(action: Action) -> dict[str, AttributeValue]:
     result = action.result or {}
-    out: dict[str, Any] = {
+    out: dict[str, AttributeValue] = {
         "opsd.request_id": action.request_id,
         "opsd.step": str(action.kind),
         "opsd.state": str(action.state),
