@@ -53,6 +53,7 @@ def test_protocol_examples_are_valid() -> None:
     parsed = decode_policy(policy.encode())
     assert parsed.checkpoint_due(12500)
     assert [c.name for c in parsed.commands or ()] == ["dump_flight_recorder"]
+    assert [(f.group, f.incident) for f in parsed.failed_groups or ()] == [(1, 12)]
 
 
 class Position:
