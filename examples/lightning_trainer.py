@@ -1,6 +1,7 @@
 """The reference model trained by Lightning's ``Trainer`` with opsd's callback (docs/integrations.md): DDP on gloo
-under torchrun on CPU (``torchrun --nproc-per-node 2 -m examples.lightning_trainer --checkpoint-dir DIR``), synthetic
-token sequences of a fixed seed, one epoch of ``--steps`` steps.
+under torchrun on CPU (``torchrun --nproc-per-node 2 -m examples.lightning_trainer --checkpoint-dir DIR``), or
+Lightning's model-parallel strategy with the model sharded by FSDP2 (``--strategy model_parallel``), synthetic token
+sequences of a fixed seed, one epoch of ``--steps`` steps.
 
 With ``--resume`` it resumes from the newest checkpoint the callback saved in ``--checkpoint-dir``; ``--kill-at-step``
 SIGKILLs rank 0 after that step (a save due at it written first: fault injection); ``--losses-out`` gets each
@@ -19,6 +20,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
 
 from examples.config import ModelConfig
 from examples.integration_cli import StepClock, common_options, launch_layout
@@ -62,6 +65,7 @@ class LanguageModel(pl.LightningModule):
         self.model = Transformer(cfg)
         self.sampler, self.batch_size = sampler, batch_size
         self.losses: dict[int, float] = {}
+        self.sharded = False  # by configure_model, once
 
     def on_train_start(self) -> None:
         self.sampler.start = self.trainer.global_step * self.batch_size  # 0, or the step resumed from
@@ -71,6 +75,16 @@ class LanguageModel(pl.LightningModule):
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         self.losses[self.trainer.global_step + 1] = float(loss.detach())  # the optimizer step it is part of
         return loss
+
+    def configure_model(self) -> None:
+        """Under Lightning's model-parallel strategy: each block, then the whole, sharded over the ranks (FSDP2)."""
+        mesh = self.device_mesh
+        if mesh is None or self.sharded:
+            return
+        for block in self.model.layers.values():
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(self.model, mesh=mesh["data_parallel"])
+        self.sharded = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -104,9 +118,24 @@ class EndStep(StartStep):
         self.clock.stop()
 
 
+def strategy(name: str, world: int) -> str | ModelParallelStrategy:
+    """Lightning's strategy: none for one rank; DDP; or its model-parallel one, every rank data parallel (FSDP2)."""
+    if world == 1:
+        return "auto"
+    if name == "model_parallel":
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument(
+        "--strategy",
+        choices=("ddp", "model_parallel"),
+        default="ddp",
+        help="Lightning's strategy with 2 ranks or more: DDP, or its model-parallel one with FSDP2 over the ranks",
+    )
     args = p.parse_args(argv)
     cfg = ModelConfig(seq_len=args.seq_len)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -129,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         accelerator="cpu",
         devices=devices,
         num_nodes=nodes,
-        strategy="ddp" if world > 1 else "auto",
+        strategy=strategy(args.strategy, world),
         max_epochs=1,
         callbacks=[
             StartStep(clock),  # each step's time, for bench.hook_overhead: started before opsd's callback

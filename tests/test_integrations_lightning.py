@@ -7,6 +7,9 @@
 - the controller's cadence (a policy file: every 3 steps) makes every rank save a Lightning checkpoint at its steps;
 - killed at step 7 and started again with ``--resume``, it resumes from the newest of them (step 6), its reports say
   so, and its losses from step 7 on are those of the run that was never killed.
+
+The Trainer also under Lightning's model-parallel strategy (FSDP2 over the ranks): its collectives as ``dp_shard``'s,
+its distributed checkpoints at the cadence's steps, killed and resumed with the same losses.
 """
 
 from __future__ import annotations
@@ -93,6 +96,51 @@ def test_killed_and_resumed_from_lightnings_checkpoint_it_trains_the_same_losses
     after = [r for r in reports(tmp_path / "rank0.jsonl") if r.resumed_from_step == 6]
     assert [r.step for r in after] == list(range(7, STEPS + 1))
     expected = json.loads((straight / "losses.json").read_text())
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert got == {s: expected[s] for s in map(str, range(7, STEPS + 1))}  # bit for bit
+
+
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
+    """The Trainer under Lightning's model-parallel strategy (FSDP2 over the 2 ranks), never killed."""
+    out = tmp_path_factory.mktemp("lightning-model-parallel")
+    extra = ("--strategy", "model_parallel", "--losses-out", str(out / "losses.json"))
+    assert train(EXAMPLES[0], out, policy, *extra) == 0
+    return out
+
+
+def test_under_the_model_parallel_strategy_each_step_reports_its_sharded_collectives_as_dp_shard(
+    model_parallel: Path,
+) -> None:
+    """FSDP2 shards the model over the strategy's ``data_parallel`` dimension: opsd names it ``dp_shard``, and its
+    all-gathers and reduce-scatters are the step's collectives there."""
+    for rank in (0, 1):
+        steps = reports(model_parallel / f"rank{rank}.jsonl")
+        assert [r.step for r in steps] == list(range(1, STEPS + 1))
+        for r in steps:
+            assert (r.world_size, r.tokens, r.coords) == (2, 4 * 32, {"dp_shard": rank})
+            assert r.step_s > 0
+            assert 0 < r.mfu_ratio < 1
+            assert {(c.dimension, c.op) for c in r.comms} == {
+                ("dp_shard", "all_gather"),
+                ("dp_shard", "reduce_scatter"),
+            }
+    saved = sorted(p.name for p in (model_parallel / "ckpt").iterdir())
+    assert saved == ["step=12.ckpt", "step=3.ckpt", "step=6.ckpt", "step=9.ckpt"]  # the cadence's, sharded (DCP)
+    assert all((model_parallel / "ckpt" / name / ".metadata").exists() for name in saved)
+
+
+def test_under_the_model_parallel_strategy_killed_and_resumed_it_trains_the_same_losses(
+    model_parallel: Path, policy: Path, tmp_path: Path
+) -> None:
+    strategy = ("--strategy", "model_parallel")
+    assert train(EXAMPLES[0], tmp_path, policy, *strategy, "--kill-at-step", "7") != 0
+    assert (
+        train(EXAMPLES[0], tmp_path, policy, *strategy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
+    )
+    after = [r for r in reports(tmp_path / "rank0.jsonl") if r.resumed_from_step == 6]
+    assert [r.step for r in after] == list(range(7, STEPS + 1))
+    expected = json.loads((model_parallel / "losses.json").read_text())
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got == {s: expected[s] for s in map(str, range(7, STEPS + 1))}  # bit for bit
 

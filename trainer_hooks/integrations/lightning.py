@@ -60,12 +60,36 @@ def fabric_monitor(
 
 
 def last_checkpoint(checkpoint_dir: str) -> str | None:
-    """The newest ``step=N.ckpt`` the callback saved in ``checkpoint_dir`` (None: none): where to resume."""
+    """The newest ``step=N.ckpt`` the callback saved in ``checkpoint_dir`` (None: none): where to resume. A
+    distributed checkpoint (a directory: the model-parallel strategy's) counts once its metadata is written, the last
+    thing torch's distributed checkpoint writes."""
     try:
         found = [(int(m.group(1)), name) for name in os.listdir(checkpoint_dir) if (m := _SAVED.match(name))]
     except OSError:
         return None
-    return os.path.join(checkpoint_dir, max(found)[1]) if found else None
+    whole = [(step, name) for step, name in found if _whole(os.path.join(checkpoint_dir, name))]
+    return os.path.join(checkpoint_dir, max(whole)[1]) if whole else None
+
+
+def _whole(path: str) -> bool:
+    return not os.path.isdir(path) or os.path.exists(os.path.join(path, ".metadata"))
+
+
+#: Lightning's model-parallel mesh dimensions, as opsd names them (docs/metrics.md)
+MESH_DIMS = {"data_parallel": "dp_shard", "tensor_parallel": "tp"}
+
+
+def mesh_dims(trainer: Trainer) -> list[tuple[str, Any, int]]:
+    """The dimensions of the strategy's device mesh (Lightning's ``ModelParallelStrategy``) with more than one rank:
+    (opsd's name, its process group, this rank's place in it); none for another strategy."""
+    mesh = getattr(trainer.strategy, "device_mesh", None) if hasattr(type(trainer.strategy), "device_mesh") else None
+    if mesh is None or not mesh.mesh_dim_names:
+        return []
+    return [
+        (MESH_DIMS.get(name, name), mesh[name].get_group(), mesh[name].get_local_rank())
+        for name in mesh.mesh_dim_names
+        if mesh[name].size() > 1
+    ]
 
 
 class OpsdCallback(Callback):
@@ -95,7 +119,11 @@ class OpsdCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rank, world = trainer.global_rank, trainer.world_size
-        self.monitor = Monitor(self.shape, self.config, coords={"dp_replicate": rank}, batch_shards=world)
+        dims = mesh_dims(trainer)
+        coords = {dim: local for dim, _, local in dims} if dims else {"dp_replicate": rank}
+        self.monitor = Monitor(self.shape, self.config, coords=coords, batch_shards=world)
+        for dim, group, _ in dims:  # the model-parallel strategy's mesh: its collectives by dimension
+            self.monitor.label(group, dim)
         wrapped = trainer.strategy.model
         if isinstance(wrapped, DistributedDataParallel):
             self.monitor.watch_ddp(wrapped)
