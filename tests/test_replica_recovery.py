@@ -145,6 +145,22 @@ def test_an_xid_in_one_group_swaps_and_relaunches_that_group_alone(tmp_path: Pat
     assert "- **steps the group missed**: 15" in md
 
 
+def test_a_step_the_others_discarded_before_the_group_was_stopped_is_lost_to_its_incident(tmp_path: Path) -> None:
+    """Group 1's rank dies; group 0's collective with it fails at once, and group 0 reports the step discarded before
+    the controller has even detected the exit: that step is the incident's, though it was heard before the stop."""
+    c, _ = ft_run(tmp_path)
+    beat(c, T0, {0: 40, 1: 40}, {0: 1, 1: 1})
+    beat(c, T0 + 0.5, {0: 40}, {0: 1}, discarded=1)  # the step in flight, thrown away
+    exit_ = Failure(FailureKind.PROCESS_EXIT, "node-1", 1, "rank 1 exited with -9", signal=True)
+
+    incident = c.open_failure(stored(c.store.run(RUN)), [exit_], T0 + 1)
+
+    beat(c, T0 + 9, {0: 60, 1: 60}, {0: 1, 1: 2}, discarded=1)  # group 1 back, healed
+    c.tick(T0 + 9)
+    closed = stored(c.store.incident(incident))
+    assert (closed.state, closed.lost_steps) == (IncidentState.RECOVERED, 1)
+
+
 def test_with_no_spare_the_run_trains_on_without_the_group_until_a_node_is_back(tmp_path: Path) -> None:
     c, backend = ft_run(tmp_path, spare=False)
 

@@ -24,9 +24,9 @@ from dataclasses import replace
 from typing import Protocol
 
 from opsd.controller.config import ControllerConfig
+from opsd.controller.groups import GroupDown
 from opsd.controller.holds import Holds
 from opsd.controller.live import (
-    GroupDown,
     NodeLive,
     RankLive,
     Ratios,
@@ -294,9 +294,7 @@ class ControllerCore:
             mine = [r for r in live.ranks.values() if r.group == group] if live is not None else []
             others = [r for r in live.ranks.values() if r.group != group] if live is not None else []
             if group not in memory.groups_down:
-                ended = max((r.step for r in mine), default=-1)
-                waited = {r.rank: r.quorum_wait_total_s for r in others}
-                memory.groups_down[group] = GroupDown(ended, now_s, waited, {r.rank: r.discarded_total for r in others})
+                memory.groups_down[group] = GroupDown.stopped(mine, others, now_s)
             for r in mine:
                 assert live is not None
                 live.remove(r.rank)

@@ -278,6 +278,8 @@ class Intake(Liveness):
         live.job_tokens_per_s = r.job_tokens_per_s
         live.resumed_from_step = r.resumed_from_step
         if r.ft is not None:
+            if r.ft.discarded_steps != live.discarded_total:
+                live.discarded_before, live.discarded_changed_s = live.discarded_total, now_s
             live.group, live.quorum_replicas, live.quorum_wait_total_s, live.discarded_total = (
                 group,
                 r.ft.quorum_replicas,

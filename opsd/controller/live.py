@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Any, overload
 
+from opsd.controller.groups import GroupDown
 from opsd.policy.cadence import Cadence
 from opsd.policy.detection import AgentDown, GpuEvent
 from opsd.policy.pipeline import RankBubble
@@ -168,6 +169,8 @@ class RankLive:
     quorum_replicas: int = 0  # the replica groups in its last step's quorum
     quorum_wait_total_s: float = 0.0  # the seconds its training thread waited for a quorum, summed by its agent
     discarded_total: int = 0  # its group's steps it saw discarded (not committed), summed by its agent
+    discarded_before: int = 0  # its discarded_total before it last changed,
+    discarded_changed_s: float = -math.inf  # and when it changed (a failed group's incident counts from before it)
 
 
 @dataclass(slots=True)
@@ -431,16 +434,3 @@ class RunMemory:
         if self.failed_groups:
             for group in list(self.failed_groups) if groups is None else groups:
                 self.failed_groups.pop(group, None)
-
-
-@dataclass
-class GroupDown:
-    """A replica group of a fault-tolerant run stopped by a recovery: the newest step it had made, when, and what the
-    other groups had waited for a quorum and discarded by then (their stall and their lost steps are what they wait
-    and discard more until it is back)."""
-
-    ended_step: int
-    since_s: float
-    waited_s: dict[int, float]  # rank of another group -> its quorum wait so far
-    discarded: dict[int, int] = field(default_factory=dict)  # rank of another group -> its steps discarded so far
-    relaunched: bool = False  # launched again: its new launch's reports are taken (it heals, then trains)
