@@ -290,12 +290,10 @@ SLOW_HEAL_BYTES_PER_S = 2_000_000
 SLOW_HEAL_TIMEOUT_S = 3
 
 
-def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyond_the_bound(tmp_path: Path) -> None:
-    """Group 1 is killed and started again reading group 0's state at 2 MB/s, for longer than twice the Manager's
-    timeout. Before: group 0's collective with the healer timed out, its step was discarded, and ``should_commit``
-    waited for the request still being served, then raised ``TimeoutError`` into the training loop: the healthy
-    group died. Now the serving group never waits for a request (it serves a snapshot), and its longest gap between
-    committed steps is bounded by the heal's transfer plus two timeouts."""
+@contextlib.contextmanager
+def slow_heal_job(tmp_path: Path) -> Iterator[tuple[Job, float]]:
+    """Both groups of ``SLOW_HEAL_MODEL`` at step 3 under the Manager's timeouts of 3 s, then group 1 killed: the job,
+    and when group 1 was killed."""
     timeouts = ManagerTimeouts(
         timeout_s=SLOW_HEAL_TIMEOUT_S,
         quorum_timeout_s=QUORUM_TIMEOUT_S,
@@ -309,7 +307,16 @@ def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyon
         j.start(1)
         j.wait("both groups at step 3", lambda: min(j.step(0), j.step(1)) >= 3)
         j.groups[1].kill()
-        killed = time.time()
+        yield j, time.time()
+
+
+def test_a_healer_that_reads_slowly_neither_crashes_its_peer_nor_stalls_it_beyond_the_bound(tmp_path: Path) -> None:
+    """Group 1 is killed and started again reading group 0's state at 2 MB/s, for longer than twice the Manager's
+    timeout. Before: group 0's collective with the healer timed out, its step was discarded, and ``should_commit``
+    waited for the request still being served, then raised ``TimeoutError`` into the training loop: the healthy
+    group died. Now the serving group never waits for a request (it serves a snapshot), and its longest gap between
+    committed steps is bounded by the heal's transfer plus two timeouts."""
+    with slow_heal_job(tmp_path) as (j, killed):
         j.start(1, "--ft-heal-read-bytes-per-s", str(SLOW_HEAL_BYTES_PER_S), "--ft-heal-min-mb-per-s", "1")
         j.wait("group 1 healed", lambda: j.in_quorum_of_two_since(1, killed))
         last = max(j.step(0), j.step(1)) + 3
@@ -331,20 +338,7 @@ def test_a_healer_slower_than_its_deadline_gives_up_and_ends_and_its_peer_trains
     up at its deadline and its group ends (exit 1: opsd would relaunch it), rather than try again at each quorum and
     hold group 0 that long every time. Group 0's longest gap is bounded by the deadline, not by the read, and it trains
     on alone."""
-    timeouts = ManagerTimeouts(
-        timeout_s=SLOW_HEAL_TIMEOUT_S,
-        quorum_timeout_s=QUORUM_TIMEOUT_S,
-        connect_timeout_s=SLOW_HEAL_TIMEOUT_S,
-        quorum_retries=20,
-    )
-    config = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
-    with job(tmp_path, config, timeouts) as j:
-        j.model = SLOW_HEAL_MODEL
-        j.start(0)
-        j.start(1)
-        j.wait("both groups at step 3", lambda: min(j.step(0), j.step(1)) >= 3)
-        j.groups[1].kill()
-        killed = time.time()
+    with slow_heal_job(tmp_path) as (j, killed):
         healer = j.start(1, "--ft-heal-read-bytes-per-s", str(SLOW_HEAL_BYTES_PER_S), "--ft-heal-min-mb-per-s", "4")
         assert healer.wait(WAIT_S) == 1, f"group 1: see {j.root}"
         ended = time.time()
