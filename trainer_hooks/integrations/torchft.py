@@ -115,11 +115,10 @@ class PeerFailures:
 
 class AbortableGloo(ProcessGroupGloo):  # type: ignore[misc]
     """torchft's reconfigurable gloo process group, whose abort never waits. gloo cannot interrupt a pending operation:
-    its abort waits for it to end (up to its timeout), and an abort after it ended was seen waiting for the peer's
-    connections to close (which a wedged peer's do not): torchft aborts the old group at each new quorum, and its
-    survivors waited twice their collective timeout (``make demo-ft`` with ``--ft-ignore-opsd``: 60.4 s at a 30 s
-    timeout, the wedged group's connections held 60 s; 30.3 s with this group). Here an abort sets the group aside:
-    its operation ends on gloo's thread, and the group is let go, on a thread of its own, a while after."""
+    its abort waits for it to end, up to its timeout (``tests/test_torchft_abort.py``), and torchft aborts the old
+    group at each new quorum: a survivor that abandoned a collective with a failed group would wait in its next
+    quorum for as long as it would have in the collective. Here an abort sets the group aside: its operation ends on
+    gloo's thread, and the group is let go, on a thread of its own, a while after (its destruction may wait too)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
