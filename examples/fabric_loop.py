@@ -26,6 +26,7 @@ from opsd.protocol.wire import CHECKPOINT
 from trainer_hooks.integrations.lightning import fabric_monitor, last_checkpoint
 from trainer_hooks.monitor import Monitor, MonitorConfig
 from trainer_hooks.policy_reader import PolicyReader, policy_source
+from trainer_hooks.process_exit import run_and_exit
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,4 +89,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads do at exit (docs/crash.md)

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from examples.integration_cli import StepClock, common_options
 from trainer_hooks.integrations.hf import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
+from trainer_hooks.process_exit import run_and_exit
 
 VOCAB = 256
 
@@ -124,4 +125,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads do at exit (docs/crash.md)

@@ -28,6 +28,7 @@ from examples.integration_cli import StepClock, common_options, launch_layout
 from examples.model import Transformer, model_shape
 from trainer_hooks.integrations.lightning import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
+from trainer_hooks.process_exit import run_and_exit
 
 
 class TokenData(torch.utils.data.Dataset[torch.Tensor]):
@@ -181,4 +182,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_and_exit(main)  # the exit code main means, whatever gloo's threads do at exit (docs/crash.md)

@@ -38,6 +38,7 @@ def train(out: Path, policy: Path, *extra: str, env: dict[str, str] | None = Non
     proc = run_module(
         "examples.hf_trainer", [*argv, *extra], nproc=2, env={POLICY_FILE_ENV: str(policy), **(env or {})}
     )
+    assert proc.returncode == 0 or "--kill-at-step" in extra, proc.stderr[-3000:]
     return proc.returncode
 
 
