@@ -52,9 +52,11 @@ def test_the_survivor_abandons_the_collective_when_opsd_names_the_group_and_buil
     result = run_pair(tmp_path, "abortable")
     assert result["completed"] is False
     assert NAMED_AFTER_S <= result["ended_s"] < TIMEOUT_S  # not the collective's timeout: when named
-    assert 0 <= result["ended_unix_s"] - result["named_unix_s"] < 0.5
+    # within half the timeout of being named (a poll of 0.05 s; the rest is a busy machine's slack)
+    assert 0 <= result["ended_unix_s"] - result["named_unix_s"] < TIMEOUT_S / 2
     assert result["errors"] == ["PeerFailedError: replica group 1 failed (opsd)"]  # the step is not committed
-    assert result["reconfigured_s"] - result["ended_s"] < 1.0  # the set-aside group's operation is not waited for
+    # the set-aside group's operation is not waited for (it would be: about 3 s more, to its timeout)
+    assert result["reconfigured_s"] - result["ended_s"] < TIMEOUT_S / 2
     assert result["alone"] == [1.0] * 4  # the new group works
 
 
