@@ -1,5 +1,6 @@
 """The Backend port's contract (tests/backend_contract.py) against each backend: ``FakeBackend`` (in memory, fast),
-``LocalBackend`` (real agents and rank processes on this machine: slow) and ``KubernetesBackend`` (on the emulated
+``LocalBackend`` (real agents and rank processes on this machine: slow), a plug-in's (``tests.plugin_backend``: its
+machines a JSON ledger) and ``KubernetesBackend`` (on the emulated
 API server with JobSet's controller and the scheduler played, ``tests.kube.machines``: a controller's successor is
 a new backend, informers and reconciler over the same cluster and state store)."""
 
@@ -34,6 +35,9 @@ from tests.backend_contract import (
 )
 from tests.kube.emulator import KubeEmulator
 from tests.kube.machines import KubeMachines
+from tests.plugin_backend.backend import LedgerBackend, LedgerPart, new_ledger, read_ledger
+from tests.plugin_backend.config import LedgerConfig
+from tests.plugin_backend.entry import take_up
 
 SLEEPING_RANK = (sys.executable, "-c", "import time; time.sleep(3600)")  # a rank that neither steps nor ends
 
@@ -50,7 +54,7 @@ class FakeMachines:
         store, now = controller.store, time.time()
         names = [f"node-{i}" for i in range(nodes + spares)]
         self.backend.nodes = dict.fromkeys(names, "ready")
-        store.create_run(RUN, RunSpec(backend="fake", nodes=nodes, spares=spares, checkpoint_url=""), now)
+        store.create_run(RUN, RunSpec(backend="fake"), now)
         for i, node in enumerate(names):
             role = NodeRole.ACTIVE if i < nodes else NodeRole.SPARE
             store.upsert_node(node, now, run=RUN, role=role, domain=f"rack{i % 2}")
@@ -124,13 +128,46 @@ class LocalMachines:
             backend.close()
 
 
+class LedgerMachines:
+    """A plug-in's backend (``tests.plugin_backend``): machines in a JSON ledger that outlives the controller (a new
+    controller's backend reads the same ledger), set up as its controller process does (``take_up``)."""
+
+    name = "ledger"
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.config = LedgerConfig(path=str(tmp_path / "ledger.json"))
+        self.backend = LedgerBackend(self.config)
+
+    def set_up(self, controller: Controller, nodes: int, spares: int) -> None:
+        names = [f"node-{i}" for i in range(nodes + spares)]
+        new_ledger(Path(self.config.path), {RUN: LedgerPart(names[:nodes], names[nodes:])})
+        take_up(controller, self.backend, time.time())
+
+    def restart(self, store: StateStore) -> Backend:
+        return LedgerBackend(self.config)
+
+    def effects(self) -> list[tuple[str, str, str]]:
+        return [("ledger", request_id, step) for request_id, step in read_ledger(Path(self.config.path))["effects"]]
+
+    def placement(self) -> dict[int, str]:
+        return self.backend.placement(RUN)
+
+    def invariants(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def machines_of(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> Machines:
     if name == "kubernetes":
         return KubeMachines(request.getfixturevalue("kube"), RUN)
+    if name == "ledger":
+        return LedgerMachines(tmp_path)
     return FakeMachines() if name == "fake" else LocalMachines(tmp_path)
 
 
-@pytest.fixture(params=["fake", "kubernetes", pytest.param("local", marks=pytest.mark.slow)])
+@pytest.fixture(params=["fake", "kubernetes", "ledger", pytest.param("local", marks=pytest.mark.slow)])
 def machines(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Machines]:
     m = machines_of(request.param, request, tmp_path)
     try:
@@ -169,6 +206,13 @@ def test_a_controller_killed_between_any_two_steps_finishes_once_on_local_proces
         play(machines, store, BY_NAME["xid_swap"], crash)
     finally:
         machines.close()
+
+
+@pytest.mark.parametrize(("name", "crash"), FAKE_CRASHES, ids=[f"{n}-{p}-{s}" for n, (p, s) in FAKE_CRASHES])
+def test_a_controller_killed_between_any_two_steps_finishes_once_on_a_plug_ins_ledger(
+    tmp_path: Path, store: StateStore, name: str, crash: tuple[str, int]
+) -> None:
+    play(LedgerMachines(tmp_path), store, BY_NAME[name], crash)
 
 
 KUBE_CRASHES = [(name, point) for name in ("xid_swap", "kill") for point in crash_points(BY_NAME[name])]

@@ -84,7 +84,7 @@ def running(tmp_path: Path, tracing: IncidentTracing, backend: FakeBackend) -> C
     controller = Controller(store, CONFIG, backend, tracing=tracing)
     controller.recovery.threaded = False
     now = time.time()
-    store.create_run(RUN, RunSpec(backend="fake", nodes=2, spares=1, checkpoint_url=""), now)
+    store.create_run(RUN, RunSpec(backend="fake"), now)
     for i, node in enumerate(["node-0", "node-1", "node-2"]):
         store.upsert_node(node, now, run=RUN, role=NodeRole.ACTIVE if i < 2 else NodeRole.SPARE, domain="rack0")
     controller.recovery.launch_first(RUN, now)
@@ -217,7 +217,7 @@ def test_a_recovery_that_fails_ends_its_trace_with_an_error(tmp_path: Path, monk
         controller = Controller(store, CONFIG, backend, tracing=IncidentTracing.from_environment())
         controller.recovery.threaded = False
         now = time.time()
-        store.create_run(RUN, RunSpec(backend="fake", nodes=2, spares=0, checkpoint_url=""), now)
+        store.create_run(RUN, RunSpec(backend="fake"), now)
         for node in ("node-0", "node-1"):
             store.upsert_node(node, now, run=RUN, role=NodeRole.ACTIVE)
         controller.recovery.launch_first(RUN, now)

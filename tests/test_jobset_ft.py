@@ -20,10 +20,10 @@ from yamllint.config import YamlLintConfig  # type: ignore[import-untyped]
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.jobsets import RESTART_JOB_ACTIONS, fault_tolerance, restarts_jobs_alone
 from opsd.controller.state import StateStore
-from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL
 from opsd.protocol.ft import ADVERTISE_HOST_ENV, ReplicaGroupEnv, group_layout
 from opsd.protocol.mesh import MeshSpec
 from tests.helm_chart import CHART, KUBE_VERSIONS, crd_errors, env

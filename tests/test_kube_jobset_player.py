@@ -14,7 +14,7 @@ import kubernetes.client
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, RESTART_ATTEMPT_LABEL
+from opsd.backends.kubernetes.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, RESTART_ATTEMPT_LABEL
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer, put_secrets_named
 from tests.kube.machines import JOBSETS, node

@@ -14,16 +14,7 @@ import pytest
 
 from opsd.backends.kubernetes.api import Json, KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
-from opsd.backends.kubernetes.config import KubernetesConfig
-from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
-from opsd.backends.kubernetes.leader import label_self
-from opsd.backends.kubernetes.watch import Informer
-from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, NodeWitness, Outcome, Pending
-from opsd.controller.rows import RunSpec
-from opsd.controller.state import StateStore
-from opsd.errors import ConfigError
-from opsd.policy.recovery import OnNoSpare
-from opsd.protocol.cluster import (
+from opsd.backends.kubernetes.cluster import (
     CHECKPOINT_URL_ANNOTATION,
     CORDONED_BY_OPSD_ANNOTATION,
     JOBSET_GROUP,
@@ -41,6 +32,15 @@ from opsd.protocol.cluster import (
     SPARE_TAINT,
     STATE_LABEL,
 )
+from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
+from opsd.backends.kubernetes.leader import label_self
+from opsd.backends.kubernetes.watch import Informer
+from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, NodeWitness, Outcome, Pending
+from opsd.controller.rows import RunSpec
+from opsd.controller.state import StateStore
+from opsd.errors import ConfigError
+from opsd.policy.recovery import OnNoSpare
 from opsd.protocol.states import NodeRole, RunState
 from opsd.protocol.steps import DumpReady, Launched, NodeChanged, Stopped
 from opsd.runtime.config import ServeConfig
@@ -480,12 +480,10 @@ def test_the_reconciler_finds_runs_and_node_roles(cluster: KubeEmulator, store: 
     assert other.state == RunState.RUNNING
     assert other.spec == RunSpec(
         backend="kubernetes",
-        namespace=NAMESPACE,
-        jobset="other",
         checkpoint_url="s3://ckpt/other",
         on_no_spare=OnNoSpare.SHRINK,
         min_nodes=1,
-    )
+    ).with_own(RunRef(NAMESPACE, "other"))
     roles = {n.name: (n.role, n.run) for n in store.nodes()}
     assert roles == {
         "node-0": (NodeRole.ACTIVE, RUN),
@@ -506,7 +504,7 @@ def test_the_reconciler_follows_releases_attachments_and_endings(
     assert stored(store.node("node-1")).role == NodeRole.CORDONED
 
     backend.release_node("node-1", "r-2")
-    attached = RunSpec(backend="kubernetes", namespace=NAMESPACE, jobset="plain", attached=True)
+    attached = RunSpec(backend="kubernetes").with_own(RunRef(NAMESPACE, "plain", attached=True))
     store.create_run("attached", attached, clock())
     found = cluster.get(JOBSETS, NAMESPACE, RUN)
     assert found is not None
@@ -529,7 +527,7 @@ def test_a_run_first_seen_in_a_heartbeat_takes_its_jobsets_spec(
     row = store.run(RUN)
     assert row is not None
     assert row.spec.backend == "kubernetes"
-    assert (row.spec.namespace, row.spec.jobset) == (NAMESPACE, RUN)
+    assert row.spec.own_as(RunRef) == RunRef(NAMESPACE, RUN)
     assert row.generation == 1
 
 

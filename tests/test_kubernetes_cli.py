@@ -18,13 +18,13 @@ from typer.testing import CliRunner
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
+from opsd.backends.kubernetes.cluster import QUARANTINE_TAINT, SPARE_TAINT
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
-from opsd.protocol.cluster import QUARANTINE_TAINT, SPARE_TAINT
 from opsd.protocol.states import NodeRole
 from tests.kube.emulator import KubeEmulator
 from tests.kube.machines import NAMESPACE, jobset, listed_reconciler, node, relist
@@ -69,14 +69,14 @@ def served(kube: KubeEmulator, store: StateStore) -> Iterator[Served]:
 def test_attach_makes_an_unannotated_jobset_a_run(served: Served) -> None:
     attached = served.opsd("runs", "attach", f"{NAMESPACE}/trainjob-7", "--name", "llama")
     assert attached.exit_code == 0, attached.output
-    assert f"run llama: JobSet {NAMESPACE}/trainjob-7 attached" in attached.stdout
+    assert f"run llama: {NAMESPACE}/trainjob-7 attached" in attached.stdout
     served.sync()
 
     assert served.reconciler.backend.runs["llama"] == RunRef(NAMESPACE, "trainjob-7")
     run = served.controller.store.run("llama")
     assert run is not None
     assert run.generation == 1
-    assert run.spec.attached is True
+    assert run.spec.own_as(RunRef).attached is True
     again = served.opsd("runs", "attach", f"{NAMESPACE}/trainjob-7", "--name", "llama", "--json")
     assert again.exit_code == 0, again.output  # idempotent
     assert json.loads(again.stdout)["id"] == "llama"
@@ -87,7 +87,9 @@ def test_attach_makes_an_unannotated_jobset_a_run(served: Served) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        pytest.param(["trainjob-7"], 2, "expected NAMESPACE/JOBSET", id="no namespace"),
+        pytest.param(["trainjob-7"], 1, "expected NAMESPACE/JOBSET", id="no namespace"),
+        pytest.param([f"/{RUN}"], 1, "namespace '' is not a Kubernetes object name", id="empty namespace"),
+        pytest.param([" "], 2, "a target is needed", id="blank"),
         pytest.param([f"{NAMESPACE}/Bad_Name"], 1, "is not a Kubernetes object name", id="bad jobset name"),
         pytest.param([f"{NAMESPACE}/other", "--name", RUN], 1, "exists already", id="a name taken by another"),
         pytest.param([f"{NAMESPACE}/x", "--name", "a b"], 1, "run name 'a b'", id="bad run name"),
@@ -109,7 +111,7 @@ def test_attach_needs_the_kubernetes_backend(tmp_path: Any) -> None:
     finally:
         server.should_exit = True
     assert refused.exit_code == 1
-    assert "attach needs the Kubernetes backend" in refused.output
+    assert "this controller's backend (none) attaches nothing" in refused.output
 
 
 def test_cordon_and_uncordon_act_on_the_node(served: Served, kube: KubeEmulator) -> None:

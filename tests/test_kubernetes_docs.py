@@ -20,7 +20,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from opsd.protocol.cluster import POOL_LABEL, SPARE_POOL, SPARE_TAINT
+from opsd.backends.kubernetes.cluster import POOL_LABEL, SPARE_POOL, SPARE_TAINT
 from tests.helm_chart import CHART, JOBSET_EXAMPLE, KUBE_VERSIONS, Helm, crd_errors, env, parse
 from tests.pod_security import level_of, violations
 

@@ -28,17 +28,17 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from opsd.backends.local.processes import free_port
-from opsd.backends.local.spec import LocalRunSpec
-from opsd.checkpoints.layout import inspect_checkpoints
-from opsd.checkpoints.store import open_store
-from opsd.protocol.cluster import (
+from opsd.backends.kubernetes.cluster import (
     CHECKPOINT_URL_ANNOTATION,
     QUARANTINE_TAINT,
     RUN_LABEL,
     SPARE_TAINT,
     rank_key_secret,
 )
+from opsd.backends.local.processes import free_port
+from opsd.backends.local.spec import LocalRunSpec
+from opsd.checkpoints.layout import inspect_checkpoints
+from opsd.checkpoints.store import open_store
 from opsd.protocol.env import RANK_KEY_ENV
 from opsd.protocol.gpu_files import inject_xid
 from tests.kube.emulator import KubeEmulator

@@ -30,6 +30,12 @@ import yaml  # type: ignore[import-untyped]
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.cluster import (
+    JOB_INDEX_LABEL,
+    JOB_RESTART_ATTEMPT_LABEL,
+    JOBSET_NAME_LABEL,
+    QUARANTINE_TAINT,
+)
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
@@ -37,7 +43,6 @@ from opsd.controller.port import Done, Pending
 from opsd.controller.rows import GroupLaunch
 from opsd.controller.state import StateStore
 from opsd.policy.detection import DetectionConfig
-from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, JOBSET_NAME_LABEL, QUARANTINE_TAINT
 from opsd.protocol.heartbeat import Heartbeat, HeartbeatEvent, HeartbeatFt, HeartbeatRank
 from opsd.protocol.states import IncidentState, NodeRole, RunState
 from opsd.protocol.steps import Launched, Stopped

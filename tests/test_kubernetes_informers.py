@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from opsd.backends.kubernetes.api import Json, KubeApi
+from opsd.backends.kubernetes.cluster import JOBSET_NAME_LABEL
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.leader import cluster_informers
 from opsd.backends.kubernetes.watch import Informer, InformerSet
-from opsd.protocol.cluster import JOBSET_NAME_LABEL
 from tests.kube.emulator import KubeEmulator, kube_emulator
 from tests.kube.machines import node
 from tests.waiting import wait_for

@@ -17,12 +17,7 @@ import yaml  # type: ignore[import-untyped]
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
-from opsd.backends.kubernetes.config import KubernetesConfig
-from opsd.controller.config import ControllerConfig
-from opsd.controller.controller import Controller
-from opsd.controller.state import StateStore
-from opsd.policy.detection import Failure, FailureKind
-from opsd.protocol.cluster import (
+from opsd.backends.kubernetes.cluster import (
     POOL_LABEL,
     QUARANTINE_TAINT,
     RESTART_ATTEMPT_LABEL,
@@ -30,6 +25,11 @@ from opsd.protocol.cluster import (
     SPARE_POOL,
     SPARE_TAINT,
 )
+from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.controller.config import ControllerConfig
+from opsd.controller.controller import Controller
+from opsd.controller.state import StateStore
+from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.states import IncidentState, NodeRole
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer

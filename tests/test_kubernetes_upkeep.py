@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
+from opsd.backends.kubernetes.cluster import QUARANTINE_TAINT
 from opsd.backends.local.processes import free_port
-from opsd.protocol.cluster import QUARANTINE_TAINT
 from opsd.protocol.env import CONTROLLER_TOKEN_ENV
 from opsd.protocol.gpu_files import inject_xid
 from tests.kube.emulator import KubeEmulator

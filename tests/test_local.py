@@ -48,8 +48,8 @@ def test_spec_validates_itself(kwargs: dict[str, object], message: str) -> None:
 
 def test_a_second_controller_of_a_run_is_refused(tmp_path: Path) -> None:
     controller = Controller(StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}"))
-    controller.store.create_run("job", RunSpec(nodes=2, spares=1), now_s=1.0)  # running: a candidate to take up
     spec = LocalRunSpec(run="job", command=("true",), workdir=str(tmp_path / "runs"))
+    controller.store.create_run("job", spec.recorded(), now_s=1.0)  # running: a candidate to take up
     first = LocalBackend(spec)
     first.lock_run()
     try:

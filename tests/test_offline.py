@@ -127,7 +127,7 @@ class Refusing:
 def test_the_store_answers_as_the_controller_would_and_only_when_none_answers(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'opsd.db'}"
     store = StateStore.open(url)
-    store.create_run("r", RunSpec(nodes=1), 1.0)
+    store.create_run("r", RunSpec(min_nodes=1), 1.0)
     said: list[str] = []
     dead = Refusing(UnreachableError("refused"))
     down = Reader(dead, url, said.append)

@@ -401,7 +401,7 @@ def test_the_controllers_own_bundle_builds(tmp_path: Path) -> None:
 
     t0 = 1_800_000_000.0
     store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
-    store.create_run("job", RunSpec(nodes=2), t0)
+    store.create_run("job", RunSpec(min_nodes=2), t0)
     store.upsert_node("n1", t0 + 40, run="job", role="cordoned", reason="XID 48 on GPU 3: double-bit ECC error")
     ident, _ = store.open_incident(
         key="job/gen1",
@@ -531,7 +531,7 @@ def test_a_finished_pipelined_run_keeps_its_last_bubble_for_status_and_post_mort
 
     t0 = 1_800_000_000.0
     store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
-    store.create_run("job", RunSpec(nodes=2), t0)
+    store.create_run("job", RunSpec(min_nodes=2), t0)
     sample = LaunchSample(ranks=8, progressed=True, mfu_ratio=0.4, tokens_per_s=1000.0)
     store.record_launch("job", 1, t0 + 10, replace(sample, pipeline=piped(0.30)))
     store.record_launch("job", 1, t0 + 20, replace(sample, pipeline=piped(0.32)))
@@ -559,7 +559,7 @@ def test_a_finished_pipelined_run_keeps_its_last_bubble_for_status_and_post_mort
     expected = "0.40 (last measured, launch 2), theory 0.27 for 1f1b, 4 stages x 8 micro-batches; run average 0.34"
     assert expected in to_markdown(report)
 
-    store.create_run("flat", RunSpec(nodes=1), t0)
+    store.create_run("flat", RunSpec(min_nodes=1), t0)
     store.record_launch("flat", 1, t0 + 10, sample)
     flat = build(json.loads(msgspec.json.encode(postmortem_bundle(controller, "flat", t0 + 20))))
     assert flat.goodput.pipeline is None

@@ -23,6 +23,7 @@ import pytest
 from opsd.backends.kubernetes import credentials
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.cluster import LEADER, RESTART_ATTEMPT_LABEL
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.leader import KubernetesController, label_self, require_jobsets
 from opsd.backends.kubernetes.lease import elect
@@ -31,7 +32,6 @@ from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.state import StateStore
 from opsd.policy.detection import Failure, FailureKind
-from opsd.protocol.cluster import LEADER, RESTART_ATTEMPT_LABEL
 from opsd.protocol.states import NodeRole
 from tests.helm_chart import Helm, parse
 from tests.kube.api import RecordedRequest, parse_target
@@ -150,7 +150,7 @@ def controller_config(docs: list[Json], tmp_path: Path) -> KubernetesConfig:
     (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and "opsd.yaml" in (d.get("data") or {})]
     path = tmp_path / "opsd.yaml"
     path.write_text(config_map["data"]["opsd.yaml"])
-    loaded: KubernetesConfig = settings.load("controller", str(path), env={}).kubernetes
+    loaded: KubernetesConfig = settings.load("controller", str(path), env={}).section("kubernetes")
     (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     secret_env = {e["name"] for e in container.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})}

@@ -352,8 +352,11 @@ def test_every_key_is_settable_from_a_file(tmp_path: Path, section: str) -> None
 
 def get(config: Any, path: list[str]) -> Any:
     """A key's value in a built configuration, inline sections looked into (``ControllerSettings.serve``,
-    ``ServeConfig.controller``)."""
+    ``ServeConfig.controller``), a backend's section by its name (``ControllerSettings.section``)."""
     for part in path:
+        if isinstance(config, settings.ControllerSettings) and part in config.sections:
+            config = config.section(part)
+            continue
         while not hasattr(config, part):
             inline = next(f.name for f in dataclasses.fields(config) if f.metadata.get("inline"))
             config = getattr(config, inline)

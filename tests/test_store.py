@@ -38,22 +38,22 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore
 
 
 def test_runs(store: StateStore) -> None:
-    assert store.create_run("r1", RunSpec(nodes=2), now_s=10.0)
-    assert not store.create_run("r1", RunSpec(nodes=3), now_s=11.0)  # exists: unchanged
+    assert store.create_run("r1", RunSpec(min_nodes=2), now_s=10.0)
+    assert not store.create_run("r1", RunSpec(min_nodes=3), now_s=11.0)  # exists: unchanged
     store.update_run("r1", 12.0, state="recovering", generation=2, last_step=40)
     run = store.run("r1")
     assert run is not None
-    assert (run.state, run.generation, run.last_step, run.spec) == ("recovering", 2, 40, RunSpec(nodes=2))
+    assert (run.state, run.generation, run.last_step, run.spec) == ("recovering", 2, 40, RunSpec(min_nodes=2))
     assert [r.id for r in store.runs()] == ["r1"]
     assert store.run("nope") is None
-    store.update_run("r1", 13.0, spec=RunSpec(nodes=3))
-    assert stored(store.run("r1")).spec == RunSpec(nodes=3)
+    store.update_run("r1", 13.0, spec=RunSpec(min_nodes=3))
+    assert stored(store.run("r1")).spec == RunSpec(min_nodes=3)
     with pytest.raises(ValueError, match="unknown fields"):
         store.update_run("r1", 13.0, created_s=1.0)
 
 
 def test_a_runs_published_cadence_is_kept_without_touching_its_state(store: StateStore) -> None:
-    store.create_run("r1", RunSpec(nodes=2), now_s=10.0)
+    store.create_run("r1", RunSpec(min_nodes=2), now_s=10.0)
     assert stored(store.run("r1")).cadence is None
     first = Cadence(500, 1200, 600.0, 3600.0, "Daly interval 600 s")
     second = Cadence(250, 1800, 300.0, 1800.0, "more failures")
@@ -169,7 +169,7 @@ def test_state_survives_a_new_store_on_the_same_database(tmp_path: Path) -> None
 def test_a_store_of_an_earlier_version_gets_the_columns_added_since(store: StateStore) -> None:
     """A runs table without ``first_productive_s`` (as an earlier version created it), a run in it: opened again,
     the column is added and the run reads and updates as a new one does."""
-    store.create_run("r1", RunSpec(nodes=2), now_s=10.0)
+    store.create_run("r1", RunSpec(min_nodes=2), now_s=10.0)
     with store.engine.begin() as c:
         c.execute(sa.text("ALTER TABLE runs DROP COLUMN first_productive_s"))
     url = store.engine.url.render_as_string(hide_password=False)

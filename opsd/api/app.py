@@ -72,9 +72,8 @@ class DrillIn(Strict):
 
 
 class AttachIn(Strict):
-    namespace: Annotated[str, Field(min_length=1, max_length=253)]
-    jobset: Annotated[str, Field(min_length=1, max_length=253)]
-    run: Annotated[str, Field(max_length=63)] = ""  # default: the JobSet's name
+    target: Annotated[str, Field(min_length=1, max_length=600)]  # the job in the backend's words: NAMESPACE/JOBSET
+    run: Annotated[str, Field(max_length=63)] = ""  # default: the backend's name for it (the JobSet's)
 
 
 class InjectIn(Strict):
@@ -196,8 +195,8 @@ def create_app(
 
     @app.post("/v1/runs/attach", dependencies=operators)
     def attach(body: AttachIn) -> RunRow:
-        """Make a JobSet a run (one without the ``opsd.io/run`` annotation); answers the run."""
-        return _answer(lambda: controller.attach_run(body.namespace, body.jobset, body.run or body.jobset, clock()))
+        """Make a job of the backend's a run (a JobSet without the ``opsd.io/run`` annotation); answers the run."""
+        return _answer(lambda: controller.attach_run(body.target, body.run, clock()))
 
     @app.get("/v1/incidents", dependencies=reads)
     def all_incidents() -> list[IncidentRow]:

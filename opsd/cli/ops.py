@@ -67,25 +67,25 @@ def runs(ctx: typer.Context, as_json: AsJson = False, wide: Wide = False, *, api
 @runs_app.command("attach")
 @connected
 def runs_attach(
-    jobset: Annotated[str, typer.Argument(help="NAMESPACE/JOBSET: a JobSet without the opsd.io/run annotation")],
-    name: Annotated[str, typer.Option("--name", help="the run's name (default: the JobSet's)")] = "",
+    target: Annotated[
+        str, typer.Argument(help="the job, in the backend's words: NAMESPACE/JOBSET for a JobSet on Kubernetes")
+    ],
+    name: Annotated[str, typer.Option("--name", help="the run's name (default: the backend's, the JobSet's)")] = "",
     as_json: AsJson = False,
     *,
     api: ApiClient,
 ) -> None:
-    """Make a JobSet a run of this controller (Kubernetes backend).
+    """Make a job a run of this controller (Kubernetes backend: a JobSet).
 
     As the opsd.io/run annotation does, for a JobSet its users cannot edit (a Kubeflow TrainJob's)."""
-    namespace, slash, name_of_jobset = jobset.partition("/")
-    if not slash or not namespace or not name_of_jobset:
-        fail(f"{jobset!r}: expected NAMESPACE/JOBSET", EXIT_USAGE)
-    body = {"namespace": namespace, "jobset": name_of_jobset, "run": name}
-    answer = call(api, "POST", "/v1/runs/attach", body)
+    if not target.strip():
+        fail("attach: a target is needed (NAMESPACE/JOBSET)", EXIT_USAGE)
+    answer = call(api, "POST", "/v1/runs/attach", {"target": target, "run": name})
     run = typed(answer, RunSummary, "the attached run")
     if as_json:
         typer.echo(json.dumps(answer))
     else:
-        typer.echo(f"run {run.id}: JobSet {namespace}/{name_of_jobset} attached")
+        typer.echo(f"run {run.id}: {target} attached")
 
 
 @connected

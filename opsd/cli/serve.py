@@ -175,7 +175,7 @@ def serve(
     chosen = registry.backend(loaded.backend)
     try:
         with controller_extra("serve"):
-            chosen.serve(loaded.serve, getattr(loaded, chosen.name, None))  # with its section of the settings
+            chosen.serve(loaded.serve, loaded.section(chosen.name))  # with its section of the settings
     except OpsError as exc:
         typer.echo(f"opsd serve: {exc}", err=True)
         raise typer.Exit(1) from None

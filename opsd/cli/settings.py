@@ -33,7 +33,6 @@ from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.errors import ConfigError
 from opsd.protocol.env import (
     AGENT_SOCKET_ENV,
@@ -45,26 +44,33 @@ from opsd.protocol.env import (
     TOKEN_ENV,
 )
 from opsd.runtime.config import ServeConfig
-from opsd.runtime.registry import BACKENDS
+from opsd.runtime.registry import BUILT_IN, backends
 from opsd_agent.daemon import AgentConfig
 
 
 @dataclass(frozen=True)
 class ControllerSettings:
     """``opsd serve``'s settings: the server's and the controller's (inline: ``controller.port``,
-    ``controller.detection.hang_floor_s``), the backend, and the Kubernetes backend's (``controller.kubernetes``)."""
+    ``controller.detection.hang_floor_s``), the backend, and each backend's own section (``controller.<name>``, the
+    registry's ``config``: ``controller.kubernetes``)."""
 
     serve: ServeConfig = field(default_factory=ServeConfig, metadata={"inline": True})
     backend: str = "none"  # a name of the registry (opsd.runtime.registry): what recovers runs
-    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)  # each backend's section is named after it
+    sections: dict[str, Any] = field(default_factory=dict, metadata={"backends": True})  # name -> its section
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"controller.backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        known = backends()
+        if self.backend not in known:
+            raise ValueError(f"controller.backend must be one of {', '.join(known)}, not {self.backend!r}")
+
+    def section(self, name: str) -> Any:
+        """A backend's section of the settings (its defaults when none was given); None for one without."""
+        entry = backends()[name]
+        return self.sections.get(name) or (entry.config() if entry.config is not None else None)
 
 
-#: ``--backend``'s choices, from the registry: "none (incidents recorded, ...), kubernetes (...)"
-BACKEND_CHOICES = ", ".join(f"{entry.name} ({entry.description})" for entry in BACKENDS.values())
+#: ``--backend``'s choices: "none (incidents recorded, ...), kubernetes (...)", and the plug-ins installed
+BACKEND_CHOICES = ", ".join(f"{entry.name} ({entry.description})" for entry in BUILT_IN) + ", or a plug-in's name"
 #: the file's sections and the dataclass each one is
 SECTIONS: dict[str, type[Any]] = {"controller": ControllerSettings, "agent": AgentConfig}
 #: keys whose environment variable is not the generated one
@@ -103,7 +109,10 @@ def _keys(cls: type[Any], prefix: str) -> list[Key]:
     out: list[Key] = []
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
+        if f.metadata.get("backends"):  # each backend's section, named after it
+            for entry in backends().values():
+                out += _keys(entry.config, f"{prefix}.{entry.name}") if entry.config is not None else []
+        elif dataclasses.is_dataclass(kind):
             out += _keys(kind, prefix if f.metadata.get("inline") else f"{prefix}.{f.name}")  # type: ignore[arg-type]
         elif f.default is not dataclasses.MISSING:
             out.append(Key(f"{prefix}.{f.name}", kind, f.default))
@@ -236,7 +245,10 @@ def build(cls: type[T], prefix: str, values: Mapping[str, Any]) -> T:
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
+        if f.metadata.get("backends"):
+            configs = {e.name: e.config for e in backends().values() if e.config is not None}
+            kwargs[f.name] = {name: build(config, f"{prefix}.{name}", values) for name, config in configs.items()}
+        elif dataclasses.is_dataclass(kind):
             inner = prefix if f.metadata.get("inline") else f"{prefix}.{f.name}"
             if any(k.startswith(inner + ".") for k in values):
                 kwargs[f.name] = build(kind, inner, values)  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ import uuid
 from opsd.controller.core import ControllerCore
 from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import failure_key
-from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome
-from opsd.controller.rows import RunRow, RunSpec
+from opsd.controller.port import Attaching, Done, ErrorKind, Failed, Fault, Outcome
+from opsd.controller.rows import RunRow
 from opsd.errors import BodyError, NotFoundError, PermanentError, TransientError
 from opsd.policy.detection import Failure, FailureKind
 from opsd.protocol.records import IncidentRow, NodeRow
@@ -20,8 +20,7 @@ from opsd.protocol.steps import NodeChanged
 
 log = logging.getLogger(__name__)
 
-#: a Kubernetes object name (RFC 1123 subdomain) and a run name (as a label value: opsd puts it on nodes)
-OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+#: a run name (as a label value: a backend may put it on its nodes)
 RUN_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
@@ -130,25 +129,24 @@ class Operations(ControllerCore):
         assert found is not None
         return found
 
-    def attach_run(self, namespace: str, jobset: str, run: str, now_s: float) -> RunRow:
-        """Make the JobSet ``namespace/jobset`` a run named ``run`` (a JobSet without the ``opsd.io/run``
-        annotation: one a user cannot edit, such as a Kubeflow TrainJob's); its backend finds it at its next pass.
-        Idempotent. Raises ``BodyError`` for a bad name, a run of that name that is another JobSet's, or a
-        controller without the Kubernetes backend."""
-        if self.backend is None or self.backend.name != "kubernetes":
-            raise BodyError("attach needs the Kubernetes backend (opsd serve --backend kubernetes)")
-        for what, value, rule in (("namespace", namespace, OBJECT_NAME), ("jobset", jobset, OBJECT_NAME)):
-            if not rule.match(value):
-                raise BodyError(f"{what} {value!r} is not a Kubernetes object name")
+    def attach_run(self, target: str, run: str, now_s: float) -> RunRow:
+        """Make ``target``, a job of the backend's machines in its own words (Kubernetes: ``NAMESPACE/JOBSET``, a
+        JobSet without the ``opsd.io/run`` annotation, such as a Kubeflow TrainJob's), a run named ``run`` (default:
+        the backend's name for it); the backend finds it at its next pass. Idempotent. Raises ``BodyError`` for a
+        bad target or name, a run of that name that is another job's, or a backend that attaches nothing."""
+        if not isinstance(self.backend, Attaching):
+            name = self.backend.name if self.backend is not None else "none"
+            raise BodyError(f"this controller's backend ({name}) attaches nothing: opsd serve --backend names one")
+        name, spec = self.backend.attach_spec(target)
+        run = run or name
         if not RUN_NAME.match(run):
             raise BodyError(f"run name {run!r}: letters, digits, '-', '_' and '.', at most 63, alphanumeric ends")
-        spec = RunSpec(backend="kubernetes", namespace=namespace, jobset=jobset, attached=True)
         if not self.store.create_run(run, spec, now_s):
             known = self.store.run(run)
-            if known is None or (known.spec.namespace, known.spec.jobset) != (namespace, jobset):
-                raise BodyError(f"run {run!r} exists already and is not JobSet {namespace}/{jobset}: choose --name")
+            if known is None or (known.spec.backend, known.spec.own) != (spec.backend, spec.own):
+                raise BodyError(f"run {run!r} exists already and is not {target}: choose --name")
         else:
-            log.info("run %s: JobSet %s/%s attached", run, namespace, jobset)
+            log.info("run %s: %s attached", run, target)
         found = self.store.run(run)
         assert found is not None
         return found

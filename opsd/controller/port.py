@@ -1,10 +1,9 @@
 """The Backend port: the machine-level steps the controller asks of the machines a run is on.
 
 The recovery plan and its execution (record a step, skip it when done, take it up after a restart) belong to the
-controller (``opsd.controller.recovery``); a backend only carries out one step at a time. Two backends implement
-this port: ``opsd.backends.local`` (rank processes on this machine) and ``opsd.backends.kubernetes`` (nodes and
-pods of a cluster, the job a JobSet); ``opsd.backends.fake`` is an in-memory one for tests. One contract test suite
-(``tests/backend_contract.py``) runs against each.
+controller (``opsd.controller.recovery``); a backend only carries out one step at a time. Each package of
+``opsd.backends`` implements this port (``fake`` is an in-memory one for tests), and so does a plug-in's
+(``opsd.runtime.registry``). One contract test suite (``tests/backend_contract.py``) runs against each.
 
 What every method may assume, and must honour:
 
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
+from opsd.controller.rows import RunSpec
 from opsd.protocol.steps import DumpReady, Injected, Launched, NodeChanged, Stopped
 
 T = TypeVar("T", covariant=True)
@@ -117,12 +117,32 @@ class NodeWitness(Protocol):
         ...
 
 
+@runtime_checkable
+class Attaching(Protocol):
+    """A backend that can make a job already on its machines a run (``opsd runs attach TARGET``): on Kubernetes, a
+    JobSet without the ``opsd.io/run`` annotation."""
+
+    def attach_spec(self, target: str) -> tuple[str, RunSpec]:
+        """The run's default name and its spec for ``target``, the job in the backend's own words (Kubernetes:
+        ``NAMESPACE/JOBSET``); ``BodyError`` when it names none. Reads nothing: the backend finds the job at its
+        next pass."""
+        ...
+
+
+@runtime_checkable
+class SharedSpares(Protocol):
+    """A backend whose spares are the cluster's, shared by its runs (Kubernetes: ``opsd.io/pool=spare``), not each
+    run's own: the controller sizes that pool (``opsd spares``)."""
+
+    shares_spares: bool
+
+
 class Backend(Protocol):
     """The machine-level steps of a recovery (see the module's docstring for what each may assume)."""
 
     @property
     def name(self) -> str:
-        """``local``, ``kubernetes``, ``fake``: recorded with the runs it starts."""
+        """Its name in the registry (``local``, ``fake``, ...): recorded with the runs it starts."""
         ...
 
     def stop_ranks(

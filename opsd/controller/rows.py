@@ -11,11 +11,12 @@ Frozen: a row is what the store held when it was read. To change one, the store 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 import msgspec
 
+from opsd.errors import BodyError
 from opsd.policy.cadence import Cadence
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
@@ -23,36 +24,39 @@ from opsd.protocol.answers import PipelineBubble
 from opsd.protocol.states import RunState
 
 log = logging.getLogger(__name__)
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
     """What a run was started with, as the state store keeps it (JSON; fields unknown to this version are ignored,
-    missing ones take their defaults). Each backend records what its runs need:
-
-    - ``local`` (``opsd run``): ``nodes``, ``spares``, ``gpus_per_node``, ``checkpoint_url``, ``on_no_spare``,
-      ``min_nodes`` (a controller that takes the run up checks ``nodes`` and ``spares``);
-    - ``kubernetes``: the JobSet's ``namespace`` and ``jobset`` (``attached``: made a run by ``opsd runs
-      attach``), its ``checkpoint_url``, ``on_no_spare`` and ``min_nodes`` annotations;
-    - a run first heard of in a heartbeat, with no backend: ``observed``."""
+    missing ones take their defaults): what every backend's runs have, and ``own``, the backend's own part (a
+    struct of the backend's, ``own_as`` reads it back; e.g. the local backend's nodes and spares, the JobSet of a
+    cluster's run). A run first heard of in a heartbeat, with no backend: ``observed``."""
 
     backend: str = ""
-    nodes: int | None = None
-    spares: int | None = None
-    gpus_per_node: int | None = None
     checkpoint_url: str = ""
     on_no_spare: OnNoSpare = OnNoSpare.WAIT
     min_nodes: int = 1
-    namespace: str = ""
-    jobset: str = ""
-    attached: bool = False
     observed: bool = False
     replica_groups: int = 1  # fault-tolerant replica groups (torchft), each a launch of its own; 1: none
     min_replicas: int = 1  # the fewest groups that keep a quorum
+    own: dict[str, object] = field(default_factory=dict)  # the backend's part, as JSON (``own_as``, ``with_own``)
 
     @property
     def replicas(self) -> ReplicaGroups:
         return ReplicaGroups(self.replica_groups, self.min_replicas)
+
+    def own_as(self, kind: type[S]) -> S:
+        """The backend's part as its struct; ``BodyError`` when what is kept does not fit it."""
+        try:
+            return msgspec.convert(self.own, kind)
+        except msgspec.ValidationError as exc:
+            raise BodyError(f"a {self.backend or 'run'} spec's own part does not fit {kind.__name__}: {exc}") from None
+
+    def with_own(self, part: msgspec.Struct) -> RunSpec:
+        """This spec with ``part`` (a struct of its backend's) as its own part."""
+        return replace(self, own=msgspec.to_builtins(part))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class GroupLaunch:
 
 
 _SPEC_DECODER = msgspec.json.Decoder(RunSpec)
+_SPEC_FIELDS = frozenset(f.name for f in fields(RunSpec))
 _GROUPS_DECODER = msgspec.json.Decoder(dict[int, GroupLaunch])
 
 
@@ -75,6 +80,10 @@ def decode_spec(data: str | bytes) -> RunSpec:
     """A spec as the store keeps it; one that does not fit (a hand-edited store) reads as an empty spec rather than
     failing every read of its run."""
     try:
+        stored = msgspec.json.decode(data)
+        if isinstance(stored, dict) and "own" not in stored:  # a store before the backends' own parts: theirs then
+            own = {k: v for k, v in stored.items() if k not in _SPEC_FIELDS and v not in (None, "")}
+            return msgspec.convert({**{k: v for k, v in stored.items() if k in _SPEC_FIELDS}, "own": own}, RunSpec)
         return _SPEC_DECODER.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError):
         log.warning("a run's spec in the state store does not fit (%r): read as empty", data[:200])

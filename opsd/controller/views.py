@@ -15,6 +15,7 @@ from opsd.checkpoints.store import open_store
 from opsd.controller.controller import Controller
 from opsd.controller.flight import analyses
 from opsd.controller.incidents import NOT_FAILURES
+from opsd.controller.port import SharedSpares
 from opsd.controller.rows import RunRow
 from opsd.errors import NotFoundError, OpsError
 from opsd.policy.cadence import daly_interval_s, node_failure_rate_per_h, run_mtbf_s, young_interval_s
@@ -105,13 +106,14 @@ def pool_entry(controller: Controller, node: NodeRow, now_s: float) -> PoolNode:
 
 
 def shared_pool(controller: Controller, now_s: float) -> SharedPool | None:
-    """The cluster's spare pool (spares of no run, as on Kubernetes: ``opsd.io/pool=spare``) with each node's
-    health, and its recommended size: the binomial rule over every active node of the runs still going, at the
-    node MTBF of their failures and node-hours together. None when no run draws from such a pool."""
+    """The cluster's spare pool (spares of no run: those of a backend whose spares are shared, as Kubernetes'
+    ``opsd.io/pool=spare``) with each node's health, and its recommended size: the binomial rule over every active
+    node of the runs still going, at the node MTBF of their failures and node-hours together. None when the backend's
+    spares are its runs' own and none is free."""
     runs = controller.store.runs()
     nodes = controller.store.nodes()
     spares = [n for n in nodes if n.role == NodeRole.SPARE and n.run is None]
-    if not spares and not any(r.spec.backend == "kubernetes" for r in runs):
+    if not spares and not isinstance(controller.backend, SharedSpares):
         return None
     going = [r for r in runs if not RunState(r.state).finished]
     active = sum(1 for n in nodes if n.role == NodeRole.ACTIVE and n.run in {r.id for r in going})

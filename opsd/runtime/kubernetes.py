@@ -17,10 +17,10 @@ import threading
 
 from opsd.backends.kubernetes.api import KubeApi, connect
 from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.cluster import LEADER, STANDBY
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.leader import KubernetesController, label_self, require_jobsets
 from opsd.backends.kubernetes.lease import elect
-from opsd.protocol.cluster import LEADER, STANDBY
 from opsd.runtime.config import ServeConfig
 from opsd.runtime.server import Serving, build
 

@@ -20,6 +20,7 @@ from opsd.api.heartbeat_ingest import HeartbeatPort
 from opsd.api.interpreter import YOUNG_EVERY_S, collect_young, tune_collector
 from opsd.api.tls import CertificateReload
 from opsd.controller.controller import Controller
+from opsd.controller.port import Backend
 from opsd.controller.state import StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.errors import ConfigError, OpsError
@@ -202,7 +203,14 @@ class Serving:
         self.controller.tracing.shutdown()  # the traces still queued exported
 
 
-def run_server(config: ServeConfig, _: object = None) -> None:
-    """``opsd serve`` without a backend: incidents are recorded, nothing is recovered."""
+def run_server(
+    config: ServeConfig, backend: Backend | None = None, *, before: Callable[[Controller], None] | None = None
+) -> None:
+    """``opsd serve`` with ``backend`` (a backend's controller process that needs no more, as a plug-in's), or
+    without one (``none``: incidents are recorded, nothing is recovered). ``before``: what the backend does with the
+    controller before it serves (find its runs)."""
     controller, credentials = build(config)
+    controller.backend = backend
+    if before is not None:
+        before(controller)
     Serving(config, controller, credentials).run()

@@ -61,7 +61,12 @@ from typing import Any, Protocol
 import kubernetes.client
 from kubernetes.client import ApiException
 
-from opsd.protocol.cluster import JOB_INDEX_LABEL, JOB_RESTART_ATTEMPT_LABEL, JOBSET_NAME_LABEL, RESTART_ATTEMPT_LABEL
+from opsd.backends.kubernetes.cluster import (
+    JOB_INDEX_LABEL,
+    JOB_RESTART_ATTEMPT_LABEL,
+    JOBSET_NAME_LABEL,
+    RESTART_ATTEMPT_LABEL,
+)
 from tests.kube.emulator import KubeEmulator
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,14 @@ from typing import Any
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.cluster import (
+    POOL_LABEL,
+    RESTART_ATTEMPT_LABEL,
+    RUN_ANNOTATION,
+    RUN_LABEL,
+    SPARE_POOL,
+    SPARE_TAINT,
+)
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION
 from opsd.backends.kubernetes.leader import cluster_informers
@@ -22,14 +30,6 @@ from opsd.backends.kubernetes.watch import Cache, Informer
 from opsd.controller.controller import Controller
 from opsd.controller.port import Backend
 from opsd.controller.state import StateStore
-from opsd.protocol.cluster import (
-    POOL_LABEL,
-    RESTART_ATTEMPT_LABEL,
-    RUN_ANNOTATION,
-    RUN_LABEL,
-    SPARE_POOL,
-    SPARE_TAINT,
-)
 from tests.kube.emulator import KubeEmulator
 from tests.kube.jobset import JobSetPlayer, Kubelet
 from tests.waiting import wait_for

@@ -35,9 +35,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from opsd.backends.kubernetes.cluster import LEADER, ROLE_LABEL
 from opsd.backends.local.processes import free_port, kill_group, rank_env, start_agent, start_rank
 from opsd.backends.local.spec import LocalRunSpec
-from opsd.protocol.cluster import LEADER, ROLE_LABEL
 from opsd.protocol.env import (
     AGENT_DATAGRAM_PORT_ENV,
     AGENT_HOST_ENV,

@@ -26,8 +26,8 @@ import kubernetes.watch
 import urllib3.exceptions
 from kubernetes.client import ApiException
 
+from opsd.backends.kubernetes.cluster import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 from opsd.errors import NotFoundError, PermanentError, TransientError
-from opsd.protocol.cluster import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 log = logging.getLogger(__name__)
 

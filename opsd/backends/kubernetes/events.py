@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass
 
 from opsd.backends.kubernetes.api import Json, KubeApi
+from opsd.backends.kubernetes.cluster import JOBSET_GROUP, JOBSET_VERSION
 from opsd.backends.kubernetes.nodes import rfc3339
 from opsd.errors import OpsError
-from opsd.protocol.cluster import JOBSET_GROUP, JOBSET_VERSION
 
 log = logging.getLogger(__name__)
 

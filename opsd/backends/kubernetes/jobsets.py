@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opsd.protocol.cluster import (
+from opsd.backends.kubernetes.cluster import (
     JOB_INDEX_LABEL,
     JOB_RESTART_ATTEMPT_LABEL,
     MIN_REPLICAS_ANNOTATION,

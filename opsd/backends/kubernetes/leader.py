@@ -19,6 +19,14 @@ import time
 
 from opsd.backends.kubernetes.api import KubeApi
 from opsd.backends.kubernetes.backend import KubernetesBackend
+from opsd.backends.kubernetes.cluster import (
+    JOBSET_GROUP,
+    JOBSET_MIN_RELEASE,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    ROLE_LABEL,
+)
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.rank_keys import RankKeys
 from opsd.backends.kubernetes.runs import Reconciler
@@ -27,14 +35,6 @@ from opsd.backends.kubernetes.watch import Cache, Informer, InformerSet
 from opsd.controller.controller import Controller
 from opsd.controller.incidents import failure_of, took_step, unfinished_incident
 from opsd.errors import ConfigError, OpsError
-from opsd.protocol.cluster import (
-    JOBSET_GROUP,
-    JOBSET_MIN_RELEASE,
-    JOBSET_NAME_LABEL,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
-    ROLE_LABEL,
-)
 from opsd.protocol.states import ActionKind, RunState
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opsd.backends.kubernetes.api import ConflictError, Json, KubeApi
-from opsd.errors import TransientError
-from opsd.protocol.cluster import (
+from opsd.backends.kubernetes.cluster import (
     CORDONED_BY_OPSD_ANNOTATION,
     INCIDENT_ANNOTATION,
     POOL_LABEL,
@@ -29,6 +28,7 @@ from opsd.protocol.cluster import (
     SPARE_TAINT,
     STATE_LABEL,
 )
+from opsd.errors import TransientError
 
 log = logging.getLogger(__name__)
 

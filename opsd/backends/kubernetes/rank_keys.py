@@ -10,8 +10,8 @@ import base64
 import logging
 
 from opsd.backends.kubernetes.api import ConflictError, Json, KubeApi
+from opsd.backends.kubernetes.cluster import JOBSET_GROUP, JOBSET_VERSION, RUN_ANNOTATION, rank_key_secret
 from opsd.errors import OpsError
-from opsd.protocol.cluster import JOBSET_GROUP, JOBSET_VERSION, RUN_ANNOTATION, rank_key_secret
 from opsd.protocol.rank_auth import run_key
 
 log = logging.getLogger(__name__)

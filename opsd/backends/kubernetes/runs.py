@@ -20,10 +20,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from opsd.backends.kubernetes.backend import GATE_OFF, KubernetesBackend, RunRef
+from opsd.backends.kubernetes.cluster import (
+    CHECKPOINT_URL_ANNOTATION,
+    JOBSET_NAME_LABEL,
+    MIN_NODES_ANNOTATION,
+    ON_NO_SPARE_ANNOTATION,
+    POOL_LABEL,
+    QUARANTINE_TAINT,
+    REASON_ANNOTATION,
+    RUN_ANNOTATION,
+    RUN_LABEL,
+    SPARE_POOL,
+    STATE_LABEL,
+)
 from opsd.backends.kubernetes.events import Target, tell
 from opsd.backends.kubernetes.jobsets import (
     fault_tolerance,
@@ -40,21 +52,8 @@ from opsd.backends.kubernetes.rank_keys import RankKeys
 from opsd.backends.kubernetes.watch import Cache, Informer
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import StateStore
-from opsd.errors import OpsError
+from opsd.errors import BodyError, OpsError
 from opsd.policy.recovery import OnNoSpare
-from opsd.protocol.cluster import (
-    CHECKPOINT_URL_ANNOTATION,
-    JOBSET_NAME_LABEL,
-    MIN_NODES_ANNOTATION,
-    ON_NO_SPARE_ANNOTATION,
-    POOL_LABEL,
-    QUARANTINE_TAINT,
-    REASON_ANNOTATION,
-    RUN_ANNOTATION,
-    RUN_LABEL,
-    SPARE_POOL,
-    STATE_LABEL,
-)
 from opsd.protocol.states import NodeRole, RunState
 
 log = logging.getLogger(__name__)
@@ -62,8 +61,9 @@ log = logging.getLogger(__name__)
 Json = dict[str, Any]
 
 
-def run_spec(jobset: Json) -> RunSpec:
-    """What the state store keeps of a run found in a JobSet."""
+def run_spec(jobset: Json, attached: bool = False) -> RunSpec:
+    """What the state store keeps of a run found in a JobSet (``attached``: one made a run by ``opsd runs
+    attach``)."""
     meta = jobset.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     on_no_spare = annotations.get(ON_NO_SPARE_ANNOTATION, OnNoSpare.WAIT)
@@ -74,14 +74,20 @@ def run_spec(jobset: Json) -> RunSpec:
     groups, min_replicas, _ = fault_tolerance(jobset)
     return RunSpec(
         backend="kubernetes",
-        namespace=meta.get("namespace", ""),
-        jobset=meta.get("name", ""),
         checkpoint_url=annotations.get(CHECKPOINT_URL_ANNOTATION, ""),
         on_no_spare=OnNoSpare(on_no_spare) if on_no_spare in tuple(OnNoSpare) else OnNoSpare.WAIT,
         min_nodes=min_nodes,
         replica_groups=groups,
         min_replicas=min_replicas,
-    )
+    ).with_own(RunRef(meta.get("namespace", ""), meta.get("name", ""), attached=attached))
+
+
+def own_ref(spec: RunSpec) -> RunRef | None:
+    """A run's JobSet as its spec keeps it; None for a spec of no JobSet (a run first heard of in a heartbeat)."""
+    try:
+        return spec.own_as(RunRef)
+    except BodyError:
+        return None
 
 
 def placed_groups(jobset: Json, pods: list[Json]) -> dict[int, GroupLaunch]:
@@ -137,11 +143,7 @@ class Reconciler:
     def runs(self) -> dict[str, Json]:
         """run -> its JobSet: the annotated ones, and the ones attached (recorded in the store)."""
         found: dict[str, Json] = {}
-        attached = {
-            (r.spec.namespace, r.spec.jobset): r.id
-            for r in self.store.runs()
-            if r.spec.backend == "kubernetes" and r.spec.attached
-        }
+        attached = {(ref.namespace, ref.jobset): run for run, ref in self.attached().items()}
         for jobset in self.jobsets.objects():
             meta = jobset.get("metadata") or {}
             name = run_name(jobset) or attached.get((meta.get("namespace", ""), meta.get("name", "")))
@@ -149,21 +151,26 @@ class Reconciler:
                 found[name] = jobset
         return found
 
+    def attached(self) -> dict[str, RunRef]:
+        """The runs made of a JobSet by ``opsd runs attach``: run -> its JobSet."""
+        refs = {r.id: own_ref(r.spec) for r in self.store.runs() if r.spec.backend == KubernetesBackend.name}
+        return {run: ref for run, ref in refs.items() if ref is not None and ref.attached}
+
     def sync(self, now_s: float) -> None:
         """Runs and node roles from the cluster into the store; the backend learns where each run is."""
         runs = self.runs()
         for name, jobset in runs.items():
-            spec = run_spec(jobset)
             row = self.store.run(name)
+            known = own_ref(row.spec) if row is not None else None
+            spec = run_spec(jobset, attached=known is not None and known.attached)
+            ref = spec.own_as(RunRef)
             if row is None and self.store.create_run(name, spec, now_s):
                 self.store.update_run(name, now_s, generation=1)  # the JobSet's first launch
-                log.info("run %s found: JobSet %s/%s", name, spec.namespace, spec.jobset)
-            elif row is not None:
-                spec = replace(spec, attached=row.spec.attached)
-                if row.spec != spec or row.generation < 1:  # first seen in a heartbeat or attached, or edited
-                    self.store.update_run(name, now_s, spec=spec, generation=max(1, row.generation))
-                    log.info("run %s: the spec of JobSet %s/%s", name, spec.namespace, spec.jobset)
-            self.backend.runs[name] = RunRef(spec.namespace, spec.jobset)
+                log.info("run %s found: JobSet %s/%s", name, ref.namespace, ref.jobset)
+            elif row is not None and (row.spec != spec or row.generation < 1):  # first seen in a heartbeat, or edited
+                self.store.update_run(name, now_s, spec=spec, generation=max(1, row.generation))
+                log.info("run %s: the spec of JobSet %s/%s", name, ref.namespace, ref.jobset)
+            self.backend.runs[name] = RunRef(ref.namespace, ref.jobset)
             if self.rank_keys is not None and jobset_state(jobset) is None:
                 self.rank_keys.ensure(name, jobset)
             self._fault_tolerance(name, jobset, now_s)

@@ -6,11 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from opsd.controller.rows import RunSpec
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.ft import LighthouseConfig, ManagerTimeouts
 from opsd.protocol.states import ActionKind
+
+
+class LocalNodes(msgspec.Struct, frozen=True):
+    """The local backend's own part of a run's spec (``RunSpec.own``): a controller that takes the run up checks
+    ``nodes`` and ``spares``."""
+
+    nodes: int
+    spares: int
+    gpus_per_node: int
 
 
 @dataclass(frozen=True)
@@ -81,12 +92,9 @@ class LocalRunSpec:
         reads ``checkpoint_url``, ``on_no_spare`` and ``min_nodes`` from it)."""
         return RunSpec(
             backend="local",
-            nodes=self.nodes,
-            spares=self.spares,
-            gpus_per_node=self.gpus_per_node,
             checkpoint_url=self.checkpoint_url,
             on_no_spare=self.on_no_spare,
             min_nodes=self.min_nodes,
             replica_groups=self.replica_groups,
             min_replicas=self.min_replicas,
-        )
+        ).with_own(LocalNodes(self.nodes, self.spares, self.gpus_per_node))

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from opsd.backends.local.backend import LocalBackend
-from opsd.backends.local.spec import LocalRunSpec
+from opsd.backends.local.spec import LocalNodes, LocalRunSpec
 from opsd.controller.controller import Controller
 from opsd.controller.recovery import COMPLETED
 from opsd.controller.state import Action
@@ -32,7 +32,7 @@ def start_run(controller: Controller, backend: LocalBackend, now_s: float) -> No
         )
     backend.lock_run()
     if existing is not None:
-        recorded = existing.spec
+        recorded = existing.spec.own_as(LocalNodes)
         if (recorded.nodes, recorded.spares) != (spec.nodes, spec.spares):
             raise PermanentError(
                 f"run {spec.run!r} was started with --nodes {recorded.nodes} --spares {recorded.spares};"
