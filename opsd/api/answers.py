@@ -4,11 +4,13 @@ are msgspec structs, so a route that answers one names it with ``documented``)."
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
-from fastapi import Response
+from fastapi import HTTPException, Response
 
+from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
 from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
 from opsd.protocol.bundle import Bundle
 from opsd.protocol.flight_analysis import FlightAnalyses
@@ -34,3 +36,24 @@ def documented(kind: object, description: str) -> dict[str, Any]:
 def reply(answer: object) -> Response:
     """``answer`` as the response's JSON body."""
     return Response(msgspec.json.encode(answer), media_type="application/json")
+
+
+T = TypeVar("T")
+
+
+def answer(action: Callable[[], T], refused: int = 409) -> T:
+    """What an endpoint answers, opsd's errors as HTTP statuses: 404 for what does not exist, 400 for a request that
+    asks the impossible, ``refused`` (409: refused in the current state; a read: 400) for the other permanent
+    errors, 503 (with ``Retry-After``) for one worth retrying."""
+    try:
+        return action()
+    except NotFoundError as exc:
+        raise HTTPException(404, str(exc)) from None
+    except BodyError as exc:
+        raise HTTPException(400, str(exc)) from None
+    except PermanentError as exc:
+        raise HTTPException(refused, str(exc)) from None
+    except TransientError as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": str(int(exc.retry_after_s))}) from None
+    except OpsError as exc:
+        raise HTTPException(503, str(exc)) from None

@@ -18,18 +18,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 
 import opsd
-from opsd.analysis.flamegraph import fold, to_folded
 from opsd.api.answers import SCHEMAS as ANSWER_SCHEMAS
-from opsd.api.answers import documented, reply
 from opsd.api.auth import Credentials, requirement
 from opsd.api.flight import flight_router
 from opsd.api.heartbeat import OPENAPI_PATH, HeartbeatEndpoint
@@ -37,52 +34,16 @@ from opsd.api.heartbeat import SCHEMAS as HEARTBEAT_SCHEMAS
 from opsd.api.heartbeat_ingest import HeartbeatPort, close_heartbeats, open_heartbeats
 from opsd.api.liveness import close_liveness, open_liveness
 from opsd.api.maintenance import maintenance_router
+from opsd.api.operations import operations_router
+from opsd.api.runs import runs_router
 from opsd.api.writer import HeartbeatWriter
 from opsd.controller.controller import Controller
 from opsd.controller.metrics import ApiStats, ControllerCollector
-from opsd.controller.port import Fault, FaultKind
-from opsd.controller.rows import RunRow
-from opsd.controller.views import cadence_view, checkpoints_view, flame_stacks, postmortem_bundle, spares_view
-from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
-from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
-from opsd.protocol.bundle import Bundle
+from opsd.errors import TransientError
 from opsd.protocol.heartbeat import PATH
-from opsd.protocol.records import Action, IncidentRow, NodeRow
-from opsd.protocol.states import ApiRole, NodeRole
+from opsd.protocol.states import ApiRole
 
 log = logging.getLogger(__name__)
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class CordonIn(Strict):
-    reason: Annotated[str, Field(min_length=1, max_length=1000)]
-
-
-class RestartIn(Strict):
-    reason: Annotated[str, Field(min_length=1, max_length=1000)]
-
-
-class DrillIn(Strict):
-    node: Annotated[str, Field(min_length=1, max_length=253)]
-    gpu: Annotated[int, Field(ge=0, le=1023)] = 0
-    xid: Annotated[int, Field(ge=1, le=65535)] = 79
-
-
-class AttachIn(Strict):
-    target: Annotated[str, Field(min_length=1, max_length=600)]  # the job in the backend's words: NAMESPACE/JOBSET
-    run: Annotated[str, Field(max_length=63)] = ""  # default: the backend's name for it (the JobSet's)
-
-
-class InjectIn(Strict):
-    fault: FaultKind
-    node: Annotated[str, Field(max_length=200)] = ""
-    gpu: Annotated[int, Field(ge=0)] = 0
-    xid: Annotated[int, Field(ge=0)] = 79
-    rank: Annotated[int, Field(ge=0)] = 0
-    factor: Annotated[float, Field(gt=1, le=100)] = 1.3
 
 
 def create_app(
@@ -160,92 +121,9 @@ def create_app(
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(int(exc.retry_after_s))})
 
     app.include_router(flight_router(controller, allow(ApiRole.AGENT), allow(ApiRole.READER), stats.reject, clock))
+    app.include_router(runs_router(controller, reads, clock))
+    app.include_router(operations_router(controller, operators, clock))
     app.include_router(maintenance_router(controller, operators, reads, clock))
-
-    @app.get("/v1/runs", dependencies=reads)
-    def runs() -> list[RunRow]:
-        return controller.store.runs()
-
-    @app.get("/v1/runs/{run}", dependencies=reads, **documented(RunStatus, "The run's status"))
-    def run_status(run: str) -> Response:
-        status = controller.status(run, clock())
-        if status is None:
-            raise HTTPException(404, f"no run {run!r}")
-        return reply(status)
-
-    @app.get("/v1/runs/{run}/incidents", dependencies=reads)
-    def incidents(run: str) -> list[IncidentRow]:
-        if controller.store.run(run) is None:
-            raise HTTPException(404, f"no run {run!r}")
-        return controller.store.incidents(run)
-
-    @app.get("/v1/runs/{run}/actions", dependencies=reads)
-    def actions(run: str) -> list[Action]:
-        if controller.store.run(run) is None:
-            raise HTTPException(404, f"no run {run!r}")
-        return controller.store.actions(run=run)
-
-    @app.get("/v1/runs/{run}/flamegraph", response_class=PlainTextResponse, dependencies=reads)
-    def flamegraph(run: str, launch: Annotated[int | None, Query(ge=1)] = None) -> PlainTextResponse:
-        """The run's time in collectives as folded stacks, summed over its nodes, of every launch or of one
-        (``?launch=N``; docs/flamegraph.md). Recorded per launch: a finished run's, and after a restart."""
-        per_stack = _answer(lambda: flame_stacks(controller, run, launch))
-        stacks = fold((*stack, seconds) for stack, seconds in per_stack.items())
-        return PlainTextResponse(to_folded(stacks))
-
-    @app.post("/v1/runs/attach", dependencies=operators)
-    def attach(body: AttachIn) -> RunRow:
-        """Make a job of the backend's a run (a JobSet without the ``opsd.io/run`` annotation); answers the run."""
-        return _answer(lambda: controller.attach_run(body.target, body.run, clock()))
-
-    @app.get("/v1/incidents", dependencies=reads)
-    def all_incidents() -> list[IncidentRow]:
-        return controller.store.incidents()
-
-    @app.post("/v1/runs/{run}/restart", dependencies=operators)
-    def restart(run: str, body: RestartIn) -> IncidentRow:
-        """Restart every rank of a running run: a checkpoint first when the ranks progress; answers the incident
-        that records it (poll ``/v1/runs/{run}/incidents`` for its end)."""
-        return _answer(lambda: controller.request_restart(run, body.reason, clock()))
-
-    @app.post("/v1/runs/{run}/drill", dependencies=operators)
-    def drill(run: str, body: DrillIn) -> IncidentRow:
-        """Rehearse a fatal XID on one of a running run's nodes: an incident recovered from as a real XID's (the
-        node quarantined, a spare taken, the run relaunched), its detail saying it is a drill."""
-        return _answer(lambda: controller.drill_xid(run, body.node, body.gpu, body.xid, clock()))
-
-    @app.get("/v1/runs/{run}/checkpoints", dependencies=reads, **documented(Checkpoints, "The run's checkpoints"))
-    def checkpoints(run: str) -> Response:
-        return reply(_answer(lambda: checkpoints_view(controller, run), refused=400))
-
-    @app.get("/v1/runs/{run}/cadence", dependencies=reads, **documented(CadenceView, "The run's checkpoint cadence"))
-    def cadence(run: str) -> Response:
-        return reply(_answer(lambda: cadence_view(controller, run, clock()), refused=400))
-
-    @app.get("/v1/runs/{run}/postmortem", dependencies=reads, **documented(Bundle, "The run's post-mortem bundle"))
-    def postmortem(run: str) -> Response:
-        return reply(_answer(lambda: postmortem_bundle(controller, run, clock()), refused=400))
-
-    @app.get("/v1/spares", dependencies=reads, **documented(SparePools, "The spare pools"))
-    def spares() -> Response:
-        return reply(spares_view(controller, clock()))
-
-    @app.get("/v1/nodes", dependencies=reads)
-    def nodes() -> list[NodeRow]:
-        return controller.store.nodes()
-
-    @app.post("/v1/nodes/{node}/cordon", dependencies=operators)
-    def cordon(node: str, body: CordonIn) -> NodeRow:
-        return _answer(lambda: controller.set_node_role(node, NodeRole.CORDONED, body.reason, clock()))
-
-    @app.post("/v1/nodes/{node}/uncordon", dependencies=operators)
-    def uncordon(node: str) -> NodeRow:
-        return _answer(lambda: controller.set_node_role(node, NodeRole.SPARE, "", clock()))
-
-    @app.post("/v1/runs/{run}/inject", dependencies=operators)
-    def inject(run: str, body: InjectIn) -> dict[str, str]:
-        fault = Fault(body.fault, node=body.node, gpu=body.gpu, xid=body.xid, rank=body.rank, factor=body.factor)
-        return {"injected": _answer(lambda: controller.inject(run, fault))}
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=[allow(ApiRole.READER, ApiRole.METRICS)])
     def metrics() -> Response:
@@ -274,24 +152,3 @@ def create_app(
         return openapi()
 
     return app
-
-
-T = TypeVar("T")
-
-
-def _answer(action: Callable[[], T], refused: int = 409) -> T:
-    """What an endpoint answers, opsd's errors as HTTP statuses: 404 for what does not exist, 400 for a request that
-    asks the impossible, ``refused`` (409: refused in the current state; a read: 400) for the other permanent
-    errors, 503 (with ``Retry-After``) for one worth retrying."""
-    try:
-        return action()
-    except NotFoundError as exc:
-        raise HTTPException(404, str(exc)) from None
-    except BodyError as exc:
-        raise HTTPException(400, str(exc)) from None
-    except PermanentError as exc:
-        raise HTTPException(refused, str(exc)) from None
-    except TransientError as exc:
-        raise HTTPException(503, str(exc), headers={"Retry-After": str(int(exc.retry_after_s))}) from None
-    except OpsError as exc:
-        raise HTTPException(503, str(exc)) from None
