@@ -11,12 +11,24 @@ import msgspec
 from fastapi import HTTPException, Response
 
 from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, TransientError
-from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
+from opsd.protocol.answers import CadenceView, Checkpoints, MaintenanceWindow, RunStatus, SparePools, WindowEnded
 from opsd.protocol.bundle import Bundle
 from opsd.protocol.flight_analysis import FlightAnalyses
 
-#: every answer a read of the API sends as a msgspec struct, documented in ``/openapi.json``
-ANSWERS: tuple[object, ...] = (RunStatus, SparePools, Checkpoints, CadenceView, FlightAnalyses, Bundle)
+#: the maintenance windows in force
+WINDOWS = list[MaintenanceWindow]
+#: every answer the API sends as a msgspec struct, documented in ``/openapi.json``
+ANSWERS: tuple[object, ...] = (
+    RunStatus,
+    SparePools,
+    Checkpoints,
+    CadenceView,
+    FlightAnalyses,
+    Bundle,
+    WINDOWS,
+    MaintenanceWindow,
+    WindowEnded,
+)
 
 REF = "#/components/schemas/{name}"
 _REFS, SCHEMAS = msgspec.json.schema_components(ANSWERS, ref_template=REF)

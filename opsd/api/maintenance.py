@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from opsd.api.answers import WINDOWS, documented, reply
 from opsd.controller.controller import Controller
 from opsd.controller.holds import Hold
 from opsd.errors import OpsError, TransientError
+from opsd.protocol.answers import MaintenanceWindow, WindowEnded
 
 
 class HoldIn(BaseModel):
@@ -22,19 +24,8 @@ class HoldIn(BaseModel):
     reason: Annotated[str, Field(min_length=1, max_length=1000)] = "maintenance"
 
 
-class HoldOut(BaseModel):
-    run: str | None  # None: every run
-    reason: str
-    since_s: float
-
-
-class StoppedOut(BaseModel):
-    run: str | None
-    ended: bool  # False: no window held it
-
-
-def _out(hold: Hold) -> HoldOut:
-    return HoldOut(run=hold.run, reason=hold.reason, since_s=hold.since_s)
+def _window(hold: Hold) -> MaintenanceWindow:
+    return MaintenanceWindow(run=hold.run, reason=hold.reason, since_s=hold.since_s)
 
 
 def _store(action: Callable[[], Any]) -> Any:
@@ -51,19 +42,21 @@ def maintenance_router(
 ) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/maintenance", dependencies=list(reads))
-    def windows() -> list[HoldOut]:
+    @router.get("/v1/maintenance", dependencies=list(reads), **documented(WINDOWS, "The maintenance windows"))
+    def windows() -> Response:
         """The maintenance windows in force."""
-        return [_out(h) for h in _store(controller.holds.all)]
+        return reply([_window(h) for h in _store(controller.holds.all)])
 
-    @router.post("/v1/maintenance/start", dependencies=list(operators))
-    def start(body: HoldIn) -> HoldOut:
+    @router.post(
+        "/v1/maintenance/start", dependencies=list(operators), **documented(MaintenanceWindow, "The window started")
+    )
+    def start(body: HoldIn) -> Response:
         """Hold the recoveries of a run (``run``), or of every run: incidents are still detected and recorded."""
-        return _out(_store(lambda: controller.holds.start(body.run, body.reason, clock())))
+        return reply(_window(_store(lambda: controller.holds.start(body.run, body.reason, clock()))))
 
-    @router.post("/v1/maintenance/stop", dependencies=list(operators))
-    def stop(body: HoldIn) -> StoppedOut:
+    @router.post("/v1/maintenance/stop", dependencies=list(operators), **documented(WindowEnded, "The window ended"))
+    def stop(body: HoldIn) -> Response:
         """End a window; the recoveries it held start at the next detection pass."""
-        return StoppedOut(run=body.run, ended=_store(lambda: controller.holds.stop(body.run)))
+        return reply(WindowEnded(run=body.run, ended=_store(lambda: controller.holds.stop(body.run))))
 
     return router

@@ -32,7 +32,7 @@ from opsd.cli.connection import (
 )
 from opsd.controller.port import FaultKind
 from opsd.errors import OpsError
-from opsd.protocol.answers import CadenceView, Checkpoints, RunStatus, SparePools
+from opsd.protocol.answers import CadenceView, Checkpoints, MaintenanceWindow, RunStatus, SparePools, WindowEnded
 from opsd.protocol.bundle import RunSummary
 from opsd.protocol.records import Action, IncidentRow, NodeRow
 from opsd.protocol.states import ActionKind, IncidentState
@@ -310,17 +310,17 @@ def maintenance_start(
     api: ApiClient,
 ) -> None:
     """Hold the recoveries of a run, or of every run: detection and records go on."""
-    body = call(api, "POST", "/v1/maintenance/start", {"run": run, "reason": reason})
-    typer.echo(f"maintenance: {body['run'] or 'every run'} held since {body['since_s']:.0f} ({body['reason']})")
+    answer = call(api, "POST", "/v1/maintenance/start", {"run": run, "reason": reason})
+    window = typed(answer, MaintenanceWindow, "the window started")
+    typer.echo(f"maintenance: {window.run or 'every run'} held since {window.since_s:.0f} ({window.reason})")
 
 
 @maintenance_app.command("stop")
 @connected
 def maintenance_stop(run: RunOrEvery = None, *, api: ApiClient) -> None:
     """End a window: the recoveries it held start at the next detection pass."""
-    body = call(api, "POST", "/v1/maintenance/stop", {"run": run})
-    what = body["run"] or "every run"
-    typer.echo(f"maintenance: {what} {'released' if body['ended'] else 'was not held'}")
+    ended = typed(call(api, "POST", "/v1/maintenance/stop", {"run": run}), WindowEnded, "the window ended")
+    typer.echo(f"maintenance: {ended.run or 'every run'} {'released' if ended.ended else 'was not held'}")
 
 
 @maintenance_app.command("list")

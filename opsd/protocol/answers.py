@@ -59,6 +59,23 @@ class Maintenance(Struct, frozen=True, kw_only=True):
     since_s: Finite
 
 
+class MaintenanceWindow(Struct, frozen=True, kw_only=True):
+    """A maintenance window in force (``opsd maintenance start``, ``GET /v1/maintenance``): it holds the recoveries
+    of ``run``, or of every run (None)."""
+
+    run: str | None
+    reason: str
+    since_s: Finite
+
+
+class WindowEnded(Struct, frozen=True, kw_only=True):
+    """``opsd maintenance stop``: the window of ``run`` (None: every run's) ended, or none held it (``ended``
+    False)."""
+
+    run: str | None
+    ended: bool
+
+
 class PipelineBubble(Struct, frozen=True, kw_only=True):
     """A run's pipeline bubble: measured (the mean of its ranks' last steps, and per stage), the theory of its
     schedule, and the margin the alert allows (docs/pipeline.md)."""
