@@ -92,6 +92,7 @@ def part_collectives(tiny: bool) -> None:
 
     from bench.devices import synchronize
     from opsd.analysis.flight_recorder import read_dump
+    from opsd.protocol.flight_dump import as_dump
     from trainer_hooks.collectives import TRACER
     from trainer_hooks.monitor import Monitor, MonitorConfig
 
@@ -141,8 +142,8 @@ def part_collectives(tiny: bool) -> None:
         body = json.loads(path.read_text()) if isinstance(path, Path) else {}
         say("flight_recorder_entries_gloo", len(body.get("trace", {}).get("entries", [])))
         say("flight_recorder_entries_nccl", len(body.get("nccl_trace", {}).get("entries", [])))
-        seen = read_dump(0, body, (0,))
-        say("flight_recorder_collectives_read", sum(g.enqueued or 0 for g in seen.groups.values()))
+        seen = read_dump(0, as_dump(body), (0,)) if body else None  # no dump written: nothing read
+        say("flight_recorder_collectives_read", sum(g.enqueued or 0 for g in seen.groups.values()) if seen else 0)
     dist.destroy_process_group()
 
 

@@ -17,18 +17,21 @@ import msgspec
 import pytest
 
 from opsd.analysis.flight_recorder import analyze, load_trace, read_dump
-from opsd.api.flight import FlightDumpIn
+from opsd.controller.flight import kept
+from opsd.controller.rows import FlightDumpRow
 from opsd.errors import BodyError
 from opsd.postmortem.model import describe
 from opsd.protocol.flight_analysis import FlightAnalysis
+from opsd.protocol.flight_dump import as_dump, decode_dump
 from trainer_hooks.flight import FlightRecorder
 
 DATA = Path(__file__).parent / "data" / "flight_recorder_nccl_h100.json"
 
 
-def analyzed(*args: Any) -> Any:
-    """The analysis as JSON values, as the API answers it."""
-    return json.loads(msgspec.json.encode(analyze(*args)))
+def analyzed(dumps: dict[int, dict[str, Any]], *args: Any) -> Any:
+    """The analysis of dumps (JSON values, decoded as the controller decodes those it kept), as JSON values, as the
+    API answers it."""
+    return json.loads(msgspec.json.encode(analyze({r: as_dump(d) for r, d in dumps.items()}, *args)))
 
 
 def nccl_trace() -> dict[str, Any]:
@@ -61,14 +64,14 @@ def test_a_trace_loads_from_torchs_pickle_or_json_and_nothing_else() -> None:
 
 
 def test_the_nccl_trace_of_a_rank_is_read_per_group_with_durations() -> None:
-    seen = read_dump(0, dump(0, 1, nccl_trace()), (0,))
+    seen = read_dump(0, as_dump(dump(0, 1, nccl_trace())), (0,))
     world, sub = seen.groups[("0", (0,))], seen.groups[("1", (0,))]
     assert (world.label, world.enqueued, world.completed) == ("default_pg", 6, 6)
-    ops = {seq: e["profiling_name"] for seq, e in world.entries.items()}
+    ops = {seq: e.profiling_name for seq, e in world.entries.items()}
     assert ops[4] == "nccl:_all_gather_base"
     assert (sub.label, sub.enqueued, sub.completed) == ("pg 1", 1, 1)
-    assert seen.last_entry is not None
-    assert seen.last_entry["record_id"] == 6  # the newest entry of either group
+    assert seen.last is not None
+    assert seen.last[1].record_id == 6  # the newest entry of either group
     assert seen.stack is not None
     assert "part_frcapture" in seen.stack  # its frames: where the probe issued it
     report = analyzed({0: dump(0, 1, nccl_trace())}, [0], "probe", None)
@@ -147,5 +150,21 @@ def test_a_rank_dumps_what_each_backend_recorded(tmp_path: Path) -> None:
     entries = body["nccl_trace"]["entries"]
     assert len(entries) == 7
     assert [e["record_id"] for e in entries if "frames" in e] == [5, 6]  # the newest of each group keeps its stack
-    FlightDumpIn.model_validate(body)  # what the controller accepts
-    assert read_dump(0, body, (0,)).groups[("0", (0,))].completed == 6
+    kept = decode_dump(path.read_bytes())  # what the controller accepts
+    assert read_dump(0, kept, (0,)).groups[("0", (0,))].completed == 6
+
+
+def test_a_kept_dump_that_does_not_decode_is_left_out_and_its_rank_sent_none(caplog: pytest.LogCaptureFixture) -> None:
+    """A dump the API took before its schema was a struct (or a store edited by hand) that does not fit: the
+    analysis leaves it out, says so, and reads the rank as one that sent no dump."""
+    good = json.dumps(dump(0, 2, nccl_trace()))
+    bad = json.dumps({"trace": {"entries": [{"process_group": 3}, "x"], "pg_status": []}})
+    rows = [FlightDumpRow("gpu", "incident-1", rank, 1, 0.0, body) for rank, body in ((0, good), (1, bad))]
+
+    dumps = kept(rows)
+
+    assert list(dumps) == [0]
+    assert "the dump of rank 1 for incident-1 is left out" in caplog.text
+    report = analyze(dumps, [0, 1], "incident-1", 1)
+    assert [c.rank for c in report.culprits] == [1]
+    assert report.culprits[0].reason == "sent no dump"

@@ -30,16 +30,18 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from opsd.errors import BodyError
 from opsd.protocol.flight_analysis import Collective, Culprit, FlightAnalysis, StuckGroup
+from opsd.protocol.flight_dump import FlightDump, FlightEntry, FlightFrame, FlightGroup
 
 NS_PER_S = 1e9
 MS_PER_S = 1e3
-#: the fields of a rank's dump that hold a backend's Flight Recorder trace
-TRACE_FIELDS = ("trace", "nccl_trace")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -81,29 +83,18 @@ class GroupSeen:
     enqueued: int | None = None  # last sequence id issued, None when the buffer holds none of its collectives
     completed: int | None = None
     first_seq: int | None = None  # the oldest sequence id still in the buffer
-    entries: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq -> entry
+    entries: dict[int, FlightEntry] = field(default_factory=dict)  # seq -> entry
 
 
 @dataclass
 class RankSeen:
     rank: int
     groups: dict[tuple[str, tuple[int, ...]], GroupSeen]
-    last_entry: dict[str, Any] | None
+    last: tuple[GroupSeen, FlightEntry] | None  # its newest entry, of any group, and its group
     stack: str | None
 
 
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _int(value: Any, default: int | None = None) -> int | None:
-    try:
-        return int(value) if value is not None and not isinstance(value, bool) else default
-    except (TypeError, ValueError):
-        return default
-
-
-def _ranks(value: Any) -> tuple[int, ...] | None:
+def _ranks(value: list[int] | str) -> tuple[int, ...] | None:
     """A group's members: a list, or the text of one (NCCL's ``pg_config`` writes ``"[0, 1]"``)."""
     if isinstance(value, str):
         try:
@@ -112,115 +103,88 @@ def _ranks(value: Any) -> tuple[int, ...] | None:
             return None
     if not isinstance(value, list) or not value:
         return None
-    ranks = [_int(r) for r in value]
-    if any(r is None for r in ranks):
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value):
         return None
-    return tuple(sorted({r for r in ranks if r is not None}))
+    return tuple(sorted(set(value)))
 
 
-def _label(name: str, info: dict[str, Any]) -> str:
-    dim = info.get("dim")
-    if isinstance(dim, str) and dim and dim != "other":
-        return dim
-    desc = info.get("desc")
-    if isinstance(desc, str) and desc and desc != "undefined":  # torch's description of a group given none
-        return desc.removeprefix("mesh_")
+def _label(name: str, info: FlightGroup) -> str:
+    if info.dim and info.dim != "other":
+        return info.dim
+    if info.desc and info.desc != "undefined":  # torch's description of a group given none
+        return info.desc.removeprefix("mesh_")
     return f"pg {name}"
 
 
-def _op(entry: dict[str, Any]) -> str:
+def _op(entry: FlightEntry | None) -> str:
     """``gloo:all_reduce`` -> ``all_reduce``; NCCL's ``nccl:_all_gather_base`` -> ``all_gather``, ``nccl:send 0->1``
     -> ``send``."""
-    words = str(entry.get("profiling_name", "")).rsplit(":", 1)[-1].split()
+    words = entry.profiling_name.rsplit(":", 1)[-1].split() if entry is not None else []
     return words[0].strip("_").removesuffix("_base") if words else "unknown"
 
 
-def format_frames(frames: Any) -> str | None:
+def format_frames(frames: list[FlightFrame]) -> str | None:
     """A Flight Recorder entry's frames (innermost first) as a traceback (outermost first)."""
-    if not isinstance(frames, list) or not frames:
-        return None
-    lines = []
-    for f in reversed(frames):
-        if isinstance(f, dict):
-            lines.append(f'  File "{f.get("filename", "?")}", line {f.get("line", "?")}, in {f.get("name", "?")}\n')
+    lines = [f'  File "{f.filename or "?"}", line {f.line}, in {f.name or "?"}\n' for f in reversed(frames)]
     return "".join(lines) or None
 
 
-def read_dump(rank: int, dump: dict[str, Any], world: tuple[int, ...]) -> RankSeen:
-    """What one rank's dump says, per process group, over its backends' traces (tolerant: what is missing or
-    malformed is left out)."""
-    declared = _dict(dump.get("groups"))
-    traces = [_dict(dump.get(name)) for name in TRACE_FIELDS]
-    config: dict[str, Any] = {}
-    for trace in traces:
-        config.update(_dict(trace.get("pg_config")))
-
+def read_dump(rank: int, dump: FlightDump, world: tuple[int, ...]) -> RankSeen:
+    """What one rank's dump says, per process group, over its backends' traces."""
+    config: dict[str, FlightGroup] = {}
+    for trace in dump.traces:
+        config.update(trace.pg_config)
     groups: dict[str, GroupSeen] = {}
 
     def group(name: str, desc: str = "") -> GroupSeen:
         if name not in groups:
-            info = _dict(declared.get(name)) or _dict(config.get(name)) or {"desc": desc}
-            ranks = _ranks(info.get("ranks"))
+            info = dump.groups.get(name) or config.get(name) or FlightGroup(desc=desc)
+            ranks = _ranks(info.ranks)
             if ranks is None:
-                ranks = world if (info.get("desc") or desc) == "default_pg" else (rank,)
-            groups[name] = GroupSeen(name, _label(name, {"desc": desc, **info}), ranks)
+                ranks = world if (info.desc or desc) == "default_pg" else (rank,)
+            named = info if info.desc else msgspec.structs.replace(info, desc=desc)  # the entry's when none other
+            groups[name] = GroupSeen(name, _label(name, named), ranks)
         return groups[name]
 
-    for name in declared:
-        group(str(name))
-    last_entry = None
-    for trace in traces:
-        raw = trace.get("entries")
-        entries = [e for e in raw if isinstance(e, dict)] if isinstance(raw, list) else []
-        entries.sort(key=lambda e: _int(e.get("record_id"), 0) or 0)
+    for name in dump.groups:
+        group(name)
+    last: tuple[GroupSeen, FlightEntry] | None = None
+    for trace in dump.traces:
         pg_names: dict[str, str] = {}  # pg_id (a per-process counter of the backend) -> name
-        for e in entries:
-            pg = e.get("process_group")
-            if not (isinstance(pg, list) and len(pg) == 2):
-                continue
-            g = group(str(pg[0]), str(pg[1]))
-            pg_names[str(e.get("pg_id"))] = g.name
-            if last_entry is None or _created(e) >= _created(last_entry):
-                last_entry = {**e, "_group": g}
-            if e.get("is_p2p"):
-                continue
-            seq = _int(e.get("collective_seq_id"))
-            if seq is None or seq <= 0:
+        for e in sorted(trace.entries, key=lambda e: e.record_id):
+            g = group(*e.process_group)
+            pg_names[str(e.pg_id)] = g.name
+            if last is None or e.time_created_ns >= last[1].time_created_ns:
+                last = (g, e)
+            seq = e.collective_seq_id
+            if e.is_p2p or seq <= 0:
                 continue
             g.entries[seq] = e
             g.enqueued = max(g.enqueued or 0, seq)
             g.first_seq = seq if g.first_seq is None else min(g.first_seq, seq)
-            if e.get("state") == "completed" or e.get("retired") is True:
+            if e.state == "completed" or e.retired:
                 g.completed = max(g.completed or 0, seq)
-        for pg_id, status in _dict(trace.get("pg_status")).items():
-            named = pg_names.get(str(pg_id))
-            if named is None or not isinstance(status, dict):
+        for pg_id, status in trace.pg_status.items():
+            named = pg_names.get(pg_id)
+            if named is None:
                 continue
             g = groups[named]
-            enqueued = _int(status.get("last_enqueued_collective"))
-            completed = _int(status.get("last_completed_collective"))
+            enqueued, completed = status.last_enqueued_collective, status.last_completed_collective
             if enqueued is not None and enqueued > 0:
                 g.enqueued = max(g.enqueued or 0, enqueued)
             if completed is not None and completed >= 0:
                 g.completed = completed  # the process group's own count wins over the entries' states
-    stack = dump.get("stack") if isinstance(dump.get("stack"), str) else None
-    if stack is None and last_entry is not None:
-        stack = format_frames(last_entry.get("frames"))
-    return RankSeen(rank, {(g.name, g.ranks): g for g in groups.values()}, last_entry, stack)
+    stack = dump.stack
+    if stack is None and last is not None:
+        stack = format_frames(last[1].frames)
+    return RankSeen(rank, {(g.name, g.ranks): g for g in groups.values()}, last, stack)
 
 
-def _created(entry: dict[str, Any]) -> int:
-    """When an entry was created (ns), to order the entries of several traces; 0 when not said."""
-    return _int(entry.get("time_created_ns"), 0) or 0
-
-
-def _collective(g: GroupSeen, seq: int, entry: dict[str, Any], completed: int | None) -> Collective:
-    state = "completed" if completed is not None and seq <= completed else str(entry.get("state", "scheduled"))
-    created = _int(entry.get("time_created_ns"))
-    duration_ms = entry.get("duration_ms")  # NCCL's, once the collective completed on the GPU (gloo has none)
-    duration_s = None
-    if isinstance(duration_ms, int | float) and not isinstance(duration_ms, bool) and duration_ms >= 0:
-        duration_s = duration_ms / MS_PER_S
+def _collective(g: GroupSeen, seq: int, entry: FlightEntry, completed: int | None) -> Collective:
+    state = "completed" if completed is not None and seq <= completed else entry.state
+    created = entry.time_created_ns
+    duration_ms = entry.duration_ms  # NCCL's, once the collective completed on the GPU (gloo has none)
+    duration_s = duration_ms / MS_PER_S if duration_ms is not None else None
     return Collective(
         group=g.label,
         pg_id=g.name,
@@ -247,7 +211,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def analyze(
-    dumps: dict[int, dict[str, Any]], ranks_expected: list[int], trigger: str, incident_id: int | None
+    dumps: Mapping[int, FlightDump], ranks_expected: list[int], trigger: str, incident_id: int | None
 ) -> FlightAnalysis:
     """The analysis of one trigger's dumps (docs/flight-recorder.md): the process groups stuck, and the culprits."""
     world = tuple(sorted(set(ranks_expected) | set(dumps)))
@@ -261,7 +225,7 @@ def analyze(
 
     groups_out: list[StuckGroup] = []
     missing_from: dict[int, list[StuckGroup]] = {}  # rank -> the stuck groups it is missing from
-    peer_view: dict[int, list[tuple[GroupSeen, int, dict[str, Any]]]] = {}  # not dumped: (group, seq, entry)
+    peer_view: dict[int, list[tuple[GroupSeen, int, FlightEntry]]] = {}  # not dumped: (group, seq, entry)
     for (name, members), by_rank in sorted(views.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if len(members) < 2:
             continue
@@ -288,13 +252,13 @@ def analyze(
         if not missing or top <= 0:
             continue
         holder = next(g for r, g in by_rank.items() if r in joined)
-        entry = holder.entries.get(top, {})
+        entry = holder.entries.get(top)
         record = StuckGroup(
             group=holder.label,
             pg_id=name,
             ranks=tuple(members),
             stuck_seq=top,
-            op=_op(entry) if entry else "unknown",
+            op=_op(entry),
             joined=tuple(joined),
             missing=tuple(missing),
             last_seq_by_rank={str(r): last_seq[r] for r in sorted(last_seq)},
@@ -348,7 +312,7 @@ def _culprit(
     rank: int,
     s: RankSeen | None,
     records: list[StuckGroup],
-    peers: list[tuple[GroupSeen, int, dict[str, Any]]],
+    peers: list[tuple[GroupSeen, int, FlightEntry]],
     waiting: dict[int, list[tuple[GroupSeen, int]]],
     expected: bool,
     cycle: bool,
@@ -360,25 +324,23 @@ def _culprit(
     last: Collective | None = None
     if s is None:
         if peers:
-            g, seq, entry = max(peers, key=lambda p: _int(p[2].get("time_created_ns"), 0) or 0)
+            g, seq, entry = max(peers, key=lambda p: p[2].time_created_ns)
             last = _collective(g, seq, entry, seq)
         if expected:
             reason = f"sent no dump: {what}" if what else "sent no dump"
         else:
             reason = f"{what} (seen from its peers)" if what else "no dump"
     else:
-        if s.last_entry is not None:
-            g = s.last_entry["_group"]
-            entry = {k: v for k, v in s.last_entry.items() if k != "_group"}
-            if entry.get("is_p2p"):  # no collective sequence: its own id and state
-                done = entry.get("state") == "completed" or entry.get("retired") is True
-                seq = _int(entry.get("p2p_seq_id"), 0) or 0
-                last = _collective(g, seq, entry, seq if done else None)
+        if s.last is not None:
+            g, entry = s.last
+            if entry.is_p2p:  # no collective sequence: its own id and state
+                done = entry.state == "completed" or entry.retired
+                last = _collective(g, entry.p2p_seq_id, entry, entry.p2p_seq_id if done else None)
             else:
-                last = _collective(g, _int(entry.get("collective_seq_id"), 0) or 0, entry, g.completed)
+                last = _collective(g, entry.collective_seq_id, entry, g.completed)
         if cycle and waiting.get(rank):
             g, seq = waiting[rank][0]
-            op = _op(g.entries.get(seq, {}))
+            op = _op(g.entries.get(seq))
             reason = f"{what}: it waits in {op} #{seq} of group {g.label} (pg {g.name}) itself (a cycle)"
         else:
             reason = f"{what}: it waits on no collective" if what else "waits on no collective"

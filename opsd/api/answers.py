@@ -14,6 +14,7 @@ from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, Tran
 from opsd.protocol.answers import CadenceView, Checkpoints, MaintenanceWindow, RunStatus, SparePools, WindowEnded
 from opsd.protocol.bundle import Bundle
 from opsd.protocol.flight_analysis import FlightAnalyses
+from opsd.protocol.flight_dump import FlightDump
 
 #: the maintenance windows in force
 WINDOWS = list[MaintenanceWindow]
@@ -30,9 +31,17 @@ ANSWERS: tuple[object, ...] = (
     WindowEnded,
 )
 
+#: the bodies taken as msgspec structs (the others are pydantic models, which FastAPI documents)
+REQUESTS: tuple[object, ...] = (FlightDump,)
+
 REF = "#/components/schemas/{name}"
-_REFS, SCHEMAS = msgspec.json.schema_components(ANSWERS, ref_template=REF)
-_BY_TYPE = dict(zip(ANSWERS, _REFS, strict=True))
+_REFS, SCHEMAS = msgspec.json.schema_components(ANSWERS + REQUESTS, ref_template=REF)
+_BY_TYPE = dict(zip(ANSWERS + REQUESTS, _REFS, strict=True))
+
+
+def request_body(kind: object) -> dict[str, Any]:
+    """A route's ``openapi_extra`` for a body of ``kind`` (one of ``REQUESTS``), decoded by the route itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _BY_TYPE[kind]}}}}
 
 
 def documented(kind: object, description: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The controller's side of Flight Recorder dumps: the HTTP endpoints, and the request for dumps of a recovery.
 
 - ``POST /v1/runs/{run}/flight-recorder`` (an agent's or an operator's token): an agent delivers one rank's dump
-  (docs/flight-recorder.md).
-  A body that does not fit ``FlightDumpIn`` gets 422 naming the field (413 above ``MAX_DUMP_BYTES``), counted in
+  (docs/flight-recorder.md). A body that does not fit ``FlightDump`` (``opsd.protocol.flight_dump``) gets 422
+  naming the field (413 above ``MAX_DUMP_BYTES``), counted in
   ``opsd_controller_rejected_requests_total{reason="validation"}``. The first dump of a (run, trigger, rank) is kept;
   a repeat is answered 200 with ``"stored": false``.
 - ``GET /v1/runs/{run}/flight-recorder`` (a reader's token, as the next; a dump holds Python stacks):
@@ -18,87 +18,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from opsd.api.answers import documented, reply
+from opsd.api.answers import documented, reply, request_body
 from opsd.controller.controller import Controller
 from opsd.controller.flight import INCIDENT_TRIGGER, analyses
+from opsd.errors import BodyError
 from opsd.protocol.flight_analysis import FlightAnalyses
+from opsd.protocol.flight_dump import FlightDump, decode_dump
 
 log = logging.getLogger(__name__)
 
 MAX_DUMP_BYTES = 64 << 20
 
-#: a kept dump, answered as the rank's agent sent it: a ``FlightDumpIn`` and the fields of torch's it does not read
+#: a kept dump, answered as the rank's agent sent it: a ``FlightDump`` and the fields of torch's it does not read
 RAW_DUMP = {"schema": {"type": "object", "description": "A rank's Flight Recorder dump (docs/flight-recorder.md)"}}
-
-Count = Annotated[int, Field(ge=0)]
-Text = Annotated[str, Field(max_length=1000)]
-
-
-class In(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class FrameIn(In):
-    name: Text = ""
-    filename: Text = ""
-    line: int = 0
-
-
-class EntryIn(In):
-    """A Flight Recorder entry (torch's keys; those not read here are kept as sent)."""
-
-    record_id: Count
-    pg_id: Count = 0
-    process_group: tuple[Annotated[str, Field(max_length=200)], Annotated[str, Field(max_length=200)]]
-    collective_seq_id: Count = 0
-    p2p_seq_id: Count = 0
-    is_p2p: bool = False
-    profiling_name: Annotated[str, Field(max_length=200)] = ""
-    time_created_ns: Count = 0
-    state: Annotated[str, Field(max_length=32)] = "scheduled"
-    retired: bool = False
-    frames: Annotated[list[FrameIn], Field(max_length=1000)] = []
-
-
-class TraceIn(In):
-    version: Annotated[str, Field(max_length=32)] = ""
-    pg_config: dict[str, dict[str, Any]] = {}
-    pg_status: dict[str, dict[str, int | str]] = {}
-    entries: Annotated[list[EntryIn], Field(max_length=1_000_000)] = []
-
-
-class GroupIn(In):
-    desc: Annotated[str, Field(max_length=200)] = ""
-    ranks: Annotated[list[Count], Field(max_length=10_000_000)] = []
-    dim: Annotated[str, Field(max_length=64)] = ""
-
-
-class FlightDumpIn(In):
-    """One rank's Flight Recorder dump (docs/flight-recorder.md); unknown fields are ignored."""
-
-    v: Literal[1]
-    run: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
-    trigger: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
-    rank: Annotated[int, Field(ge=0, le=10_000_000)]
-    world_size: Annotated[int, Field(ge=1, le=10_000_001)]
-    host: Annotated[str, Field(max_length=200)] = ""
-    time_unix_s: float
-    groups: dict[Annotated[str, Field(max_length=200)], GroupIn] = {}
-    stack: Annotated[str, Field(max_length=1 << 20)] | None = None
-    trace: TraceIn  # gloo's Flight Recorder
-    nccl_trace: TraceIn | None = None  # NCCL's, on a GPU world
-
-    @model_validator(mode="after")
-    def _rank_in_world(self) -> FlightDumpIn:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
-        return self
 
 
 def flight_router(
@@ -124,12 +61,7 @@ def flight_router(
     @router.post(
         "/v1/runs/{run}/flight-recorder",
         dependencies=[upload],
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _inline(FlightDumpIn.model_json_schema())}},
-            }
-        },
+        openapi_extra=request_body(FlightDump),
     )
     async def add_dump(run: str, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length", "")
@@ -141,15 +73,14 @@ def flight_router(
             if len(data) > MAX_DUMP_BYTES:
                 raise refuse(413, f"a dump is at most {MAX_DUMP_BYTES} bytes")
         try:
-            dump = FlightDumpIn.model_validate_json(bytes(data))
-        except ValidationError as exc:
-            problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-            raise refuse(422, "; ".join(problems) or str(exc)) from None
+            dump = decode_dump(bytes(data))
+        except BodyError as exc:
+            raise refuse(422, str(exc)) from None
         if dump.run != run:
             raise refuse(422, f"run: the dump is of run {dump.run!r}, posted to {run!r}")
         return await run_in_threadpool(_keep, run, dump, bytes(data).decode())
 
-    def _keep(run: str, dump: FlightDumpIn, body: str) -> dict[str, Any]:
+    def _keep(run: str, dump: FlightDump, body: str) -> dict[str, Any]:
         known(run)
         incident_id = None
         match = INCIDENT_TRIGGER.match(dump.trigger)
@@ -186,21 +117,3 @@ def flight_router(
         return Response(row.body, media_type="application/json")
 
     return router
-
-
-def _inline(schema: dict[str, Any]) -> dict[str, Any]:
-    """A JSON schema with its ``$defs`` put in place of their references (the OpenAPI document has no ``$defs``;
-    these models do not refer to themselves)."""
-    defs = schema.pop("$defs", {})
-
-    def resolve(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return resolve(defs[ref.removeprefix("#/$defs/")])
-            return {k: resolve(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [resolve(v) for v in node]
-        return node
-
-    return dict(resolve(schema))

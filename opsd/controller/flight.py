@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -18,7 +17,9 @@ from collections.abc import Callable
 from opsd.analysis.flight_recorder import analyze
 from opsd.controller.core import ControllerCore
 from opsd.controller.rows import FlightDumpRow
+from opsd.errors import BodyError
 from opsd.protocol.flight_analysis import Culprit, FlightAnalyses, FlightAnalysis
+from opsd.protocol.flight_dump import FlightDump, decode_dump
 from opsd.protocol.policy_file import DUMP_COMMAND, Command
 from opsd.protocol.states import ActionKind
 from opsd.protocol.steps import Dumped
@@ -37,15 +38,26 @@ def analyses(controller: ControllerCore, run: str) -> FlightAnalyses:
     return {trigger: _analysis(controller, trigger, rows) for trigger, rows in sorted(by_trigger.items())}
 
 
+def kept(rows: list[FlightDumpRow]) -> dict[int, FlightDump]:
+    """The dumps kept, by rank, decoded; one that does not decode (kept by an earlier version) is left out, said."""
+    dumps = {}
+    for row in rows:
+        try:
+            dumps[row.rank] = decode_dump(row.body)
+        except BodyError as exc:
+            log.warning("run %s: the dump of rank %d for %s is left out: %s", row.run, row.rank, row.trigger, exc)
+    return dumps
+
+
 def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow]) -> FlightAnalysis:
     """The analysis of one trigger's kept dumps. The ranks expected: for a rank's own timeout, that rank; else every
     rank of the world the dumps name, and those the recovery's ``dump`` action asked."""
-    dumps = {r.rank: json.loads(r.body) for r in rows}
+    dumps = kept(rows)
     incident_id = next((r.incident_id for r in rows if r.incident_id is not None), None)
     if trigger.startswith(TIMEOUT_PREFIX):
         expected = set(dumps)
     else:
-        world = max((int(d.get("world_size", 0)) for d in dumps.values()), default=0)
+        world = max((d.world_size for d in dumps.values()), default=0)
         expected = set(range(world))
         if incident_id is not None:
             for action in controller.store.actions(incident_id=incident_id):
@@ -57,8 +69,8 @@ def _analysis(controller: ControllerCore, trigger: str, rows: list[FlightDumpRow
 def culprits(controller: ControllerCore, run: str, trigger: str, ranks_expected: list[int]) -> tuple[Culprit, ...]:
     """The culprits the analysis of ``trigger``'s kept dumps names, first the likeliest;
     ``ranks_expected``: the ranks asked for a dump (with the world the dumps name)."""
-    dumps = {r.rank: json.loads(r.body) for r in controller.store.flight_dumps(run, trigger)}
-    world = max((int(d.get("world_size", 0)) for d in dumps.values()), default=0)
+    dumps = kept(controller.store.flight_dumps(run, trigger))
+    world = max((d.world_size for d in dumps.values()), default=0)
     expected = sorted(set(ranks_expected) | set(range(world)))
     return analyze(dumps, expected, trigger, None).culprits
 
