@@ -34,7 +34,7 @@ from typing import Any, cast
 import uvloop
 
 from opsd.policy.telemetry import phase_ratio, ranks_due
-from opsd.protocol.heartbeat import VERSION, CommRow, Heartbeat, HeartbeatRank, encode
+from opsd.protocol.heartbeat import VERSION, CommRow, Heartbeat, HeartbeatRank, NodeSummary, encode
 from opsd.protocol.liveness import LivenessError, Signer, decode_ack, encode_alive, liveness_key
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,9 @@ class SimulatedAgent:
                     world_size=self.world_size,
                 )
             )
-        summary = {"time_unix_s": now_s, "ranks": len(ranks), "step_s_max": step_s_max, "step_s_mean": STEP_S}
+        summary = NodeSummary(
+            time_unix_s=now_s, ranks=len(ranks), step_s_max=step_s_max, step_s_mean=STEP_S, mfu_ratio_mean=0.41
+        )
         comms: list[CommRow] = [  # the node's collective time by phase, dimension and op, cumulative (18 rows)
             (RUN, phase, dim, op, step * share * STEP_S * len(ranks), step, step << 20)
             for phase, dim, op, share in COMMS
@@ -163,7 +165,7 @@ class SimulatedAgent:
             node=self.name,
             time_unix_s=now_s,
             ranks=ranks,
-            summaries=[{**summary, "mfu_ratio_mean": 0.41}],
+            summaries=[summary],
             comms=comms,
         )
 

@@ -35,7 +35,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from opsd.errors import BodyError
@@ -48,6 +47,7 @@ from opsd.protocol.heartbeat import (
     HeartbeatPipeline,
     HeartbeatRank,
     HeartbeatReply,
+    NodeSummary,
     decode_reply,
     encode,
 )
@@ -104,7 +104,7 @@ class Reporter:
         self.node = node
         self.state = state
         self.gpu = gpu
-        self.summaries: deque[dict[str, Any]] = deque()
+        self.summaries: deque[NodeSummary] = deque()
         self.summaries_dropped = 0
         self.sent_ok = 0
         self.sent_failed = 0
@@ -132,13 +132,13 @@ class Reporter:
         steps = [r.last.step_s for r in ranks]
         mfu = [r.last.mfu_ratio for r in ranks]
         self.summaries.append(
-            {
-                "time_unix_s": now_s,
-                "ranks": len(ranks),
-                "step_s_max": max(steps, default=0.0),
-                "step_s_mean": sum(steps) / len(steps) if steps else 0.0,
-                "mfu_ratio_mean": sum(mfu) / len(mfu) if mfu else 0.0,
-            }
+            NodeSummary(
+                time_unix_s=now_s,
+                ranks=len(ranks),
+                step_s_max=max(steps, default=0.0),
+                step_s_mean=sum(steps) / len(steps) if steps else 0.0,
+                mfu_ratio_mean=sum(mfu) / len(mfu) if mfu else 0.0,
+            )
         )
         while len(self.summaries) > self.config.max_summaries:
             self.summaries.popleft()

@@ -103,7 +103,7 @@ def test_the_dumps_culprit_becomes_the_incidents_and_a_second_hang_swaps_its_nod
         ("stop", None),
         ("launch", None),
     ]
-    assert "hung 2 times within 24 h" in actions[1].args["reason"]
+    assert "hung 2 times within 24 h" in str(actions[1].args["reason"])
     roles = {n.name: n.role for n in c.store.nodes(RUN)}
     assert roles == {"node-0": NodeRole.CORDONED, "node-1": NodeRole.ACTIVE, "node-2": NodeRole.ACTIVE}
     backend = c.backend

@@ -156,7 +156,7 @@ def test_unreachable_controller_buffers_summaries_oldest_dropped(tmp_path: Path,
     for t in range(5):
         assert not r.send_once(now_s=float(t))
     assert (r.sent_failed, r.failures, r.summaries_dropped) == (5, 5, 2)
-    assert [s["time_unix_s"] for s in r.summaries] == [2.0, 3.0, 4.0]
+    assert [s.time_unix_s for s in r.summaries] == [2.0, 3.0, 4.0]
     controller.start()  # back, on the same port
     r.config = ReporterConfig(url=controller.url, token="s3cret", max_summaries=3)
     assert r.send_once(now_s=5.0)

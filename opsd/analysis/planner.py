@@ -18,7 +18,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 from rich.table import Table
 
@@ -413,7 +412,7 @@ def render_table(p: Plan) -> Table:
     return table
 
 
-def plan_to_dict(p: Plan) -> dict[str, Any]:
+def plan_to_dict(p: Plan) -> dict[str, object]:
     """JSON-ready: the inputs, every figure in bytes or ratios, and the verdict."""
     out = dataclasses.asdict(p)
     out["mesh"] |= {"world_size": p.mesh.world_size}

@@ -14,7 +14,7 @@ from opsd.errors import BodyError, NotFoundError, OpsError, PermanentError, Tran
 from opsd.protocol.answers import CadenceView, Checkpoints, MaintenanceWindow, RunStatus, SparePools, WindowEnded
 from opsd.protocol.bundle import Bundle
 from opsd.protocol.flight_analysis import FlightAnalyses
-from opsd.protocol.flight_dump import FlightDump
+from opsd.protocol.flight_dump import DumpKept, FlightDump
 
 #: the maintenance windows in force
 WINDOWS = list[MaintenanceWindow]
@@ -29,6 +29,7 @@ ANSWERS: tuple[object, ...] = (
     WINDOWS,
     MaintenanceWindow,
     WindowEnded,
+    DumpKept,
 )
 
 #: the bodies taken as msgspec structs (the others are pydantic models, which FastAPI documents)

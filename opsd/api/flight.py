@@ -28,7 +28,7 @@ from opsd.controller.controller import Controller
 from opsd.controller.flight import INCIDENT_TRIGGER, analyses
 from opsd.errors import BodyError
 from opsd.protocol.flight_analysis import FlightAnalyses
-from opsd.protocol.flight_dump import FlightDump, decode_dump
+from opsd.protocol.flight_dump import DumpKept, FlightDump, decode_dump
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ def flight_router(
         "/v1/runs/{run}/flight-recorder",
         dependencies=[upload],
         openapi_extra=request_body(FlightDump),
+        **documented(DumpKept, "The dump kept, or a repeat"),
     )
-    async def add_dump(run: str, request: Request) -> dict[str, Any]:
+    async def add_dump(run: str, request: Request) -> Response:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_DUMP_BYTES:
             raise refuse(413, f"a dump is at most {MAX_DUMP_BYTES} bytes")
@@ -78,9 +79,9 @@ def flight_router(
             raise refuse(422, str(exc)) from None
         if dump.run != run:
             raise refuse(422, f"run: the dump is of run {dump.run!r}, posted to {run!r}")
-        return await run_in_threadpool(_keep, run, dump, bytes(data).decode())
+        return reply(await run_in_threadpool(_keep, run, dump, bytes(data).decode()))
 
-    def _keep(run: str, dump: FlightDump, body: str) -> dict[str, Any]:
+    def _keep(run: str, dump: FlightDump, body: str) -> DumpKept:
         known(run)
         incident_id = None
         match = INCIDENT_TRIGGER.match(dump.trigger)
@@ -93,7 +94,7 @@ def flight_router(
         log.info(
             "run %s: flight dump of rank %d for %s %s", run, dump.rank, dump.trigger, "kept" if stored else "(a repeat)"
         )
-        return {"run": run, "trigger": dump.trigger, "rank": dump.rank, "stored": stored}
+        return DumpKept(run=run, trigger=dump.trigger, rank=dump.rank, stored=stored)
 
     @router.get(
         "/v1/runs/{run}/flight-recorder",

@@ -25,7 +25,7 @@ T = TypeVar("T")
 class Call:
     step: str
     request_id: str
-    args: dict[str, Any]
+    args: dict[str, object]
 
 
 @dataclass
@@ -157,7 +157,7 @@ class FakeBackend:
         return state.resumed_from_step if state is not None else None
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def _once(self, step: str, request_id: str, args: dict[str, Any], carry_out: Step[T]) -> Outcome[T]:
+    def _once(self, step: str, request_id: str, args: dict[str, object], carry_out: Step[T]) -> Outcome[T]:
         with self._lock:
             self.calls.append(Call(step, request_id, args))
 

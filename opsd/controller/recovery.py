@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from msgspec import structs
 
@@ -375,7 +374,7 @@ class Recovery(BackendCalls):
         launch = done.launch
         self.core.launched(run, self.core.clock(), launch, done.launches)
         row = store.run(run)
-        fields: dict[str, Any] = {"generation": generation}
+        fields: dict[str, object] = {"generation": generation}
         if row is not None and row.spec.replicas.fault_tolerant:
             fields["groups"] = group_launches(row.spec, generation if launch is None else launch, nodes, done)
         if row is None or not RunState(row.state).finished:  # else it ran to its end before this controller looked

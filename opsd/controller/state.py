@@ -277,7 +277,7 @@ class StateStore:
         incident_id: int | None,
         seq: int,
         kind: str,
-        args: dict[str, Any],
+        args: Mapping[str, object],
         now_s: float,
         state: ActionState = ActionState.PENDING,
     ) -> Action:
@@ -302,7 +302,7 @@ class StateStore:
         assert found is not None
         return found
 
-    def complete_action(self, request_id: str, now_s: float, result: dict[str, Any] | None = None) -> None:
+    def complete_action(self, request_id: str, now_s: float, result: Mapping[str, object] | None = None) -> None:
         """Mark an action done, with what it did; completing it again changes nothing."""
         with self._tx() as c:
             c.execute(
@@ -333,7 +333,7 @@ class StateStore:
             comm = {**(json.loads(row["comm"]) if row else {})}
             for stack, seconds in sample.comm.items():
                 comm[stack] = max(seconds, comm.get(stack, 0.0))
-            fields: dict[str, Any] = {"updated_s": now_s, "comm": json.dumps(comm, sort_keys=True)}
+            fields: dict[str, object] = {"updated_s": now_s, "comm": json.dumps(comm, sort_keys=True)}
             if sample.first_step is not None:
                 known = row["first_step"] if row else None
                 fields["first_step"] = sample.first_step if known is None else min(known, sample.first_step)

@@ -261,8 +261,9 @@ def _step_attributes(action: Action) -> dict[str, AttributeValue]:
     }
     if action.kind == ActionKind.TAKE_SPARE and result.get("spare"):
         out["opsd.spare"] = str(result["spare"])
-    if action.kind == ActionKind.LAUNCH and isinstance(result.get("nodes"), list):
-        out["opsd.nodes"] = [str(n) for n in result["nodes"]]
+    nodes = result.get("nodes")
+    if action.kind == ActionKind.LAUNCH and isinstance(nodes, list):
+        out["opsd.nodes"] = [str(n) for n in nodes]
     return out
 
 

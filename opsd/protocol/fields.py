@@ -24,3 +24,7 @@ Label = Annotated[str, Meta(min_length=1, max_length=64)]
 # W3C trace context ids in lower-case hex ("": none)
 TraceId = Annotated[str, Meta(pattern=r"^([0-9a-f]{32})?$(?!\n)")]
 SpanId = Annotated[str, Meta(pattern=r"^([0-9a-f]{16})?$(?!\n)")]
+#: a JSON value kept as it was decoded, typed no further where it is kept (an action's arguments and result: their
+#: structs are ``opsd.protocol.steps``'); read it with ``isinstance``, or decode it with its struct
+JsonValue = Annotated[object, Meta(extra_json_schema={"description": "a JSON value"})]
+JsonObject = dict[str, JsonValue]

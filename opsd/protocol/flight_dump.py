@@ -101,6 +101,15 @@ class FlightDump(Struct, frozen=True, kw_only=True):
         return (self.trace,) if self.nccl_trace is None else (self.trace, self.nccl_trace)
 
 
+class DumpKept(Struct, frozen=True, kw_only=True):
+    """The controller's answer to a dump: kept (``stored``), or a repeat of one kept already."""
+
+    run: str
+    trigger: str
+    rank: int
+    stored: bool
+
+
 _DECODER = msgspec.json.Decoder(FlightDump, strict=False)
 
 

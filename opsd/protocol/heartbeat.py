@@ -9,7 +9,7 @@ structs without them, the receiver refuses what breaks them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -101,6 +101,17 @@ class HeartbeatEvent(Struct, kw_only=True, frozen=True):
 CommRow = tuple[Annotated[str, Meta(min_length=1, max_length=200)], Label, Label, Label, NonNegative, Count, Count]
 
 
+class NodeSummary(Struct, kw_only=True, frozen=True):
+    """The node's ranks at one moment, as the agent summed them up: how many, their slowest and mean step time, and
+    their mean MFU (0 where none reported)."""
+
+    time_unix_s: float = 0.0
+    ranks: Count = 0
+    step_s_max: NonNegative = 0.0
+    step_s_mean: NonNegative = 0.0
+    mfu_ratio_mean: NonNegative = 0.0
+
+
 class Heartbeat(Struct, kw_only=True):
     """An agent's heartbeat (docs/protocol.md); unknown fields are ignored."""
 
@@ -109,7 +120,7 @@ class Heartbeat(Struct, kw_only=True):
     time_unix_s: float
     ranks: Annotated[list[HeartbeatRank], Meta(max_length=4096)] = []
     events: Annotated[list[HeartbeatEvent], Meta(max_length=10_000)] = []
-    summaries: Annotated[list[dict[str, Any]], Meta(max_length=10_000)] = []
+    summaries: Annotated[list[NodeSummary], Meta(max_length=10_000)] = []
     summaries_dropped_total: Count = 0
     timeouts: Annotated[list[CollectiveWait], Meta(max_length=4096)] = []
     comms: Annotated[list[CommRow], Meta(max_length=4096)] = []
@@ -158,7 +169,7 @@ def encode(message: Heartbeat | HeartbeatReply) -> bytes:
     return _ENCODER.encode(message)
 
 
-def json_schemas(ref_template: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def json_schemas(ref_template: str) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
     """(request schema, reply schema, their components) for an API document."""
     (request, reply), components = msgspec.json.schema_components(
         [Heartbeat, HeartbeatReply], ref_template=ref_template

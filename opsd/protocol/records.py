@@ -9,9 +9,8 @@ Frozen: a record is what the store held when it was read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from opsd.protocol.fields import Finite
+from opsd.protocol.fields import Finite, JsonObject
 from opsd.protocol.states import ActionKind, ActionState, IncidentKind, IncidentState, NodeRole
 from opsd.protocol.steps import Result, Step, result_of, step_of
 
@@ -60,11 +59,11 @@ class Action:
     run: str
     seq: int
     kind: ActionKind
-    args: dict[str, Any]
+    args: JsonObject
     state: ActionState
     created_s: Finite
     done_s: Finite | None
-    result: dict[str, Any] | None = None
+    result: JsonObject | None = None
 
     @property
     def step(self) -> Step:

@@ -5,7 +5,7 @@ action's ``args`` (JSON, the kind in its own column), the executor matches them 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgspec
 from msgspec import Struct
@@ -66,14 +66,14 @@ class LaunchStep(_Step, frozen=True, kw_only=True, tag=ActionKind.LAUNCH.value):
 Step = CheckpointStep | DumpStep | CordonStep | TakeSpareStep | StopStep | LaunchStep
 
 
-def step_args(step: Step) -> dict[str, Any]:
+def step_args(step: Step) -> dict[str, object]:
     """A step's fields as the action's ``args`` (JSON values; its kind goes in a column of its own)."""
-    args: dict[str, Any] = msgspec.to_builtins(step)
+    args: dict[str, object] = msgspec.to_builtins(step)
     args.pop("kind")
     return args
 
 
-def step_of(kind: str, args: dict[str, Any]) -> Step:
+def step_of(kind: str, args: dict[str, object]) -> Step:
     """The step an action records (its ``kind`` and ``args``); ``PermanentError`` naming what does not fit."""
     try:
         step: Step = msgspec.convert({**args, "kind": str(kind)}, Step)
@@ -201,13 +201,13 @@ RESULTS: dict[ActionKind, type[Result]] = {
 }
 
 
-def result_record(result: _Result) -> dict[str, Any]:
+def result_record(result: _Result) -> dict[str, object]:
     """A result as the action's record keeps it (JSON values)."""
-    record: dict[str, Any] = msgspec.to_builtins(result)
+    record: dict[str, object] = msgspec.to_builtins(result)
     return record
 
 
-def result_of(kind: str, record: dict[str, Any]) -> Result:
+def result_of(kind: str, record: dict[str, object]) -> Result:
     """The result an action of ``kind`` recorded; ``PermanentError`` naming what does not fit."""
     try:
         result: Result = msgspec.convert(record, RESULTS[ActionKind(kind)])
