@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ class Refusing:
     def get_text(self, path: str) -> str:
         raise self.error
 
-    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def post(self, path: str, body: Mapping[str, object] | None = None) -> Any:
         raise self.error
 
 

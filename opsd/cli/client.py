@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,7 +39,7 @@ class ApiClient(Protocol):
 
     def get_text(self, path: str) -> str: ...
 
-    def post(self, path: str, body: dict[str, Any] | None = None) -> Any: ...
+    def post(self, path: str, body: Mapping[str, object] | None = None) -> Any: ...
 
 
 class HttpClient:
@@ -56,10 +57,10 @@ class HttpClient:
         """A ``text/plain`` answer (the flame graph's folded stacks)."""
         return self._call("GET", path, None).decode()
 
-    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def post(self, path: str, body: Mapping[str, object] | None = None) -> Any:
         return json.loads(self._call("POST", path, body) or b"null")
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> bytes:
+    def _call(self, method: str, path: str, body: Mapping[str, object] | None) -> bytes:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"

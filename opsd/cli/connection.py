@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar, get_type_hints
 
@@ -134,7 +134,7 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
-def call(api: ApiClient, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+def call(api: ApiClient, method: str, path: str, body: Mapping[str, object] | None = None) -> Any:
     try:
         return api.post(path, body) if method == "POST" else api.get(path)
     except OpsError as exc:

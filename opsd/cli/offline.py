@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import typer
 
 from opsd.cli.client import ApiClient, UnreachableError, answer_error
 from opsd.errors import PermanentError
+
+if TYPE_CHECKING:  # the API's libraries are imported only when a store is read
+    from starlette.types import ASGIApp, Message, Scope
 
 
 def store_url(state_dir: str, state_url: str | None) -> str | None:
@@ -53,7 +56,7 @@ class StoreClient:
     def get_text(self, path: str) -> str:
         return self._call("GET", path).decode()
 
-    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def post(self, path: str, body: Mapping[str, object] | None = None) -> Any:
         raise PermanentError(f"POST {path} needs a running controller: only reads are answered from {self.url}")
 
     def _call(self, method: str, path: str) -> bytes:
@@ -63,10 +66,10 @@ class StoreClient:
         return body
 
 
-async def _asgi(app: Any, method: str, target: str, token: str) -> tuple[int, bytes]:
+async def _asgi(app: ASGIApp, method: str, target: str, token: str) -> tuple[int, bytes]:
     """One request to an ASGI application in this process: its status and body."""
     parts = urlsplit(target)
-    scope = {
+    scope: Scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
@@ -80,12 +83,12 @@ async def _asgi(app: Any, method: str, target: str, token: str) -> tuple[int, by
         "client": ("127.0.0.1", 0),
         "server": ("opsd-state-store", 80),
     }
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     await app(scope, receive, send)
@@ -113,7 +116,7 @@ class Reader:
         text: str = self._either(lambda client: client.get_text(path))
         return text
 
-    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def post(self, path: str, body: Mapping[str, object] | None = None) -> Any:
         try:
             return self.api.post(path, body)
         except UnreachableError as exc:
