@@ -56,14 +56,14 @@ class ControllerSettings:
 
     serve: ServeConfig = field(default_factory=ServeConfig, metadata={"inline": True})
     backend: str = "none"  # a name of the registry (opsd.runtime.registry): what recovers runs
-    sections: dict[str, Any] = field(default_factory=dict, metadata={"backends": True})  # name -> its section
+    sections: dict[str, object] = field(default_factory=dict, metadata={"backends": True})  # name -> its section
 
     def __post_init__(self) -> None:
         known = backends()
         if self.backend not in known:
             raise ValueError(f"controller.backend must be one of {', '.join(known)}, not {self.backend!r}")
 
-    def section(self, name: str) -> Any:
+    def section(self, name: str) -> object:
         """A backend's section of the settings (its defaults when none was given); None for one without."""
         entry = backends()[name]
         return self.sections.get(name) or (entry.config() if entry.config is not None else None)
@@ -91,8 +91,8 @@ class Key:
     """One setting: its dotted path (``controller.detection.hang_floor_s``), its type and its default."""
 
     path: str
-    type: Any
-    default: Any
+    type: Any  # a type annotation: int, float | None, an Enum, ...
+    default: Any  # a value of that type
 
     @property
     def env(self) -> str:
@@ -128,15 +128,15 @@ def load(
     path: str | None = None,
     *,
     env: Mapping[str, str] | None = None,
-    flags: Mapping[str, Any] | None = None,
-    defaults: Mapping[str, Any] | None = None,
+    flags: Mapping[str, object] | None = None,
+    defaults: Mapping[str, object] | None = None,
 ) -> Any:
     """The section's configuration: its defaults (``defaults`` in place of the code's, for a command whose own
     differ), then the file's values, then the environment's, then the flags' (``flags`` and ``defaults``: key path
     below the section -> value; a flag's None means "not given")."""
     cls = SECTIONS[section]
     known = {k.path: k for k in keys(section)}
-    values: dict[str, tuple[Any, str]] = {}
+    values: dict[str, tuple[object, str]] = {}
     for name, value in (defaults or {}).items():
         values[f"{section}.{name}"] = (value, "the command's defaults")
     if path:
@@ -158,7 +158,7 @@ def load(
         raise ConfigError(f"{exc} (settings from {sources})") from None
 
 
-def read_file(path: str) -> dict[str, Any]:
+def read_file(path: str) -> dict[str, object]:
     """A settings file: TOML (``.toml``) or YAML (anything else, JSON included)."""
     try:
         text = Path(path).read_text()
@@ -177,10 +177,10 @@ def read_file(path: str) -> dict[str, Any]:
     return doc
 
 
-def flatten(table: Any, prefix: str, where: str) -> dict[str, Any]:
+def flatten(table: object, prefix: str, where: str) -> dict[str, object]:
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: {prefix} must be a table")
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for name, value in table.items():
         key = f"{prefix}.{name}"
         if isinstance(value, dict):
@@ -190,7 +190,7 @@ def flatten(table: Any, prefix: str, where: str) -> dict[str, Any]:
     return out
 
 
-def convert(value: Any, key: Key, where: str) -> Any:
+def convert(value: object, key: Key, where: str) -> object:
     """``value`` as the key's type; ``ConfigError`` naming the key when it is not one."""
     kind = key.type
     options = [a for a in get_args(kind) if a is not type(None)] if _optional(kind) else [kind]
@@ -214,7 +214,7 @@ def convert(value: Any, key: Key, where: str) -> Any:
     raise ConfigError(f"{where}: {key.path} must be {_describe(kind)}, not {value!r}")
 
 
-def parse(text: str, key: Key, where: str) -> Any:
+def parse(text: str, key: Key, where: str) -> object:
     """An environment variable's text as the key's type."""
     kind = key.type
     options = [a for a in get_args(kind) if a is not type(None)] if _optional(kind) else [kind]
@@ -239,10 +239,10 @@ def parse(text: str, key: Key, where: str) -> Any:
     raise ConfigError(f"{where}: {key.path} must be {_describe(kind)}, not {text!r}")
 
 
-def build(cls: type[T], prefix: str, values: Mapping[str, Any]) -> T:
+def build(cls: type[T], prefix: str, values: Mapping[str, object]) -> T:
     """An instance of ``cls`` from the values given (dotted paths), its defaults for the others."""
     hints = get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         kind = hints[f.name]
         if f.metadata.get("backends"):
@@ -257,14 +257,14 @@ def build(cls: type[T], prefix: str, values: Mapping[str, Any]) -> T:
     return cls(**kwargs)
 
 
-def _optional(kind: Any) -> bool:
+def _optional(kind: object) -> bool:
     return get_origin(kind) in (typing.Union, types.UnionType) and type(None) in get_args(kind)
 
 
-def _describe(kind: Any) -> str:
+def _describe(kind: object) -> str:
     if _optional(kind):
         return " or ".join(_describe(a) for a in get_args(kind) if a is not type(None)) + " (or empty)"
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return "one of " + ", ".join(str(m.value) for m in kind)
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names: dict[object, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(kind, str(kind))

@@ -35,6 +35,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from opsd.controller.rows import (
@@ -405,12 +406,12 @@ class StateStore:
             return {int(r) for r in c.execute(query).scalars().all()}
 
 
-def _run_row(row: Any) -> RunRow:
+def _run_row(row: RowMapping) -> RunRow:
     spec, groups, cadence = decode_spec(row["spec"]), decode_groups(row["groups"]), decode_cadence(row["cadence"])
     return RunRow(**{**row, "spec": spec, "state": RunState(row["state"]), "groups": groups, "cadence": cadence})
 
 
-def _matching(table: Table, **given: Any) -> list[ColumnElement[bool]]:
+def _matching(table: Table, **given: object) -> list[ColumnElement[bool]]:
     """A query's conditions: each column of ``table`` equal to the value given for it (None: any value)."""
     return [table.c[column] == value for column, value in given.items() if value is not None]
 
@@ -419,19 +420,19 @@ def _active(name: str, run: str, now_s: float) -> NodeRow:
     return NodeRow(name, run, NodeRole.ACTIVE, "", "", 0, now_s)
 
 
-def _node_row(row: Any) -> NodeRow:
+def _node_row(row: RowMapping) -> NodeRow:
     return NodeRow(**{**row, "role": NodeRole(row["role"])})
 
 
-def _incident_row(row: Any) -> IncidentRow:
+def _incident_row(row: RowMapping) -> IncidentRow:
     return IncidentRow(**{**row, "kind": IncidentKind(row["kind"]), "state": IncidentState(row["state"])})
 
 
-def _dump_row(row: Any) -> FlightDumpRow:
+def _dump_row(row: RowMapping) -> FlightDumpRow:
     return FlightDumpRow(**{k: v for k, v in row.items() if k != "id"})
 
 
-def _action_row(row: Any) -> Action:
+def _action_row(row: RowMapping) -> Action:
     r = dict(row)
     return Action(
         r["request_id"],
