@@ -407,7 +407,7 @@ def test_a_long_scoring_pass_holds_no_detection_pass_up(tmp_path: Path) -> None:
     healthy(c, 3)
     scoring, release, five_passes = threading.Event(), threading.Event(), threading.Event()
     passes: list[float] = []
-    tick = c.tick
+    tick = c.detection.tick
 
     def long_score(run: str, now_s: float) -> None:
         scoring.set()
@@ -420,8 +420,8 @@ def test_a_long_scoring_pass_holds_no_detection_pass_up(tmp_path: Path) -> None:
                 five_passes.set()
         return tick(now_s, score=score)
 
-    c._score = long_score  # type: ignore[method-assign]
-    c.tick = counted_tick  # type: ignore[method-assign]
+    c.scoring._score = long_score  # type: ignore[method-assign]
+    c.detection.tick = counted_tick  # type: ignore[method-assign]
     stop = threading.Event()
     thread = threading.Thread(target=c.tick_every, args=(0.02, stop))
     thread.start()
@@ -444,8 +444,8 @@ def test_the_scoring_runs_behind_what_answers_agents(controller: Controller) -> 
         niceness.append(int(stat.rsplit(")", 1)[1].split()[16]))
         stop.set()
 
-    controller.score = score  # type: ignore[method-assign]
-    thread = threading.Thread(target=controller.score_every, args=(0.01, stop))
+    controller.schedule.score = score  # type: ignore[method-assign]
+    thread = threading.Thread(target=controller.schedule.score_every, args=(0.01, stop))
     thread.start()
     thread.join(5)
     assert niceness == [max(os.nice(0), SCORING_NICE)]  # the thread alone (a process already nicer keeps its own)

@@ -417,7 +417,7 @@ def test_controller_groups_rows_by_run_and_ignores_unknown_runs(tmp_path: Path) 
     controller.known_runs = {"a", "b"}
     rows = [("a", "forward", "tp", "all_reduce", 1.0, 1, 1), ("b", "backward", "pp", "send", 2.0, 1, 1)]
     rows += [("a", "backward", "tp", "all_reduce", 3.0, 1, 1), ("c", "forward", "tp", "all_reduce", 4.0, 1, 1)]
-    controller._comms(rows, "n1")
+    controller.intake._comms(rows, "n1")
     assert controller.comm_seconds("a") == {("forward", "tp", "all_reduce"): 1.0, ("backward", "tp", "all_reduce"): 3.0}
     assert controller.comm_seconds("b") == {("backward", "pp", "send"): 2.0}
     assert controller.comm_seconds("c") == {}  # not a run of the store

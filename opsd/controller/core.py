@@ -1,5 +1,6 @@
 """What the controller holds: its state store, its configuration, its backend, and what the heartbeats say, in
-memory. The controller's parts (``intake``, ``detection``, ``operations``, ``reads``) are mixins over this core.
+memory. The controller's parts (``intake``, ``detection``, ``operations``, ``reads``, ...) are objects given this
+core (``opsd.controller.controller`` wires them).
 
 Durable state is in the ``StateStore``; what the heartbeats say (liveness, progress, compute samples, checkpoint
 costs) is kept in memory and rebuilt within seconds after a restart: per node (``NodeLive``) and per run, one record
@@ -81,7 +82,7 @@ class ControllerCore:
         self.clock = clock
         self.lock = threading.RLock()
         self.ticking = threading.Lock()  # one detection pass at a time
-        self.scoring = threading.Lock()  # one run's scoring and cadence planning at a time
+        self.scoring_lock = threading.Lock()  # one run's scoring and cadence planning at a time
         self.deferred: deque[Callable[[], object]] = deque()  # left by the API's event loop while the lock was held
         self.deferred_total = 0  # what was left so, in all
         self.nodes: dict[str, NodeLive] = {}

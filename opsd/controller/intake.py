@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from functools import partial
 
+from opsd.controller.core import ControllerCore
 from opsd.controller.live import NodeLive, RankLive, RunComms, Window, comm_totals
 from opsd.controller.liveness import Liveness
 from opsd.controller.rows import RunSpec
@@ -33,7 +34,11 @@ log = logging.getLogger(__name__)
 ACTIONABLE_EVENTS = {a.value: a for a in (XidAction.CORDON_AND_SWAP, XidAction.RESTART_JOB)}
 
 
-class Intake(Liveness):
+class Intake:
+    def __init__(self, core: ControllerCore, liveness: Liveness) -> None:
+        self.core = core
+        self.liveness = liveness
+
     def heartbeat(self, body: Heartbeat, now_s: float, *, wait: bool = True) -> HeartbeatReply:
         """Take one validated heartbeat; the reply: events acknowledged, and the policy. ``wait=False`` (the API's
         event loop, for a heartbeat that writes nothing: ``heartbeat_writes``): when the lock is held elsewhere, the
@@ -43,36 +48,36 @@ class Intake(Liveness):
         runs = sorted({r.run for r in body.ranks})
         # the store first, without the lock (written only when something is new: a run, a node, events)
         for run in runs:
-            if run not in self.known_runs:
-                if self.store.create_run(run, RunSpec(observed=True), now_s):
+            if run not in self.core.known_runs:
+                if self.core.store.create_run(run, RunSpec(observed=True), now_s):
                     log.info("run %s first seen in a heartbeat from node %s", run, node)
-                self.known_runs.add(run)
-        known = self.store.node(node)
+                self.core.known_runs.add(run)
+        known = self.core.store.node(node)
         if runs and (known is None or known.run is None):
-            self.store.upsert_node(node, now_s, run=runs[0], role=NodeRole.ACTIVE)
-            known = self.store.node(node)
+            self.core.store.upsert_node(node, now_s, run=runs[0], role=NodeRole.ACTIVE)
+            known = self.core.store.node(node)
         acked = int(known.events_acked) if known else 0
         run_of_node = known.run if known else None
-        if not self.lock.acquire(blocking=wait or bool(events)):
+        if not self.core.lock.acquire(blocking=wait or bool(events)):
             reply = self._reply_later(node, acked, run_of_node)
             if reply is not None:
-                self.deferred.append(partial(self._take, body, acked, run_of_node, now_s))
-                self.deferred_total += 1
+                self.core.deferred.append(partial(self._take, body, acked, run_of_node, now_s))
+                self.core.deferred_total += 1
                 return reply
-            self.lock.acquire()  # rare: its node's GPU events wait for their incident, or its run was told nothing
+            self.core.lock.acquire()  # rare: its node's GPU events wait for their incident, or its run was told nothing
         try:
-            self.drain()
+            self.core.drain()
             ack, interval_s, policy = self._take(body, acked, run_of_node, now_s)
         finally:
-            self.lock.release()
+            self.core.lock.release()
         if ack > acked:
-            self.store.ack_events(node, ack, now_s)
+            self.core.store.ack_events(node, ack, now_s)
         return HeartbeatReply(
             ack_events_up_to=ack,
             policy=None if policy.empty else policy,
             telemetry_interval_s=interval_s,
-            liveness_port=self.liveness_port,
-            heartbeat_port=self.heartbeat_port,
+            liveness_port=self.core.liveness_port,
+            heartbeat_port=self.core.heartbeat_port,
         )
 
     def take_many(self, bodies: Sequence[tuple[Heartbeat, float]], *, wait: bool = True) -> bool:
@@ -80,25 +85,25 @@ class Intake(Liveness):
         was taken)``, taken under one hold of the lock. None of them writes to the store (the caller sent those that
         would to ``heartbeat``): that process answers a known node of known runs without GPU events only.
         ``wait=False`` (the API's event loop): False, and nothing taken, when the lock is held elsewhere."""
-        rows = [(body, now_s, self.store.node(body.node)) for body, now_s in bodies]  # the store without the lock
-        if not self.lock.acquire(blocking=wait):
+        rows = [(body, now_s, self.core.store.node(body.node)) for body, now_s in bodies]  # the store without the lock
+        if not self.core.lock.acquire(blocking=wait):
             return False
         try:
-            self.drain()
+            self.core.drain()
             for body, now_s, known in rows:
                 self._take(body, int(known.events_acked) if known else 0, known.run if known else None, now_s)
         finally:
-            self.lock.release()
+            self.core.lock.release()
         return True
 
     def _take(self, body: Heartbeat, acked: int, run_of_node: str | None, now_s: float) -> tuple[int, float, Policy]:
         """Take ``body`` into memory (the caller holds the lock); the events acknowledged, the interval and the
         policy."""
         node, events = body.node, body.events
-        self.heartbeats_total += 1
-        live = self.nodes.get(node)
+        self.core.heartbeats_total += 1
+        live = self.core.nodes.get(node)
         if live is None:
-            live = self.nodes[node] = NodeLive(node, now_s, Window(self.config.history))
+            live = self.core.nodes[node] = NodeLive(node, now_s, Window(self.core.config.history))
         live.posted(now_s)
         for e in events:
             action = ACTIONABLE_EVENTS.get(e.action)
@@ -111,7 +116,7 @@ class Intake(Liveness):
             self._timeout(t, node)
         if body.comms:
             self._comms(body.comms, node)
-        interval_s = self.telemetry_interval_s(now_s)  # after the ranks: a job's world size said first counts
+        interval_s = self.liveness.telemetry_interval_s(now_s)  # after the ranks: a job's world size said first counts
         # events that need no action are acknowledged at once; the others once their incident is recorded
         newest = max((e.seq for e in events), default=acked)
         ack = min(live.events) - 1 if live.events else max(acked, newest)
@@ -122,60 +127,60 @@ class Intake(Liveness):
         """The reply to a heartbeat left for later, read without the lock (each value is replaced whole): its
         node's acknowledgement in the store, the policy its run's last heartbeat was told, the interval planned
         last. None when it cannot be answered so: its node waits on GPU events, or its run was told nothing yet."""
-        live = self.nodes.get(node)
+        live = self.core.nodes.get(node)
         if live is not None and live.events:
             return None
         policy: Policy | None = EMPTY
         if run is not None:
-            memory = self.memory.get(run)
+            memory = self.core.memory.get(run)
             policy = memory.policy if memory is not None else None
         if policy is None:
             return None
         return HeartbeatReply(
             ack_events_up_to=acked,
             policy=None if policy.empty else policy,
-            telemetry_interval_s=self.telemetry.interval_s,
-            liveness_port=self.liveness_port,
-            heartbeat_port=self.heartbeat_port,
+            telemetry_interval_s=self.core.telemetry.interval_s,
+            liveness_port=self.core.liveness_port,
+            heartbeat_port=self.core.heartbeat_port,
         )
 
     def register(self, bodies: Sequence[Heartbeat], now_s: float) -> None:
         """What the heartbeats ``bodies`` would write first, written at once: their new runs, and their nodes not yet
         members of a run made active members of one, in one transaction (``heartbeat`` then finds them known). For
         the heartbeats that queue up while a job of thousands of nodes starts."""
-        for run in sorted({r.run for b in bodies for r in b.ranks} - self.known_runs):
-            if self.store.create_run(run, RunSpec(observed=True), now_s):
+        for run in sorted({r.run for b in bodies for r in b.ranks} - self.core.known_runs):
+            if self.core.store.create_run(run, RunSpec(observed=True), now_s):
                 log.info("run %s first seen in a heartbeat", run)
-            self.known_runs.add(run)
+            self.core.known_runs.add(run)
         joining: dict[str, str] = {}
         for body in bodies:
-            known = self.store.node(body.node)
+            known = self.core.store.node(body.node)
             if body.ranks and (known is None or known.run is None):
                 joining.setdefault(body.node, min(r.run for r in body.ranks))
         if joining:
-            self.store.activate_nodes(joining, now_s)
+            self.core.store.activate_nodes(joining, now_s)
 
     def heartbeat_writes(self, body: Heartbeat) -> bool:
         """Whether taking ``body`` may write to the store (its node or a run of it is new, or it carries events);
         the others are taken in memory alone."""
-        known = self.store.node(body.node)
+        known = self.core.store.node(body.node)
         if known is None or known.run is None or body.events:
             return True
-        return any(r.run not in self.known_runs for r in body.ranks)
+        return any(r.run not in self.core.known_runs for r in body.ranks)
 
     def policies(self) -> dict[str, Policy]:
         """The policy of each run in memory (for the API's heartbeat process): made now if the lock is free at once,
         else as the run's last heartbeat was told (the API's event loop never waits for the lock)."""
-        if not self.lock.acquire(blocking=False):
-            return {run: m.policy for run, m in list(self.memory.items()) if m.policy is not None}
+        if not self.core.lock.acquire(blocking=False):
+            return {run: m.policy for run, m in list(self.core.memory.items()) if m.policy is not None}
         try:
-            return {run: self._policy(run) for run in list(self.memory)}
+            return {run: self._policy(run) for run in list(self.core.memory)}
         finally:
-            self.lock.release()
+            self.core.lock.release()
 
     def _policy(self, run: str) -> Policy:
         """The policy for the ranks of ``run`` (docs/protocol.md); called with the lock held."""
-        memory = self.memory.get(run)
+        memory = self.core.memory.get(run)
         if memory is None:
             return EMPTY
         c, p = memory.cadence, memory.previous_cadence
@@ -202,8 +207,8 @@ class Intake(Liveness):
         for row in rows:
             by_run.setdefault(row[0], []).append(row)
         for run, of_run in by_run.items():
-            if run in self.known_runs and run not in self.forgotten:
-                memory = self.remember(run)
+            if run in self.core.known_runs and run not in self.core.forgotten:
+                memory = self.core.remember(run)
                 if memory.comms is None:
                     memory.comms = RunComms()
                 memory.comms.update(node, of_run)
@@ -211,8 +216,8 @@ class Intake(Liveness):
     def comm_seconds(self, run: str) -> dict[tuple[str, str, str], float]:
         """The run's collective seconds by (phase, dimension, op), summed over its nodes since their agents
         started (docs/flamegraph.md)."""
-        with self.lock:
-            memory = self.memory.get(run)
+        with self.core.lock:
+            memory = self.core.memory.get(run)
             if memory is None or memory.comms is None:
                 return {}
             taken = memory.comms.snapshot()
@@ -220,9 +225,9 @@ class Intake(Liveness):
 
     def _rank(self, r: HeartbeatRank, node: str, now_s: float) -> None:
         run, rank = r.run, r.rank
-        if run in self.forgotten:
+        if run in self.core.forgotten:
             return  # an agent still remembers a rank of a run that ended a while ago
-        memory = self.remember(run)
+        memory = self.core.remember(run)
         group = r.ft.replica_group if r.ft is not None else None
         down = memory.groups_down.get(group) if group is not None else None
         if down is not None and not down.relaunched:
@@ -238,10 +243,10 @@ class Intake(Liveness):
             if group is None and r.last_report_unix_s >= memory.ended_since_s:
                 memory.ended_step = max(memory.ended_step, r.step)  # the ended launch's steps, heard late
             return
-        run_live = self._run_live(run)
+        run_live = self.core._run_live(run)
         live = run_live.ranks.get(rank)
         if live is None or live.node != node:
-            live = RankLive(rank, node, -1, now_s, now_s, Window(self.config.history))
+            live = RankLive(rank, node, -1, now_s, now_s, Window(self.core.config.history))
             run_live.place(live)
         live.seen_s = now_s
         if r.activity != live.activity:
@@ -251,10 +256,10 @@ class Intake(Liveness):
             live.activity, live.activity_since_s = r.activity, now_s - r.activity_s
         if r.world_size and r.world_size != run_live.world_size:
             run_live.world_size = r.world_size
-            self.telemetry_due_s = -math.inf  # the interval planned again at once, for the job's size
+            self.core.telemetry_due_s = -math.inf  # the interval planned again at once, for the job's size
         live.stage = r.coords.get("pp", 0)
         step = r.step
-        slot = self.slots.index(now_s)
+        slot = self.core.slots.index(now_s)
         steps_total, compute_total_s = r.steps_total, r.compute_total_s
         if steps_total:  # the agent's running sums: the mean compute of the steps since the last heartbeat
             steps_before, compute_before_s = live.steps_total, live.compute_total_s
@@ -300,7 +305,7 @@ class Intake(Liveness):
 
     def _timeout(self, t: CollectiveWait, node: str) -> None:
         run, rank = t.run, t.rank
-        memory = self.memory.get(run)
+        memory = self.core.memory.get(run)
         run_live = memory.live if memory is not None else None
         live = run_live.ranks.get(rank) if run_live is not None else None
         if memory is None or run_live is None or live is None or live.node != node or t.time_unix_s < memory.launched_s:

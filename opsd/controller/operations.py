@@ -37,31 +37,34 @@ def raise_failed(outcome: Failed, what: str) -> None:
     raise PermanentError(message)
 
 
-class Operations(ControllerCore):
+class Operations:
+    def __init__(self, core: ControllerCore) -> None:
+        self.core = core
+
     def request_restart(self, run_id: str, reason: str, now_s: float) -> IncidentRow:
         """An operator's restart of every rank of a running run: recorded as a ``manual_restart`` incident and
         carried out by the recovery executor (a checkpoint first, when the ranks are progressing). Raises
         ``NotFoundError`` for an unknown run, ``PermanentError`` when it is not running, a recovery is under way, or
         there is no backend."""
-        run = self.store.run(run_id)
+        run = self.core.store.run(run_id)
         if run is None:
             raise NotFoundError(f"no run {run_id!r}")
-        if self.backend is None:
+        if self.core.backend is None:
             raise PermanentError("this controller has no backend to restart ranks with")
         if run.state != RunState.RUNNING:
             raise PermanentError(f"run {run_id!r} is {run.state}: only a running run can be restarted")
         cause = Failure(FailureKind.MANUAL_RESTART, "", None, f"restart asked: {reason}")
         incident = self._operators_incident(run, cause, now_s)
-        self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
-        self.recovery.start(run_id, incident, cause, now_s)
-        found = self.store.incident(incident)
+        self.core.store.update_run(run_id, now_s, state=RunState.RECOVERING)
+        self.core.recovery.start(run_id, incident, cause, now_s)
+        found = self.core.store.incident(incident)
         assert found is not None
         return found
 
     def _operators_incident(self, run: RunRow, cause: Failure, now_s: float) -> int:
         """Open the incident of an operator's action on ``run`` (its launch's, once); ``PermanentError`` when the run
         is already recovering."""
-        incident, new = self.store.open_incident(
+        incident, new = self.core.store.open_incident(
             key=failure_key(run.id, int(run.generation)),
             run=run.id,
             kind=cause.kind.value,
@@ -73,7 +76,7 @@ class Operations(ControllerCore):
         )
         if not new:
             raise PermanentError(f"run {run.id!r} is already recovering (incident {incident})")
-        self.tracing.assign(self.store, incident)
+        self.core.tracing.assign(self.core.store, incident)
         log.warning("run %s: incident %d: %s (node %s)", run.id, incident, cause.detail, cause.node or "-")
         return incident
 
@@ -84,26 +87,26 @@ class Operations(ControllerCore):
         run, its plan recorded and nothing done. Give the node back with ``opsd uncordon`` after. Raises
         ``NotFoundError`` for an unknown run, ``PermanentError`` when it is not running, a recovery is under way,
         the node is not one of its active nodes, or there is no backend."""
-        run = self.store.run(run_id)
+        run = self.core.store.run(run_id)
         if run is None:
             raise NotFoundError(f"no run {run_id!r}")
-        if self.backend is None:
+        if self.core.backend is None:
             raise PermanentError("this controller has no backend to recover with")
         if run.state != RunState.RUNNING:
             raise PermanentError(f"run {run_id!r} is {run.state}: a drill needs a running run")
-        active = sorted(n.name for n in self.store.nodes(run_id) if n.role == NodeRole.ACTIVE)
+        active = sorted(n.name for n in self.core.store.nodes(run_id) if n.role == NodeRole.ACTIVE)
         if node not in active:
             raise PermanentError(f"node {node!r} is not one of run {run_id!r}'s active nodes ({', '.join(active)})")
         cause = Failure(
             FailureKind.FATAL_XID, node, None, f"drill: XID {xid} on GPU {gpu}, rehearsed by an operator (no GPU fault)"
         )
         incident = self._operators_incident(run, cause, now_s)
-        if self.config.dry_run:
-            record_dry_run(self.store, run, incident, cause, now_s)
+        if self.core.config.dry_run:
+            record_dry_run(self.core.store, run, incident, cause, now_s)
         else:
-            self.store.update_run(run_id, now_s, state=RunState.RECOVERING)
-            self.recovery.start(run_id, incident, cause, now_s)
-        found = self.store.incident(incident)
+            self.core.store.update_run(run_id, now_s, state=RunState.RECOVERING)
+            self.core.recovery.start(run_id, incident, cause, now_s)
+        found = self.core.store.incident(incident)
         assert found is not None
         return found
 
@@ -111,21 +114,23 @@ class Operations(ControllerCore):
         """An operator takes a node out of service (``cordoned``) or puts it back in its run's spare pool
         (``spare``): the backend acts on the machine first, then the state store follows. Raises ``NotFoundError``
         for an unknown node, and the backend's error when it refuses."""
-        if self.store.node(node) is None:
+        if self.core.store.node(node) is None:
             raise NotFoundError(f"no node {node!r}")
-        if self.backend is not None:
+        if self.core.backend is not None:
             request_id = f"operator-{uuid.uuid4().hex}"
-            known = self.store.node(node)
+            known = self.core.store.node(node)
             outcome: Outcome[NodeChanged]
             if role is NodeRole.CORDONED:
-                outcome = self.backend.quarantine_node((known.run if known else None) or "", node, reason, request_id)
+                outcome = self.core.backend.quarantine_node(
+                    (known.run if known else None) or "", node, reason, request_id
+                )
             else:
-                outcome = self.backend.release_node(node, request_id)
+                outcome = self.core.backend.release_node(node, request_id)
             if isinstance(outcome, Failed):
                 raise_failed(outcome, f"node {node}")
-        self.store.upsert_node(node, now_s, role=role, reason=reason)
+        self.core.store.upsert_node(node, now_s, role=role, reason=reason)
         log.info("node %s is now %s%s", node, role, f" ({reason})" if reason else "")
-        found = self.store.node(node)
+        found = self.core.store.node(node)
         assert found is not None
         return found
 
@@ -134,31 +139,31 @@ class Operations(ControllerCore):
         JobSet without the ``opsd.io/run`` annotation, such as a Kubeflow TrainJob's), a run named ``run`` (default:
         the backend's name for it); the backend finds it at its next pass. Idempotent. Raises ``BodyError`` for a
         bad target or name, a run of that name that is another job's, or a backend that attaches nothing."""
-        if not isinstance(self.backend, Attaching):
-            name = self.backend.name if self.backend is not None else "none"
+        if not isinstance(self.core.backend, Attaching):
+            name = self.core.backend.name if self.core.backend is not None else "none"
             raise BodyError(f"this controller's backend ({name}) attaches nothing: opsd serve --backend names one")
-        name, spec = self.backend.attach_spec(target)
+        name, spec = self.core.backend.attach_spec(target)
         run = run or name
         if not RUN_NAME.match(run):
             raise BodyError(f"run name {run!r}: letters, digits, '-', '_' and '.', at most 63, alphanumeric ends")
-        if not self.store.create_run(run, spec, now_s):
-            known = self.store.run(run)
+        if not self.core.store.create_run(run, spec, now_s):
+            known = self.core.store.run(run)
             if known is None or (known.spec.backend, known.spec.own) != (spec.backend, spec.own):
                 raise BodyError(f"run {run!r} exists already and is not {target}: choose --name")
         else:
             log.info("run %s: %s attached", run, target)
-        found = self.store.run(run)
+        found = self.core.store.run(run)
         assert found is not None
         return found
 
     def inject(self, run: str, fault: Fault) -> str:
         """Inject a fault into ``run`` through the backend; what was done, in words. Raises ``NotFoundError`` for an
         unknown run, and the backend's error (as opsd's) when it cannot."""
-        if self.store.run(run) is None:
+        if self.core.store.run(run) is None:
             raise NotFoundError(f"no run {run!r}")
-        if self.backend is None:
+        if self.core.backend is None:
             raise PermanentError("this controller has no backend to inject faults with")
-        outcome = self.backend.inject(run, fault, f"operator-{uuid.uuid4().hex}")
+        outcome = self.core.backend.inject(run, fault, f"operator-{uuid.uuid4().hex}")
         if isinstance(outcome, Failed):
             raise_failed(outcome, f"inject {fault.kind}")
         assert isinstance(outcome, Done)

@@ -27,14 +27,17 @@ from opsd.protocol.records import IncidentRow
 from opsd.protocol.states import WARNING_KINDS, IncidentState, RunState
 
 
-class Reads(ControllerCore):
+class Reads:
+    def __init__(self, core: ControllerCore) -> None:
+        self.core = core
+
     def goodput(self, run: RunRow, now_s: float, incidents: list[IncidentRow] | None = None) -> Goodput:
         """Where the run's wall time went, from its start (its launch and initialisation up to its first productive
         step are ``startup`` badput); ``incidents``: its incidents, when the caller has them already."""
         if incidents is None:
-            incidents = self.store.incidents(run.id)
-        with self.lock:
-            live = self.live_of(run.id)
+            incidents = self.core.store.incidents(run.id)
+        with self.core.lock:
+            live = self.core.live_of(run.id)
             ranks = live.ranks.values() if live is not None else ()
             blocking = max((r.checkpoint_blocking_s for r in ranks), default=0.0)
             step = statistics.median(live.step_times_s) if live is not None and live.step_times_s else 0.0
@@ -61,27 +64,27 @@ class Reads(ControllerCore):
     def status(self, run_id: str, now_s: float) -> RunStatus | None:
         """The run's state, step, MFU, tokens/s, ETTR and badput, cadence, nodes, spares, stragglers and the nodes
         whose agent is down while their ranks train; None when there is no such run."""
-        run = self.store.run(run_id)
+        run = self.core.store.run(run_id)
         if run is None:
             return None
-        nodes = self.store.nodes(run_id)
-        incidents = self.store.incidents(run_id)
-        hold = self.holds.of(run_id)
+        nodes = self.core.store.nodes(run_id)
+        incidents = self.core.store.incidents(run_id)
+        hold = self.core.holds.of(run_id)
         goodput = self.goodput(run, now_s, incidents)
-        with self.lock:
-            live = self.live_of(run_id)
+        with self.core.lock:
+            live = self.core.live_of(run_id)
             ranks = list(live.ranks.values()) if live is not None else []
-            memory = self.memory.get(run_id)
+            memory = self.core.memory.get(run_id)
             cadence = memory.cadence if memory is not None else None
             stragglers = list(memory.stragglers) if memory is not None else []
             agents_down = list(memory.agents_down) if memory is not None else []
             step = max((r.step for r in ranks if r.step >= 0), default=run.last_step)
             mfu_ratio = math.fsum(r.mfu_ratio for r in ranks) / len(ranks) if ranks else 0.0
             tokens_per_s = max((r.job_tokens_per_s for r in ranks), default=0.0)
-            bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.config.pipeline)
+            bubble = run_bubble((r.bubble for r in ranks if r.bubble is not None), self.core.config.pipeline)
         if run.final_step is not None and RunState(run.state).finished:
             step = int(run.final_step)  # where it ended, whatever its last launch reported
-        last, average = measured(self.store.launches(run_id))
+        last, average = measured(self.core.store.launches(run_id))
         return RunStatus(
             run=run_id,
             state=run.state,
@@ -97,7 +100,7 @@ class Reads(ControllerCore):
             if cadence
             else None,
             nodes=tuple(NodeEntry(name=n.name, role=n.role, reason=n.reason) for n in nodes),
-            spares_available=len(self.spare_pool(run_id)),  # its own and the shared pool's
+            spares_available=len(self.core.spare_pool(run_id)),  # its own and the shared pool's
             stragglers=tuple(
                 Straggler(rank=s.rank, node=s.node, slowdown_ratio=s.slowdown_ratio) for s in stragglers if s.flagged
             ),
@@ -119,8 +122,8 @@ class Reads(ControllerCore):
         layout = run.spec.replicas
         if not layout.fault_tolerant:
             return None
-        with self.lock:
-            memory = self.memory.get(run.id)
+        with self.core.lock:
+            memory = self.core.memory.get(run.id)
             down = set(memory.groups_down) if memory is not None else set()
         out = sorted({g for g, launch in run.groups.items() if launch.out} | down)
         missed: dict[str, int] = {}

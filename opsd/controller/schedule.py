@@ -10,9 +10,10 @@ import threading
 from collections.abc import Callable
 from functools import partial
 
-from opsd.controller.maintenance import Maintenance
+from opsd.controller.core import ControllerCore
+from opsd.controller.detection import Detection
+from opsd.controller.scoring import Scoring
 from opsd.errors import OpsError
-from opsd.policy.detection import Failure
 from opsd.protocol.states import RunState
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,11 @@ def lower_priority(nice: int) -> None:
         log.debug("the scoring's thread keeps its priority: %s", exc)
 
 
-class Schedule(Maintenance):
-    def tick(self, now_s: float, *, score: bool = True) -> list[Failure]:
-        """One detection pass (``opsd.controller.detection``)."""
-        raise NotImplementedError
+class Schedule:
+    def __init__(self, core: ControllerCore, detection: Detection, scoring: Scoring) -> None:
+        self.core = core
+        self.detection = detection
+        self.scoring = scoring
 
     def tick_every(self, interval_s: float, stop: threading.Event) -> None:
         """A detection pass every ``interval_s`` (at the controller's clock) until ``stop`` is set, and the scoring
@@ -44,7 +46,7 @@ class Schedule(Maintenance):
         left running while the process exits may be inside the state store's driver when the interpreter goes)."""
         scoring = threading.Thread(target=self.score_every, args=(interval_s, stop), name="opsd-scoring", daemon=True)
         scoring.start()
-        self._every(interval_s, stop, partial(self.tick, score=False), "detection pass")
+        self._every(interval_s, stop, partial(self.detection.tick, score=False), "detection pass")
         scoring.join()
 
     def score_every(self, interval_s: float, stop: threading.Event) -> None:
@@ -57,7 +59,7 @@ class Schedule(Maintenance):
         the next one runs."""
         while not stop.wait(interval_s):
             try:
-                do(self.clock())
+                do(self.core.clock())
             except OpsError as exc:
                 log.warning("%s skipped: %s", what, exc)
             except Exception:
@@ -65,8 +67,8 @@ class Schedule(Maintenance):
 
     def score(self, now_s: float) -> None:
         """Score the stragglers and plan the cadence of every running run."""
-        for run in self.store.runs():
+        for run in self.core.store.runs():
             if run.state == RunState.RUNNING:
-                with self.scoring:
-                    self._score(run.id, now_s)
-                    self._plan(run, now_s)
+                with self.core.scoring_lock:
+                    self.scoring._score(run.id, now_s)
+                    self.scoring._plan(run, now_s)

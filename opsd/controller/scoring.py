@@ -27,22 +27,25 @@ log = logging.getLogger(__name__)
 PART, PAUSE_S = 1024, 0.004
 
 
-class Scoring(ControllerCore):
+class Scoring:
+    def __init__(self, core: ControllerCore) -> None:
+        self.core = core
+
     def _score(self, run: str, now_s: float) -> None:
         """Score the compute samples of the slots that ended since the last pass (each slot once, when all its
         samples are in), and flag the ranks persistently slower than their peers."""
-        with self.lock:
-            current = self.slots.index(now_s)
-            live = self.live_of(run)
+        with self.core.lock:
+            current = self.core.slots.index(now_s)
+            live = self.core.live_of(run)
             if live is None or not live.slot_ended(current):
                 return
             ranks = list(live.ranks.values())
         # in parts, with pauses: heartbeats are taken in between (the API's thread needs the interpreter lock)
         for i in range(0, len(ranks), PART):
-            with self.lock:
+            with self.core.lock:
                 live.take_samples(ranks[i : i + PART], current)
             time.sleep(PAUSE_S)
-        with self.lock:
+        with self.core.lock:
             taken, live.finished = live.finished, Samples()
         after, live.scored_slot = live.scored_slot, current - 1
         # the ratios belong to this pass alone (passes take turns): computed without the lock, a stage at a time
@@ -54,17 +57,17 @@ class Scoring(ControllerCore):
                 for i in range(0, len(ratios), PART):
                     live.ratios.add(ranks_of_stage[i : i + PART], ratios[i : i + PART])
                     time.sleep(PAUSE_S)
-        config = self.config.stragglers
+        config = self.core.config.stragglers
         flagged = []
         for rank in live.ratios.with_slow(config.persistence_ratio * config.min_samples):  # a flagged rank has these
             series, r = live.ratios.series(rank), live.ranks.get(rank)
             if r is not None and is_straggler(series, config):
                 flagged.append(score_rank(rank, r.node, r.stage, series, config))
         flagged.sort(key=lambda x: (-x.slowdown_ratio, x.rank))
-        with self.lock:
-            if self.live_of(run) is not live:
+        with self.core.lock:
+            if self.core.live_of(run) is not live:
                 return  # relaunched meanwhile: these ranks are gone
-            memory = self.remember(run)
+            memory = self.core.remember(run)
             before = {s.rank for s in memory.stragglers}
             memory.stragglers = flagged
         for s in flagged:
@@ -79,9 +82,9 @@ class Scoring(ControllerCore):
                 s.slowdown_ratio,
                 s.samples,
             )
-            row = self.store.run(run)
+            row = self.core.store.run(run)
             generation = row.generation if row is not None else 0
-            incident, _ = self.store.open_incident(
+            incident, _ = self.core.store.open_incident(
                 key=straggler_key(run, generation, s.rank),
                 run=run,
                 kind=IncidentKind.STRAGGLER,
@@ -91,12 +94,12 @@ class Scoring(ControllerCore):
                 failed_s=now_s,
                 detected_s=now_s,
             )
-            self.store.update_incident(incident, state=IncidentState.WARNED)  # a warning: nothing to recover
+            self.core.store.update_incident(incident, state=IncidentState.WARNED)  # a warning: nothing to recover
 
     def _slowest_step(self, run: str) -> int:
         """The newest step every running rank of ``run`` has reported (-1: no rank runs)."""
-        with self.lock:
-            live = self.live_of(run)
+        with self.core.lock:
+            live = self.core.live_of(run)
             ranks = live.ranks.values() if live is not None else ()
             return min((r.step for r in ranks if r.exit_code is None), default=-1)
 
@@ -108,15 +111,15 @@ class Scoring(ControllerCore):
         stored = run.cadence
         if stored is None:
             return
-        with self.lock:
-            memory = self.remember(run.id)
+        with self.core.lock:
+            memory = self.core.remember(run.id)
             if memory.cadence is None or (store_first and memory.cadence != stored.current):
                 memory.cadence, memory.previous_cadence = stored.current, stored.previous
 
     def _plan(self, run: RunRow, now_s: float) -> None:
         self.adopt_cadence(run, store_first=True)
-        with self.lock:
-            live = self.live_of(run.id)
+        with self.core.lock:
+            live = self.core.live_of(run.id)
             if live is None or not live.step_times_s or not live.checkpoints:
                 return  # nothing measured yet: the ranks keep their local cadence
             cost_s = live.checkpoint_blocking_s / live.checkpoints
@@ -124,9 +127,11 @@ class Scoring(ControllerCore):
             nodes = max(1, len(live.rank_nodes))
             step_time_s = statistics.median(live.step_times_s)
             current_step = live.newest_step
-            previous = self.remember(run.id).cadence
+            previous = self.core.remember(run.id).cadence
         # the failures a checkpoint is for: a replica group recovered alone restored none (docs/ft.md)
-        failures = [i for i in self.store.incidents(run.id) if i.kind not in NOT_FAILURES and i.replica_group is None]
+        failures = [
+            i for i in self.core.store.incidents(run.id) if i.kind not in NOT_FAILURES and i.replica_group is None
+        ]
         node_hours = nodes * max(0.0, now_s - float(run.created_s)) / 3600.0
         plan = partial(
             plan_cadence,
@@ -136,7 +141,7 @@ class Scoring(ControllerCore):
             failures=len(failures),
             node_hours=node_hours,
             nodes=nodes,
-            config=self.config.cadence,
+            config=self.core.config.cadence,
             previous=previous,
             write_s=write_s,
         )
@@ -146,7 +151,9 @@ class Scoring(ControllerCore):
             # them in ~5 ms under the lock the API's thread waits for: only when a cadence would change)
             cadence = plan(slowest_step=self._slowest_step(run.id))
         if cadence is not previous:
-            self.store.publish_cadence(run.id, PublishedCadence(cadence, previous))  # first: what a successor reads
+            self.core.store.publish_cadence(
+                run.id, PublishedCadence(cadence, previous)
+            )  # first: what a successor reads
             log.info(
                 "run %s: checkpoint every %d steps from step %d: %s",
                 run.id,
@@ -154,8 +161,8 @@ class Scoring(ControllerCore):
                 cadence.from_step,
                 cadence.reason,
             )
-            with self.lock:
-                memory = self.remember(run.id)
+            with self.core.lock:
+                memory = self.core.remember(run.id)
                 memory.cadence = cadence
                 if previous is not None:
                     memory.previous_cadence = previous
