@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from opsd.controller.core import ControllerCore
 from opsd.controller.incidents import failure_of, unfinished_incident
+from opsd.controller.needs import MaintenanceNeeds
 from opsd.controller.rows import RunRow
 from opsd.protocol.states import RunState
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class Maintenance:
-    def __init__(self, core: ControllerCore) -> None:
+    def __init__(self, core: MaintenanceNeeds) -> None:
         self.core = core
 
     def held(self, run: str, incident: int, new: bool) -> bool:

@@ -7,9 +7,9 @@ import logging
 import re
 import uuid
 
-from opsd.controller.core import ControllerCore
 from opsd.controller.dry_run import record_dry_run
 from opsd.controller.incidents import failure_key
+from opsd.controller.needs import OperationsNeeds
 from opsd.controller.port import Attaching, Done, ErrorKind, Failed, Fault, Outcome
 from opsd.controller.rows import RunRow
 from opsd.errors import BodyError, NotFoundError, PermanentError, TransientError
@@ -38,7 +38,7 @@ def raise_failed(outcome: Failed, what: str) -> None:
 
 
 class Operations:
-    def __init__(self, core: ControllerCore) -> None:
+    def __init__(self, core: OperationsNeeds) -> None:
         self.core = core
 
     def request_restart(self, run_id: str, reason: str, now_s: float) -> IncidentRow:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import statistics
 
-from opsd.controller.core import ControllerCore, pipeline_view
+from opsd.controller.core import pipeline_view
 from opsd.controller.live import RankLive
+from opsd.controller.needs import ReadsNeeds
 from opsd.controller.rows import LaunchRow, RunRow
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
@@ -28,7 +29,7 @@ from opsd.protocol.states import WARNING_KINDS, IncidentState, RunState
 
 
 class Reads:
-    def __init__(self, core: ControllerCore) -> None:
+    def __init__(self, core: ReadsNeeds) -> None:
         self.core = core
 
     def goodput(self, run: RunRow, now_s: float, incidents: list[IncidentRow] | None = None) -> Goodput:

@@ -10,8 +10,8 @@ import threading
 from collections.abc import Callable
 from functools import partial
 
-from opsd.controller.core import ControllerCore
 from opsd.controller.detection import Detection
+from opsd.controller.needs import ScheduleNeeds
 from opsd.controller.scoring import Scoring
 from opsd.errors import OpsError
 from opsd.protocol.states import RunState
@@ -33,7 +33,7 @@ def lower_priority(nice: int) -> None:
 
 
 class Schedule:
-    def __init__(self, core: ControllerCore, detection: Detection, scoring: Scoring) -> None:
+    def __init__(self, core: ScheduleNeeds, detection: Detection, scoring: Scoring) -> None:
         self.core = core
         self.detection = detection
         self.scoring = scoring

@@ -14,9 +14,9 @@ import statistics
 import time
 from functools import partial
 
-from opsd.controller.core import ControllerCore
 from opsd.controller.incidents import NOT_FAILURES, straggler_key
 from opsd.controller.live import Samples
+from opsd.controller.needs import ScoringNeeds
 from opsd.controller.rows import PublishedCadence, RunRow
 from opsd.policy.cadence import plan_cadence
 from opsd.policy.stragglers import is_straggler, peer_ratios, score_rank
@@ -28,7 +28,7 @@ PART, PAUSE_S = 1024, 0.004
 
 
 class Scoring:
-    def __init__(self, core: ControllerCore) -> None:
+    def __init__(self, core: ScoringNeeds) -> None:
         self.core = core
 
     def _score(self, run: str, now_s: float) -> None:

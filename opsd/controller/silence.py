@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from opsd.controller.core import ControllerCore
 from opsd.controller.incidents import agent_down_key
+from opsd.controller.needs import SilenceNeeds
 from opsd.controller.port import NodeWitness
 from opsd.controller.rows import RunRow
 from opsd.errors import OpsError
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class Silence:
-    def __init__(self, core: ControllerCore) -> None:
+    def __init__(self, core: SilenceNeeds) -> None:
         self.core = core
 
     def backend_node_ready(self, nodes: list[str]) -> dict[str, bool]:
