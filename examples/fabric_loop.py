@@ -1,8 +1,10 @@
 """The reference model trained in a Lightning Fabric loop with opsd's monitor (docs/integrations.md): DDP on gloo
-under torchrun on CPU (``torchrun --nproc-per-node 2 -m examples.fabric_loop --checkpoint-dir DIR``), each rank its
-own shard of synthetic token sequences (seeded), one batch a step.
+under torchrun on CPU (``torchrun --nproc-per-node 2 -m examples.fabric_loop --checkpoint-dir DIR``), or Fabric's
+model-parallel strategy with the model sharded by FSDP2 over the ranks (``--strategy model_parallel``), each rank
+its own shard of synthetic token sequences (seeded), one batch a step.
 
-At the steps of the controller's cadence (``$OPSD_POLICY_FILE``) it saves ``DIR/step=N.ckpt`` with ``fabric.save``;
+At the steps of the controller's cadence (``$OPSD_POLICY_FILE``) it saves ``DIR/step=N.ckpt`` with ``fabric.save``
+(a distributed checkpoint, a directory, under the model-parallel strategy);
 ``--resume`` loads the newest and goes on from the next step; ``--kill-at-step`` SIGKILLs rank 0 after that step
 (fault injection); ``--losses-out`` gets each step's loss (rank 0)."""
 
@@ -14,10 +16,14 @@ import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
 from examples.config import ModelConfig
 from examples.integration_cli import NoMonitor, StepClock, common_options, launch_layout
@@ -29,22 +35,47 @@ from trainer_hooks.policy_reader import PolicyReader, policy_source
 from trainer_hooks.process_exit import run_and_exit
 
 
+def shard(model: Transformer, mesh: DeviceMesh) -> Transformer:
+    """Fabric's model-parallel strategy's ``parallelize_fn``: each block, then the whole, sharded over the ranks
+    (FSDP2 on the mesh's ``data_parallel`` dimension)."""
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def strategy(name: str, world: int) -> str | ModelParallelStrategy:
+    """Fabric's strategy: none for one rank; DDP; or its model-parallel one, every rank data parallel (FSDP2)."""
+    if world == 1:
+        return "auto"
+    if name == "model_parallel":
+        return ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=world, tensor_parallel_size=1)
+    return name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument(
+        "--strategy",
+        choices=("ddp", "model_parallel"),
+        default="ddp",
+        help="Fabric's strategy with 2 ranks or more: DDP, or its model-parallel one with FSDP2 over the ranks",
+    )
     args = p.parse_args(argv)
     devices, nodes = launch_layout()
     fabric = Fabric(
-        accelerator="cpu", devices=devices, num_nodes=nodes, strategy="ddp" if devices * nodes > 1 else "auto"
+        accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy(args.strategy, devices * nodes)
     )
     fabric.launch()  # under torchrun: joins its ranks (it starts no process)
     cfg = ModelConfig(seq_len=args.seq_len)
     torch.manual_seed(0)
-    model = Transformer(cfg)
-    shape = model_shape(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = fabric.setup(model, optimizer)
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    plain = Transformer(cfg)
+    shape = model_shape(plain)
+    model = fabric.setup_module(plain)  # sharded first: the optimizer takes the sharded parameters
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert not isinstance(optimizer, tuple)  # one optimizer set up: itself
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
     resume = last_checkpoint(args.checkpoint_dir) if args.resume else None
     if resume is not None:
         fabric.load(resume, state)

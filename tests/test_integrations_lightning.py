@@ -8,8 +8,9 @@
 - killed at step 7 and started again with ``--resume``, it resumes from the newest of them (step 6), its reports say
   so, and its losses from step 7 on are those of the run that was never killed.
 
-The Trainer also under Lightning's model-parallel strategy (FSDP2 over the ranks): its collectives as ``dp_shard``'s,
-its distributed checkpoints at the cadence's steps, killed and resumed with the same losses.
+Each also under its framework's model-parallel strategy (``ModelParallelStrategy``, Lightning's and Fabric's: FSDP2
+over the ranks): its collectives as ``dp_shard``'s, its distributed checkpoints at the cadence's steps, killed and
+resumed with the same losses.
 """
 
 from __future__ import annotations
@@ -101,11 +102,11 @@ def test_killed_and_resumed_from_lightnings_checkpoint_it_trains_the_same_losses
 
 
 @pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory: pytest.TempPathFactory, policy: Path) -> Path:
-    """The Trainer under Lightning's model-parallel strategy (FSDP2 over the 2 ranks), never killed."""
+def model_parallel(tmp_path_factory: pytest.TempPathFactory, policy: Path, example: str) -> Path:
+    """The example under its framework's model-parallel strategy (FSDP2 over the 2 ranks), never killed."""
     out = tmp_path_factory.mktemp("lightning-model-parallel")
     extra = ("--strategy", "model_parallel", "--losses-out", str(out / "losses.json"))
-    assert train(EXAMPLES[0], out, policy, *extra) == 0
+    assert train(example, out, policy, *extra) == 0
     return out
 
 
@@ -131,13 +132,11 @@ def test_under_the_model_parallel_strategy_each_step_reports_its_sharded_collect
 
 
 def test_under_the_model_parallel_strategy_killed_and_resumed_it_trains_the_same_losses(
-    model_parallel: Path, policy: Path, tmp_path: Path
+    model_parallel: Path, policy: Path, tmp_path: Path, example: str
 ) -> None:
     strategy = ("--strategy", "model_parallel")
-    assert train(EXAMPLES[0], tmp_path, policy, *strategy, "--kill-at-step", "7") != 0
-    assert (
-        train(EXAMPLES[0], tmp_path, policy, *strategy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
-    )
+    assert train(example, tmp_path, policy, *strategy, "--kill-at-step", "7") != 0
+    assert train(example, tmp_path, policy, *strategy, "--resume", "--losses-out", str(tmp_path / "losses.json")) == 0
     after = [r for r in reports(tmp_path / "rank0.jsonl") if r.resumed_from_step == 6]
     assert [r.step for r in after] == list(range(7, STEPS + 1))
     expected = json.loads((model_parallel / "losses.json").read_text())

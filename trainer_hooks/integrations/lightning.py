@@ -48,11 +48,16 @@ _SAVED = re.compile(r"^step=(\d+)\.ckpt$")
 def fabric_monitor(
     fabric: Fabric, model: torch.nn.Module, *, shape: ModelShape | None = None, config: MonitorConfig | None = None
 ) -> Monitor:
-    """The ``Monitor`` of this rank of a Fabric loop, ``model`` being what ``fabric.setup`` returned: each rank a
-    data-parallel replica (``dp_replicate``), DDP's gradient all-reduces watched when the strategy wrapped it."""
-    monitor = Monitor(
-        shape, config or MonitorConfig(), coords={"dp_replicate": fabric.global_rank}, batch_shards=fabric.world_size
-    )
+    """The ``Monitor`` of this rank of a Fabric loop, ``model`` being what ``fabric.setup`` (or ``setup_module``)
+    returned: each rank a data-parallel replica (``dp_replicate``), DDP's gradient all-reduces watched when the
+    strategy wrapped it; under
+    Fabric's model-parallel strategy, the rank placed on its device mesh and that mesh's collectives labelled by
+    dimension (``dp_shard``, ``tp``)."""
+    dims = mesh_dims(fabric.strategy)
+    coords = {dim: local for dim, _, local in dims} if dims else {"dp_replicate": fabric.global_rank}
+    monitor = Monitor(shape, config or MonitorConfig(), coords=coords, batch_shards=fabric.world_size)
+    for dim, group, _ in dims:
+        monitor.label(group, dim)
     inner = getattr(model, "_forward_module", model)  # a _FabricModule wraps the strategy's module
     if isinstance(inner, DistributedDataParallel):
         monitor.watch_ddp(inner)
@@ -79,10 +84,10 @@ def _whole(path: str) -> bool:
 MESH_DIMS = {"data_parallel": "dp_shard", "tensor_parallel": "tp"}
 
 
-def mesh_dims(trainer: Trainer) -> list[tuple[str, Any, int]]:
-    """The dimensions of the strategy's device mesh (Lightning's ``ModelParallelStrategy``) with more than one rank:
-    (opsd's name, its process group, this rank's place in it); none for another strategy."""
-    mesh = getattr(trainer.strategy, "device_mesh", None) if hasattr(type(trainer.strategy), "device_mesh") else None
+def mesh_dims(strategy: object) -> list[tuple[str, Any, int]]:
+    """The dimensions of a strategy's device mesh (Lightning's or Fabric's ``ModelParallelStrategy``) with more than
+    one rank: (opsd's name, its process group, this rank's place in it); none for another strategy."""
+    mesh = getattr(strategy, "device_mesh", None) if hasattr(type(strategy), "device_mesh") else None
     if mesh is None or not mesh.mesh_dim_names:
         return []
     return [
@@ -119,7 +124,7 @@ class OpsdCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rank, world = trainer.global_rank, trainer.world_size
-        dims = mesh_dims(trainer)
+        dims = mesh_dims(trainer.strategy)
         coords = {dim: local for dim, _, local in dims} if dims else {"dp_replicate": rank}
         self.monitor = Monitor(self.shape, self.config, coords=coords, batch_shards=world)
         for dim, group, _ in dims:  # the model-parallel strategy's mesh: its collectives by dimension
