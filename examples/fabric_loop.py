@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from examples.config import ModelConfig
-from examples.integration_cli import NoMonitor, StepClock, common_options, launch_layout
+from examples.integration_cli import NoMonitor, StepClock, common_options, launch_layout, lightning_options
 from examples.model import Transformer, model_shape
 from opsd.protocol.wire import CHECKPOINT
 from trainer_hooks.integrations.lightning import fabric_monitor, last_checkpoint
@@ -54,14 +54,7 @@ def strategy(name: str, world: int) -> str | ModelParallelStrategy:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    p.add_argument("--checkpoint-dir", required=True)
-    p.add_argument(
-        "--strategy",
-        choices=("ddp", "model_parallel"),
-        default="ddp",
-        help="Fabric's strategy with 2 ranks or more: DDP, or its model-parallel one with FSDP2 over the ranks",
-    )
+    p = lightning_options(common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0])), "Fabric")
     args = p.parse_args(argv)
     devices, nodes = launch_layout()
     fabric = Fabric(

@@ -61,6 +61,19 @@ class StepClock:
             Path(path).write_text(json.dumps(self.times_s))
 
 
+def lightning_options(p: argparse.ArgumentParser, framework: str) -> argparse.ArgumentParser:
+    """What Lightning's ``Trainer`` example and Fabric's take beside ``common_options``: where to save, and the
+    strategy (``framework`` names it in the help)."""
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument(
+        "--strategy",
+        choices=("ddp", "model_parallel"),
+        default="ddp",
+        help=f"{framework}'s strategy with 2 ranks or more: DDP, or its model-parallel one with FSDP2 over the ranks",
+    )
+    return p
+
+
 def launch_layout() -> tuple[int, int]:
     """(ranks per node, nodes) of the launch, from torchrun's environment (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``), as
     Lightning's ``devices`` and ``num_nodes``: ``torchrun --nproc-per-node 2`` is one node of 2, ``opsd run --nodes 2

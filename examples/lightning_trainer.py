@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 from examples.config import ModelConfig
-from examples.integration_cli import StepClock, common_options, launch_layout
+from examples.integration_cli import StepClock, common_options, launch_layout, lightning_options
 from examples.model import Transformer, model_shape
 from trainer_hooks.integrations.lightning import OpsdCallback, last_checkpoint
 from trainer_hooks.monitor import MonitorConfig
@@ -129,14 +129,7 @@ def strategy(name: str, world: int) -> str | ModelParallelStrategy:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    p.add_argument("--checkpoint-dir", required=True)
-    p.add_argument(
-        "--strategy",
-        choices=("ddp", "model_parallel"),
-        default="ddp",
-        help="Lightning's strategy with 2 ranks or more: DDP, or its model-parallel one with FSDP2 over the ranks",
-    )
+    p = lightning_options(common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0])), "Lightning")
     args = p.parse_args(argv)
     cfg = ModelConfig(seq_len=args.seq_len)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
