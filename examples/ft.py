@@ -47,9 +47,9 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupNCCL
 
 from examples.data import TokenSource
-from examples.ft_transport import HEAL_MIN_BYTES_PER_S, PeerTransport
+from examples.ft_transport import PeerTransport
 from examples.parallelize import ParallelModel
-from opsd.protocol.ft import ReplicaGroupEnv
+from opsd.protocol.ft import HEAL_MIN_BYTES_PER_S, ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
 from trainer_hooks.collectives import TRACER
 from trainer_hooks.integrations.torchft import AbortableGloo, PeerFailures, wait_or_abort

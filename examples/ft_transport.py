@@ -20,6 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchft.checkpointing._serialization import _streaming_load
 from torchft.checkpointing.http_transport import HTTPTransport
 
+from opsd.protocol.ft import HEAL_MIN_BYTES_PER_S
+
 log = logging.getLogger(__name__)
 
 
@@ -93,11 +95,6 @@ class Deadline(io.RawIOBase):
         if time.monotonic() > self._deadline_s:
             raise TimeoutError(f"the peer's state not read within {self._limit_s:.1f} s")
         return int(self._raw.readinto(buffer))
-
-
-#: the slowest read of a peer's state the healer keeps up (its deadline: its state's size at this rate, or the
-#: Manager's timeout if longer): a quarter of the 164 MB/s that ``bench.heal_transfer`` measured on loopback here
-HEAL_MIN_BYTES_PER_S = 40e6
 
 
 class PeerTransport(HTTPTransport):  # type: ignore[misc]

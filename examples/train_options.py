@@ -10,6 +10,7 @@ import torch
 
 from examples.config import ModelConfig
 from examples.parallelize import SCHEDULES
+from opsd.protocol.ft import HEAL_MIN_BYTES_PER_S
 
 #: --dtype: the compute dtype (weights, gradient reduction and optimizer stay float32)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -105,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ft-heal-min-mb-per-s",
         type=float,
-        default=40.0,
+        default=HEAL_MIN_BYTES_PER_S / 1e6,
         help="a healing group gives up reading a peer's state slower than this (its size at this rate, or torchft's "
         "timeout if longer): its peers are held no longer (docs/ft.md)",
     )

@@ -44,6 +44,9 @@ TIMEOUT_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+#: the slowest read of a peer's state a healing group keeps up (its deadline: its state's size at this rate, or the
+#: Manager's timeout if longer): a quarter of the 164 MB/s that ``bench.heal_transfer`` measured on loopback
+HEAL_MIN_BYTES_PER_S = 40e6
 #: a DNS name (RFC 1123 labels) or an IPv4 or IPv6 address, nothing else (no scheme, port or path)
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST = re.compile(rf"{_LABEL}(\.{_LABEL})*|[0-9A-Fa-f:.]+")
