@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 from opsd.controller.config import ControllerConfig
 from opsd.controller.core import Recoveries
@@ -66,7 +66,7 @@ class InMemory(HasStore, Protocol):
     """The runs' records in memory, under the core's lock."""
 
     @property
-    def lock(self) -> AbstractContextManager[Any]: ...
+    def lock(self) -> AbstractContextManager[bool]: ...
 
     def remember(self, run: str) -> RunMemory: ...
 
@@ -103,7 +103,7 @@ class ReadsNeeds(HasStore, Protocol):
     def holds(self) -> Holds: ...
 
     @property
-    def lock(self) -> AbstractContextManager[Any]: ...
+    def lock(self) -> AbstractContextManager[bool]: ...
 
     @property
     def memory(self) -> dict[str, RunMemory]: ...

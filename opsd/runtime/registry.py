@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Any
 
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.runtime.config import ServeConfig
@@ -31,24 +30,24 @@ ENTRY_POINT_GROUP = "opsd.backends"
 class BackendEntry:
     name: str
     description: str  # for the command's help
-    serve: Callable[[ServeConfig, Any], None]  # runs the controller process until it stops, given its section
-    config: type[Any] | None = None  # its section of the settings, ``controller.<name>``: a frozen dataclass
+    serve: Callable[[ServeConfig, object], None]  # runs the controller process until it stops, given its section
+    config: type | None = None  # its section of the settings, ``controller.<name>``: a frozen dataclass
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name != self.name.lower():
             raise ValueError(f"a backend's name is a lower-case identifier (its settings' section), not {self.name!r}")
 
 
-def _none(config: ServeConfig, section: Any) -> None:
+def _none(config: ServeConfig, section: object) -> None:
     from opsd.runtime.server import run_server  # the server's libraries: only when it runs
 
     run_server(config)
 
 
-def _kubernetes(config: ServeConfig, kubernetes: Any) -> None:
+def _kubernetes(config: ServeConfig, kubernetes: object) -> None:
     from opsd.runtime.kubernetes import run_kubernetes  # the kubernetes client: only when chosen
 
-    run_kubernetes(config, kubernetes)
+    run_kubernetes(config, kubernetes if isinstance(kubernetes, KubernetesConfig) else KubernetesConfig())
 
 
 BUILT_IN = (

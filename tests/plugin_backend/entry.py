@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from opsd.controller.controller import Controller
 from opsd.controller.rows import RunSpec
@@ -38,7 +37,7 @@ def take_up(controller: Controller, backend: LedgerBackend, now_s: float) -> Non
         log.info("run %s: taken from the ledger %s and launched", run, backend.path)
 
 
-def serve(config: ServeConfig, section: Any) -> None:
+def serve(config: ServeConfig, section: object) -> None:
     backend = LedgerBackend(section if isinstance(section, LedgerConfig) else LedgerConfig())
     if not Path(backend.path).exists():
         raise SystemExit(f"no ledger at {backend.path}")
