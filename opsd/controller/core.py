@@ -15,6 +15,7 @@ meanwhile (3 to 55 ms at 12,288 nodes, as a lock that timed itself showed).
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import threading
@@ -49,6 +50,8 @@ from opsd.protocol.answers import PipelineBubble
 from opsd.protocol.policy_file import Command
 from opsd.protocol.records import NodeRow
 from opsd.protocol.states import NodeRole
+
+log = logging.getLogger(__name__)
 
 LAUNCH_RECORD_S = 10.0  # a launch's record is written at most this often while it progresses (6x: while it does not)
 
@@ -214,13 +217,38 @@ class ControllerCore:
             self.remember(run).checkpoint_at = step
 
     # -- ranks and launches ------------------------------------------------------------------------------------
-    def rank_exited(self, run: str, rank: int, node: str, exit_code: int, now_s: float) -> None:
-        """The backend saw a rank process end."""
+    def rank_exited(
+        self,
+        run: str,
+        rank: int,
+        node: str,
+        exit_code: int,
+        now_s: float,
+        *,
+        launch: int | None = None,
+        group: int | None = None,
+    ) -> None:
+        """The backend saw a rank process end: of ``launch`` (the launch its process was started in, when the
+        backend says) and replica ``group``. The end of a process of a launch older than its rank's current one is
+        not this launch's failure, and is left out: a stopped group's rank whose end is reported after the group
+        was launched again would otherwise fail every launch after it."""
         with self.lock:
+            memory = self.remember(run)
+            current = memory.group_launches.get(group, memory.launch) if group is not None else memory.launch
+            if launch is not None and current is not None and launch < current:
+                log.info(
+                    "run %s: rank %d of launch %d ended (%d) after launch %d began: not its failure",
+                    run,
+                    rank,
+                    launch,
+                    exit_code,
+                    current,
+                )
+                return
             run_live = self._run_live(run)
             live = run_live.ranks.get(rank)
             if live is None:
-                live = RankLive(rank, node, -1, now_s, now_s, Window(2))
+                live = RankLive(rank, node, -1, now_s, now_s, Window(2), launch=launch, group=group)
                 run_live.place(live)
             live.exit_code = exit_code
             run_live.exited.add(rank)
@@ -307,6 +335,12 @@ class ControllerCore:
             memory = self.remember(run)
             if launch is not None:
                 memory.group_launches[group] = launch
+                live = memory.live
+                ranks = live.ranks.values() if live is not None else ()
+                older = [r.rank for r in ranks if r.group == group and r.launch is not None and r.launch < launch]
+                for rank in older:  # the group's ranks of an earlier launch (an end reported late): not this one's
+                    assert live is not None
+                    live.remove(rank)
             down = memory.groups_down.get(group)
             if down is not None:
                 down.relaunched = True

@@ -71,8 +71,10 @@ def run_local(
             if run.state == RunState.FAILED:
                 break
             exits, done = backend.supervise() if run.state == RunState.RUNNING else ([], False)
-            for rank, node, code in exits:
-                controller.rank_exited(spec.run, rank, node, code, now)
+            for exit_ in exits:
+                controller.rank_exited(
+                    spec.run, exit_.rank, exit_.node, exit_.code, now, launch=exit_.launch, group=exit_.group
+                )
             if done:
                 last_reports(controller, spec)
                 final = controller.final_step(spec.run)

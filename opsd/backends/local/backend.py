@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from opsd.backends.local import processes
 from opsd.backends.local.injection import Injector
-from opsd.backends.local.processes import RankProcess
+from opsd.backends.local.processes import RankExit, RankProcess
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.checkpoints.layout import inspect_checkpoints
 from opsd.checkpoints.store import open_store
@@ -96,8 +96,8 @@ class LocalBackend:
         self.start_agents()
         return killed
 
-    def supervise(self) -> tuple[list[tuple[int, str, int]], bool]:
-        """The rank exits not reported yet (rank, node, exit code: 0 included, a finished rank is no hang), and
+    def supervise(self) -> tuple[list[RankExit], bool]:
+        """The rank exits not reported yet (0 included: a finished rank is no hang), and
         whether every rank of the launch exited with 0 (the run is done; in a fault-tolerant run, every rank of the
         groups running: a group stopped for want of a node does not hold the others' end). A fault-tolerant run's
         Lighthouse that died is started again at its address (``_keep_lighthouse``)."""
@@ -111,7 +111,7 @@ class LocalBackend:
                 codes.append(code)
                 if code is not None and not r.reported_exit:
                     r.reported_exit = True
-                    exits.append((r.rank, r.node, code))
+                    exits.append(RankExit(r.rank, r.node, code, r.launch, r.group))
             return exits, all(code == 0 for code in codes)
 
     def _keep_lighthouse(self) -> None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from opsd.backends.local import lighthouse
 from opsd.backends.local.spec import LocalRunSpec
@@ -59,7 +60,19 @@ class RankProcess:
     node: str
     proc: subprocess.Popen[bytes]
     group: int | None = None  # its replica group, in a fault-tolerant run
+    launch: int | None = None  # the launch it was started in (its OPSD_LAUNCH)
     reported_exit: bool = False
+
+
+class RankExit(NamedTuple):
+    """A rank process that ended, as ``LocalBackend.supervise`` reports it: its exit code, and the launch and replica
+    group it was started in (a stopped group's end may be reported after the group was launched again)."""
+
+    rank: int
+    node: str
+    code: int
+    launch: int | None
+    group: int | None
 
 
 def running(proc: subprocess.Popen[bytes]) -> bool:
@@ -158,7 +171,7 @@ def _start_world(
             rank_vars.update(env)
             rank_vars[LAUNCH_ENV] = str(generation)
             proc = start_rank(spec, node, rank_vars, f"rank{first_rank + rank}.gen{generation}.log")
-            ranks.append(RankProcess(first_rank + rank, node, proc, group))
+            ranks.append(RankProcess(first_rank + rank, node, proc, group, generation))
     return ranks
 
 
