@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from opsd.backends.local.backend import LocalBackend
-from opsd.backends.local.processes import kill_orphans, running, start_time
+from opsd.backends.local.processes import (
+    EPHEMERAL_RANGE,
+    LOWEST_LISTEN_PORT,
+    kill_orphans,
+    listen_port,
+    running,
+    start_time,
+)
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.backends.local.supervise import start_run
 from opsd.controller.controller import Controller
@@ -97,3 +106,16 @@ def test_a_node_is_up_while_its_rank_processes_run_and_are_not_stopped() -> None
         proc.kill()
         proc.wait()
     assert not running(proc)
+
+
+def test_a_port_a_process_binds_later_is_below_the_ephemeral_range_and_free() -> None:
+    """The rendezvous's and the Lighthouse's ports: the kernel never gives them to an outgoing connection in
+    between; one already bound is passed over."""
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    first = listen_port(rng=random.Random(7))
+    assert LOWEST_LISTEN_PORT <= first < low
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first))
+        again = listen_port(rng=random.Random(7))  # the same first choice, now bound: the next one
+    assert again != first
+    assert LOWEST_LISTEN_PORT <= again < low

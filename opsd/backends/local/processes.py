@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,6 +53,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: where the kernel picks the ports of outgoing connections and of ``bind(port 0)`` (Linux's default when unread)
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_LISTEN_PORT = 20000
+
+
+def listen_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A TCP port free on ``host`` now for a process that binds it later (a rendezvous's store, the Lighthouse):
+    below the kernel's ephemeral range, so that no outgoing connection or ``bind(0)`` takes it in between (a
+    ``free_port`` from inside that range was taken by one under load, and the rank 0 that bound it seconds later
+    failed with EADDRINUSE)."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    chooser = rng or random.SystemRandom()
+    for _ in range(100):
+        port = chooser.randrange(LOWEST_LISTEN_PORT, max(LOWEST_LISTEN_PORT + 1, ephemeral_low))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)  # every one tried is taken: the kernel's choice
 
 
 @dataclass
@@ -162,7 +189,7 @@ def _start_world(
     ``first_rank`` on (the job's numbering)."""
     gpn = spec.gpus_per_node
     world = len(nodes) * gpn
-    port = free_port()
+    port = listen_port()
     ranks = []
     for i, node in enumerate(nodes):
         for local in range(gpn):
@@ -179,7 +206,7 @@ def start_lighthouse(spec: LocalRunSpec, port: int | None = None) -> tuple[subpr
     """A fault-tolerant run's Lighthouse (torchft's, its extension loaded without torch: ``lighthouse``) on ``port``
     of loopback (None: a free one), in a session of its own, its output in ``<run>/lighthouse.log``; and its port.
     Its address is given to the ranks once it listens (``wait_listening``)."""
-    port = port if port is not None else free_port()
+    port = port if port is not None else listen_port()
     argv = [sys.executable, lighthouse.__file__, *spec.lighthouse.argv(port, host="127.0.0.1")[1:]]
     spec.root.mkdir(parents=True, exist_ok=True)
     with (spec.root / "lighthouse.log").open("ab") as out:
