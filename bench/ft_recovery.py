@@ -39,13 +39,13 @@ from typing import Any
 
 from examples.ft_launch import (
     ReplicaGroup,
-    free_port,
     longest_gap,
     start_group,
     start_lighthouse,
     step_reports,
 )
 from opsd.backends.local import lighthouse
+from opsd.backends.local.processes import listen_port
 from opsd.protocol.ft import LIGHTHOUSE_COMMAND, LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
 from opsd.protocol.wire import StepReport
 
@@ -129,7 +129,7 @@ def one_round(root: Path, heartbeat_ms: int, nproc: int, together_steps: int) ->
 
 def lighthouse_start_s(console_script: bool) -> float:
     """Seconds from starting a Lighthouse to its first accepted connection."""
-    port = free_port()
+    port = listen_port()
     argv = LighthouseConfig().argv(port, command=lighthouse.__file__)
     if console_script:
         argv[0] = str(Path(sys.executable).parent / LIGHTHOUSE_COMMAND)

@@ -91,9 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role is not None:
         serve_and_heal(args.role, args.port, args.mb, order)
         return 0
-    from examples.ft_launch import free_port
+    from opsd.backends.local.processes import listen_port
 
-    port = free_port()
+    port = listen_port()
     cmd = [sys.executable, "-m", "bench.heal_transfer", "--mb", str(args.mb), "--rounds", str(args.rounds)]
     server = subprocess.Popen([*cmd, "--role", "0", "--port", str(port)])
     healer = subprocess.run([*cmd, "--role", "1", "--port", str(port)], capture_output=True, text=True, timeout=900)

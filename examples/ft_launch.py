@@ -28,18 +28,12 @@ from pathlib import Path
 from typing import IO
 
 from opsd.backends.local import lighthouse
+from opsd.backends.local.processes import listen_port
 from opsd.protocol.ft import LighthouseConfig, ManagerTimeouts, ReplicaGroupEnv
 from opsd.protocol.mesh import MeshSpec
 from opsd.protocol.wire import StepReport, decode_report
 
 READY_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _children(pid: int) -> list[int]:
@@ -82,7 +76,7 @@ def start_lighthouse(
     config: LighthouseConfig, port: int = 0, *, log: IO[bytes] | None = None, timeout_s: float = READY_TIMEOUT_S
 ) -> Lighthouse:
     """Start a Lighthouse on ``port`` (0: a free one) and wait until it accepts connections."""
-    port = port or free_port()
+    port = port or listen_port()
     argv = config.argv(port, command=lighthouse.__file__)
     argv.insert(0, sys.executable)
     out = log if log is not None else subprocess.DEVNULL
@@ -161,7 +155,7 @@ def start_group(
     per rank with torchrun's variables (as ``opsd run``'s local backend starts ranks), each in a session of its
     own. A rank that fails leaves the others to fail in their turn (their group's collectives, or the quorum's
     timeout): a launcher that must stop the group at once kills it."""
-    port = free_port()
+    port = listen_port()
     out = log if log is not None else subprocess.DEVNULL
     command = [sys.executable, "-m", "examples.train", "--ft", *train_args]
     ranks = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -15,18 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from opsd.backends.local.processes import free_port
 from opsd.protocol.node_agent import FLIGHT_PATH, MAX_DUMP_BYTES, UPLOAD_SLOTS
 from opsd_agent.endpoints import DumpIntake
 from tests.launch import agent_until_sigterm
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def largest_dump(rank: int) -> bytes:

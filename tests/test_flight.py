@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from opsd.analysis.flight_recorder import analyze
 from opsd.api.app import create_app
+from opsd.backends.local.processes import free_port
 from opsd.controller.config import ControllerConfig
 from opsd.controller.controller import Controller
 from opsd.controller.flight import collect_dumps
@@ -121,12 +121,6 @@ def controller(tmp_path: Path) -> Controller:
     store = StateStore.open(f"sqlite:///{tmp_path / 'opsd.db'}")
     store.create_run(RUN, RunSpec(backend="test"), time.time())
     return Controller(store, ControllerConfig())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from examples.ft_launch import free_port
+from opsd.backends.local.processes import listen_port
 from opsd.protocol.policy_file import FailedGroup, Policy, encode_policy
 from tests.gloo_abort_job import TIMEOUT_S
 from tests.launch import ROOT
@@ -26,7 +26,7 @@ NAMED_AFTER_S = 1.0  # the policy names group 1 this long after the survivor beg
 
 
 def run_pair(tmp_path: Path, kind: str) -> dict[str, Any]:
-    policy, out, port = tmp_path / "policy.json", tmp_path / "out.json", free_port()
+    policy, out, port = tmp_path / "policy.json", tmp_path / "out.json", listen_port()
     policy.write_bytes(encode_policy(Policy()))
     job = [sys.executable, "-m", "tests.gloo_abort_job"]
     procs = [subprocess.Popen([*job, str(rank), str(port), str(policy), str(out), kind], cwd=ROOT) for rank in (0, 1)]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from opsd.backends.local.processes import free_port
+from opsd.backends.local.processes import listen_port
 from opsd.backends.local.spec import LocalRunSpec
 from opsd.controller.config import ControllerConfig
 from opsd.policy.detection import DetectionConfig
@@ -39,7 +39,7 @@ def serve_config(
     workdir, a detection pass every 0.25 s with the floors given in ``detection`` (``DetectionConfig``'s fields)."""
     controller = ControllerConfig(detection=DetectionConfig(**detection), flight_wait_s=flight_wait_s)
     return ServeConfig(
-        port=free_port(),
+        port=listen_port(),
         liveness_port=0,
         heartbeat_port=0,
         state_dir=str(workdir / "state"),

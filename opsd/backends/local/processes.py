@@ -48,8 +48,8 @@ from opsd.protocol.gpu_files import SAMPLES_FILE, GpuSample, write_samples
 log = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS's choice)."""
+def kernel_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, the kernel's choice (from its ephemeral range: for a socket bound at once)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -63,7 +63,7 @@ LOWEST_LISTEN_PORT = 20000
 def listen_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     """A TCP port free on ``host`` now for a process that binds it later (a rendezvous's store, the Lighthouse):
     below the kernel's ephemeral range, so that no outgoing connection or ``bind(0)`` takes it in between (a
-    ``free_port`` from inside that range was taken by one under load, and the rank 0 that bound it seconds later
+    port the kernel chose from inside that range was taken by one under load, and the rank 0 that bound it seconds later
     failed with EADDRINUSE)."""
     try:
         ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
@@ -78,7 +78,11 @@ def listen_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> in
             except OSError:
                 continue
             return port
-    return free_port(host)  # every one tried is taken: the kernel's choice
+    return kernel_port(host)  # every one tried is taken: the kernel's choice
+
+
+#: a port for a server started now and listening later: ``listen_port``
+free_port = listen_port
 
 
 @dataclass
