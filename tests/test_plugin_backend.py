@@ -55,6 +55,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
             "ledger": "tests.plugin_backend.entry:ENTRY",
             "broken": "tests.plugin_backend.missing:ENTRY",
             "kubernetes": "tests.plugin_backend.entry:ENTRY",
+            "detection": "tests.plugin_backend.entry:DETECTION",
         },
     )
     monkeypatch.syspath_prepend(str(site))
@@ -90,6 +91,8 @@ def test_a_plug_in_that_does_not_load_is_left_out_and_named_when_asked_for(insta
         KeyError, match=re.escape("the plug-in 'broken': tests.plugin_backend.missing:ENTRY does not load")
     ):
         registry.backend("broken")
+    with pytest.raises(KeyError, match="the plug-in 'detection'"):  # controller.detection is the controller's own
+        registry.backend("detection")
     with pytest.raises(KeyError, match="no backend 'slurm'; known: none, kubernetes, ledger"):
         registry.backend("slurm")
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from importlib.metadata import entry_points
 
 from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.controller.config import ControllerConfig
 from opsd.runtime.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ BUILT_IN = (
 )
 #: the plug-ins that could not be loaded: name -> why (said when one is asked for)
 BROKEN: dict[str, str] = {}
+#: names a backend's section cannot take: the controller's own keys at the same level (``controller.port``,
+#: ``controller.detection``, ...) and the settings' own fields
+RESERVED = frozenset(
+    {f.name for f in fields(ServeConfig)} | {f.name for f in fields(ControllerConfig)} | {"backend", "sections"}
+)
 
 
 @cache
@@ -70,7 +76,11 @@ def backends() -> dict[str, BackendEntry]:
             BROKEN[point.name] = f"{point.value} does not load: {type(exc).__name__}: {exc}"
             log.error("backend plug-in %s: %s", point.name, BROKEN[point.name])
             continue
-        if not isinstance(entry, BackendEntry) or entry.name != point.name or entry.name in found:
+        if (
+            not isinstance(entry, BackendEntry)
+            or entry.name != point.name
+            or (entry.name in found or entry.name in RESERVED)
+        ):
             BROKEN[point.name] = f"{point.value} is no BackendEntry named {point.name!r} of a name of its own"
             log.error("backend plug-in %s: %s", point.name, BROKEN[point.name])
             continue

@@ -45,3 +45,6 @@ def serve(config: ServeConfig, section: object) -> None:
 
 
 ENTRY = BackendEntry("ledger", "machines kept in a JSON ledger (a test plug-in)", serve, LedgerConfig)
+
+#: a plug-in that names itself after the controller's own settings (``controller.detection``): refused by the registry
+DETECTION = BackendEntry("detection", "a backend whose name is taken (a test)", serve, LedgerConfig)
