@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from opsd.backends.kubernetes.api import Json, KubeApi
-from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
+from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.cluster import (
     CHECKPOINT_URL_ANNOTATION,
     CORDONED_BY_OPSD_ANNOTATION,
@@ -35,6 +35,7 @@ from opsd.backends.kubernetes.cluster import (
 from opsd.backends.kubernetes.config import KubernetesConfig
 from opsd.backends.kubernetes.events import REQUEST_ANNOTATION, Target, event_name
 from opsd.backends.kubernetes.leader import label_self
+from opsd.backends.kubernetes.refs import RunRef
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, FaultKind, NodeWitness, Outcome, Pending
 from opsd.controller.rows import RunSpec

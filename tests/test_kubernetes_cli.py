@@ -17,9 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from opsd.backends.kubernetes.api import KubeApi
-from opsd.backends.kubernetes.backend import KubernetesBackend, RunRef
+from opsd.backends.kubernetes.backend import KubernetesBackend
 from opsd.backends.kubernetes.cluster import QUARANTINE_TAINT, SPARE_TAINT
 from opsd.backends.kubernetes.config import KubernetesConfig
+from opsd.backends.kubernetes.refs import RunRef
 from opsd.backends.kubernetes.runs import Reconciler
 from opsd.backends.local.processes import free_port
 from opsd.cli.app import app

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from opsd.backends.kubernetes.backend import RunRef
+from opsd.backends.kubernetes.refs import RunRef
 from opsd.backends.local.spec import LocalNodes, LocalRunSpec
 from opsd.controller.rows import RunSpec, decode_spec, encode_spec
 from opsd.errors import BodyError

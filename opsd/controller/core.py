@@ -39,17 +39,13 @@ from opsd.controller.live import (
     comm_totals,
 )
 from opsd.controller.port import Backend
-from opsd.controller.rows import LaunchSample, RunRow
+from opsd.controller.rows import LaunchSample, RunRow, pipeline_view
 from opsd.controller.state import StateStore
 from opsd.controller.tracing import IncidentTracing
 from opsd.policy.detection import Failure
-from opsd.policy.pipeline import RunBubble, run_bubble
-from opsd.policy.spares import Spare, select_spare
+from opsd.policy.pipeline import run_bubble
 from opsd.policy.telemetry import TelemetryPlan
-from opsd.protocol.answers import PipelineBubble
 from opsd.protocol.policy_file import Command
-from opsd.protocol.records import NodeRow
-from opsd.protocol.states import NodeRole
 
 log = logging.getLogger(__name__)
 
@@ -439,39 +435,6 @@ class ControllerCore:
             at_s, step = memory.recorded or (-math.inf, -1)
             news = memory.live.newest_step != step
             return (now_s - at_s >= LAUNCH_RECORD_S and news) or now_s - at_s >= 6 * LAUNCH_RECORD_S
-
-    # -- spares ------------------------------------------------------------------------------------------------
-    def choose_spare(self, run: str, failed_node: str) -> str | None:
-        """A healthy spare of ``run``'s pool (its own spares, and the cluster's pool: spares of no run), in the
-        failed node's domain first; None when the pool is empty."""
-        failed = self.store.node(failed_node)
-        domain = failed.domain if failed is not None else ""
-        with self.lock:  # a spare whose GPUs reported an event that calls for an action is not healthy
-            faulty = {name for name, live in self.nodes.items() if live.events}
-        spares = [Spare(n.name, n.name not in faulty, n.domain) for n in self.spare_pool(run)]
-        chosen = select_spare(spares, domain)
-        return None if chosen is None else chosen.node
-
-    def spare_pool(self, run: str) -> list[NodeRow]:
-        """The spare nodes ``run`` may take: its own, and the shared pool's (nodes of no run)."""
-        return [n for n in self.store.nodes() if n.role == NodeRole.SPARE and n.run in (run, None)]
-
-
-def pipeline_view(bubble: RunBubble | None) -> PipelineBubble | None:
-    """The run's pipeline bubble as ``status`` answers it: measured (the mean of the ranks' last steps, and per
-    stage), the theory of its schedule and the margin the alert allows; None when no rank reports a pipeline."""
-    if bubble is None:
-        return None
-    return PipelineBubble(
-        bubble_ratio=bubble.measured_ratio,
-        theoretical_ratio=bubble.theoretical_ratio,
-        margin_ratio=bubble.margin_ratio,
-        over_theory=bubble.over_theory,
-        schedule=bubble.schedule,
-        stages=bubble.stages,
-        microbatches=bubble.micro_batches,
-        stage_ratios={str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
-    )
 
 
 def _of(ended: int | Sequence[int], rank: RankLive) -> int | None:

@@ -26,6 +26,7 @@ from opsd.controller.progress import Progress
 from opsd.controller.rows import RunRow
 from opsd.controller.scoring import Scoring
 from opsd.controller.silence import Silence
+from opsd.controller.spares import choose_spare
 from opsd.policy.detection import CollectiveTimeout, Failure, FailureKind, Findings, detect
 from opsd.policy.replicas import Scope, failed_group, recovery_scope
 from opsd.protocol.states import ActionKind, NodeRole, RunState
@@ -269,7 +270,7 @@ class Detection:
     def _retry_out_groups(self, run: RunRow, now_s: float) -> None:
         """Replica groups wait out of the quorum for a node: once a spare is there, their recoveries go on (the
         group is relaunched and heals); the run trained on without them meanwhile."""
-        if self.core.backend is None or self.core.choose_spare(run.id, "") is None:
+        if self.core.backend is None or choose_spare(self.core, run.id, "") is None:
             return
         for incident in self.progress.open_incidents(run):
             if incident.replica_group is None or not is_failure(incident):
@@ -284,7 +285,7 @@ class Detection:
 
     def _retry_waiting(self, run: RunRow, now_s: float) -> None:
         """A run waits for a spare: once one is there (a node uncordoned or added), go on with its recovery."""
-        if self.core.backend is None or self.core.choose_spare(run.id, "") is None:
+        if self.core.backend is None or choose_spare(self.core, run.id, "") is None:
             return
         incident = unfinished_incident(self.core.store, run.id)
         if incident is None:

@@ -18,7 +18,6 @@ from opsd.controller.live import NodeLive, RunLive, RunMemory, SlotClock
 from opsd.controller.port import Backend
 from opsd.controller.state import StateStore
 from opsd.controller.tracing import IncidentTracing
-from opsd.protocol.records import NodeRow
 
 
 class HasStore(Protocol):
@@ -109,5 +108,3 @@ class ReadsNeeds(HasStore, Protocol):
     def memory(self) -> dict[str, RunMemory]: ...
 
     def live_of(self, run: str) -> RunLive | None: ...
-
-    def spare_pool(self, run: str) -> list[NodeRow]: ...

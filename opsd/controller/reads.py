@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from opsd.controller.core import pipeline_view
 from opsd.controller.live import RankLive
 from opsd.controller.needs import ReadsNeeds
-from opsd.controller.rows import LaunchRow, RunRow
+from opsd.controller.rows import LaunchRow, RunRow, pipeline_view
+from opsd.controller.spares import spare_pool
 from opsd.policy.goodput import BadputBucket, Goodput, Interruption, Startup, account
 from opsd.policy.pipeline import run_bubble
 from opsd.protocol.answers import (
@@ -101,7 +101,7 @@ class Reads:
             if cadence
             else None,
             nodes=tuple(NodeEntry(name=n.name, role=n.role, reason=n.reason) for n in nodes),
-            spares_available=len(self.core.spare_pool(run_id)),  # its own and the shared pool's
+            spares_available=len(spare_pool(self.core.store, run_id)),  # its own and the shared pool's
             stragglers=tuple(
                 Straggler(rank=s.rank, node=s.node, slowdown_ratio=s.slowdown_ratio) for s in stragglers if s.flagged
             ),

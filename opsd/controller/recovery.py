@@ -30,6 +30,7 @@ from opsd.controller.core import ControllerCore
 from opsd.controller.flight import collect_dumps, culprits
 from opsd.controller.incidents import failure_key, failure_of, generation_of, unfinished_incident
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
+from opsd.controller.spares import choose_spare
 from opsd.policy.detection import Failure, FailureKind
 from opsd.policy.recovery import (
     DUMP_KINDS,
@@ -327,7 +328,7 @@ class Recovery(BackendCalls):
         node becomes active, so that a repeat never takes a second."""
         store = self.core.store
         incident = store.incident(incident_id)
-        chosen = (incident.spare if incident is not None else None) or self.core.choose_spare(run, failed)
+        chosen = (incident.spare if incident is not None else None) or choose_spare(self.core, run, failed)
         if chosen is None:
             if incident is not None and incident.replica_group is not None:
                 raise WaitForSpare  # a replica group waits out of the quorum: the others train on

@@ -18,6 +18,7 @@ import msgspec
 
 from opsd.errors import BodyError
 from opsd.policy.cadence import Cadence
+from opsd.policy.pipeline import RunBubble
 from opsd.policy.recovery import OnNoSpare
 from opsd.policy.replicas import ReplicaGroups
 from opsd.protocol.answers import PipelineBubble
@@ -223,3 +224,20 @@ class FlightDumpRow:
     incident_id: int | None
     received_s: float
     body: str  # the dump as the rank wrote it (JSON; docs/flight-recorder.md)
+
+
+def pipeline_view(bubble: RunBubble | None) -> PipelineBubble | None:
+    """The run's pipeline bubble as ``status`` answers it: measured (the mean of the ranks' last steps, and per
+    stage), the theory of its schedule and the margin the alert allows; None when no rank reports a pipeline."""
+    if bubble is None:
+        return None
+    return PipelineBubble(
+        bubble_ratio=bubble.measured_ratio,
+        theoretical_ratio=bubble.theoretical_ratio,
+        margin_ratio=bubble.margin_ratio,
+        over_theory=bubble.over_theory,
+        schedule=bubble.schedule,
+        stages=bubble.stages,
+        microbatches=bubble.micro_batches,
+        stage_ratios={str(stage): ratio for stage, ratio in bubble.stage_ratios.items()},
+    )

@@ -32,14 +32,11 @@ evicted is not evicted again) and tells what it did in Kubernetes Events on the 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
-
-import msgspec
 
 from opsd.backends.kubernetes import nodes
 from opsd.backends.kubernetes.api import Json, KubeApi
@@ -60,12 +57,13 @@ from opsd.backends.kubernetes.jobsets import (
     succeeded,
     terminating,
 )
+from opsd.backends.kubernetes.refs import RunRef, attached_ref
 from opsd.backends.kubernetes.selectors import NodeSelector
 from opsd.backends.kubernetes.watch import Informer
 from opsd.controller.port import Done, ErrorKind, Failed, Fault, Outcome, Pending
 from opsd.controller.rows import RunSpec
 from opsd.controller.steps import Step, as_outcome
-from opsd.errors import BodyError, NotFoundError, OpsError
+from opsd.errors import NotFoundError, OpsError
 from opsd.protocol.steps import DumpReady, Injected, Launched, NodeChanged, Stopped
 
 log = logging.getLogger(__name__)
@@ -75,21 +73,11 @@ HOUR_S = 3600.0
 ATTEMPT_ANNOTATION = "opsd.io/restart-attempt"  # on a stop's Event: the attempt it evicts
 #: on a whole stop's Event of a JobSet that recreates its Jobs alone: each Job's restart count it evicts ("0,2")
 JOB_RESTARTS_ANNOTATION = "opsd.io/job-restarts"
-OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a namespace's or a JobSet's
 GATE_OFF = (
     f"no pod carries jobset.sigs.k8s.io/job-restart-attempt: JobSet's feature gate RestartJob is off (it needs"
     f" JobSet {JOBSET_RESTART_JOB_RELEASE} or newer with featureGates RestartJob: true, docs/kubernetes.md), and"
     f" no failed Job is recreated alone"
 )
-
-
-class RunRef(msgspec.Struct, frozen=True):
-    """Where a run is: its JobSet; the backend's own part of the run's spec (``RunSpec.own``). ``attached``: made a
-    run by ``opsd runs attach`` (its JobSet has no ``opsd.io/run`` annotation)."""
-
-    namespace: str
-    jobset: str
-    attached: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,13 +174,8 @@ class KubernetesBackend:
     def attach_spec(self, target: str) -> tuple[str, RunSpec]:
         """``NAMESPACE/JOBSET``: a JobSet made a run (``opsd runs attach``); the run's name defaults to the
         JobSet's."""
-        namespace, slash, jobset = target.partition("/")
-        if not slash:
-            raise BodyError(f"{target!r}: expected NAMESPACE/JOBSET")
-        for what, value in (("namespace", namespace), ("jobset", jobset)):
-            if not OBJECT_NAME.match(value):
-                raise BodyError(f"{what} {value!r} is not a Kubernetes object name")
-        return jobset, RunSpec(backend=self.name).with_own(RunRef(namespace, jobset, attached=True))
+        ref = attached_ref(target)
+        return ref.jobset, RunSpec(backend=self.name).with_own(ref)
 
     # -- the steps ---------------------------------------------------------------------------------------------
     def _ref(self, run: str) -> RunRef:

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from opsd.backends.kubernetes.backend import GATE_OFF, KubernetesBackend, RunRef
+from opsd.backends.kubernetes.backend import GATE_OFF, KubernetesBackend
 from opsd.backends.kubernetes.cluster import (
     CHECKPOINT_URL_ANNOTATION,
     JOBSET_NAME_LABEL,
@@ -49,6 +49,7 @@ from opsd.backends.kubernetes.jobsets import (
 )
 from opsd.backends.kubernetes.nodes import has_taint, mark_active
 from opsd.backends.kubernetes.rank_keys import RankKeys
+from opsd.backends.kubernetes.refs import RunRef
 from opsd.backends.kubernetes.watch import Cache, Informer
 from opsd.controller.rows import GroupLaunch, RunRow, RunSpec
 from opsd.controller.state import StateStore
